@@ -1,0 +1,61 @@
+// Torch-free description of "one GEMM over strided views" and the planner that turns it into
+// column-major BLAS calls (cuBLAS / hipBLAS gemmStridedBatchedEx).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace patchgemm {
+
+// A batch of row-major matrices: element (b, i, j) lives at
+// b * batch_stride + i * row_stride + j * col_stride (in elements).
+struct MatrixView {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+  int64_t batch_stride = 0;
+
+  MatrixView transposed() const { return {cols, rows, col_stride, row_stride, batch_stride}; }
+};
+
+// C[b] = alpha * A[b] @ B[b] + beta * C[b] for b < batch; A is M x K, B is K x N, C is M x N.
+struct GemmProblem {
+  int64_t batch = 1;
+  MatrixView a, b, c;
+};
+
+// One column-major strided-batched call, in the argument order of cublasGemmStridedBatchedEx.
+// Offsets are in elements from the base pointers of the problem's A, B and C; `accumulate`
+// means this call must add to C (beta = 1) because an earlier call wrote part of the sum.
+struct BlasCall {
+  bool trans_a = false, trans_b = false;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t lda = 1, ldb = 1, ldc = 1;
+  int64_t stride_a = 0, stride_b = 0, stride_c = 0;
+  int64_t batch = 1;
+  int64_t offset_a = 0, offset_b = 0, offset_c = 0;  // into the BLAS call's A (= problem's B) etc.
+  bool accumulate = false;
+};
+
+// Which operands of a problem no BLAS layout can express (they need one contiguous copy).
+struct LayoutVerdict {
+  bool a_ok = true, b_ok = true, c_ok = true;
+  bool ok() const { return a_ok && b_ok && c_ok; }
+};
+
+LayoutVerdict check_blas_layout(const GemmProblem& p);
+
+// Plans `p` as column-major BLAS calls whose every size, leading dimension and batch count fits
+// in `int_limit` (cuBLAS's classic API takes 32-bit ints). Usually one call; more when M, K or the
+// batch must be split. Throws std::invalid_argument if a layout is not expressible (call
+// check_blas_layout first) or a single leading dimension exceeds the limit.
+std::vector<BlasCall> plan_blas_calls(const GemmProblem& p, int64_t int_limit);
+
+// The limit the CUDA path plans with; tests lower it to exercise splitting on small tensors.
+int64_t blas_int_limit();
+int64_t set_blas_int_limit(int64_t limit);  // returns the previous value
+
+}  // namespace patchgemm

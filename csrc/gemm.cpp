@@ -1,0 +1,58 @@
+#include "gemm.h"
+
+namespace patchgemm {
+
+MatrixView matrix_view(const at::Tensor& t3) {
+  return {t3.size(1), t3.size(2), t3.stride(1), t3.stride(2), t3.stride(0)};
+}
+
+void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& c,
+              const std::optional<at::Tensor>& bias) {
+  TORCH_INTERNAL_ASSERT(a_in.dim() == 3 && b_in.dim() == 3 && c.dim() == 3);
+  TORCH_INTERNAL_ASSERT(a_in.size(1) == c.size(1) && b_in.size(2) == c.size(2) &&
+                        a_in.size(2) == b_in.size(1));
+  if (c.numel() == 0) return;
+  // Broadcast view of the bias over c's rows: [batch, 1 -> M, N].
+  auto bias_rows = [&] { return bias->unsqueeze(1).expand_as(c); };
+  if (a_in.size(2) == 0) {  // empty sum: c is the bias, or zeros
+    bias ? c.copy_(bias_rows()) : c.zero_();
+    return;
+  }
+
+  // NOTE: the only copies this library makes of a GEMM input: strides that no leading dimension
+  // can describe (e.g. both inner strides > 1, or overlapping rows).
+  const LayoutVerdict verdict = check_blas_layout({a_in.size(0), matrix_view(a_in),
+                                                   matrix_view(b_in), matrix_view(c)});
+  TORCH_INTERNAL_ASSERT(verdict.c_ok, "run_gemm: output must have unit column stride");
+  const at::Tensor a = verdict.a_ok ? a_in : a_in.contiguous();
+  const at::Tensor b = verdict.b_ok ? b_in : b_in.contiguous();
+
+  const GemmProblem problem{a.size(0), matrix_view(a), matrix_view(b), matrix_view(c)};
+  std::vector<BlasCall> calls;
+  try {
+    calls = plan_blas_calls(problem, blas_int_limit());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, "patchgemm: cannot run GEMM with a ", a.sizes(), " x ", b.sizes(),
+                " -> ", c.sizes(), ": ", e.what());
+  }
+
+#ifdef PATCHGEMM_WITH_CUDA
+  if (c.is_cuda()) {
+    if (bias && calls.size() == 1 && cuda::run_blas_call_with_bias(calls[0], a, b, c, *bias)) {
+      return;
+    }
+    if (bias) {  // bias first, then every call accumulates onto it (beta = 1)
+      c.copy_(bias_rows());
+      for (auto& call : calls) call.accumulate = true;
+    }
+    cuda::run_blas_calls(calls, a, b, c);
+    return;
+  }
+#endif
+  TORCH_CHECK(c.device().is_cpu(), "patchgemm: no kernel for device ", c.device(),
+              " in this build (", "built without CUDA/ROCm support?)");
+  cpu::run_blas_calls(calls, a, b, c);
+  if (bias) c.add_(bias_rows());
+}
+
+}  // namespace patchgemm

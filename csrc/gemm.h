@@ -1,0 +1,36 @@
+// The one entry to every GEMM the ops run: a batch of row-major products over strided views.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "core/strided_gemm.h"
+
+namespace patchgemm {
+
+// c[i] = a[i] @ b[i] (+ bias[i] broadcast over the rows of c[i]).
+// a: [batch, M, K], b: [batch, K, N], c: [batch, M, N], bias: [batch, N] — any strides for a, b
+// (an operand no BLAS layout can express is copied once); c must have unit column stride (the ops
+// allocate it). Runs on c's device through that device's backend.
+void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+              const std::optional<at::Tensor>& bias = std::nullopt);
+
+// The strided view of a 3-D tensor, as the torch-free planner sees it.
+MatrixView matrix_view(const at::Tensor& t3);
+
+namespace cpu {
+void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor& c);
+}
+#ifdef PATCHGEMM_WITH_CUDA
+namespace cuda {
+// Returns false if it could not fuse the bias (caller then adds it another way).
+void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor& c);
+bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
+                             const at::Tensor& c, const at::Tensor& bias);
+}  // namespace cuda
+#endif
+
+}  // namespace patchgemm

@@ -1,0 +1,43 @@
+// Every op's schema, in one place. Kernels are registered per backend beside their code
+// (TORCH_LIBRARY_IMPL); autograd, fake kernels and autocast are registered from Python
+// (patchgemm/ops.py).
+#include <Python.h>
+#include <torch/library.h>
+
+#include "core/strided_gemm.h"
+
+#ifndef PATCHGEMM_FLAVOUR
+#define PATCHGEMM_FLAVOUR "cpu"
+#endif
+#ifndef PATCHGEMM_ARCHS
+#define PATCHGEMM_ARCHS ""
+#endif
+
+namespace patchgemm {
+std::string blas_version();  // per backend: cuBLAS/hipBLAS version, or "" on CPU builds
+}
+
+// `import patchgemm._C` loads this library, which runs the registrations below. No pybind11: the
+// module is empty and built against the stable ABI.
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+
+TORCH_LIBRARY(patchgemm, m) {
+  // Grouped linear: x holds G groups of Din features, [B, G, Din] or (group_major) [G, B, Din];
+  // y[.., g, :] = x[.., g, :] @ weight[g].T + bias[g], in x's layout, contiguous.
+  m.def("grouped_linear(Tensor x, Tensor weight, Tensor? bias, bool group_major) -> Tensor");
+  // d(loss)/dx = grad_y @ weight[g], in grad_y's layout.
+  m.def("grouped_linear_grad_input(Tensor grad_y, Tensor weight, bool group_major) -> Tensor");
+  // d(loss)/dweight[g] = grad_y[.., g, :].T @ x[.., g, :], [G, Dout, Din].
+  m.def("grouped_linear_grad_weight(Tensor grad_y, Tensor x, bool group_major) -> Tensor");
+
+  // "cpu" | "cuda" | "rocm", the arch list it was built for, and the BLAS library version.
+  m.def("build_info() -> str[]", []() -> std::vector<std::string> {
+    return {PATCHGEMM_FLAVOUR, PATCHGEMM_ARCHS, patchgemm::blas_version()};
+  });
+  // Testing hook: the BLAS integer limit the planner splits at (returns the previous one).
+  m.def("_set_blas_int_limit(int limit) -> int",
+        [](int64_t limit) { return patchgemm::set_blas_int_limit(limit); });
+}

@@ -1,0 +1,99 @@
+"""Build patchgemm._C against the torch that is installed.
+
+Flavour (PATCHGEMM_BUILD=auto|cpu|cuda|rocm, default auto):
+  rocm  torch is a ROCm build: the .cu sources are hipified by torch.utils.cpp_extension;
+  cuda  torch is a CUDA build and nvcc is found (CUDA_HOME);
+  cpu   otherwise: a plain C++ extension.
+TORCH_CUDA_ARCH_LIST and MAX_JOBS are honoured (read by torch.utils.cpp_extension).
+"""
+
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:
+    sys.exit(
+        "patchgemm: building needs PyTorch already installed. Install torch first, then run "
+        "`pip install --no-build-isolation .` (without --no-build-isolation pip builds in an "
+        "empty environment that has no torch)."
+    )
+
+# Hopper first; Ampere/Ada too. Used only when nothing chooses for us (no GPU visible at build time).
+DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0"
+
+
+def choose_flavour():
+    asked = os.environ.get("PATCHGEMM_BUILD", "auto").lower()
+    if asked not in ("auto", "cpu", "cuda", "rocm"):
+        sys.exit(f"patchgemm: PATCHGEMM_BUILD must be auto, cpu, cuda or rocm, not {asked!r}.")
+    is_rocm = torch.version.hip is not None
+    has_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if asked == "rocm" and not is_rocm:
+        sys.exit("patchgemm: PATCHGEMM_BUILD=rocm needs a ROCm build of torch.")
+    if asked == "cuda" and not has_cuda:
+        sys.exit(
+            "patchgemm: PATCHGEMM_BUILD=cuda needs a CUDA build of torch and nvcc "
+            f"(torch.version.cuda={torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME})."
+        )
+    if asked != "auto":
+        return asked
+    return "rocm" if is_rocm else "cuda" if has_cuda else "cpu"
+
+
+def default_max_jobs():
+    # nvcc can take several GB per job; stay inside the machine's memory.
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gb = 8
+    return max(1, min(os.cpu_count() or 1, int(mem_gb // 4)))
+
+
+flavour = choose_flavour()
+os.environ.setdefault("MAX_JOBS", str(default_max_jobs()))
+
+sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/core/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+cxx_flags = ["-O3", "-std=c++17", f"-DPATCHGEMM_FLAVOUR=\"{flavour}\""]
+
+if flavour == "cpu":
+    Extension = cpp_extension.CppExtension
+    extra_compile_args = {"cxx": cxx_flags}
+    libraries = []
+else:
+    Extension = cpp_extension.CUDAExtension
+    sources += sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
+    cxx_flags.append("-DPATCHGEMM_WITH_CUDA")
+    extra_compile_args = {"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "-DPATCHGEMM_WITH_CUDA",
+                                                     f"-DPATCHGEMM_FLAVOUR=\"{flavour}\""]}
+    if flavour == "cuda":
+        extra_compile_args["nvcc"] += ["--use_fast_math", "-lineinfo"]
+        libraries = ["cublas", "cublasLt"]
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+    else:
+        libraries = ["hipblas"]
+    # Recorded in the binary so `python -m patchgemm info` can say what was built.
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "native")
+    extra_compile_args["nvcc"].append(f"-DPATCHGEMM_ARCHS=\"{archs}\"")
+    extra_compile_args["cxx"].append(f"-DPATCHGEMM_ARCHS=\"{archs}\"")
+
+setup(
+    ext_modules=[
+        Extension(
+            "patchgemm._C",
+            sources,
+            include_dirs=[os.path.abspath("csrc")],
+            extra_compile_args=extra_compile_args,
+            libraries=libraries,
+            define_macros=[("Py_LIMITED_API", "0x03090000")],  # no pybind11: one wheel per platform
+            py_limited_api=True,
+        )
+    ],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
