@@ -4,7 +4,14 @@ calls other registered ops (so compiled backward traces too)."""
 
 import torch
 
-from . import _C  # noqa: F401  (loading it runs the C++ TORCH_LIBRARY registrations)
+try:
+    from . import _C  # noqa: F401  (loading it runs the C++ TORCH_LIBRARY registrations)
+except ImportError as e:
+    raise ImportError(
+        "patchgemm: the compiled library patchgemm._C is missing. Build it with "
+        "`pip install --no-build-isolation .` (or `-e .` for development); if it is installed, you "
+        "are importing the source tree instead: run from another directory."
+    ) from e
 
 ops = torch.ops.patchgemm
 

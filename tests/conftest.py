@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if HAS_GPU else [])
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+# ||out - ref|| / ||ref|| against a float64 reference, per dtype of the computation.
+REL_TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA/ROCm GPU")
+
+
+@pytest.fixture(autouse=True)
+def _strict_fp32():
+    """fp32 means IEEE fp32 in tests (TF32 only where a test asks for it)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", requires_grad=False):
+    """Fresh random data (never zeros), made in float64 so every dtype sees the same values."""
+    t = torch.randn(*shape, dtype=torch.float64).to(device=device, dtype=dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def assert_close_to_ref(out, ref, dtype, what="output"):
+    """`out` (computed in `dtype`) against a float64 reference: shape, finiteness, relative error."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    out64 = out.detach().double().cpu()
+    ref64 = ref.detach().double().cpu()
+    assert torch.isfinite(out64).all(), f"{what}: non-finite values (unwritten output?)"
+    denom = ref64.norm().item()
+    err = (out64 - ref64).norm().item()
+    tol = REL_TOL[dtype]
+    assert err <= tol * max(denom, 1e-30) or (denom == 0 and err == 0), (
+        f"{what}: relative error {err / max(denom, 1e-30):.3g} > {tol:g} ({dtype})")
+
+
+def poison_allocator(nbytes, device):
+    """Fill, then free, a block of the size the next output will take, so an op that forgets to
+    write part of its output returns NaNs instead of lucky zeros (caching allocators reuse it)."""
+    if nbytes > 0:
+        torch.full((nbytes // 4 + 1,), float("nan"), dtype=torch.float32, device=device)
