@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One GPU-machine session: build, info, the whole test suite, compute-sanitizer on the CUDA paths,
+# and the benchmark suite. Logs go to $OUT (the device tool's result folder) or ./gpu-logs.
+#   bash bench/gpu_session.sh [pytest -k expression]
+set -uo pipefail
+OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+step() { echo "=== $1"; }
+step build
+( time pip install --no-build-isolation --no-deps -v . ) >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+grep -E "warning|error" "$OUT/build.log" | grep -v "^ *WARNING: Running pip" | head -20
+cd /tmp  # import the installed package, not the source tree
+step info; python3 -m patchgemm info
+step tests
+python3 -m pytest -q -rs "${OLDPWD}/tests" ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest.log" | tail -25
+step compute-sanitizer
+for tool in memcheck racecheck; do
+  compute-sanitizer --tool $tool --error-exitcode 1 python3 "${OLDPWD}/tests/sanitize_smoke.py" \
+    >"$OUT/sanitizer-$tool.log" 2>&1; echo "$tool exit $?"; tail -3 "$OUT/sanitizer-$tool.log"
+done
+step bench
+python3 -m patchgemm bench --json "$OUT/bench.json" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"

@@ -1,0 +1,46 @@
+"""`python -m patchgemm bench | info`."""
+
+import argparse
+import sys
+
+import torch
+
+
+def info() -> int:
+    import patchgemm
+
+    flavour, archs, blas = torch.ops.patchgemm.build_info()
+    print(f"patchgemm {patchgemm.__version__}")
+    print(f"build flavour: {flavour}" + (f" (arch list: {archs})" if archs else ""))
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, HIP {torch.version.hip}")
+    if torch.cuda.is_available():
+        print(f"GPU: {torch.cuda.get_device_name()} (compute capability "
+              f"{'.'.join(map(str, torch.cuda.get_device_capability()))})")
+        if flavour != "cpu":
+            print(f"BLAS: {blas}")
+    else:
+        print("GPU: none visible")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m patchgemm")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="run the benchmark suite (ours vs PyTorch baselines vs the floor)")
+    bench.add_argument("--device", help="cuda or cpu (default: cuda if present)")
+    bench.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    bench.add_argument("--filter", help="run only cases whose id contains this text")
+    bench.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 cases (default: torch's setting)")
+    sub.add_parser("info", help="version, build flavour, torch/CUDA/BLAS versions")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    from . import bench as suite
+
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return suite.main(device=args.device, json_path=args.json, filter=args.filter)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
