@@ -7,7 +7,7 @@ OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 step() { echo "=== $1"; }
 step build
-( time pip install --no-build-isolation --no-deps -v . ) >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+( time python3 -m pip install --no-build-isolation --no-deps -v . ) >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 grep -E "warning|error" "$OUT/build.log" | grep -v "^ *WARNING: Running pip" | head -20
 cd /tmp  # import the installed package, not the source tree
 step info; python3 -m patchgemm info
