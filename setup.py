@@ -58,7 +58,7 @@ flavour = choose_flavour()
 os.environ.setdefault("MAX_JOBS", str(default_max_jobs()))
 
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/core/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-cxx_flags = ["-O3", "-std=c++17", f"-DPATCHGEMM_FLAVOUR=\"{flavour}\""]
+cxx_flags = ["-O3", f"-DPATCHGEMM_FLAVOUR=\"{flavour}\""]
 
 if flavour == "cpu":
     Extension = cpp_extension.CppExtension
@@ -68,7 +68,7 @@ else:
     Extension = cpp_extension.CUDAExtension
     sources += sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
     cxx_flags.append("-DPATCHGEMM_WITH_CUDA")
-    extra_compile_args = {"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "-DPATCHGEMM_WITH_CUDA",
+    extra_compile_args = {"cxx": cxx_flags, "nvcc": ["-O3", "-DPATCHGEMM_WITH_CUDA",
                                                      f"-DPATCHGEMM_FLAVOUR=\"{flavour}\""]}
     if flavour == "cuda":
         extra_compile_args["nvcc"] += ["--use_fast_math", "-lineinfo"]

@@ -11,6 +11,8 @@ step build
 grep -E "warning|error" "$OUT/build.log" | grep -v "^ *WARNING: Running pip" | head -20
 cd /tmp  # import the installed package, not the source tree
 step info; python3 -m patchgemm info
+step "tests that raise from C++ (own process first)"
+python3 -X faulthandler -m pytest -q "${OLDPWD}/tests" -k "bad_input or leading_dimension or mismatch" 2>&1 | tail -5
 step tests
 python3 -m pytest -q -rs "${OLDPWD}/tests" ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest.log" | tail -25
 step compute-sanitizer
@@ -20,3 +22,5 @@ for tool in memcheck racecheck; do
 done
 step bench
 python3 -m patchgemm bench --json "$OUT/bench.json" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+step "bench, classic cuBLAS API only (PATCHGEMM_DISABLE_LT=1)"
+PATCHGEMM_DISABLE_LT=1 python3 -m patchgemm bench --filter "G1 bf16" 2>/dev/null | tee "$OUT/bench-nolt.txt"

@@ -28,30 +28,19 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
   const at::Tensor b = verdict.b_ok ? b_in : b_in.contiguous();
 
   const GemmProblem problem{a.size(0), matrix_view(a), matrix_view(b), matrix_view(c)};
-  std::vector<BlasCall> calls;
-  try {
-    calls = plan_blas_calls(problem, blas_int_limit());
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK(false, "patchgemm: cannot run GEMM with a ", a.sizes(), " x ", b.sizes(),
-                " -> ", c.sizes(), ": ", e.what());
-  }
+  const BlasPlan plan = plan_blas_calls(problem, blas_int_limit());
+  TORCH_CHECK(plan.error.empty(), "patchgemm: cannot run the GEMM ", a.sizes(), " x ", b.sizes(),
+              " -> ", c.sizes(), ": ", plan.error);
 
 #ifdef PATCHGEMM_WITH_CUDA
   if (c.is_cuda()) {
-    if (bias && calls.size() == 1 && cuda::run_blas_call_with_bias(calls[0], a, b, c, *bias)) {
-      return;
-    }
-    if (bias) {  // bias first, then every call accumulates onto it (beta = 1)
-      c.copy_(bias_rows());
-      for (auto& call : calls) call.accumulate = true;
-    }
-    cuda::run_blas_calls(calls, a, b, c);
+    cuda::run_blas_calls(plan.calls, a, b, c, bias);
     return;
   }
 #endif
   TORCH_CHECK(c.device().is_cpu(), "patchgemm: no kernel for device ", c.device(),
-              " in this build (", "built without CUDA/ROCm support?)");
-  cpu::run_blas_calls(calls, a, b, c);
+              " in this build (built without CUDA/ROCm support?)");
+  cpu::run_blas_calls(plan.calls, a, b, c);
   if (bias) c.add_(bias_rows());
 }
 

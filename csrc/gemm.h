@@ -25,11 +25,8 @@ void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, con
 }
 #ifdef PATCHGEMM_WITH_CUDA
 namespace cuda {
-// Returns false if it could not fuse the bias (caller then adds it another way).
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c);
-bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
-                             const at::Tensor& c, const at::Tensor& bias);
+                    const at::Tensor& c, const std::optional<at::Tensor>& bias);
 }  // namespace cuda
 #endif
 

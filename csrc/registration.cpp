@@ -4,6 +4,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <climits>
+
 #include "core/strided_gemm.h"
 
 #ifndef PATCHGEMM_FLAVOUR
@@ -39,5 +41,9 @@ TORCH_LIBRARY(patchgemm, m) {
   });
   // Testing hook: the BLAS integer limit the planner splits at (returns the previous one).
   m.def("_set_blas_int_limit(int limit) -> int",
-        [](int64_t limit) { return patchgemm::set_blas_int_limit(limit); });
+        [](int64_t limit) {
+          TORCH_CHECK(limit >= 1 && limit <= INT_MAX, "_set_blas_int_limit: limit must be in [1, ",
+                      INT_MAX, "], got ", limit);
+          return patchgemm::set_blas_int_limit(limit);
+        });
 }

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
-#include <stdexcept>
+#include <optional>
 
 namespace patchgemm {
 namespace {
@@ -42,20 +42,22 @@ LayoutVerdict check_blas_layout(const GemmProblem& p) {
   return {transposed_as_blas(p.a).has_value(), transposed_as_blas(p.b).has_value(), output_ok(p.c)};
 }
 
-std::vector<BlasCall> plan_blas_calls(const GemmProblem& p, int64_t int_limit) {
+BlasPlan plan_blas_calls(const GemmProblem& p, int64_t int_limit) {
   const auto op_a = transposed_as_blas(p.a);  // becomes BLAS B
   const auto op_b = transposed_as_blas(p.b);  // becomes BLAS A
   if (!op_a || !op_b || !output_ok(p.c)) {
-    throw std::invalid_argument("plan_blas_calls: an operand's strides have no BLAS layout");
+    return {{}, "an operand's strides have no BLAS layout"};
   }
   const int64_t ldc = p.c.rows <= 1 ? std::max<int64_t>(1, p.c.cols) : p.c.row_stride;
-  if (op_a->ld > int_limit || op_b->ld > int_limit || ldc > int_limit) {
-    throw std::invalid_argument(
-        "plan_blas_calls: a leading dimension exceeds the BLAS integer limit (" +
-        std::to_string(int_limit) + "); make the tensor contiguous or smaller");
+  const int64_t max_ld = std::max({op_a->ld, op_b->ld, ldc});
+  if (max_ld > int_limit) {
+    return {{}, "a leading dimension (" + std::to_string(max_ld) +
+                    ") exceeds the BLAS integer limit (" + std::to_string(int_limit) +
+                    "); make the tensor contiguous or smaller"};
   }
   const int64_t M = p.a.rows, K = p.a.cols, N = p.b.cols;
-  std::vector<BlasCall> calls;
+  BlasPlan plan;
+  std::vector<BlasCall>& calls = plan.calls;
   // C = A @ B (row-major) is C^T = B^T @ A^T (column-major): BLAS A is the problem's B.
   for (int64_t b0 = 0; b0 < std::max<int64_t>(p.batch, 1); b0 += int_limit) {
     const int64_t nb = std::min(int_limit, p.batch - b0);
@@ -86,16 +88,11 @@ std::vector<BlasCall> plan_blas_calls(const GemmProblem& p, int64_t int_limit) {
       }
     }
   }
-  return calls;
+  return plan;
 }
 
 int64_t blas_int_limit() { return g_int_limit.load(); }
 
-int64_t set_blas_int_limit(int64_t limit) {
-  if (limit < 1 || limit > INT_MAX) {
-    throw std::invalid_argument("set_blas_int_limit: limit must be in [1, INT_MAX]");
-  }
-  return g_int_limit.exchange(limit);
-}
+int64_t set_blas_int_limit(int64_t limit) { return g_int_limit.exchange(limit); }
 
 }  // namespace patchgemm

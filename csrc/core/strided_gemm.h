@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,14 +47,19 @@ struct LayoutVerdict {
 
 LayoutVerdict check_blas_layout(const GemmProblem& p);
 
-// Plans `p` as column-major BLAS calls whose every size, leading dimension and batch count fits
-// in `int_limit` (cuBLAS's classic API takes 32-bit ints). Usually one call; more when M, K or the
-// batch must be split. Throws std::invalid_argument if a layout is not expressible (call
-// check_blas_layout first) or a single leading dimension exceeds the limit.
-std::vector<BlasCall> plan_blas_calls(const GemmProblem& p, int64_t int_limit);
+struct BlasPlan {
+  std::vector<BlasCall> calls;
+  std::string error;  // non-empty: no plan (the calls are empty)
+};
 
-// The limit the CUDA path plans with; tests lower it to exercise splitting on small tensors.
+// Plans `p` as column-major BLAS calls whose every size, leading dimension and batch count fits
+// in `int_limit` (cuBLAS's classic API takes 32-bit ints). Usually one call; more when M, N, K or
+// the batch must be split. Fails if a layout is not expressible (call check_blas_layout first) or
+// a single leading dimension exceeds the limit.
+BlasPlan plan_blas_calls(const GemmProblem& p, int64_t int_limit);
+
+// The limit the backends plan with; tests lower it to exercise splitting on small tensors.
 int64_t blas_int_limit();
-int64_t set_blas_int_limit(int64_t limit);  // returns the previous value
+int64_t set_blas_int_limit(int64_t limit);  // limit in [1, INT_MAX]; returns the previous value
 
 }  // namespace patchgemm

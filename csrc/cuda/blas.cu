@@ -23,12 +23,15 @@
 namespace patchgemm {
 
 std::string blas_version() {
-  int version = 0;
-  PATCHGEMM_CUBLAS_CHECK(cublasGetVersion(at::cuda::getCurrentCUDABlasHandle(), &version));
 #ifdef USE_ROCM
-  return "hipBLAS " + std::to_string(version);
+  return "hipBLAS";  // the ROCm release is torch.version.hip
 #else
-  return "cuBLAS " + std::to_string(version);
+  int major = 0, minor = 0, patch = 0;  // of the loaded library; needs no handle or GPU
+  PATCHGEMM_CUBLAS_CHECK(cublasGetProperty(MAJOR_VERSION, &major));
+  PATCHGEMM_CUBLAS_CHECK(cublasGetProperty(MINOR_VERSION, &minor));
+  PATCHGEMM_CUBLAS_CHECK(cublasGetProperty(PATCH_LEVEL, &patch));
+  return "cuBLAS " + std::to_string(major) + "." + std::to_string(minor) + "." +
+         std::to_string(patch);
 #endif
 }
 
@@ -94,14 +97,12 @@ cublasOperation_t op(bool trans) { return trans ? CUBLAS_OP_T : CUBLAS_OP_N; }
 
 const char* byte_ptr(const at::Tensor& t) { return static_cast<const char*>(t.const_data_ptr()); }
 
-}  // namespace
-
-void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c) {
-  const c10::cuda::CUDAGuard guard(c.device());
+// One classic-API call (cublasGemmStridedBatchedEx).
+void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
   const at::ScalarType dtype = c.scalar_type();
   const BlasTypes types = blas_types(dtype);
   const int64_t elem = c.element_size();
+  const Scalars s(dtype, call.accumulate);
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // bound to the current stream
 #ifndef USE_ROCM
   // Respect torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction.
@@ -113,31 +114,26 @@ void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, con
                                           CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   }
 #endif
-  for (const BlasCall& call : calls) {
-    const Scalars s(dtype, call.accumulate);
-    // BLAS A is the problem's b, BLAS B the problem's a (row-major <-> column-major).
-    PATCHGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
-        handle, op(call.trans_a), op(call.trans_b), static_cast<int>(call.m),
-        static_cast<int>(call.n), static_cast<int>(call.k), s.alpha(),
-        byte_ptr(b) + call.offset_a * elem, types.data, static_cast<int>(call.lda), call.stride_a,
-        byte_ptr(a) + call.offset_b * elem, types.data, static_cast<int>(call.ldb), call.stride_b,
-        s.beta(), static_cast<char*>(c.data_ptr()) + call.offset_c * elem, types.data,
-        static_cast<int>(call.ldc), call.stride_c, static_cast<int>(call.batch), types.compute,
-        CUBLAS_GEMM_DEFAULT));
-  }
+  // BLAS A is the problem's b, BLAS B the problem's a (row-major <-> column-major).
+  PATCHGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      handle, op(call.trans_a), op(call.trans_b), static_cast<int>(call.m),
+      static_cast<int>(call.n), static_cast<int>(call.k), s.alpha(),
+      byte_ptr(b) + call.offset_a * elem, types.data, static_cast<int>(call.lda), call.stride_a,
+      byte_ptr(a) + call.offset_b * elem, types.data, static_cast<int>(call.ldb), call.stride_b,
+      s.beta(), static_cast<char*>(c.data_ptr()) + call.offset_c * elem, types.data,
+      static_cast<int>(call.ldc), call.stride_c, static_cast<int>(call.batch), types.compute,
+      CUBLAS_GEMM_DEFAULT));
 #ifndef USE_ROCM
   PATCHGEMM_CUBLAS_CHECK(cublasSetMathMode(handle, saved_mode));
 #endif
 }
 
 #ifdef USE_ROCM
-bool run_blas_call_with_bias(const BlasCall&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&) {
-  return false;  // hipBLASLt epilogues not wired up: the caller adds the bias through beta = 1
+bool lt_matmul(const BlasCall&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+               const at::Tensor*) {
+  return false;  // hipBLASLt not wired up: the classic API runs everything
 }
 #else
-
-namespace {
 
 // RAII owners for the cuBLASLt descriptors.
 template <typename T, cublasStatus_t (*Destroy)(T)>
@@ -175,17 +171,26 @@ uint32_t pointer_alignment(const void* ptr) {
   return alignment;
 }
 
-}  // namespace
+// cuBLASLt picks better kernels than the classic API for our strided outputs (bench/RESULTS.md);
+// PATCHGEMM_DISABLE_LT=1 forces the classic API, to compare.
+bool lt_disabled() {
+  static const bool disabled = [] {
+    const char* v = std::getenv("PATCHGEMM_DISABLE_LT");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return disabled;
+}
 
-// One strided-batched matmul with the bias added in the epilogue (CUBLASLT_EPILOGUE_BIAS: the
-// bias has one entry per row of the column-major output, i.e. per output feature). Returns false
-// where cuBLASLt has no algorithm for the problem, so the caller can fall back.
-bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
-                             const at::Tensor& c, const at::Tensor& bias) {
+// One strided-batched cuBLASLt matmul; with `bias`, added in the epilogue (CUBLASLT_EPILOGUE_BIAS:
+// one entry per row of the column-major output, i.e. per output feature). Returns false where
+// cuBLASLt does not apply (fp64, a disallowed reduced-precision reduction, no algorithm), so the
+// caller falls back to the classic API.
+bool lt_matmul(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+               const at::Tensor* bias) {
   const at::ScalarType dtype = c.scalar_type();
-  if (dtype == at::kDouble || bias.stride(1) != 1 || call.accumulate) return false;
+  if (lt_disabled() || dtype == at::kDouble) return false;
   if (!reduced_precision_reduction_allowed(dtype)) return false;  // Lt has no such switch
-  const c10::cuda::CUDAGuard guard(c.device());
+  if (bias && (bias->stride(1) != 1 || pointer_alignment(bias->const_data_ptr()) < 16)) return false;
   const BlasTypes types = blas_types(dtype);
   const int64_t elem = c.element_size();
 
@@ -193,9 +198,11 @@ bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at
   PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.value, types.compute, types.scale));
   set_desc(desc.value, CUBLASLT_MATMUL_DESC_TRANSA, op(call.trans_a));
   set_desc(desc.value, CUBLASLT_MATMUL_DESC_TRANSB, op(call.trans_b));
-  set_desc(desc.value, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-  set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias.const_data_ptr());
-  set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, static_cast<int64_t>(bias.stride(0)));
+  if (bias) {
+    set_desc(desc.value, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias->const_data_ptr());
+    set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, static_cast<int64_t>(bias->stride(0)));
+  }
 
   Layout layout_a, layout_b, layout_c;
   make_layout(layout_a, types.data, call.trans_a ? call.k : call.m, call.trans_a ? call.m : call.k,
@@ -227,7 +234,6 @@ bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at
     PATCHGEMM_CUBLAS_CHECK(
         cublasLtMatmulPreferenceSetAttribute(pref.value, attr, &alignment, sizeof(alignment)));
   }
-  if (pointer_alignment(bias.const_data_ptr()) < 16) return false;
 
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   cublasLtMatmulHeuristicResult_t heuristic = {};
@@ -237,7 +243,7 @@ bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at
       pref.value, 1, &heuristic, &found);
   if (status != CUBLAS_STATUS_SUCCESS || found == 0) return false;
 
-  const Scalars s(dtype, false);
+  const Scalars s(dtype, call.accumulate);
   PATCHGEMM_CUBLAS_CHECK(cublasLtMatmul(
       handle, desc.value, s.alpha(), ptr_a, layout_a.value, ptr_b, layout_b.value, s.beta(), ptr_c,
       layout_c.value, ptr_c, layout_c.value, &heuristic.algo, workspace, workspace_size,
@@ -245,6 +251,19 @@ bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at
   return true;
 }
 #endif  // USE_ROCM
+
+}  // namespace
+
+void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor& c, const std::optional<at::Tensor>& bias) {
+  const c10::cuda::CUDAGuard guard(c.device());
+  if (bias && calls.size() == 1 && lt_matmul(calls[0], a, b, c, &*bias)) return;
+  if (bias) c.copy_(bias->unsqueeze(1).expand_as(c));  // then every call accumulates onto it
+  for (BlasCall call : calls) {
+    call.accumulate = call.accumulate || bias.has_value();
+    if (!lt_matmul(call, a, b, c, nullptr)) gemm_ex(call, a, b, c);
+  }
+}
 
 }  // namespace cuda
 }  // namespace patchgemm
