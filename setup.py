@@ -90,8 +90,7 @@ setup(
             include_dirs=[os.path.abspath("csrc")],
             extra_compile_args=extra_compile_args,
             libraries=libraries,
-            define_macros=[("Py_LIMITED_API", "0x03090000")],  # no pybind11: one wheel per platform
-            py_limited_api=True,
+            py_limited_api=True,  # no pybind11: torch defines Py_LIMITED_API, one wheel per platform
         )
     ],
     cmdclass={"build_ext": cpp_extension.BuildExtension},

@@ -4,6 +4,9 @@
 #   bash bench/gpu_session.sh [pytest -k expression]
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
+# NOTE: on the lent GPU image $CXX is /opt/gcc/bin/g++, a wrapper whose extensions segfault whenever
+# C++ throws (even a 5-line load_inline op with a failing TORCH_CHECK; /usr/bin/g++ is fine).
+[ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 step() { echo "=== $1"; }
 step build
@@ -11,8 +14,6 @@ step build
 grep -E "warning|error" "$OUT/build.log" | grep -v "^ *WARNING: Running pip" | head -20
 cd /tmp  # import the installed package, not the source tree
 step info; python3 -m patchgemm info
-step "tests that raise from C++ (own process first)"
-python3 -X faulthandler -m pytest -q "${OLDPWD}/tests" -k "bad_input or leading_dimension or mismatch" 2>&1 | tail -5
 step tests
 python3 -m pytest -q -rs "${OLDPWD}/tests" ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest.log" | tail -25
 step compute-sanitizer
