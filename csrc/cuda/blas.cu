@@ -129,9 +129,9 @@ void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, con
 }
 
 #ifdef USE_ROCM
-bool lt_matmul(const BlasCall&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-               const at::Tensor*) {
-  return false;  // hipBLASLt not wired up: the classic API runs everything
+bool lt_matmul_bias(const BlasCall&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&) {
+  return false;  // hipBLASLt not wired up: the bias is added through beta = 1
 }
 #else
 
@@ -171,8 +171,7 @@ uint32_t pointer_alignment(const void* ptr) {
   return alignment;
 }
 
-// cuBLASLt picks better kernels than the classic API for our strided outputs (bench/RESULTS.md);
-// PATCHGEMM_DISABLE_LT=1 forces the classic API, to compare.
+// PATCHGEMM_DISABLE_LT=1 turns the bias epilogue off (bias copied into C, then beta = 1), to compare.
 bool lt_disabled() {
   static const bool disabled = [] {
     const char* v = std::getenv("PATCHGEMM_DISABLE_LT");
@@ -181,16 +180,16 @@ bool lt_disabled() {
   return disabled;
 }
 
-// One strided-batched cuBLASLt matmul; with `bias`, added in the epilogue (CUBLASLT_EPILOGUE_BIAS:
-// one entry per row of the column-major output, i.e. per output feature). Returns false where
-// cuBLASLt does not apply (fp64, a disallowed reduced-precision reduction, no algorithm), so the
-// caller falls back to the classic API.
-bool lt_matmul(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-               const at::Tensor* bias) {
+// One strided-batched cuBLASLt matmul with the bias added in the epilogue (CUBLASLT_EPILOGUE_BIAS:
+// one entry per row of the column-major output, i.e. per output feature). Returns false where it
+// does not apply (fp64, a disallowed reduced-precision reduction, misaligned bias, no algorithm),
+// so the caller falls back to the classic API.
+bool lt_matmul_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor& c, const at::Tensor& bias) {
   const at::ScalarType dtype = c.scalar_type();
-  if (lt_disabled() || dtype == at::kDouble) return false;
+  if (lt_disabled() || dtype == at::kDouble || call.accumulate) return false;
   if (!reduced_precision_reduction_allowed(dtype)) return false;  // Lt has no such switch
-  if (bias && (bias->stride(1) != 1 || pointer_alignment(bias->const_data_ptr()) < 16)) return false;
+  if (bias.stride(1) != 1 || pointer_alignment(bias.const_data_ptr()) < 16) return false;
   const BlasTypes types = blas_types(dtype);
   const int64_t elem = c.element_size();
 
@@ -198,11 +197,9 @@ bool lt_matmul(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, c
   PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.value, types.compute, types.scale));
   set_desc(desc.value, CUBLASLT_MATMUL_DESC_TRANSA, op(call.trans_a));
   set_desc(desc.value, CUBLASLT_MATMUL_DESC_TRANSB, op(call.trans_b));
-  if (bias) {
-    set_desc(desc.value, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-    set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias->const_data_ptr());
-    set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, static_cast<int64_t>(bias->stride(0)));
-  }
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias.const_data_ptr());
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, static_cast<int64_t>(bias.stride(0)));
 
   Layout layout_a, layout_b, layout_c;
   make_layout(layout_a, types.data, call.trans_a ? call.k : call.m, call.trans_a ? call.m : call.k,
@@ -243,7 +240,7 @@ bool lt_matmul(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, c
       pref.value, 1, &heuristic, &found);
   if (status != CUBLAS_STATUS_SUCCESS || found == 0) return false;
 
-  const Scalars s(dtype, call.accumulate);
+  const Scalars s(dtype, false);
   PATCHGEMM_CUBLAS_CHECK(cublasLtMatmul(
       handle, desc.value, s.alpha(), ptr_a, layout_a.value, ptr_b, layout_b.value, s.beta(), ptr_c,
       layout_c.value, ptr_c, layout_c.value, &heuristic.algo, workspace, workspace_size,
@@ -254,14 +251,16 @@ bool lt_matmul(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, c
 
 }  // namespace
 
+// Measured on an H200 (bench/RESULTS.md): the Lt bias epilogue makes bias free, while for plain
+// products the classic API picks the faster kernels for our strided outputs.
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
                     const at::Tensor& c, const std::optional<at::Tensor>& bias) {
   const c10::cuda::CUDAGuard guard(c.device());
-  if (bias && calls.size() == 1 && lt_matmul(calls[0], a, b, c, &*bias)) return;
+  if (bias && calls.size() == 1 && lt_matmul_bias(calls[0], a, b, c, *bias)) return;
   if (bias) c.copy_(bias->unsqueeze(1).expand_as(c));  // then every call accumulates onto it
   for (BlasCall call : calls) {
     call.accumulate = call.accumulate || bias.has_value();
-    if (!lt_matmul(call, a, b, c, nullptr)) gemm_ex(call, a, b, c);
+    gemm_ex(call, a, b, c);
   }
 }
 
