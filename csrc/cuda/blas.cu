@@ -13,11 +13,17 @@
 #include <cublasLt.h>
 #endif
 
+#ifdef USE_ROCM
+#define PATCHGEMM_BLAS_STATUS_STRING(status) hipblasStatusToString(status)
+#else
+#define PATCHGEMM_BLAS_STATUS_STRING(status) cublasGetStatusString(status)
+#endif
+
 #define PATCHGEMM_CUBLAS_CHECK(expr)                                                        \
   do {                                                                                      \
     const cublasStatus_t status_ = (expr);                                                  \
     TORCH_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "patchgemm: ", #expr, " failed: ",        \
-                cublasGetStatusString(status_), " (", static_cast<int>(status_), ")");      \
+                PATCHGEMM_BLAS_STATUS_STRING(status_), " (", static_cast<int>(status_), ")"); \
   } while (0)
 
 namespace patchgemm {
