@@ -33,15 +33,29 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
               " -> ", c.sizes(), ": ", plan.error);
 
 #ifdef PATCHGEMM_WITH_CUDA
-  if (c.is_cuda()) {
-    cuda::run_blas_calls(plan.calls, a, b, c, bias);
+  const bool on_gpu = c.is_cuda();
+  if (on_gpu && bias && plan.calls.size() == 1 &&
+      cuda::run_blas_call_with_bias(plan.calls[0], a, b, c, *bias)) {
+    return;  // bias added in the GEMM's epilogue
+  }
+#else
+  const bool on_gpu = false;
+#endif
+  TORCH_CHECK(on_gpu || c.device().is_cpu(), "patchgemm: no kernel for device ", c.device(),
+              " in this build (built without CUDA/ROCm support?)");
+  // Otherwise the bias goes into c first and every call accumulates onto it (beta = 1).
+  std::vector<BlasCall> calls = plan.calls;
+  if (bias) {
+    c.copy_(bias_rows());
+    for (BlasCall& call : calls) call.accumulate = true;
+  }
+#ifdef PATCHGEMM_WITH_CUDA
+  if (on_gpu) {
+    cuda::run_blas_calls(calls, a, b, c);
     return;
   }
 #endif
-  TORCH_CHECK(c.device().is_cpu(), "patchgemm: no kernel for device ", c.device(),
-              " in this build (built without CUDA/ROCm support?)");
-  cpu::run_blas_calls(plan.calls, a, b, c);
-  if (bias) c.add_(bias_rows());
+  cpu::run_blas_calls(calls, a, b, c);
 }
 
 }  // namespace patchgemm

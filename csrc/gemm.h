@@ -26,7 +26,11 @@ void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, con
 #ifdef PATCHGEMM_WITH_CUDA
 namespace cuda {
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c, const std::optional<at::Tensor>& bias);
+                    const at::Tensor& c);
+// One call with the bias fused into its epilogue; false where that does not apply (the caller
+// then adds the bias through beta = 1).
+bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
+                             const at::Tensor& c, const at::Tensor& bias);
 }  // namespace cuda
 #endif
 

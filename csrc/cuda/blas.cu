@@ -259,15 +259,16 @@ bool lt_matmul_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor&
 
 // Measured on an H200 (bench/RESULTS.md): the Lt bias epilogue makes bias free, while for plain
 // products the classic API picks the faster kernels for our strided outputs.
-void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c, const std::optional<at::Tensor>& bias) {
+bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
+                             const at::Tensor& c, const at::Tensor& bias) {
   const c10::cuda::CUDAGuard guard(c.device());
-  if (bias && calls.size() == 1 && lt_matmul_bias(calls[0], a, b, c, *bias)) return;
-  if (bias) c.copy_(bias->unsqueeze(1).expand_as(c));  // then every call accumulates onto it
-  for (BlasCall call : calls) {
-    call.accumulate = call.accumulate || bias.has_value();
-    gemm_ex(call, a, b, c);
-  }
+  return lt_matmul_bias(call, a, b, c, bias);
+}
+
+void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor& c) {
+  const c10::cuda::CUDAGuard guard(c.device());
+  for (const BlasCall& call : calls) gemm_ex(call, a, b, c);
 }
 
 }  // namespace cuda
