@@ -7,14 +7,16 @@ MatrixView matrix_view(const at::Tensor& t3) {
 }
 
 void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& c,
-              const std::optional<at::Tensor>& bias) {
+              const std::optional<at::Tensor>& bias, bool accumulate) {
   TORCH_INTERNAL_ASSERT(a_in.dim() == 3 && b_in.dim() == 3 && c.dim() == 3);
+  TORCH_INTERNAL_ASSERT(!(bias && accumulate));
   TORCH_INTERNAL_ASSERT(a_in.size(1) == c.size(1) && b_in.size(2) == c.size(2) &&
                         a_in.size(2) == b_in.size(1));
   if (c.numel() == 0) return;
   // Broadcast view of the bias over c's rows: [batch, 1 -> M, N].
   auto bias_rows = [&] { return bias->unsqueeze(1).expand_as(c); };
-  if (a_in.size(2) == 0) {  // empty sum: c is the bias, or zeros
+  if (a_in.size(2) == 0) {  // empty sum: c is the bias, or zeros (or unchanged)
+    if (accumulate) return;
     bias ? c.copy_(bias_rows()) : c.zero_();
     return;
   }
@@ -45,8 +47,8 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
               " in this build (built without CUDA/ROCm support?)");
   // Otherwise the bias goes into c first and every call accumulates onto it (beta = 1).
   std::vector<BlasCall> calls = plan.calls;
-  if (bias) {
-    c.copy_(bias_rows());
+  if (bias) c.copy_(bias_rows());
+  if (bias || accumulate) {
     for (BlasCall& call : calls) call.accumulate = true;
   }
 #ifdef PATCHGEMM_WITH_CUDA

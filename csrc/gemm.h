@@ -9,12 +9,13 @@
 
 namespace patchgemm {
 
-// c[i] = a[i] @ b[i] (+ bias[i] broadcast over the rows of c[i]).
+// c[i] = a[i] @ b[i] (+ bias[i] broadcast over the rows of c[i]), or c[i] += a[i] @ b[i] when
+// `accumulate` (no bias then).
 // a: [batch, M, K], b: [batch, K, N], c: [batch, M, N], bias: [batch, N] — any strides for a, b
 // (an operand no BLAS layout can express is copied once); c must have unit column stride (the ops
 // allocate it). Runs on c's device through that device's backend.
 void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-              const std::optional<at::Tensor>& bias = std::nullopt);
+              const std::optional<at::Tensor>& bias = std::nullopt, bool accumulate = false);
 
 // The strided view of a 3-D tensor, as the torch-free planner sees it.
 MatrixView matrix_view(const at::Tensor& t3);

@@ -35,6 +35,21 @@ TORCH_LIBRARY(patchgemm, m) {
   // d(loss)/dweight[g] = grad_y[.., g, :].T @ x[.., g, :], [G, Dout, Din].
   m.def("grouped_linear_grad_weight(Tensor grad_y, Tensor x, bool group_major) -> Tensor");
 
+  // Kernel == stride convolution: x [B, C, *S] (any strides), weight [E, C, *k] (the conv
+  // layout), bias [E]; y = conv(x, weight, bias, stride=k) as channels-first [B, E, *grid] or
+  // tokens [B, N, E]. `levels` (tokens only) orders the tokens level by level, coarse first, each
+  // level a group of one size per spatial dim whose products per dim are the grid; [] is row-major.
+  m.def("patch_embed(Tensor x, Tensor weight, Tensor? bias, bool tokens, int[] levels) -> Tensor");
+  // Its transpose: x channels-first [B, C_in, *grid] (levels = []) or tokens [B, N, C_in] (levels
+  // give the grid and token order), weight [C_in, C_out, *k] (the ConvTranspose layout), bias
+  // [C_out]; y = conv_transpose(x, weight, bias, stride=k), [B, C_out, *(grid * k)], contiguous.
+  m.def("patch_unembed(Tensor x, Tensor weight, Tensor? bias, bool tokens, int[] levels) -> Tensor");
+  // (grad_weight [E, C, *k], grad_bias [E] or [0]) of patch_embed from grad_y (its output format)
+  // and x; also patch_unembed's grad_weight, with (x, grad_y) in these roles swapped.
+  m.def(
+      "patch_weight_grad(Tensor grad_y, Tensor x, int[] kernel_size, bool tokens, int[] levels, "
+      "bool with_bias) -> (Tensor, Tensor)");
+
   // "cpu" | "cuda" | "rocm", the arch list it was built for, and the BLAS library version.
   m.def("build_info() -> str[]", []() -> std::vector<std::string> {
     return {PATCHGEMM_FLAVOUR, PATCHGEMM_ARCHS, patchgemm::blas_version()};

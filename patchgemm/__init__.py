@@ -1,8 +1,12 @@
 """patchgemm: layers that are really one GEMM over strided views."""
 
 from . import ops as _ops  # noqa: F401  (loads the compiled library, registers fake/autograd)
-from .functional import grouped_linear
-from .nn import GroupedLinear
+from .functional import grouped_linear, patch_embed, patch_unembed
+from .nn import (ConvertReport, GroupedLinear, HierarchicalPatchEmbed, HierarchicalPatchUnembed,
+                 PatchEmbed, PatchUnembed, convert)
 
 __version__ = "0.1.0"
-__all__ = ["grouped_linear", "GroupedLinear", "__version__"]
+__all__ = [
+    "grouped_linear", "patch_embed", "patch_unembed", "GroupedLinear", "PatchEmbed", "PatchUnembed",
+    "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "__version__",
+]

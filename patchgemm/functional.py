@@ -1,7 +1,7 @@
-"""The functional API: layout handling and autocast, then one registered op."""
+"""The functional API: argument handling and autocast, then one registered op."""
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -70,3 +70,98 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
 
     y = ops.grouped_linear(x3, weight, bias, layout == "gbd")
     return y.view(*x.shape[:-1], out_features)
+
+
+# ---- kernel == stride convolutions ----------------------------------------------------------------
+
+FORMATS = ("channels_first", "tokens")
+
+
+def _check_format(name, value):
+    if value not in FORMATS:
+        raise ValueError(f"{name} must be one of {FORMATS}, got {value!r}")
+
+
+def _check_weight(op, weight, layout):
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{op}: weight must be a tensor")
+    if not 3 <= weight.dim() <= 5:
+        raise ValueError(f"{op}: weight must be {layout} with 1, 2 or 3 kernel dims, got shape {tuple(weight.shape)}")
+
+
+def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
+                out_format: str = "channels_first", pad: Optional[str] = None) -> Tensor:
+    """``F.conv{1,2,3}d(x, weight, bias, stride=weight.shape[2:])`` as one gather + one GEMM.
+
+    Args:
+        x: ``[B, C, *S]`` (or unbatched ``[C, *S]``), any memory format: contiguous,
+            ``channels_last`` / ``channels_last_3d`` and other strides (those are copied once).
+        weight: ``[E, C, *k]``, the conv layout (conv checkpoints load unchanged).
+        bias: ``[E]`` or None.
+        out_format: ``"channels_first"`` returns ``[B, E, *grid]`` (what the conv returns);
+            ``"tokens"`` returns ``[B, N, E]`` with N in row-major patch-grid order, i.e.
+            ``conv(x).flatten(2).transpose(1, 2)``, written directly.
+        pad: None: spatial sizes must be divisible by the patch size (else a ValueError naming the
+            shapes). ``"dynamic"``: zero-pad at the end of each spatial dim up to a multiple, like
+            timm's ``dynamic_img_pad`` (one copy of x).
+
+    Backward computes dW and dbias always and dx only when x requires grad, recomputing the patch
+    matrix from x instead of saving it.
+    """
+    _check_format("patch_embed: out_format", out_format)
+    _check_weight("patch_embed", weight, "[E, C, *kernel]")
+    if pad not in (None, "dynamic"):
+        raise ValueError(f"patch_embed: pad must be None or 'dynamic', got {pad!r}")
+    if not isinstance(x, Tensor):
+        raise TypeError("patch_embed: x must be a tensor")
+    unbatched = x.dim() == weight.dim() - 1
+    if unbatched:
+        x = x.unsqueeze(0)
+    kernel = weight.shape[2:]
+    if x.dim() != weight.dim():
+        raise ValueError(
+            f"patch_embed: x must be [B, C, *S] or [C, *S] with {len(kernel)} spatial dims to match "
+            f"weight {tuple(weight.shape)}, got shape {tuple(x.shape)}")
+    if pad == "dynamic":
+        extra = [(-s) % k for s, k in zip(x.shape[2:], kernel)]
+        if any(extra):
+            x = torch.nn.functional.pad(x, [p for e in reversed(extra) for p in (0, e)])
+    x, weight, bias = _autocast(x, weight, bias)
+    y = ops.patch_embed(x, weight, bias, out_format == "tokens", [])
+    return y.squeeze(0) if unbatched else y
+
+
+def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
+                  in_format: str = "channels_first", grid: Optional[Sequence[int]] = None) -> Tensor:
+    """``F.conv_transpose{1,2,3}d(x, weight, bias, stride=weight.shape[2:])`` as one GEMM + one
+    scatter (the bias is added by the scatter).
+
+    Args:
+        x: ``in_format="channels_first"``: ``[B, C_in, *grid]`` (or unbatched ``[C_in, *grid]``);
+            ``"tokens"``: ``[B, N, C_in]`` (or ``[N, C_in]``) with N in row-major grid order.
+        weight: ``[C_in, C_out, *k]``, the ConvTranspose layout.
+        bias: ``[C_out]`` or None.
+        grid: the patch grid ``(n_d, n_h, n_w)`` (one entry per kernel dim); required for tokens.
+
+    Returns ``[B, C_out, *(grid * k)]``, contiguous.
+    """
+    _check_format("patch_unembed: in_format", in_format)
+    _check_weight("patch_unembed", weight, "[C_in, C_out, *kernel]")
+    if not isinstance(x, Tensor):
+        raise TypeError("patch_unembed: x must be a tensor")
+    rank = weight.dim() - 2
+    tokens = in_format == "tokens"
+    unbatched = x.dim() == (2 if tokens else rank + 1)
+    if unbatched:
+        x = x.unsqueeze(0)
+    if tokens:
+        if grid is None:
+            raise ValueError("patch_unembed: in_format='tokens' needs grid=(n_d, n_h, n_w), one size per kernel dim")
+        grid = [int(g) for g in grid]
+        if len(grid) != rank:
+            raise ValueError(f"patch_unembed: grid {tuple(grid)} must have {rank} entries for weight {tuple(weight.shape)}")
+    elif grid is not None and tuple(grid) != tuple(x.shape[2:]):
+        raise ValueError(f"patch_unembed: grid {tuple(grid)} does not match x {tuple(x.shape)}")
+    x, weight, bias = _autocast(x, weight, bias)
+    y = ops.patch_unembed(x, weight, bias, tokens, grid if tokens else [])
+    return y.squeeze(0) if unbatched else y

@@ -1,0 +1,57 @@
+// Patchify (gather) and unpatchify (scatter): the data movement around the one GEMM of a
+// kernel == stride convolution and its transpose.
+//
+// A volume x[B, C, D, H, W] cut into non-overlapping kd x kh x kw patches is the patch matrix
+// P[B, N, K]: one row per patch ("token"), K = C * kd * kh * kw columns in the conv weight's order
+// (c, i, j, l). 1-D and 2-D problems are 3-D ones with leading spatial sizes of 1.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <optional>
+#include <vector>
+
+namespace patchgemm {
+
+using Dims3 = std::array<int64_t, 3>;
+
+struct PatchGeometry {
+  int64_t batch = 0, channels = 0;
+  Dims3 size{1, 1, 1};    // spatial sizes (D, H, W)
+  Dims3 kernel{1, 1, 1};  // patch sizes
+  Dims3 grid{1, 1, 1};    // patches per dim: size / kernel
+  // The order of the rows of P within a batch: tokens are enumerated level by level, coarse
+  // first, each level's (d, h, w) digits in row-major order; per dim, the level sizes multiply to
+  // the grid. One level {grid} is the usual row-major patch grid (conv(x).flatten(2) order); more
+  // levels make every group of later-stage patches contiguous rows (hierarchical stems).
+  std::vector<Dims3> levels;
+
+  int64_t tokens() const { return grid[0] * grid[1] * grid[2]; }
+  int64_t patch_size() const { return channels * kernel[0] * kernel[1] * kernel[2]; }
+};
+
+// Elements per 16 bytes: patch-matrix rows are padded to a multiple so BLAS and the kernels see
+// aligned rows.
+int64_t row_alignment(const at::Tensor& like);
+
+// The patch matrix of x5 [B, C, D, H, W] (any strides): P [B, N, ld] whose first K columns hold the
+// patches; with `ones_column` column K holds 1 (so a GEMM against [W | bias] adds the bias, and the
+// weight-gradient GEMM yields the bias gradient in that column). Columns past that are unwritten.
+at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column);
+
+// The inverse: y5 [B, C, D, H, W] (contiguous) = the patches in the first K columns of q [B, N, *]
+// (unit column stride), plus bias[C] when given. Every element of y5 is written.
+void unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
+                const at::Tensor& y5);
+
+#ifdef PATCHGEMM_WITH_CUDA
+namespace cuda {
+// The tiled kernels; false where they do not apply (the caller then runs the ATen version).
+bool patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column, const at::Tensor& p);
+bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
+                const at::Tensor& y5);
+}  // namespace cuda
+#endif
+
+}  // namespace patchgemm

@@ -1,0 +1,452 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import patchgemm
+from conftest import DEVICES, DTYPES, HAS_GPU, assert_close_to_ref, needs_gpu, poison_allocator, randn
+
+ops = torch.ops.patchgemm
+
+CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+# (x shape, kernel): 1-D/2-D/3-D, k = 1, k = the whole input, non-cubic patches, odd sizes.
+SHAPES = [
+    ((2, 3, 12), (4,)),
+    ((2, 3, 15), (5,)),
+    ((2, 3, 8, 12), (2, 4)),
+    ((3, 5, 7, 9), (7, 3)),
+    ((2, 3, 32, 48), (16, 16)),
+    ((2, 4, 4, 6, 8), (2, 3, 2)),
+    ((3, 3, 2, 28, 14), (2, 14, 14)),
+    ((2, 3, 2, 14, 14), (2, 14, 14)),  # one patch per sample (Qwen2-VL style: no gather)
+    ((2, 6, 3, 5, 7), (1, 1, 1)),
+    ((1, 4, 8, 8, 8), (2, 2, 2)),
+]
+
+
+def layout(x, kind):
+    """x with the given memory layout (same values)."""
+    if kind == "contiguous":
+        return x
+    if kind == "channels_last":
+        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+        return x.to(memory_format=fmt) if fmt else x.transpose(1, 2).contiguous().transpose(1, 2)
+    if kind == "every_other":  # no unit stride anywhere: copied once
+        big = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device)
+        big[..., ::2] = x
+        return big[..., ::2]
+    raise AssertionError(kind)
+
+
+def conv_tokens(y):
+    return y.flatten(2).transpose(1, 2)
+
+
+def make(shape, kernel, dtype, device, embed=5, bias=True):
+    x = randn(*shape, dtype=dtype, device=device)
+    w = randn(embed, shape[1], *kernel, dtype=dtype, device=device) / math.sqrt(shape[1] * math.prod(kernel))
+    b = randn(embed, dtype=dtype, device=device) if bias else None
+    return x, w, b
+
+
+def grads(out, inputs, grad_out):
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    return torch.autograd.grad(out, wanted, grad_out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,kernel", SHAPES)
+@pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_patch_embed_matches_float64_conv(device, dtype, shape, kernel, out_format, has_bias):
+    x, w, b = make(shape, kernel, dtype, device, bias=has_bias)
+    for t in (x, w, b):
+        if t is not None:
+            t.requires_grad_()
+    poison_allocator(x.numel() * 8, device)
+    y = patchgemm.patch_embed(x, w, b, out_format=out_format)
+    x64, w64 = x.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
+    b64 = None if b is None else b.detach().double().cpu().requires_grad_()
+    ref = CONV[len(kernel)](x64, w64, b64, stride=kernel)
+    ref = conv_tokens(ref) if out_format == "tokens" else ref
+    assert y.dtype == dtype and y.is_contiguous()
+    assert_close_to_ref(y, ref, dtype)
+    grad_y = randn(*ref.shape, dtype=torch.float64)
+    got = grads(y, [x, w, b], grad_y.to(device, dtype))
+    want = grads(ref, [x64, w64, b64], grad_y)
+    for g, r, name in zip(got, want, ["grad_x", "grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape,kernel", [s for s in SHAPES if len(s[1]) > 1])
+@pytest.mark.parametrize("memory", ["channels_last", "every_other"])
+def test_patch_embed_any_input_strides(device, dtype, shape, kernel, memory):
+    x, w, b = make(shape, kernel, dtype, device)
+    xs = layout(x, memory).requires_grad_()
+    for out_format in ("channels_first", "tokens"):
+        y = patchgemm.patch_embed(xs, w, b, out_format=out_format)
+        ref = CONV[len(kernel)](x.double().cpu(), w.double().cpu(), b.double().cpu(), stride=kernel)
+        assert_close_to_ref(y, conv_tokens(ref) if out_format == "tokens" else ref, dtype)
+        (gx,) = torch.autograd.grad(y, [xs], torch.ones_like(y))
+        x64 = x.detach().double().cpu().requires_grad_()
+        r = CONV[len(kernel)](x64, w.double().cpu(), b.double().cpu(), stride=kernel)
+        assert_close_to_ref(gx, torch.autograd.grad(r, [x64], torch.ones_like(r))[0], dtype, "grad_x")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,kernel", SHAPES)
+@pytest.mark.parametrize("in_format", ["channels_first", "tokens"])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_patch_unembed_matches_float64_conv_transpose(device, dtype, shape, kernel, in_format, has_bias):
+    grid = [s // k for s, k in zip(shape[2:], kernel)]
+    c_in, c_out = 6, shape[1]
+    x = randn(shape[0], c_in, *grid, dtype=dtype, device=device, requires_grad=True)
+    w = (randn(c_in, c_out, *kernel, dtype=dtype, device=device) / math.sqrt(c_in)).requires_grad_()
+    b = randn(c_out, dtype=dtype, device=device, requires_grad=True) if has_bias else None
+    inp = conv_tokens(x) if in_format == "tokens" else x
+    poison_allocator(math.prod(shape) * 8, device)
+    y = patchgemm.patch_unembed(inp, w, b, in_format=in_format, grid=grid)
+    x64, w64 = x.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
+    b64 = None if b is None else b.detach().double().cpu().requires_grad_()
+    ref = CONV_T[len(kernel)](x64, w64, b64, stride=kernel)
+    assert y.is_contiguous()
+    assert_close_to_ref(y, ref, dtype)
+    grad_y = randn(*ref.shape, dtype=torch.float64)
+    got = grads(y, [x, w, b], grad_y.to(device, dtype))
+    want = grads(ref, [x64, w64, b64], grad_y)
+    for g, r, name in zip(got, want, ["grad_x", "grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck(device):
+    x, w, b = make((2, 3, 4, 6), (2, 3), torch.float64, device, embed=4)
+    for t in (x, w, b):
+        t.requires_grad_()
+    for out_format in ("channels_first", "tokens"):
+        assert torch.autograd.gradcheck(lambda x, w, b: patchgemm.patch_embed(x, w, b, out_format=out_format), (x, w, b))
+    xt = randn(2, 4, 2, 2, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: patchgemm.patch_unembed(x, w, b[:3]), (xt, w, b))
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: patchgemm.patch_unembed(conv_tokens(x), w, b[:3], in_format="tokens", grid=(2, 2)), (xt, w, b))
+    # A hierarchical token order (levels): grid 2x2 of 2x2 groups.
+    xl = randn(2, 3, 8, 12, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: ops.patch_embed(x, w, b, True, [2, 2, 2, 2]), (xl, w, b))
+
+
+def test_backward_skips_grad_input_when_not_needed():
+    """The first layer of a network: x needs no gradient, so patch_unembed (dx) must not run."""
+    x, w, b = make((2, 3, 8, 8), (4, 4), torch.float32, "cpu")
+    w.requires_grad_()
+    b.requires_grad_()
+    with torch.profiler.profile() as prof:
+        patchgemm.patch_embed(x, w, b).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert "patchgemm::patch_weight_grad" in names
+    assert "patchgemm::patch_unembed" not in names, names
+    assert w.grad is not None and b.grad is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_levels_order_tokens_patch_major(device):
+    """levels=[grid..., k2...] lists tokens so every k2 x k2 group of patches is contiguous rows."""
+    x, w, b = make((2, 3, 8, 12), (2, 2), torch.float64, device)
+    y = ops.patch_embed(x, w, b, True, [2, 3, 2, 2])
+    ref = CONV[2](x, w, b, stride=2)  # [2, 5, 4, 6] -> rows (gh, gw, ih, iw), nh = gh*2 + ih
+    ref = ref.view(2, 5, 2, 2, 3, 2).permute(0, 2, 4, 3, 5, 1).reshape(2, 24, 5)
+    assert_close_to_ref(y, ref, torch.float64)
+    back = ops.patch_unembed(y, w, None, True, [2, 3, 2, 2])
+    assert_close_to_ref(back, CONV_T[2](CONV[2](x, w, b, stride=2), w, None, stride=2), torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x, w, b = make((2, 3, 4, 6), (2, 3), torch.float32, device, embed=4)
+    w.requires_grad_()
+    b.requires_grad_()
+    xr = x.clone().requires_grad_()
+    for tokens in (False, True):
+        torch.library.opcheck(ops.patch_embed, (xr, w, b, tokens, []))
+        y = ops.patch_embed(x, w, b, tokens, []).detach()  # a grad_y: not differentiable itself
+        torch.library.opcheck(ops.patch_weight_grad, (y, x, [2, 3], tokens, [], True))
+    xt = randn(2, 4, 2, 2, device=device, requires_grad=True)
+    torch.library.opcheck(ops.patch_unembed, (xt, w, b[:3], False, []))
+    torch.library.opcheck(ops.patch_unembed, (conv_tokens(xt).detach().requires_grad_(), w, b[:3], True, [2, 2]))
+    torch.library.opcheck(ops.patch_embed, (randn(2, 3, 8, 12, device=device), w, b, True, [2, 2, 2, 2]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+    embed = patchgemm.PatchEmbed(3, 8, (2, 4), out_format="tokens", device=device)
+    unembed = patchgemm.PatchUnembed(8, 3, (2, 4), in_format="tokens", grid=(4, 3), device=device)
+
+    def model(x):
+        return unembed(embed(x).relu())
+
+    x = randn(2, 3, 8, 12, device=device, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    y, y_ref = compiled(x), model(x)
+    torch.testing.assert_close(y, y_ref)
+    g = torch.autograd.grad(y.square().sum(), [x, embed.weight])
+    g_ref = torch.autograd.grad(y_ref.square().sum(), [x, embed.weight])
+    for a, r in zip(g, g_ref):
+        torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", [0, 1])
+def test_degenerate_sizes(device, batch):
+    x, w, b = make((batch, 3, 8, 8), (4, 4), torch.float32, device)
+    y = patchgemm.patch_embed(x, w, b)
+    ref = CONV[2](x.double(), w.double(), b.double(), stride=4)
+    assert y.shape == ref.shape
+    if batch:
+        assert_close_to_ref(y, ref, torch.float32)
+    w.requires_grad_()
+    y = patchgemm.patch_embed(x, w, b, out_format="tokens")
+    (gw,) = torch.autograd.grad(y.sum(), [w])
+    assert gw.shape == w.shape and (batch or gw.abs().sum() == 0)
+    u = patchgemm.patch_unembed(ref.float(), w.detach(), None)
+    assert u.shape == (batch, 3, 8, 8)
+    # No input channels: conv sums nothing, y is the bias.
+    y0 = patchgemm.patch_embed(randn(2, 0, 4, 4, device=device), randn(5, 0, 2, 2, device=device), b)
+    torch.testing.assert_close(y0, b.view(1, 5, 1, 1).expand(2, 5, 2, 2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_pad(device):
+    x, w, b = make((2, 3, 10, 13), (4, 4), torch.float64, device)
+    y = patchgemm.patch_embed(x, w, b, pad="dynamic")
+    ref = CONV[2](F.pad(x, (0, 3, 0, 2)), w, b, stride=4)
+    assert_close_to_ref(y, ref, torch.float64)
+    with pytest.raises(RuntimeError, match=r"not divisible by the patch size"):
+        patchgemm.patch_embed(x, w, b)
+
+
+def test_unbatched_input():
+    x, w, b = make((1, 3, 8, 8), (4, 4), torch.float64, "cpu")
+    y = patchgemm.patch_embed(x[0], w, b)
+    assert_close_to_ref(y, CONV[2](x[0], w, b, stride=4), torch.float64)
+    u = patchgemm.patch_unembed(y, w, b[:3])
+    assert_close_to_ref(u, CONV_T[2](y, w, b[:3], stride=4), torch.float64)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda x, w, b: patchgemm.patch_embed(x[0, 0], w, b), r"x must be \[B, C, \*S\]"),
+        (lambda x, w, b: patchgemm.patch_embed(x, w[0, 0], b), r"weight must be \[E, C, \*kernel\]"),
+        (lambda x, w, b: patchgemm.patch_embed(x[:, :2], w, b), r"x has 2 channels .* expects 3"),
+        (lambda x, w, b: patchgemm.patch_embed(x, w, b[:4]), r"bias must be \[5\]"),
+        (lambda x, w, b: patchgemm.patch_embed(x[..., :7], w, b), r"spatial size \[8, 7\] .* not divisible"),
+        (lambda x, w, b: patchgemm.patch_embed(x.double(), w, b), r"x has dtype Double but weight has dtype Float"),
+        (lambda x, w, b: patchgemm.patch_embed(x.int(), w, b), r"x must be float32"),
+        (lambda x, w, b: patchgemm.patch_embed(x, w, b, out_format="nhwc"), r"out_format must be one of"),
+        (lambda x, w, b: patchgemm.patch_unembed(x, w, None, in_format="tokens"), r"needs grid"),
+        (lambda x, w, b: patchgemm.patch_unembed(torch.zeros(2, 5, 5), w, None, in_format="tokens", grid=(2, 2)),
+         r"x has 5 tokens .* grid \[2, 2\] has 4"),
+        (lambda x, w, b: patchgemm.patch_unembed(torch.zeros(2, 4, 2, 2), w, None), r"x must be \[B, 5, \*grid\]"),
+        (lambda x, w, b: ops.patch_embed(x, w, b, True, [2, 2, 2]), r"levels must hold 1 to 4 groups of 2"),
+        (lambda x, w, b: ops.patch_embed(x, w, b, True, [2, 1, 2, 1]), r"multiply to grid \[4, 1\] .* grid is \[4, 4\]"),
+        (lambda x, w, b: ops.patch_embed(x, w, b, False, [4, 4]), r"levels .* need tokens output"),
+    ],
+)
+def test_bad_input_errors(call, message):
+    x, w, b = make((2, 3, 8, 8), (2, 2), torch.float32, "cpu")
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        call(x, w, b)
+
+
+@needs_gpu
+def test_device_mismatch_error():
+    x, w, b = make((2, 3, 8, 8), (2, 2), torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match=r"x is on cpu but weight is on cuda"):
+        patchgemm.patch_embed(x, w.cuda(), b.cuda())
+
+
+# ---- modules -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_modules_load_conv_state_dicts_and_match(device):
+    conv = nn.Conv3d(4, 8, (2, 3, 2), stride=(2, 3, 2), device=device)
+    pe = patchgemm.PatchEmbed(4, 8, (2, 3, 2), device=device)
+    pe.load_state_dict(conv.state_dict())
+    x = randn(2, 4, 4, 6, 4, device=device)
+    torch.testing.assert_close(pe(x), conv(x), atol=1e-5, rtol=1e-5)
+    ct = nn.ConvTranspose2d(8, 3, 4, stride=4, device=device)
+    pu = patchgemm.PatchUnembed.from_conv_transpose(ct)
+    assert pu.weight is ct.weight and pu.bias is ct.bias  # shared: optimizer state stays valid
+    z = randn(2, 8, 3, 5, device=device)
+    torch.testing.assert_close(pu(z), ct(z), atol=1e-5, rtol=1e-5)
+    assert patchgemm.PatchUnembed(8, 3, 4).state_dict().keys() == ct.state_dict().keys()
+    assert "patch_size=(4, 4)" in repr(pu)
+
+
+def test_module_init_matches_conv_bounds():
+    torch.manual_seed(0)
+    pe = patchgemm.PatchEmbed(3, 64, 16)
+    bound = 1 / math.sqrt(3 * 16 * 16)
+    assert pe.weight.abs().max() <= bound and pe.weight.abs().max() > 0.9 * bound
+    pu = patchgemm.PatchUnembed(64, 3, 4)
+    assert pu.weight.abs().max() <= 1 / math.sqrt(3 * 16)
+
+
+def test_convert_mixed_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 4, stride=4),                      # eligible
+        nn.Conv2d(16, 16, 3, padding=1),                    # not a patch embedding
+        nn.Sequential(nn.Conv2d(16, 16, 2, stride=2, groups=2),    # groups
+                      nn.ConvTranspose2d(16, 16, 2, stride=2),      # eligible
+                      nn.Conv2d(16, 16, 2, stride=2, padding_mode="circular"),
+                      nn.ConvTranspose2d(16, 3, 4, stride=4, output_padding=0)),  # eligible
+    )
+    x = randn(2, 3, 32, 32)
+    ref = model(x)
+    report = patchgemm.convert(model, inplace=False)
+    assert isinstance(model[0], nn.Conv2d)  # the original is untouched
+    swapped = dict(report.swapped)
+    skipped = dict(report.skipped)
+    assert swapped == {"0": "Conv2d -> PatchEmbed", "2.1": "ConvTranspose2d -> PatchUnembed",
+                       "2.3": "ConvTranspose2d -> PatchUnembed"}
+    assert set(skipped) == {"1", "2.0", "2.2"}
+    assert "groups=2" in skipped["2.0"] and "padding_mode='circular'" in skipped["2.2"]
+    assert "kernel_size (3, 3) != stride (1, 1)" in skipped["1"]
+    torch.testing.assert_close(report.model(x), ref, atol=1e-5, rtol=1e-5)
+    assert "swapped 3" in str(report)
+    report = patchgemm.convert(model)  # in place
+    assert isinstance(model[0], patchgemm.PatchEmbed) and report.model is model
+    root = patchgemm.convert(nn.Conv1d(2, 4, 3, stride=3))
+    assert isinstance(root.model, patchgemm.PatchEmbed)
+
+
+def _conv_stack(kinds, widths, kernels, rank, device):
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[rank] if kinds == "conv" else \
+        {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[rank]
+    norm = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}[rank]
+    convs = [conv(widths[i], widths[i + 1], kernels[i], stride=kernels[i], device=device, dtype=torch.float64)
+             for i in range(len(kernels))]
+    norms = [norm(w, affine=True, device=device, dtype=torch.float64) for w in widths[1:-1]]
+    for n in norms:
+        nn.init.normal_(n.weight)
+        nn.init.normal_(n.bias)
+
+    def run(x):
+        for i, c in enumerate(convs):
+            x = c(x)
+            if i < len(norms):
+                x = F.gelu(norms[i](x))
+        return x
+    return convs, norms, run
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rank,stages,size", [(3, [2, 2, 4], (16, 16, 32)), (2, [4, 2, 2], (32, 48)),
+                                              (3, [(1, 2, 2), 2], (4, 8, 8)), (1, [3], (12,))])
+def test_hierarchical_stems_match_conv_stacks(device, rank, stages, size):
+    kernels = [k if isinstance(k, tuple) else (k,) * rank for k in stages]
+    widths = [4] + [6] * (len(kernels) - 1) + [10]
+    convs, norms, run = _conv_stack("conv", widths, kernels, rank, device)
+    stem = patchgemm.HierarchicalPatchEmbed.from_convs(convs, norms)
+    x = randn(2, 4, *size, dtype=torch.float64, device=device, requires_grad=True)
+    y, ref = stem(x), run(x)
+    assert_close_to_ref(y, ref, torch.float64)
+    params = [x] + [p for m in convs + norms for p in m.parameters()]
+    g = randn(*ref.shape, dtype=torch.float64, device=device)
+    for a, r in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(ref, params, g)):
+        # (a bias right before an InstanceNorm has a zero gradient: compare absolutely)
+        torch.testing.assert_close(a, r, atol=1e-10, rtol=1e-9)
+    tokens = patchgemm.HierarchicalPatchEmbed.from_convs(convs, norms, out_format="tokens")(x)
+    assert_close_to_ref(tokens, conv_tokens(ref), torch.float64)
+
+    # The inverse stack, applied coarse to fine.
+    convs_t, norms_t, run_t = _conv_stack("transpose", widths[::-1], kernels[::-1], rank, device)
+    head = patchgemm.HierarchicalPatchUnembed.from_convs(convs_t, norms_t)
+    z = ref.detach().requires_grad_()
+    u, u_ref = head(z), run_t(z)
+    assert_close_to_ref(u, u_ref, torch.float64)
+    params = [z] + [p for m in convs_t + norms_t for p in m.parameters()]
+    g = randn(*u_ref.shape, dtype=torch.float64, device=device)
+    for a, r in zip(torch.autograd.grad(u, params, g), torch.autograd.grad(u_ref, params, g)):
+        torch.testing.assert_close(a, r, atol=1e-10, rtol=1e-9)
+    head_tokens = patchgemm.HierarchicalPatchUnembed.from_convs(convs_t, norms_t, in_format="tokens")
+    assert_close_to_ref(head_tokens(conv_tokens(z), grid=z.shape[2:]), u_ref, torch.float64)
+
+
+def test_hierarchical_defaults():
+    stem = patchgemm.HierarchicalPatchEmbed(4, 64, stages=[2, 2, 4])
+    assert [s.kernel_size for s in stem.stages] == [(2, 2, 2), (2, 2, 2), (4, 4, 4)]
+    assert [s.embed_dim for s in stem.stages] == [16, 16, 64]
+    y = stem(randn(1, 4, 16, 16, 16))
+    assert y.shape == (1, 64, 1, 1, 1)
+    head = patchgemm.HierarchicalPatchUnembed(64, 4, stages=[2, 2, 4])
+    assert head(y).shape == (1, 4, 16, 16, 16)
+    with pytest.raises(ValueError, match="divisible by the total patch"):
+        stem(randn(1, 4, 16, 16, 8))
+
+
+# ---- GPU specifics -------------------------------------------------------------------------------
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,kernel", [((2, 300, 4, 6, 70), (2, 2, 2)),   # several channel tiles
+                                          ((2, 7, 3, 9, 27), (3, 3, 3)),     # odd kernel: 2-byte units
+                                          ((3, 64, 2, 40, 200), (1, 4, 4)),  # partial w tiles
+                                          ((2, 2, 224, 224), (16, 16))])
+@pytest.mark.parametrize("memory", ["contiguous", "channels_last"])
+def test_gpu_gather_scatter_tilings(dtype, shape, kernel, memory):
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=24)
+    xs = layout(x, memory)
+    ref = CONV[len(kernel)](x.double(), w.double(), b.double(), stride=kernel)
+    for out_format in ("channels_first", "tokens"):
+        y = patchgemm.patch_embed(xs, w, b, out_format=out_format)
+        assert_close_to_ref(y, conv_tokens(ref) if out_format == "tokens" else ref, dtype)
+    w_t = randn(24, shape[1], *kernel, dtype=dtype, device="cuda") / math.sqrt(24)
+    b_t = randn(shape[1], dtype=dtype, device="cuda")
+    z = randn(*ref.shape, dtype=dtype, device="cuda")
+    for in_format in ("channels_first", "tokens"):
+        u = patchgemm.patch_unembed(conv_tokens(z) if in_format == "tokens" else z, w_t, b_t,
+                                    in_format=in_format, grid=ref.shape[2:])
+        assert_close_to_ref(u, CONV_T[len(kernel)](z.double(), w_t.double(), b_t.double(), stride=kernel), dtype)
+
+
+@needs_gpu
+def test_gpu_forward_keeps_no_patch_matrix():
+    """Activation memory: a layer keeps its output only (x and weight are inputs, saved by
+    reference); nn.Conv3d keeps the same, the linear rewrite also keeps the permuted patch copy."""
+    x, w, b = make((2, 8, 32, 32, 32), (2, 2, 2), torch.bfloat16, "cuda", embed=64)
+    w.requires_grad_()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = patchgemm.patch_embed(x, w, b)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    assert held <= y.numel() * y.element_size() + 2**20, (held, y.numel() * y.element_size())
+
+
+@needs_gpu
+def test_gpu_cuda_graph_capture():
+    x, w, b = make((2, 4, 16, 16, 16), (2, 2, 2), torch.bfloat16, "cuda", embed=32)
+    ref = patchgemm.patch_embed(x, w, b)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        patchgemm.patch_embed(x, w, b)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = patchgemm.patch_embed(x, w, b)
+    x.copy_(randn(*x.shape, dtype=x.dtype, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, patchgemm.patch_embed(x, w, b))
+    assert not torch.equal(out, ref)
