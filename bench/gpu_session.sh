@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: build, info, the whole test suite, compute-sanitizer on the CUDA paths,
 # and the benchmark suite. Logs go to $OUT (the device tool's result folder) or ./gpu-logs.
-#   bash bench/gpu_session.sh [pytest -k expression]
+#   [BENCH_FILTER=P] [BENCH_NOLT=1] bash bench/gpu_session.sh [pytest -k expression]
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # NOTE: on the lent GPU image $CXX is /opt/gcc/bin/g++, a wrapper whose extensions segfault whenever
@@ -22,6 +22,8 @@ for tool in memcheck racecheck; do
     >"$OUT/sanitizer-$tool.log" 2>&1; echo "$tool exit $?"; tail -3 "$OUT/sanitizer-$tool.log"
 done
 step bench
-python3 -m patchgemm bench --json "$OUT/bench.json" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
-step "bench, classic cuBLAS API only (PATCHGEMM_DISABLE_LT=1)"
-PATCHGEMM_DISABLE_LT=1 python3 -m patchgemm bench --filter "G1 bf16" 2>/dev/null | tee "$OUT/bench-nolt.txt"
+python3 -m patchgemm bench ${BENCH_FILTER:+--filter "$BENCH_FILTER"} --json "$OUT/bench.json" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+if [ -n "${BENCH_NOLT:-}" ]; then
+  step "bench, classic cuBLAS API only (PATCHGEMM_DISABLE_LT=1)"
+  PATCHGEMM_DISABLE_LT=1 python3 -m patchgemm bench --filter "G1 bf16" 2>/dev/null | tee "$OUT/bench-nolt.txt"
+fi

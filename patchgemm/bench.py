@@ -84,6 +84,7 @@ class Case:
     grad_inputs: List[str]  # inputs that get gradients in fwd+bwd
     needs_dx: bool = True
     notes: str = ""
+    flops_fwd_bwd: Optional[float] = None  # default: 3x forward with dx, 2x without
 
     @property
     def ours(self) -> str:
@@ -129,17 +130,191 @@ def grouped_linear_case(case_id, batch, groups, din, dout, dtype, device, bias=T
     )
 
 
+def _patch_grid(x, kernel):
+    return [s // k for s, k in zip(x.shape[2:], kernel)]
+
+
+def linear_patch_embed(x, w, b, tokens):
+    """The usual hand rewrite of a kernel == stride conv: view + permute + reshape + nn.Linear (and a
+    permuted view back to channels-first)."""
+    batch, channels, kernel = x.shape[0], x.shape[1], w.shape[2:]
+    grid, rank = _patch_grid(x, kernel), len(kernel)
+    split = [batch, channels] + [v for g, k in zip(grid, kernel) for v in (g, k)]
+    order = [0] + [2 + 2 * i for i in range(rank)] + [1] + [3 + 2 * i for i in range(rank)]
+    patches = x.reshape(split).permute(order).reshape(batch * math.prod(grid), -1)
+    y = F.linear(patches, w.reshape(w.shape[0], -1), b).view(batch, *grid, w.shape[0])
+    return y.flatten(1, rank) if tokens else y.movedim(-1, 1)
+
+
+def linear_patch_unembed(x, w, b):
+    """The hand rewrite of a kernel == stride ConvTranspose: tokens @ W, then permute the patches out."""
+    batch, c_in, grid = x.shape[0], x.shape[1], x.shape[2:]
+    kernel, rank, c_out = w.shape[2:], len(w.shape[2:]), w.shape[1]
+    q = (x.flatten(2).transpose(1, 2) @ w.reshape(c_in, -1)).view(batch, *grid, c_out, *kernel)
+    order = [0, 1 + rank] + [v for i in range(rank) for v in (1 + i, 2 + rank + i)]
+    y = q.permute(order).reshape(batch, c_out, *[g * k for g, k in zip(grid, kernel)])
+    return y if b is None else y + b.view(1, -1, *[1] * rank)
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def patch_embed_case(case_id, x_shape, embed, kernel, dtype, device, tokens=False, needs_dx=False) -> Case:
+    kernel = tuple(kernel)
+    elt = torch.finfo(dtype).bits // 8
+    channels, rank = x_shape[1], len(kernel)
+    fan_in = channels * math.prod(kernel)
+
+    def make_inputs():
+        return {
+            "x": randn(*x_shape, dtype=dtype, device=device, requires_grad=needs_dx),
+            "w": (randn(embed, channels, *kernel, dtype=dtype, device=device) / math.sqrt(fan_in)).requires_grad_(),
+            "b": randn(embed, dtype=dtype, device=device, requires_grad=True),
+        }
+
+    conv = _CONV[rank]
+    fmt = "tokens" if tokens else "channels_first"
+    impls = {
+        "patchgemm": lambda x, w, b: pg.patch_embed(x, w, b, out_format=fmt),
+        "cuDNN conv": lambda x, w, b: (lambda y: y.flatten(2).transpose(1, 2) if tokens else y)(
+            conv(x, w, b, stride=kernel)),
+        "linear": lambda x, w, b: linear_patch_embed(x, w, b, tokens),
+    }
+    tokens_n = math.prod(x_shape) // fan_in
+    x_n, w_n, y_n = math.prod(x_shape), embed * fan_in, tokens_n * embed
+    flops = 2.0 * tokens_n * fan_in * embed
+    fb_bytes = x_n + 2 * y_n + 2 * (w_n + embed) + (x_n if needs_dx else 0)
+    return Case(
+        id=case_id, dtype=dtype, make_inputs=make_inputs, impls=impls, flops_fwd=flops,
+        bytes_fwd=elt * (x_n + w_n + embed + y_n), bytes_fwd_bwd=elt * fb_bytes,
+        grad_inputs=(["x"] if needs_dx else []) + ["w", "b"], needs_dx=needs_dx,
+        notes=f"x{list(x_shape)} Conv{rank}d({channels}, {embed}, {kernel}) -> {fmt}, dx={needs_dx}")
+
+
+def patch_unembed_case(case_id, x_shape, out_channels, kernel, dtype, device) -> Case:
+    kernel = tuple(kernel)
+    elt = torch.finfo(dtype).bits // 8
+    c_in, rank = x_shape[1], len(kernel)
+
+    def make_inputs():
+        return {
+            "x": randn(*x_shape, dtype=dtype, device=device, requires_grad=True),
+            "w": (randn(c_in, out_channels, *kernel, dtype=dtype, device=device) / math.sqrt(c_in)).requires_grad_(),
+            "b": randn(out_channels, dtype=dtype, device=device, requires_grad=True),
+        }
+
+    conv_t = _CONV_T[rank]
+    impls = {
+        "patchgemm": lambda x, w, b: pg.patch_unembed(x, w, b),
+        "cuDNN conv": lambda x, w, b: conv_t(x, w, b, stride=kernel),
+        "linear": linear_patch_unembed,
+    }
+    x_n, w_n = math.prod(x_shape), c_in * out_channels * math.prod(kernel)
+    y_n = x_n // c_in * out_channels * math.prod(kernel)
+    return Case(
+        id=case_id, dtype=dtype, make_inputs=make_inputs, impls=impls,
+        flops_fwd=2.0 * x_n * out_channels * math.prod(kernel),
+        bytes_fwd=elt * (x_n + w_n + out_channels + y_n),
+        bytes_fwd_bwd=elt * 2 * (x_n + w_n + out_channels + y_n), grad_inputs=["x", "w", "b"],
+        notes=f"x{list(x_shape)} ConvTranspose{rank}d({c_in}, {out_channels}, {kernel})")
+
+
+def hmlp_stem_case(case_id, x_shape, widths, kernels, dtype, device) -> Case:
+    """A whole kernel == stride stem: Conv -> InstanceNorm -> GELU -> ... -> Conv (BENCHMARKS.md H1)."""
+    from torch.func import functional_call
+
+    from .nn import HierarchicalPatchEmbed
+
+    rank = len(x_shape) - 2
+    elt = torch.finfo(dtype).bits // 8
+    stem = HierarchicalPatchEmbed(widths[0], widths[-1], kernels, hidden_dim=widths[1], dims=rank,
+                                  device="meta")
+    names = [n for n, _ in stem.named_parameters()]
+    stages = len(kernels)
+
+    def make_inputs():
+        inputs = {"x": randn(*x_shape, dtype=dtype, device=device)}
+        for i, k in enumerate(kernels):
+            fan_in = widths[i] * k ** rank
+            inputs[f"w{i}"] = (randn(widths[i + 1], widths[i], *(k,) * rank, dtype=dtype, device=device)
+                               / math.sqrt(fan_in)).requires_grad_()
+            inputs[f"b{i}"] = randn(widths[i + 1], dtype=dtype, device=device, requires_grad=True)
+        for i in range(stages - 1):
+            inputs[f"g{i}"] = (1 + 0.1 * randn(widths[i + 1], dtype=dtype, device=device)).requires_grad_()
+            inputs[f"h{i}"] = (0.1 * randn(widths[i + 1], dtype=dtype, device=device)).requires_grad_()
+        return inputs
+
+    def stack(stage):
+        def run(x, **p):
+            for i in range(stages):
+                x = stage(x, p[f"w{i}"], p[f"b{i}"])
+                if i < stages - 1:
+                    x = F.gelu(F.instance_norm(x, weight=p[f"g{i}"], bias=p[f"h{i}"]))
+            return x
+        return run
+
+    def ours(x, **p):
+        mapping = {}
+        for i in range(stages):
+            mapping[f"stages.{i}.weight"], mapping[f"stages.{i}.bias"] = p[f"w{i}"], p[f"b{i}"]
+        for i in range(stages - 1):
+            mapping[f"norms.{i}.weight"], mapping[f"norms.{i}.bias"] = p[f"g{i}"], p[f"h{i}"]
+        assert set(mapping) == set(names)
+        return functional_call(stem, mapping, (x,))
+
+    conv = _CONV[rank]
+    impls = {
+        "patchgemm": ours,
+        "patchgemm per stage": stack(lambda x, w, b: pg.patch_embed(x, w, b)),
+        "cuDNN conv": stack(lambda x, w, b: conv(x, w, b, stride=w.shape[2:])),
+        "linear": stack(lambda x, w, b: linear_patch_embed(x, w, b, False)),
+    }
+    flops = flops_fb = bytes_f = bytes_fb = 0.0
+    tokens = math.prod(x_shape[2:])
+    for i, k in enumerate(kernels):
+        x_n = x_shape[0] * widths[i] * tokens
+        tokens //= k ** rank
+        fan_in = widths[i] * k ** rank
+        y_n, w_n = x_shape[0] * tokens * widths[i + 1], widths[i + 1] * fan_in
+        f = 2.0 * x_shape[0] * tokens * fan_in * widths[i + 1]
+        flops += f
+        flops_fb += f * (3 if i else 2)
+        bytes_f += elt * (x_n + w_n + y_n)
+        bytes_fb += elt * (x_n + 2 * y_n + 2 * w_n + (x_n if i else 0))
+    grads = [f"{p}{i}" for i in range(stages) for p in "wb"] + [f"{p}{i}" for i in range(stages - 1) for p in "gh"]
+    return Case(id=case_id, dtype=dtype, make_inputs=make_inputs, impls=impls, flops_fwd=flops,
+                bytes_fwd=bytes_f, bytes_fwd_bwd=bytes_fb, grad_inputs=grads, needs_dx=False,
+                flops_fwd_bwd=flops_fb,
+                notes=f"x{list(x_shape)} stem {widths} kernels {kernels} (floor: the convs only)")
+
+
 def suite(device: torch.device) -> List[Case]:
     """The public cases of BENCHMARKS.md, full size on a GPU and scaled down on the CPU."""
+    bf16, fp32 = torch.bfloat16, torch.float32
     if device.type == "cuda":
         g1 = dict(batch=2560, groups=12, din=1024, dout=3072)
-    else:
+        b, vol, p1_batch, p2_batch = 8, 128, 128, 4096
+    else:  # a smoke-sized version of every case
         g1 = dict(batch=64, groups=12, din=256, dout=384)
-    return [
-        grouped_linear_case("G1 bf16", dtype=torch.bfloat16, device=device, **g1),
-        grouped_linear_case("G1 bf16 no-bias", dtype=torch.bfloat16, device=device, bias=False, **g1),
-        grouped_linear_case("G1 fp32", dtype=torch.float32, device=device, **g1),
+        b, vol, p1_batch, p2_batch = 1, 32, 4, 64
+    cases = [
+        grouped_linear_case("G1 bf16", dtype=bf16, device=device, **g1),
+        grouped_linear_case("G1 bf16 no-bias", dtype=bf16, device=device, bias=False, **g1),
+        grouped_linear_case("G1 fp32", dtype=fp32, device=device, **g1),
+        patch_embed_case("P1", (p1_batch, 3, 224, 224), 768, (16, 16), bf16, device, tokens=True),
+        patch_embed_case("P2", (p2_batch, 3, 2, 14, 14), 1280, (2, 14, 14), bf16, device, tokens=True),
+        patch_embed_case("P3", (b, 4, vol, vol, vol), 192, (2, 2, 2), bf16, device),
+        patch_embed_case("P3 fp32", (b, 4, vol, vol, vol), 192, (2, 2, 2), fp32, device),
+        patch_embed_case("P4", (b, 192, vol // 2, vol // 2, vol // 2), 192, (2, 2, 2), bf16, device, needs_dx=True),
+        patch_embed_case("P5", (b, 192, vol // 4, vol // 4, vol // 4), 768, (4, 4, 4), bf16, device, needs_dx=True),
+        patch_embed_case("P5 fp32", (b, 192, vol // 4, vol // 4, vol // 4), 768, (4, 4, 4), fp32, device,
+                         needs_dx=True),
+        patch_unembed_case("U1", (b, 768, vol // 16, vol // 16, vol // 16), 192, (4, 4, 4), bf16, device),
+        patch_unembed_case("U2", (b, 192, vol // 2, vol // 2, vol // 2), 4, (2, 2, 2), bf16, device),
+        hmlp_stem_case("H1", (b, 4, vol, vol, vol), [4, 192, 192, 768], [2, 2, 4], bf16, device),
     ]
+    return cases
 
 
 # ---- running -------------------------------------------------------------------------------------
@@ -153,6 +328,7 @@ class Row:
     ms: Optional[float]
     tflops: Optional[float]
     floor_ms: float
+    peak_mb: Optional[float] = None  # fwd+bwd: peak memory above the inputs (activations, workspaces)
     error: str = ""
 
 
@@ -167,11 +343,23 @@ def _input_sets(case: Case, device: torch.device) -> List[Dict[str, torch.Tensor
     return [first] + [case.make_inputs() for _ in range(count - 1)]
 
 
+def _peak_mb(run, device: torch.device) -> Optional[float]:
+    """Peak memory one run allocates beyond what was allocated before it (MB)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    run(0)
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
 def run_case(case: Case, device: torch.device, ceilings: Ceilings, progress=None) -> List[Row]:
     sets = _input_sets(case, device)
     peak = ceilings.matmul_tflops[str(case.dtype).replace("torch.", "")]
     bw = ceilings.copy_tbs
-    flops_fb = case.flops_fwd * (3 if case.needs_dx else 2)
+    flops_fb = case.flops_fwd_bwd or case.flops_fwd * (3 if case.needs_dx else 2)
     floors = {
         "fwd": max(case.flops_fwd / peak / 1e9, case.bytes_fwd / bw / 1e9),
         "fwd+bwd": max(flops_fb / peak / 1e9, case.bytes_fwd_bwd / bw / 1e9),
@@ -192,8 +380,10 @@ def run_case(case: Case, device: torch.device, ceilings: Ceilings, progress=None
                 return torch.autograd.grad(out, [s[k] for k in case.grad_inputs], dy)
 
             try:
-                ms = time_ms(fwd if pass_ == "fwd" else fwd_bwd, device)
-                rows.append(Row(case.id, pass_, name, ms, flops[pass_] / ms / 1e9, floors[pass_]))
+                run = fwd if pass_ == "fwd" else fwd_bwd
+                ms = time_ms(run, device)
+                peak = _peak_mb(run, device) if pass_ == "fwd+bwd" else None
+                rows.append(Row(case.id, pass_, name, ms, flops[pass_] / ms / 1e9, floors[pass_], peak))
             except Exception as e:  # a baseline this torch/GPU lacks: report it, keep going
                 rows.append(Row(case.id, pass_, name, None, None, floors[pass_], error=str(e).split("\n")[0][:80]))
             if progress is not None:
@@ -203,16 +393,18 @@ def run_case(case: Case, device: torch.device, ceilings: Ceilings, progress=None
 
 def format_table(rows: List[Row]) -> str:
     ours = {(r.case, r.pass_): r.ms for r in rows if r.impl == "patchgemm" and r.ms}
-    head = f"{'case':<18} {'pass':<8} {'impl':<22} {'ms':>9} {'TFLOP/s':>8} {'floor ms':>9} {'x floor':>8} {'ours faster by':>14}"
+    head = (f"{'case':<16} {'pass':<8} {'impl':<20} {'ms':>9} {'TFLOP/s':>8} {'floor ms':>9} {'x floor':>8} "
+            f"{'ours faster by':>14} {'peak MB':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.ms is None:
-            lines.append(f"{r.case:<18} {r.pass_:<8} {r.impl:<22} {'n/a':>9}   ({r.error})")
+            lines.append(f"{r.case:<16} {r.pass_:<8} {r.impl:<20} {'n/a':>9}   ({r.error})")
             continue
         o = ours.get((r.case, r.pass_))
         speed = f"{r.ms / o:.2f}x" if o and r.impl != "patchgemm" else ""
-        lines.append(f"{r.case:<18} {r.pass_:<8} {r.impl:<22} {r.ms:>9.4f} {r.tflops:>8.1f} "
-                     f"{r.floor_ms:>9.4f} {r.ms / r.floor_ms:>8.2f} {speed:>14}")
+        peak = f"{r.peak_mb:>8.0f}" if r.peak_mb is not None else ""
+        lines.append(f"{r.case:<16} {r.pass_:<8} {r.impl:<20} {r.ms:>9.4f} {r.tflops:>8.1f} "
+                     f"{r.floor_ms:>9.4f} {r.ms / r.floor_ms:>8.2f} {speed:>14} {peak}")
     return "\n".join(lines)
 
 

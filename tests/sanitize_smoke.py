@@ -28,6 +28,30 @@ def main():
     y = patchgemm.grouped_linear(x, w, torch.randn(2, 3, device="cuda"))
     torch.autograd.grad(y, [x, w], torch.ones_like(y))
     ops._set_blas_int_limit(old)
+    # patch (un)embedding: every gather/scatter kernel, unit size and tiling edge
+    shapes = [((2, 5, 4, 6, 14), (2, 3, 2)), ((2, 3, 9, 21), (3, 7)), ((2, 70, 2, 4, 10), (2, 2, 2)),
+              ((3, 2, 2, 14, 14), (2, 14, 14))]
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        for shape, kernel in shapes:
+            for memory in ("contiguous", "channels_last"):
+                x = torch.randn(shape, dtype=dtype, device="cuda")
+                if memory == "channels_last":
+                    x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+                x.requires_grad_()
+                w = torch.randn(6, shape[1], *kernel, dtype=dtype, device="cuda", requires_grad=True)
+                b = torch.randn(6, dtype=dtype, device="cuda", requires_grad=True)
+                for out_format in ("channels_first", "tokens"):
+                    y = patchgemm.patch_embed(x, w, b, out_format=out_format)
+                    grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
+                    assert all(torch.isfinite(t).all() for t in (y, *grads))
+                    grid = [s // k for s, k in zip(shape[2:], kernel)]
+                    bias_out = torch.randn(shape[1], dtype=dtype, device="cuda")
+                    u = patchgemm.patch_unembed(y.detach(), w.detach(), bias_out, in_format=out_format, grid=grid)
+                    assert torch.isfinite(u).all()
+    stem = patchgemm.HierarchicalPatchEmbed(3, 16, [2, 2], device="cuda")
+    head = patchgemm.HierarchicalPatchUnembed(16, 3, [2, 2], device="cuda")
+    z = head(stem(torch.randn(2, 3, 8, 8, 8, device="cuda")))
+    torch.autograd.grad(z.sum(), list(stem.parameters()) + list(head.parameters()))
     torch.cuda.synchronize()
     print("sanitize_smoke: ok")
 
