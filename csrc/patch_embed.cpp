@@ -278,7 +278,7 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   at::Tensor grad_w = dw.select(0, 0).narrow(1, 0, K).reshape(w_shape).contiguous();
   at::Tensor grad_b = at::empty({0}, x.options());
   if (with_bias) {
-    grad_b = ones_column ? dw.select(0, 0).select(1, K).contiguous() : dy.sum({0, 1});
+    grad_b = ones_column ? dw.select(0, 0).select(1, K).contiguous() : dy.sum(std::vector<int64_t>{0, 1});
   }
   return {grad_w, grad_b};
 }
