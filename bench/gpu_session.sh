@@ -27,3 +27,7 @@ if [ -n "${BENCH_NOLT:-}" ]; then
   step "bench, classic cuBLAS API only (PATCHGEMM_DISABLE_LT=1)"
   PATCHGEMM_DISABLE_LT=1 python3 -m patchgemm bench --filter "G1 bf16" 2>/dev/null | tee "$OUT/bench-nolt.txt"
 fi
+if [ -n "${PROFILE:-}" ]; then
+  step "profile ($PROFILE)"
+  python3 "${OLDPWD}/bench/profile_cases.py" $PROFILE 2>&1 | tee "$OUT/profile.txt" | grep -E "^==|Self CUDA|^ +[a-zA-Z_:<]" | head -120
+fi

@@ -130,6 +130,19 @@ at::Tensor merge_batch(const at::Tensor& t) {
   return t;
 }
 
+// w2 [rows, K] as a GEMM operand of `width` (>= K) columns against a zero-padded patch matrix:
+// [W | bias | 0] (the bias meets P's ones column), or w2 itself when there is nothing to pad.
+// Full, aligned widths keep BLAS on its fast kernels (an odd K can cost several times).
+at::Tensor padded_weight(const at::Tensor& w2, const std::optional<at::Tensor>& bias,
+                         int64_t width) {
+  const int64_t K = w2.size(1);
+  if (width == K && !bias) return w2;
+  at::Tensor w = at::zeros({w2.size(0), width}, w2.options());
+  w.narrow(1, 0, K).copy_(w2);
+  if (bias) w.select(1, K).copy_(*bias);
+  return w;
+}
+
 }  // namespace
 
 at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
@@ -155,26 +168,20 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
   if (tokens || N == 1) {
     at::Tensor y = at::empty({g.batch, N, embed}, x.options());
     const auto view = patch_matrix_as_view(x5, g);
-    const at::Tensor p = view ? *view : patchify(x5, g, /*ones_column=*/false).narrow(2, 0, K);
-    // y[B*N, E] = P[B*N, K] @ W^T; the bias in the GEMM's epilogue where the backend has one.
-    run_gemm(merge_batch(p), w2.t().unsqueeze(0), merge_batch(y),
-             bias ? std::optional<at::Tensor>(bias->unsqueeze(0)) : std::nullopt);
+    const at::Tensor p = view ? *view : patchify(x5, g, /*ones_column=*/false);
+    // y[B*N, E] = P[B*N, ld] @ W'^T; the bias in the GEMM's epilogue where the backend has one.
+    run_gemm(merge_batch(p), padded_weight(w2, std::nullopt, p.size(2)).t().unsqueeze(0),
+             merge_batch(y), bias ? std::optional<at::Tensor>(bias->unsqueeze(0)) : std::nullopt);
     return tokens ? y : y.view(cf_shape);
   }
   // Channels-first: y[b] [E, N] = W' [E, K'] @ P[b]^T, batched over B with W' shared. The bias is
   // a column of W' against a ones column of P: no pass over y (whose bias would run along rows,
   // which BLAS epilogues do not offer).
   const at::Tensor p = patchify(x5, g, /*ones_column=*/bias.has_value());
-  at::Tensor w = w2;
-  if (bias) {
-    w = at::zeros({embed, p.size(2)}, weight.options());
-    w.narrow(1, 0, K).copy_(w2);
-    w.select(1, K).copy_(*bias);
-    w = w.narrow(1, 0, K + 1);
-  }
+  const at::Tensor w = padded_weight(w2, bias, p.size(2));
   at::Tensor y = at::empty(cf_shape, x.options());
-  run_gemm(w.unsqueeze(0).expand({g.batch, embed, w.size(1)}),
-           p.narrow(2, 0, w.size(1)).transpose(1, 2), y.view({g.batch, embed, N}));
+  run_gemm(w.unsqueeze(0).expand({g.batch, embed, w.size(1)}), p.transpose(1, 2),
+           y.view({g.batch, embed, N}));
   return y;
 }
 
@@ -224,9 +231,9 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
   // Q[B*N, K] = x_tokens[B*N, C_in] @ W[C_in, K]: one GEMM (batched over B with W shared when
   // x's strides keep B and N apart, e.g. channels-first input).
   const at::Tensor a = merge_batch(x_tokens);
-  const at::Tensor q_rows = q.narrow(2, 0, K);
-  run_gemm(a, weight.reshape({in_channels, K}).unsqueeze(0).expand({a.size(0), in_channels, K}),
-           a.size(0) == 1 ? merge_batch(q_rows) : q_rows);
+  const at::Tensor w = padded_weight(weight.reshape({in_channels, K}), std::nullopt, q.size(2));
+  run_gemm(a, w.unsqueeze(0).expand({a.size(0), in_channels, w.size(1)}),
+           a.size(0) == 1 ? merge_batch(q) : q);
   unpatchify(q, g, bias, to_5d(y));
   return y;
 }
@@ -259,20 +266,19 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   const auto view = patch_matrix_as_view(x5, g);
   const bool ones_column = with_bias && !view;  // the bias gradient comes out of the GEMM
   const at::Tensor p = view ? *view : patchify(x5, g, ones_column);
-  const int64_t cols = K + ones_column;
-  at::Tensor dw = at::empty({1, embed, cols}, x.options());
+  at::Tensor dw = at::empty({1, embed, p.size(2)}, x.options());  // [dW | dbias | (padding)]
   if (g.batch == 1 || dy.stride(0) == N * dy.stride(1)) {
     // One GEMM, reducing over all B*N tokens.
-    run_gemm(merge_batch(dy).transpose(1, 2), merge_batch(p.narrow(2, 0, cols)), dw);
+    run_gemm(merge_batch(dy).transpose(1, 2), merge_batch(p), dw);
   } else if (g.batch <= 16) {
     // Channels-first grad_y cannot merge B and N: one accumulating GEMM per sample.
     for (int64_t b = 0; b < g.batch; ++b) {
-      run_gemm(dy.narrow(0, b, 1).transpose(1, 2), p.narrow(0, b, 1).narrow(2, 0, cols), dw,
-               std::nullopt, /*accumulate=*/b > 0);
+      run_gemm(dy.narrow(0, b, 1).transpose(1, 2), p.narrow(0, b, 1), dw, std::nullopt,
+               /*accumulate=*/b > 0);
     }
   } else {
     // Many samples: one copy of grad_y into tokens order beats B separate calls.
-    run_gemm(merge_batch(dy.contiguous()).transpose(1, 2), merge_batch(p.narrow(2, 0, cols)), dw);
+    run_gemm(merge_batch(dy.contiguous()).transpose(1, 2), merge_batch(p), dw);
   }
   if (g.batch == 0) dw.zero_();
   at::Tensor grad_w = dw.select(0, 0).narrow(1, 0, K).reshape(w_shape).contiguous();

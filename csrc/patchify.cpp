@@ -46,6 +46,7 @@ at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_colu
   if (x5.is_cuda() && cuda::patchify(x5, g, ones_column, p)) return p;
 #endif
   patch_matrix_view(p, g).copy_(patch_order_view(x5, g));
+  p.narrow(2, g.patch_size(), ld - g.patch_size()).zero_();
   if (ones_column) p.select(2, g.patch_size()).fill_(1);
   return p;
 }

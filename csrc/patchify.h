@@ -35,9 +35,10 @@ struct PatchGeometry {
 // aligned rows.
 int64_t row_alignment(const at::Tensor& like);
 
-// The patch matrix of x5 [B, C, D, H, W] (any strides): P [B, N, ld] whose first K columns hold the
-// patches; with `ones_column` column K holds 1 (so a GEMM against [W | bias] adds the bias, and the
-// weight-gradient GEMM yields the bias gradient in that column). Columns past that are unwritten.
+// The patch matrix of x5 [B, C, D, H, W] (any strides): P [B, N, ld], ld = K (+1) rounded up to
+// row_alignment. The first K columns hold the patches; with `ones_column` column K holds 1 (so a
+// GEMM against [W | bias] adds the bias, and the weight-gradient GEMM yields the bias gradient in
+// that column); the other padding columns hold 0, so GEMMs can run over all ld (aligned) columns.
 at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column);
 
 // The inverse: y5 [B, C, D, H, W] (contiguous) = the patches in the first K columns of q [B, N, *]

@@ -14,10 +14,10 @@ needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA/ROCm GPU")
 @pytest.fixture(autouse=True)
 def _strict_fp32():
     """fp32 means IEEE fp32 in tests (TF32 only where a test asks for it)."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
-    torch.backends.cuda.matmul.allow_tf32 = old
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def randn(*shape, dtype=torch.float32, device="cpu", requires_grad=False):

@@ -15,6 +15,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <cstring>
 
 #include "patchify.h"
 
@@ -98,10 +99,14 @@ __device__ __forceinline__ void split_w(int e, const Tiling& t, int& token, int&
 }
 
 // Patch-matrix side of a tile: token `tok` owns `row_units` contiguous units at column `col0`.
+// Writing, the tile holding the last channels also fills the row's padding [pad_begin, ld):
+// `pad_first` (the bits of a ones column, or 0) then zeros.
 template <typename Unit, bool kToMatrix>
 __device__ __forceinline__ void matrix_side(Unit* tile, int pitch, int row_units, int64_t col0,
-                                            Unit* matrix, const Tiling& t, const Tile& tl) {
+                                            Unit* matrix, const Tiling& t, const Tile& tl,
+                                            int64_t pad_begin = 0, Unit pad_first = 0) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool pads = kToMatrix && tl.c0 + tl.cc == t.channels;
   for (int tok = warp; tok < tl.count; tok += kWarps) {
     const int64_t row = tl.b * t.tokens + token_row(t.order, tl.nd, tl.nh, tl.nw0 + tok);
     Unit* m = matrix + row * t.ld + col0;
@@ -113,12 +118,18 @@ __device__ __forceinline__ void matrix_side(Unit* tile, int pitch, int row_units
         s[u] = m[u];
       }
     }
+    if (pads) {
+      for (int64_t u = pad_begin + lane; u < t.ld; u += 32) {
+        matrix[row * t.ld + u] = u == pad_begin ? pad_first : Unit(0);
+      }
+    }
   }
 }
 
 template <typename Unit>
 __global__ void __launch_bounds__(kThreads)
-    gather_channels_first(const Unit* __restrict__ x, Unit* __restrict__ p, const Tiling t) {
+    gather_channels_first(const Unit* __restrict__ x, Unit* __restrict__ p, int64_t pad_begin,
+                          Unit pad_first, const Tiling t) {
   extern __shared__ __align__(16) unsigned char smem[];
   Unit* tile = reinterpret_cast<Unit*>(smem);
   const Tile tl = decode_tile(t);
@@ -139,14 +150,15 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   matrix_side<Unit, true>(tile, pitch, row_units, int64_t{tl.c0} * t.kd * t.kh * t.kw,
-                          p, t, tl);
+                          p, t, tl, pad_begin, pad_first);
 }
 
 // Channels-last volume (c contiguous, w stride C): units are single elements and every tile holds
 // all channels, so a (i, j) row is one run of T*kw*C contiguous elements.
 template <typename Unit>
 __global__ void __launch_bounds__(kThreads)
-    gather_channels_last(const Unit* __restrict__ x, Unit* __restrict__ p, const Tiling t) {
+    gather_channels_last(const Unit* __restrict__ x, Unit* __restrict__ p, int64_t pad_begin,
+                         Unit pad_first, const Tiling t) {
   extern __shared__ __align__(16) unsigned char smem[];
   Unit* tile = reinterpret_cast<Unit*>(smem);
   const Tile tl = decode_tile(t);
@@ -167,7 +179,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  matrix_side<Unit, true>(tile, pitch, row_units, 0, p, t, tl);
+  matrix_side<Unit, true>(tile, pitch, row_units, 0, p, t, tl, pad_begin, pad_first);
 }
 
 // y (contiguous, channels-first) = the tile's patches (+ bias per channel).
@@ -274,6 +286,16 @@ int64_t smem_bytes(const Tiling& t, int64_t unit_bytes, int64_t row_units) {
   return t.tile_tokens * (row_units | 1) * unit_bytes;
 }
 
+// The bit pattern of 1 in `dtype` (as the low bits of a 64-bit word).
+uint64_t one_as_bits(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf: return c10::Half(1.0f).x;
+    case at::kBFloat16: return c10::BFloat16(1.0f).x;
+    case at::kFloat: { const float one = 1.0f; uint32_t bits; std::memcpy(&bits, &one, 4); return bits; }
+    default: { const double one = 1.0; uint64_t bits; std::memcpy(&bits, &one, 8); return bits; }
+  }
+}
+
 }  // namespace
 
 bool patchify(const at::Tensor& x5_in, const PatchGeometry& g, bool ones_column,
@@ -291,13 +313,15 @@ bool patchify(const at::Tensor& x5_in, const PatchGeometry& g, bool ones_column,
   const int64_t blocks = g.batch * g.grid[0] * g.grid[1] * t.w_tiles * t.c_tiles;
   const int64_t row_units = int64_t{t.tile_channels} * t.kd * t.kh * t.kw;
   const int64_t smem = smem_bytes(t, unit_bytes, row_units);
+  // The padding's first element: 1 for a ones column, else 0 (in the low bits of its unit).
+  const uint64_t one_bits = ones_column ? one_as_bits(x5.scalar_type()) : 0;
   auto run = [&](auto unit_tag) {
     using Unit = decltype(unit_tag);
     const Unit* x = static_cast<const Unit*>(x5.data_ptr());
     Unit* out = static_cast<Unit*>(p.data_ptr());
     auto kernel = channels_last ? gather_channels_last<Unit> : gather_channels_first<Unit>;
     kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-        x, out, t);
+        x, out, g.patch_size() / per_unit, static_cast<Unit>(one_bits), t);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   switch (unit_bytes) {
@@ -306,7 +330,6 @@ bool patchify(const at::Tensor& x5_in, const PatchGeometry& g, bool ones_column,
     case 8: run(uint64_t{}); break;
     default: return false;
   }
-  if (ones_column) p.select(2, g.patch_size()).fill_(1);
   return true;
 }
 
