@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     bench = sub.add_parser("bench", help="run the benchmark suite (ours vs PyTorch baselines vs the floor)")
     bench.add_argument("--device", help="cuda or cpu (default: cuda if present)")
     bench.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
-    bench.add_argument("--filter", help="run only cases whose id contains this text")
+    bench.add_argument("--filter", help="run only cases whose id contains this text (comma-separated: any of them)")
     bench.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 cases (default: torch's setting)")
     sub.add_parser("info", help="version, build flavour, torch/CUDA/BLAS versions")
     args = parser.parse_args(argv)

@@ -421,7 +421,8 @@ def main(device: Optional[str] = None, json_path: Optional[str] = None, filter: 
     from tqdm import tqdm
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cases = [c for c in suite(dev) if not filter or filter.lower() in c.id.lower()]
+    wanted = [f.strip().lower() for f in (filter or "").split(",") if f.strip()]
+    cases = [c for c in suite(dev) if not wanted or any(f in c.id.lower() for f in wanted)]
     if not cases:
         print(f"patchgemm bench: no case matches --filter {filter!r}; cases: {[c.id for c in suite(dev)]}")
         return 2
