@@ -30,26 +30,26 @@ constexpr int64_t kTileBytes = 24 * 1024;    // shared memory per tile (several 
 constexpr int64_t kMinRunBytes = 256;        // volume-side contiguous bytes per row we aim for
 
 // Row of token (nd, nh, nw) within its batch: the digits of each grid coordinate, one per level
-// (coarse first), weighted by the level-major row strides.
+// (coarse first), weighted by the level-major row strides. A tile fixes (nd, nh), so the kernels
+// take the (nd, nh) part once per tile and only the w part per token.
 struct TokenOrder {
   int levels = 1;
-  int64_t size[kMaxLevels][3] = {};
+  int size[kMaxLevels][3] = {};
   int64_t row_stride[kMaxLevels][3] = {};
 };
 
-__device__ __forceinline__ int64_t token_row(const TokenOrder& o, int64_t nd, int64_t nh,
-                                             int64_t nw) {
-  const int64_t n[3] = {nd, nh, nw};
+__device__ __forceinline__ int64_t rows_of_dim(const TokenOrder& o, int d, int n) {
   int64_t row = 0;
-  for (int d = 0; d < 3; ++d) {
-    int64_t v = n[d];
-    for (int l = o.levels - 1; l >= 0; --l) {
-      const int64_t s = o.size[l][d];
-      row += (v % s) * o.row_stride[l][d];
-      v /= s;
-    }
+  for (int l = o.levels - 1; l >= 0; --l) {
+    const int s = o.size[l][d];
+    row += (n % s) * o.row_stride[l][d];
+    n /= s;
   }
   return row;
+}
+
+__device__ __forceinline__ int64_t w_rows(const TokenOrder& o, int nw) {
+  return o.levels == 1 ? int64_t{nw} : rows_of_dim(o, 2, nw);
 }
 
 // Everything in "units" (the data moved per access: 1 or 2 elements).
@@ -69,27 +69,30 @@ struct Tiling {
 };
 
 struct Tile {
-  int64_t b, nd, nh, nw0;
-  int count;  // tokens in this tile (the last along w may be short)
-  int c0, cc; // channel range
+  int64_t b, row0;  // row0: first row of batch b's tokens with this tile's (nd, nh)
+  int nd, nh, nw0;
+  int count;   // tokens in this tile (the last along w may be short)
+  int c0, cc;  // channel range
 };
 
+// 32-bit index math: the block count is below 2^31 (checked on the host).
 __device__ __forceinline__ Tile decode_tile(const Tiling& t) {
-  int64_t i = blockIdx.x;
+  unsigned i = blockIdx.x;
   Tile tile;
-  const int64_t ct = i % t.c_tiles;
-  i /= t.c_tiles;
-  const int64_t wt = i % t.w_tiles;
-  i /= t.w_tiles;
-  tile.nh = i % t.grid[1];
-  i /= t.grid[1];
-  tile.nd = i % t.grid[0];
-  tile.b = i / t.grid[0];
-  tile.nw0 = wt * t.tile_tokens;
-  const int64_t left = t.grid[2] - tile.nw0;
-  tile.count = static_cast<int>(left < t.tile_tokens ? left : t.tile_tokens);
-  tile.c0 = static_cast<int>(ct * t.tile_channels);
+  const unsigned ct = i % static_cast<unsigned>(t.c_tiles);
+  i /= static_cast<unsigned>(t.c_tiles);
+  const unsigned wt = i % static_cast<unsigned>(t.w_tiles);
+  i /= static_cast<unsigned>(t.w_tiles);
+  tile.nh = static_cast<int>(i % static_cast<unsigned>(t.grid[1]));
+  i /= static_cast<unsigned>(t.grid[1]);
+  tile.nd = static_cast<int>(i % static_cast<unsigned>(t.grid[0]));
+  tile.b = i / static_cast<unsigned>(t.grid[0]);
+  tile.nw0 = static_cast<int>(wt) * t.tile_tokens;
+  const int left = static_cast<int>(t.grid[2]) - tile.nw0;
+  tile.count = left < t.tile_tokens ? left : t.tile_tokens;
+  tile.c0 = static_cast<int>(ct) * t.tile_channels;
   tile.cc = t.channels - tile.c0 < t.tile_channels ? t.channels - tile.c0 : t.tile_channels;
+  tile.row0 = tile.b * t.tokens + rows_of_dim(t.order, 0, tile.nd) + rows_of_dim(t.order, 1, tile.nh);
   return tile;
 }
 
@@ -108,7 +111,7 @@ __device__ __forceinline__ void matrix_side(Unit* tile, int pitch, int row_units
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool pads = kToMatrix && tl.c0 + tl.cc == t.channels;
   for (int tok = warp; tok < tl.count; tok += kWarps) {
-    const int64_t row = tl.b * t.tokens + token_row(t.order, tl.nd, tl.nh, tl.nw0 + tok);
+    const int64_t row = tl.row0 + w_rows(t.order, tl.nw0 + tok);
     Unit* m = matrix + row * t.ld + col0;
     Unit* s = tile + tok * pitch;
     for (int u = lane; u < row_units; u += 32) {
@@ -228,7 +231,7 @@ TokenOrder token_order(const PatchGeometry& g) {
   int64_t stride = 1;
   for (int l = o.levels - 1; l >= 0; --l) {
     for (int d = 2; d >= 0; --d) {
-      o.size[l][d] = g.levels[l][d];
+      o.size[l][d] = static_cast<int>(g.levels[l][d]);
       o.row_stride[l][d] = stride;
       stride *= g.levels[l][d];
     }
