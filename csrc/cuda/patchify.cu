@@ -24,7 +24,6 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr int kMaxLevels = 4;
 constexpr int64_t kTileBytes = 24 * 1024;    // shared memory per tile (several blocks per SM)
 constexpr int64_t kMinRunBytes = 256;        // volume-side contiguous bytes per row we aim for
@@ -59,72 +58,183 @@ struct Tiling {
   int channels = 0;            // C
   int kd = 1, kh = 1, kw = 1;  // kw in units (channels-first)
   int kw_shift = -1;           // log2(kw) if kw is a power of two
-  int64_t grid[3] = {};
-  int tile_tokens = 1;         // T
+  int grid[3] = {};
+  int tile_tokens = 1;         // T: tokens along w per patch row
+  int tile_rows = 1;           // Hc: patch rows (along h) per tile
   int tile_channels = 1;       // Cc
-  int64_t w_tiles = 1, c_tiles = 1;
+  int w_tiles = 1, h_tiles = 1, c_tiles = 1;
   int64_t ld = 0;              // patch-matrix row stride
   int64_t tokens = 0;          // N
   TokenOrder order;
 };
 
-struct Tile {
-  int64_t b, row0;  // row0: first row of batch b's tokens with this tile's (nd, nh)
-  int nd, nh, nw0;
-  int count;   // tokens in this tile (the last along w may be short)
-  int c0, cc;  // channel range
+constexpr int kMaxTileTokens = 256;  // Hc * T
+constexpr int kMaxTileRows = 1024;   // volume rows per tile: Hc * Cc * kd * kh
+constexpr int kBatch = 8;            // independent loads in flight per thread
+
+// n / d and n % d for 0 <= n < 2^31 by multiply-high (Granlund-Montgomery), d fixed per block.
+struct FastDiv {
+  unsigned d, magic, shift;
+  __device__ explicit FastDiv(unsigned divisor) : d(divisor) {
+    shift = 0;
+    while ((1u << shift) < d) ++shift;
+    magic = static_cast<unsigned>(((1ull << 32) * ((1ull << shift) - d)) / d + 1);
+  }
+  __device__ __forceinline__ unsigned div(unsigned n) const { return (__umulhi(n, magic) + n) >> shift; }
 };
 
-// 32-bit index math: the block count is below 2^31 (checked on the host).
+struct Tile {
+  int64_t b;
+  int nd, nh0, nw0;
+  int hc, count;  // patch rows and tokens per row in this tile (the last ones may be short)
+  int c0, cc;     // channel range
+  __device__ int tokens() const { return hc * count; }
+};
+
 __device__ __forceinline__ Tile decode_tile(const Tiling& t) {
-  unsigned i = blockIdx.x;
+  unsigned i = blockIdx.x;  // the block count is below 2^31 (checked on the host)
   Tile tile;
-  const unsigned ct = i % static_cast<unsigned>(t.c_tiles);
-  i /= static_cast<unsigned>(t.c_tiles);
-  const unsigned wt = i % static_cast<unsigned>(t.w_tiles);
-  i /= static_cast<unsigned>(t.w_tiles);
-  tile.nh = static_cast<int>(i % static_cast<unsigned>(t.grid[1]));
-  i /= static_cast<unsigned>(t.grid[1]);
-  tile.nd = static_cast<int>(i % static_cast<unsigned>(t.grid[0]));
-  tile.b = i / static_cast<unsigned>(t.grid[0]);
+  const unsigned ct = i % t.c_tiles;
+  i /= t.c_tiles;
+  const unsigned wt = i % t.w_tiles;
+  i /= t.w_tiles;
+  const unsigned ht = i % t.h_tiles;
+  i /= t.h_tiles;
+  tile.nd = static_cast<int>(i % t.grid[0]);
+  tile.b = i / t.grid[0];
+  tile.nh0 = static_cast<int>(ht) * t.tile_rows;
+  tile.hc = min(t.tile_rows, t.grid[1] - tile.nh0);
   tile.nw0 = static_cast<int>(wt) * t.tile_tokens;
-  const int left = static_cast<int>(t.grid[2]) - tile.nw0;
-  tile.count = left < t.tile_tokens ? left : t.tile_tokens;
+  tile.count = min(t.tile_tokens, t.grid[2] - tile.nw0);
   tile.c0 = static_cast<int>(ct) * t.tile_channels;
-  tile.cc = t.channels - tile.c0 < t.tile_channels ? t.channels - tile.c0 : t.tile_channels;
-  tile.row0 = tile.b * t.tokens + rows_of_dim(t.order, 0, tile.nd) + rows_of_dim(t.order, 1, tile.nh);
+  tile.cc = min(t.tile_channels, t.channels - tile.c0);
   return tile;
 }
 
-__device__ __forceinline__ void split_w(int e, const Tiling& t, int& token, int& l) {
-  token = t.kw_shift >= 0 ? e >> t.kw_shift : e / t.kw;
-  l = e - token * t.kw;
+// The per-tile tables: each token's patch-matrix row, and each volume row's offset (from the
+// tile's origin), shared-memory offset and channel. Volume rows are (hl, c, i, j) channels-first,
+// (hl, i, j) channels-last.
+struct Tables {
+  int64_t token_row[kMaxTileTokens];
+  int64_t vol_off[kMaxTileRows];
+  int smem_off[kMaxTileRows];
+  int chan[kMaxTileRows];
+};
+
+template <bool kChannelsLast>
+__device__ __forceinline__ int fill_tables(Tables& tb, const Tiling& t, const Tile& tl, int pitch) {
+  const int64_t row0 = tl.b * t.tokens + rows_of_dim(t.order, 0, tl.nd);
+  for (int tok = threadIdx.x; tok < tl.tokens(); tok += kThreads) {
+    const int hl = tok / tl.count, w = tok - hl * tl.count;
+    tb.token_row[tok] = row0 + rows_of_dim(t.order, 1, tl.nh0 + hl) + w_rows(t.order, tl.nw0 + w);
+  }
+  const int per_hl = (kChannelsLast ? 1 : tl.cc) * t.kd * t.kh;
+  const int rows = tl.hc * per_hl;
+  for (int r = threadIdx.x; r < rows; r += kThreads) {
+    const int hl = r / per_hl, cij = r - hl * per_hl;
+    const int j = cij % t.kh, ci = cij / t.kh, i = ci % t.kd, c = ci / t.kd;
+    tb.vol_off[r] = c * t.vol_stride[1] + i * t.vol_stride[2] +
+                    (int64_t{hl} * t.kh + j) * t.vol_stride[3];
+    tb.smem_off[r] = hl * tl.count * pitch + cij * t.kw;
+    tb.chan[r] = tl.c0 + c;
+  }
+  return rows;
 }
 
-// Patch-matrix side of a tile: token `tok` owns `row_units` contiguous units at column `col0`.
-// Writing, the tile holding the last channels also fills the row's padding [pad_begin, ld):
-// `pad_first` (the bits of a ones column, or 0) then zeros.
-template <typename Unit, bool kToMatrix>
-__device__ __forceinline__ void matrix_side(Unit* tile, int pitch, int row_units, int64_t col0,
-                                            Unit* matrix, const Tiling& t, const Tile& tl,
-                                            int64_t pad_begin = 0, Unit pad_first = 0) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool pads = kToMatrix && tl.c0 + tl.cc == t.channels;
-  for (int tok = warp; tok < tl.count; tok += kWarps) {
-    const int64_t row = tl.row0 + w_rows(t.order, tl.nw0 + tok);
-    Unit* m = matrix + row * t.ld + col0;
-    Unit* s = tile + tok * pitch;
-    for (int u = lane; u < row_units; u += 32) {
-      if (kToMatrix) {
-        m[u] = s[u];
-      } else {
-        s[u] = m[u];
+__device__ __forceinline__ int64_t tile_origin(const Tiling& t, const Tile& tl, int64_t w_step) {
+  return tl.b * t.vol_stride[0] + int64_t{tl.c0} * t.vol_stride[1] +
+         int64_t{tl.nd} * t.kd * t.vol_stride[2] + int64_t{tl.nh0} * t.kh * t.vol_stride[3] +
+         int64_t{tl.nw0} * w_step;
+}
+
+// Volume side of a channels-first tile: rows x (count * kw) contiguous units, kBatch loads in
+// flight per thread. kToTile: volume -> tile (gather), else tile (+ bias) -> volume (scatter).
+template <typename Unit, typename scalar_t, bool kToTile>
+__device__ __forceinline__ void volume_side(Unit* vol, Unit* tile, const Tables& tb, int rows,
+                                            int pitch, const Tiling& t, const Tile& tl,
+                                            const scalar_t* bias) {
+  const int run = tl.count * t.kw;
+  const FastDiv by_run(run);
+  const int total = rows * run;
+  for (int i0 = threadIdx.x; i0 < total; i0 += kThreads * kBatch) {
+    Unit v[kBatch];
+    int at[kBatch];
+    int64_t g[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int idx = i0 + k * kThreads;
+      if (idx < total) {
+        const int r = by_run.div(idx), e = idx - r * run;
+        const int tok = t.kw_shift >= 0 ? e >> t.kw_shift : e / t.kw;
+        at[k] = tb.smem_off[r] + tok * pitch + (e - tok * t.kw);
+        g[k] = tb.vol_off[r] + e;
+        if (kToTile) v[k] = vol[g[k]];
       }
     }
-    if (pads) {
-      for (int64_t u = pad_begin + lane; u < t.ld; u += 32) {
-        matrix[row * t.ld + u] = u == pad_begin ? pad_first : Unit(0);
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int idx = i0 + k * kThreads;
+      if (idx < total) {
+        if (kToTile) {
+          tile[at[k]] = v[k];
+        } else {
+          Unit u = tile[at[k]];
+          if (bias) {
+            using opmath_t = at::opmath_type<scalar_t>;
+            const opmath_t b = static_cast<opmath_t>(bias[tb.chan[by_run.div(idx)]]);
+            scalar_t* e = reinterpret_cast<scalar_t*>(&u);
+#pragma unroll
+            for (int q = 0; q < static_cast<int>(sizeof(Unit) / sizeof(scalar_t)); ++q) {
+              e[q] = static_cast<scalar_t>(static_cast<opmath_t>(e[q]) + b);
+            }
+          }
+          vol[g[k]] = u;
+        }
       }
+    }
+  }
+}
+
+// Patch-matrix side: each token owns `row_units` contiguous units at column `col0`, kBatch
+// accesses in flight per thread. Writing, the tile holding the last channels also fills the row's
+// padding [pad_begin, ld): `pad_first` (the bits of a ones column, or 0), then zeros.
+template <typename Unit, bool kToMatrix>
+__device__ __forceinline__ void matrix_side(Unit* matrix, Unit* tile, const Tables& tb,
+                                            int row_units, int pitch, int64_t col0,
+                                            const Tiling& t, const Tile& tl, int64_t pad_begin,
+                                            Unit pad_first) {
+  const FastDiv by_row(row_units);
+  const int total = tl.tokens() * row_units;
+  for (int i0 = threadIdx.x; i0 < total; i0 += kThreads * kBatch) {
+    Unit v[kBatch];
+    int at[kBatch];
+    int64_t g[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int idx = i0 + k * kThreads;
+      if (idx < total) {
+        const int tok = by_row.div(idx), u = idx - tok * row_units;
+        at[k] = tok * pitch + u;
+        g[k] = tb.token_row[tok] * t.ld + col0 + u;
+        v[k] = kToMatrix ? tile[at[k]] : matrix[g[k]];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (i0 + k * kThreads < total) {
+        if (kToMatrix) {
+          matrix[g[k]] = v[k];
+        } else {
+          tile[at[k]] = v[k];
+        }
+      }
+    }
+  }
+  if (kToMatrix && tl.c0 + tl.cc == t.channels) {
+    const int pad = static_cast<int>(t.ld - pad_begin);
+    for (int idx = threadIdx.x; idx < tl.tokens() * pad; idx += kThreads) {
+      const int tok = idx / pad, u = idx - tok * pad;
+      matrix[tb.token_row[tok] * t.ld + pad_begin + u] = u == 0 ? pad_first : Unit(0);
     }
   }
 }
@@ -134,55 +244,58 @@ __global__ void __launch_bounds__(kThreads)
     gather_channels_first(const Unit* __restrict__ x, Unit* __restrict__ p, int64_t pad_begin,
                           Unit pad_first, const Tiling t) {
   extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ Tables tb;
   Unit* tile = reinterpret_cast<Unit*>(smem);
   const Tile tl = decode_tile(t);
-  const int rows = tl.cc * t.kd * t.kh, row_units = rows * t.kw, pitch = row_units | 1;
-  const int run = tl.count * t.kw;
-  const Unit* base = x + tl.b * t.vol_stride[0] + tl.c0 * t.vol_stride[1] +
-                     tl.nd * t.kd * t.vol_stride[2] + tl.nh * t.kh * t.vol_stride[3] +
-                     tl.nw0 * t.kw;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < rows; r += kWarps) {  // r = (c, i, j), the patch column r * kw + l
-    const int j = r % t.kh, ci = r / t.kh, i = ci % t.kd, c = ci / t.kd;
-    const Unit* src = base + c * t.vol_stride[1] + i * t.vol_stride[2] + j * t.vol_stride[3];
-    for (int e = lane; e < run; e += 32) {
-      int tok, l;
-      split_w(e, t, tok, l);
-      tile[tok * pitch + r * t.kw + l] = src[e];
-    }
-  }
+  const int row_units = tl.cc * t.kd * t.kh * t.kw, pitch = row_units | 1;
+  const int rows = fill_tables<false>(tb, t, tl, pitch);
   __syncthreads();
-  matrix_side<Unit, true>(tile, pitch, row_units, int64_t{tl.c0} * t.kd * t.kh * t.kw,
-                          p, t, tl, pad_begin, pad_first);
+  volume_side<Unit, float, true>(const_cast<Unit*>(x) + tile_origin(t, tl, t.kw), tile, tb, rows,
+                                 pitch, t, tl, nullptr);
+  __syncthreads();
+  matrix_side<Unit, true>(p, tile, tb, row_units, pitch, int64_t{tl.c0} * t.kd * t.kh * t.kw, t,
+                          tl, pad_begin, pad_first);
 }
 
 // Channels-last volume (c contiguous, w stride C): units are single elements and every tile holds
-// all channels, so a (i, j) row is one run of T*kw*C contiguous elements.
+// all channels, so a (hl, i, j) row is one run of T*kw*C contiguous elements.
 template <typename Unit>
 __global__ void __launch_bounds__(kThreads)
     gather_channels_last(const Unit* __restrict__ x, Unit* __restrict__ p, int64_t pad_begin,
                          Unit pad_first, const Tiling t) {
   extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ Tables tb;
   Unit* tile = reinterpret_cast<Unit*>(smem);
   const Tile tl = decode_tile(t);
   const int C = t.channels, per_channel = t.kd * t.kh * t.kw;
   const int row_units = C * per_channel, pitch = row_units | 1;
+  const int rows = fill_tables<true>(tb, t, tl, pitch);
+  __syncthreads();
+  const Unit* base = x + tile_origin(t, tl, int64_t{t.kw} * C);
   const int run = tl.count * t.kw * C;
-  const Unit* base = x + tl.b * t.vol_stride[0] + tl.nd * t.kd * t.vol_stride[2] +
-                     tl.nh * t.kh * t.vol_stride[3] + tl.nw0 * t.kw * C;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < t.kd * t.kh; r += kWarps) {  // r = (i, j)
-    const int i = r / t.kh, j = r % t.kh;
-    const Unit* src = base + i * t.vol_stride[2] + j * t.vol_stride[3];
-    for (int e = lane; e < run; e += 32) {
-      const int c = e % C;
-      int tok, l;
-      split_w(e / C, t, tok, l);
-      tile[tok * pitch + c * per_channel + r * t.kw + l] = src[e];
+  const FastDiv by_run(run), by_c(C);
+  const int total = rows * run;
+  for (int i0 = threadIdx.x; i0 < total; i0 += kThreads * kBatch) {
+    Unit v[kBatch];
+    int at[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int idx = i0 + k * kThreads;
+      if (idx < total) {
+        const int r = by_run.div(idx), e = idx - r * run;
+        const int w = by_c.div(e), c = e - w * C;
+        const int tok = t.kw_shift >= 0 ? w >> t.kw_shift : w / t.kw;
+        at[k] = tb.smem_off[r] + tok * pitch + c * per_channel + (w - tok * t.kw);
+        v[k] = base[tb.vol_off[r] + e];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (i0 + k * kThreads < total) tile[at[k]] = v[k];
     }
   }
   __syncthreads();
-  matrix_side<Unit, true>(tile, pitch, row_units, 0, p, t, tl, pad_begin, pad_first);
+  matrix_side<Unit, true>(p, tile, tb, row_units, pitch, 0, t, tl, pad_begin, pad_first);
 }
 
 // y (contiguous, channels-first) = the tile's patches (+ bias per channel).
@@ -191,34 +304,17 @@ __global__ void __launch_bounds__(kThreads)
     scatter_channels_first(const Unit* __restrict__ q, Unit* __restrict__ y,
                            const scalar_t* __restrict__ bias, const Tiling t) {
   extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ Tables tb;
   Unit* tile = reinterpret_cast<Unit*>(smem);
   const Tile tl = decode_tile(t);
-  const int rows = tl.cc * t.kd * t.kh, row_units = rows * t.kw, pitch = row_units | 1;
-  matrix_side<Unit, false>(tile, pitch, row_units, int64_t{tl.c0} * t.kd * t.kh * t.kw,
-                           const_cast<Unit*>(q), t, tl);
+  const int row_units = tl.cc * t.kd * t.kh * t.kw, pitch = row_units | 1;
+  const int rows = fill_tables<false>(tb, t, tl, pitch);
   __syncthreads();
-  constexpr int kPerUnit = sizeof(Unit) / sizeof(scalar_t);
-  using opmath_t = at::opmath_type<scalar_t>;
-  const int run = tl.count * t.kw;
-  Unit* base = y + tl.b * t.vol_stride[0] + tl.c0 * t.vol_stride[1] +
-               tl.nd * t.kd * t.vol_stride[2] + tl.nh * t.kh * t.vol_stride[3] + tl.nw0 * t.kw;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < rows; r += kWarps) {
-    const int j = r % t.kh, ci = r / t.kh, i = ci % t.kd, c = ci / t.kd;
-    Unit* dst = base + c * t.vol_stride[1] + i * t.vol_stride[2] + j * t.vol_stride[3];
-    const opmath_t b = bias ? static_cast<opmath_t>(bias[tl.c0 + c]) : opmath_t(0);
-    for (int e = lane; e < run; e += 32) {
-      int tok, l;
-      split_w(e, t, tok, l);
-      Unit unit = tile[tok * pitch + r * t.kw + l];
-      if (bias) {
-        scalar_t* v = reinterpret_cast<scalar_t*>(&unit);
-#pragma unroll
-        for (int k = 0; k < kPerUnit; ++k) v[k] = static_cast<scalar_t>(static_cast<opmath_t>(v[k]) + b);
-      }
-      dst[e] = unit;
-    }
-  }
+  matrix_side<Unit, false>(const_cast<Unit*>(q), tile, tb, row_units, pitch,
+                           int64_t{tl.c0} * t.kd * t.kh * t.kw, t, tl, 0, Unit(0));
+  __syncthreads();
+  volume_side<Unit, scalar_t, false>(y + tile_origin(t, tl, t.kw), tile, tb, rows, pitch, t, tl,
+                                     bias);
 }
 
 // ---- host side ----------------------------------------------------------------------------------
@@ -250,22 +346,47 @@ int elements_per_unit(const at::Tensor& vol, const at::Tensor& matrix, const Pat
   return matrix.stride(1) % 2 == 0 ? 2 : 1;
 }
 
-// Tile sizes for a channels-first volume: enough tokens for long contiguous volume runs, then as
-// many channels as fit the shared-memory budget. False if one channel of one patch does not fit.
+// Tile sizes: enough tokens along w for long contiguous volume runs, then as many channels as fit
+// the shared-memory budget, then (when all channels fit) several patch rows, so that small patches
+// still give every block real work. False if one channel of one patch does not fit.
 bool plan_tiles(Tiling& t, const PatchGeometry& g, int64_t unit_bytes, bool all_channels) {
-  const int64_t per_channel = g.kernel[0] * g.kernel[1] * t.kw;  // units
-  const int64_t run_tokens = (kMinRunBytes + t.kw * unit_bytes - 1) / (t.kw * unit_bytes);
-  int64_t tokens = std::min<int64_t>(g.grid[2], std::max<int64_t>(1, run_tokens));
+  for (int d = 0; d < 3; ++d) {
+    if (g.grid[d] > INT_MAX) return false;
+  }
+  const int64_t kdkh = g.kernel[0] * g.kernel[1];
+  const int64_t per_channel = kdkh * t.kw;  // units
   const int64_t budget = kTileBytes / unit_bytes;
+  const int64_t run_tokens = (kMinRunBytes + t.kw * unit_bytes - 1) / (t.kw * unit_bytes);
+  int64_t tokens = std::min<int64_t>({g.grid[2], kMaxTileTokens, std::max<int64_t>(1, run_tokens)});
   int64_t channels = all_channels ? g.channels
-                                  : std::min<int64_t>(g.channels, std::max<int64_t>(1, budget / (tokens * per_channel)));
+                                  : std::min<int64_t>({g.channels, std::max<int64_t>(1, budget / (tokens * per_channel)),
+                                                       std::max<int64_t>(1, kMaxTileRows / kdkh)});
   while (tokens > 1 && tokens * (channels * per_channel + 1) > budget) tokens = (tokens + 1) / 2;
-  if (tokens * (channels * per_channel + 1) > budget) return false;
+  const int64_t tile_units = tokens * (channels * per_channel + 1);
+  const int64_t rows_per_patch_row = (all_channels ? 1 : channels) * kdkh;
+  if (tile_units > budget || rows_per_patch_row > kMaxTileRows) return false;
+  int64_t patch_rows = 1;
+  if (channels == g.channels) {
+    patch_rows = std::min<int64_t>({g.grid[1], budget / tile_units, kMaxTileTokens / tokens,
+                                    kMaxTileRows / rows_per_patch_row});
+    patch_rows = std::max<int64_t>(1, patch_rows);
+  }
   t.tile_tokens = static_cast<int>(tokens);
   t.tile_channels = static_cast<int>(channels);
-  t.w_tiles = (g.grid[2] + tokens - 1) / tokens;
-  t.c_tiles = (g.channels + channels - 1) / channels;
-  return g.batch * g.grid[0] * g.grid[1] * t.w_tiles * t.c_tiles <= INT_MAX;
+  t.tile_rows = static_cast<int>(patch_rows);
+  t.w_tiles = static_cast<int>((g.grid[2] + tokens - 1) / tokens);
+  t.h_tiles = static_cast<int>((g.grid[1] + patch_rows - 1) / patch_rows);
+  t.c_tiles = static_cast<int>((g.channels + channels - 1) / channels);
+  return g.batch * g.grid[0] * t.h_tiles * t.w_tiles * t.c_tiles <= INT_MAX;
+}
+
+int64_t tile_blocks(const Tiling& t, const PatchGeometry& g) {
+  return g.batch * g.grid[0] * int64_t{t.h_tiles} * t.w_tiles * t.c_tiles;
+}
+
+int64_t smem_bytes(const Tiling& t, int64_t unit_bytes) {
+  const int64_t row_units = int64_t{t.tile_channels} * t.kd * t.kh * t.kw;
+  return int64_t{t.tile_rows} * t.tile_tokens * (row_units | 1) * unit_bytes;
 }
 
 Tiling base_tiling(const at::Tensor& vol, const at::Tensor& matrix, const PatchGeometry& g,
@@ -278,15 +399,11 @@ Tiling base_tiling(const at::Tensor& vol, const at::Tensor& matrix, const PatchG
   t.kh = static_cast<int>(g.kernel[1]);
   t.kw = static_cast<int>(g.kernel[2] / per_unit);
   t.kw_shift = (t.kw & (t.kw - 1)) == 0 ? __builtin_ctz(t.kw) : -1;
-  for (int d = 0; d < 3; ++d) t.grid[d] = g.grid[d];
+  for (int d = 0; d < 3; ++d) t.grid[d] = static_cast<int>(g.grid[d]);
   t.ld = matrix.stride(1) / per_unit;
   t.tokens = g.tokens();
   t.order = token_order(g);
   return t;
-}
-
-int64_t smem_bytes(const Tiling& t, int64_t unit_bytes, int64_t row_units) {
-  return t.tile_tokens * (row_units | 1) * unit_bytes;
 }
 
 // The bit pattern of 1 in `dtype` (as the low bits of a 64-bit word).
@@ -313,9 +430,7 @@ bool patchify(const at::Tensor& x5_in, const PatchGeometry& g, bool ones_column,
   const int64_t unit_bytes = x5.element_size() * per_unit;
   Tiling t = base_tiling(x5, p, g, per_unit);
   if (!plan_tiles(t, g, unit_bytes, channels_last)) return false;
-  const int64_t blocks = g.batch * g.grid[0] * g.grid[1] * t.w_tiles * t.c_tiles;
-  const int64_t row_units = int64_t{t.tile_channels} * t.kd * t.kh * t.kw;
-  const int64_t smem = smem_bytes(t, unit_bytes, row_units);
+  const int64_t blocks = tile_blocks(t, g), smem = smem_bytes(t, unit_bytes);
   // The padding's first element: 1 for a ones column, else 0 (in the low bits of its unit).
   const uint64_t one_bits = ones_column ? one_as_bits(x5.scalar_type()) : 0;
   auto run = [&](auto unit_tag) {
@@ -347,8 +462,7 @@ bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional
   const int64_t unit_bytes = y5.element_size() * per_unit;
   Tiling t = base_tiling(y5, q, g, per_unit);
   if (!plan_tiles(t, g, unit_bytes, false)) return false;
-  const int64_t blocks = g.batch * g.grid[0] * g.grid[1] * t.w_tiles * t.c_tiles;
-  const int64_t smem = smem_bytes(t, unit_bytes, int64_t{t.tile_channels} * t.kd * t.kh * t.kw);
+  const int64_t blocks = tile_blocks(t, g), smem = smem_bytes(t, unit_bytes);
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y5.scalar_type(), "patchgemm_unpatchify", [&] {
     const scalar_t* bias_ptr = bias ? b.const_data_ptr<scalar_t>() : nullptr;
