@@ -16,6 +16,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "patchify.h"
 
@@ -65,6 +66,7 @@ struct Tiling {
   int w_tiles = 1, h_tiles = 1, c_tiles = 1;
   int64_t ld = 0;              // patch-matrix row stride
   int64_t tokens = 0;          // N
+  bool volume_vectors = false; // volume row starts are 16-byte aligned given an aligned origin
   TokenOrder order;
 };
 
@@ -147,88 +149,140 @@ __device__ __forceinline__ int64_t tile_origin(const Tiling& t, const Tile& tl, 
          int64_t{tl.nw0} * w_step;
 }
 
-// Volume side of a channels-first tile: rows x (count * kw) contiguous units, kBatch loads in
-// flight per thread. kToTile: volume -> tile (gather), else tile (+ bias) -> volume (scatter).
-template <typename Unit, typename scalar_t, bool kToTile>
+// 16 bytes of units, the access width of both global sides where alignment allows.
+template <typename Unit>
+struct alignas(16) Vec {
+  static constexpr int kUnits = 16 / sizeof(Unit);
+  Unit u[kUnits];
+};
+
+// Volume side of a channels-first tile: rows x (count * kw) contiguous units, moved as V-unit
+// vectors (V = 16 bytes, or 1 unit), kBatch accesses in flight per thread. kToTile: volume -> tile
+// (gather), else tile (+ bias) -> volume (scatter).
+template <typename Unit, typename scalar_t, bool kToTile, int V>
 __device__ __forceinline__ void volume_side(Unit* vol, Unit* tile, const Tables& tb, int rows,
                                             int pitch, const Tiling& t, const Tile& tl,
                                             const scalar_t* bias) {
-  const int run = tl.count * t.kw;
-  const FastDiv by_run(run);
-  const int total = rows * run;
+  using Vector = std::conditional_t<V == 1, Unit, Vec<Unit>>;
+  const int run = tl.count * t.kw, vectors = run / V;
+  const FastDiv by_row(vectors);
+  const int total = rows * vectors;
   for (int i0 = threadIdx.x; i0 < total; i0 += kThreads * kBatch) {
-    Unit v[kBatch];
+    Vector v[kBatch];
+    int r[kBatch], e0[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int idx = i0 + k * kThreads;
+      if (idx < total) {
+        r[k] = by_row.div(idx);
+        e0[k] = (idx - r[k] * vectors) * V;
+        if (kToTile) v[k] = reinterpret_cast<const Vector*>(vol + tb.vol_off[r[k]])[e0[k] / V];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (i0 + k * kThreads >= total) continue;
+      int tok = t.kw_shift >= 0 ? e0[k] >> t.kw_shift : e0[k] / t.kw;
+      int l = e0[k] - tok * t.kw;
+      Unit* units = reinterpret_cast<Unit*>(&v[k]);
+      using opmath_t = at::opmath_type<scalar_t>;
+      const opmath_t b = !kToTile && bias ? static_cast<opmath_t>(bias[tb.chan[r[k]]]) : opmath_t(0);
+#pragma unroll
+      for (int q = 0; q < V; ++q) {
+        Unit& s = tile[tb.smem_off[r[k]] + tok * pitch + l];
+        if (kToTile) {
+          s = units[q];
+        } else {
+          units[q] = s;
+          if (bias) {
+            scalar_t* e = reinterpret_cast<scalar_t*>(&units[q]);
+#pragma unroll
+            for (int z = 0; z < static_cast<int>(sizeof(Unit) / sizeof(scalar_t)); ++z) {
+              e[z] = static_cast<scalar_t>(static_cast<opmath_t>(e[z]) + b);
+            }
+          }
+        }
+        if (++l == t.kw) {
+          l = 0;
+          ++tok;
+        }
+      }
+      if (!kToTile) reinterpret_cast<Vector*>(vol + tb.vol_off[r[k]])[e0[k] / V] = v[k];
+    }
+  }
+}
+
+template <typename Unit, typename scalar_t, bool kToTile>
+__device__ __forceinline__ void volume_side_any(Unit* vol, Unit* tile, const Tables& tb, int rows,
+                                                int pitch, const Tiling& t, const Tile& tl,
+                                                const scalar_t* bias) {
+  constexpr int V = Vec<Unit>::kUnits;
+  // Vectors need 16-byte aligned row starts (the host checked the strides) and whole vectors.
+  if (t.volume_vectors && (tl.count * t.kw) % V == 0 &&
+      reinterpret_cast<uintptr_t>(vol) % 16 == 0) {
+    volume_side<Unit, scalar_t, kToTile, V>(vol, tile, tb, rows, pitch, t, tl, bias);
+  } else {
+    volume_side<Unit, scalar_t, kToTile, 1>(vol, tile, tb, rows, pitch, t, tl, bias);
+  }
+}
+
+// Patch-matrix side: each token owns `row_units` contiguous units at column `col0`, moved as
+// V-unit vectors, kBatch accesses in flight per thread.
+template <typename Unit, bool kToMatrix, int V>
+__device__ __forceinline__ void matrix_rows(Unit* matrix, Unit* tile, const Tables& tb,
+                                            int row_units, int pitch, int64_t col0,
+                                            const Tiling& t, const Tile& tl) {
+  using Vector = std::conditional_t<V == 1, Unit, Vec<Unit>>;
+  const int vectors = row_units / V;
+  const FastDiv by_row(vectors);
+  const int total = tl.tokens() * vectors;
+  for (int i0 = threadIdx.x; i0 < total; i0 += kThreads * kBatch) {
+    Vector v[kBatch];
     int at[kBatch];
     int64_t g[kBatch];
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
       const int idx = i0 + k * kThreads;
       if (idx < total) {
-        const int r = by_run.div(idx), e = idx - r * run;
-        const int tok = t.kw_shift >= 0 ? e >> t.kw_shift : e / t.kw;
-        at[k] = tb.smem_off[r] + tok * pitch + (e - tok * t.kw);
-        g[k] = tb.vol_off[r] + e;
-        if (kToTile) v[k] = vol[g[k]];
+        const int tok = by_row.div(idx), u = (idx - tok * vectors) * V;
+        at[k] = tok * pitch + u;
+        g[k] = (tb.token_row[tok] * t.ld + col0 + u) / V;
+        Unit* units = reinterpret_cast<Unit*>(&v[k]);
+        if (kToMatrix) {
+#pragma unroll
+          for (int q = 0; q < V; ++q) units[q] = tile[at[k] + q];
+        } else {
+          v[k] = reinterpret_cast<const Vector*>(matrix)[g[k]];
+        }
       }
     }
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const int idx = i0 + k * kThreads;
-      if (idx < total) {
-        if (kToTile) {
-          tile[at[k]] = v[k];
-        } else {
-          Unit u = tile[at[k]];
-          if (bias) {
-            using opmath_t = at::opmath_type<scalar_t>;
-            const opmath_t b = static_cast<opmath_t>(bias[tb.chan[by_run.div(idx)]]);
-            scalar_t* e = reinterpret_cast<scalar_t*>(&u);
+      if (i0 + k * kThreads >= total) continue;
+      if (kToMatrix) {
+        reinterpret_cast<Vector*>(matrix)[g[k]] = v[k];
+      } else {
+        const Unit* units = reinterpret_cast<const Unit*>(&v[k]);
 #pragma unroll
-            for (int q = 0; q < static_cast<int>(sizeof(Unit) / sizeof(scalar_t)); ++q) {
-              e[q] = static_cast<scalar_t>(static_cast<opmath_t>(e[q]) + b);
-            }
-          }
-          vol[g[k]] = u;
-        }
+        for (int q = 0; q < V; ++q) tile[at[k] + q] = units[q];
       }
     }
   }
 }
 
-// Patch-matrix side: each token owns `row_units` contiguous units at column `col0`, kBatch
-// accesses in flight per thread. Writing, the tile holding the last channels also fills the row's
-// padding [pad_begin, ld): `pad_first` (the bits of a ones column, or 0), then zeros.
+// Writing, the tile holding the last channels also fills each row's padding [pad_begin, ld):
+// `pad_first` (the bits of a ones column, or 0), then zeros.
 template <typename Unit, bool kToMatrix>
 __device__ __forceinline__ void matrix_side(Unit* matrix, Unit* tile, const Tables& tb,
                                             int row_units, int pitch, int64_t col0,
                                             const Tiling& t, const Tile& tl, int64_t pad_begin,
                                             Unit pad_first) {
-  const FastDiv by_row(row_units);
-  const int total = tl.tokens() * row_units;
-  for (int i0 = threadIdx.x; i0 < total; i0 += kThreads * kBatch) {
-    Unit v[kBatch];
-    int at[kBatch];
-    int64_t g[kBatch];
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int idx = i0 + k * kThreads;
-      if (idx < total) {
-        const int tok = by_row.div(idx), u = idx - tok * row_units;
-        at[k] = tok * pitch + u;
-        g[k] = tb.token_row[tok] * t.ld + col0 + u;
-        v[k] = kToMatrix ? tile[at[k]] : matrix[g[k]];
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      if (i0 + k * kThreads < total) {
-        if (kToMatrix) {
-          matrix[g[k]] = v[k];
-        } else {
-          tile[at[k]] = v[k];
-        }
-      }
-    }
+  constexpr int V = Vec<Unit>::kUnits;
+  if (row_units % V == 0 && col0 % V == 0 && t.ld % V == 0 &&
+      reinterpret_cast<uintptr_t>(matrix) % 16 == 0) {
+    matrix_rows<Unit, kToMatrix, V>(matrix, tile, tb, row_units, pitch, col0, t, tl);
+  } else {
+    matrix_rows<Unit, kToMatrix, 1>(matrix, tile, tb, row_units, pitch, col0, t, tl);
   }
   if (kToMatrix && tl.c0 + tl.cc == t.channels) {
     const int pad = static_cast<int>(t.ld - pad_begin);
@@ -250,8 +304,8 @@ __global__ void __launch_bounds__(kThreads)
   const int row_units = tl.cc * t.kd * t.kh * t.kw, pitch = row_units | 1;
   const int rows = fill_tables<false>(tb, t, tl, pitch);
   __syncthreads();
-  volume_side<Unit, float, true>(const_cast<Unit*>(x) + tile_origin(t, tl, t.kw), tile, tb, rows,
-                                 pitch, t, tl, nullptr);
+  volume_side_any<Unit, float, true>(const_cast<Unit*>(x) + tile_origin(t, tl, t.kw), tile, tb,
+                                     rows, pitch, t, tl, nullptr);
   __syncthreads();
   matrix_side<Unit, true>(p, tile, tb, row_units, pitch, int64_t{tl.c0} * t.kd * t.kh * t.kw, t,
                           tl, pad_begin, pad_first);
@@ -313,8 +367,8 @@ __global__ void __launch_bounds__(kThreads)
   matrix_side<Unit, false>(const_cast<Unit*>(q), tile, tb, row_units, pitch,
                            int64_t{tl.c0} * t.kd * t.kh * t.kw, t, tl, 0, Unit(0));
   __syncthreads();
-  volume_side<Unit, scalar_t, false>(y + tile_origin(t, tl, t.kw), tile, tb, rows, pitch, t, tl,
-                                     bias);
+  volume_side_any<Unit, scalar_t, false>(y + tile_origin(t, tl, t.kw), tile, tb, rows, pitch, t,
+                                         tl, bias);
 }
 
 // ---- host side ----------------------------------------------------------------------------------
@@ -403,6 +457,9 @@ Tiling base_tiling(const at::Tensor& vol, const at::Tensor& matrix, const PatchG
   t.ld = matrix.stride(1) / per_unit;
   t.tokens = g.tokens();
   t.order = token_order(g);
+  // 16-byte volume vectors: every stride a multiple of 16 bytes (the tile origin is checked per block).
+  t.volume_vectors = true;
+  for (int d = 1; d < 4; ++d) t.volume_vectors &= (stride_or_zero(vol, d) * vol.element_size()) % 16 == 0;
   return t;
 }
 
