@@ -1,12 +1,14 @@
 // Gather (patchify) and scatter (unpatchify) kernels.
 //
-// One thread block moves one tile: T consecutive patches along w (fixed b, nd, nh) times a chunk
-// of Cc channels. The tile passes through shared memory in the patch matrix's layout, so both
-// global sides are coalesced: the volume side reads (writes) runs of T*kw contiguous elements per
-// (c, i, j) row (T*kw*C for channels-last input), the patch-matrix side Cc*kd*kh*kw contiguous
-// elements per token. Data moves in 4-byte units where alignment allows (pairs of 16-bit
-// elements), so a warp covers 128 contiguous bytes per access; the shared-memory row pitch is odd
-// in units, so the transposing side is free of bank conflicts.
+// One thread block moves one tile: T consecutive patches along w, times Hc patch rows along h
+// (fixed b, nd), times a chunk of Cc channels. The tile passes through shared memory in the patch
+// matrix's layout, so both global sides are coalesced: the volume side moves runs of T*kw
+// contiguous elements per (patch row, c, i, j) row (T*kw*C for channels-last input), the
+// patch-matrix side Cc*kd*kh*kw contiguous elements per token. Both sides use 16-byte vectors
+// where alignment allows (else 4-byte pairs of 16-bit elements, or single elements), with 8
+// independent accesses in flight per thread; per-tile offset tables and a multiply-high divide
+// keep the index math off the critical path. The shared-memory row pitch is odd in units, so the
+// transposing side is free of bank conflicts.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
