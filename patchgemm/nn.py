@@ -3,7 +3,7 @@
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -307,11 +307,21 @@ def _make_norm(kind: Optional[str], channels: int, rank: int, factory) -> Option
     return (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)[rank - 1](channels, affine=True, **factory)
 
 
-def _check_norm(norm: nn.Module, channels: int, where: str) -> None:
-    if not isinstance(norm, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)) or norm.track_running_stats:
-        raise ValueError(f"{where}: norms must be nn.InstanceNorm*d without running stats, got {norm}")
-    if norm.affine and norm.num_features != channels:
-        raise ValueError(f"{where}: norm {norm} does not match {channels} channels")
+def _norms_between(norms: Optional[Sequence[Optional[nn.Module]]], channels: Sequence[int],
+                   where: str) -> nn.ModuleList:
+    """The norms between consecutive stages (``channels[i]`` features after stage i), checked;
+    None (or a None entry) means no norm there."""
+    norms = list(norms) if norms is not None else [None] * len(channels)
+    if len(norms) != len(channels):
+        raise ValueError(f"{where}: need one norm (or None) between each pair of convs")
+    for norm, c in zip(norms, channels):
+        if norm is None:
+            continue
+        if not isinstance(norm, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)) or norm.track_running_stats:
+            raise ValueError(f"{where}: norms must be nn.InstanceNorm*d without running stats, got {norm}")
+        if norm.affine and norm.num_features != c:
+            raise ValueError(f"{where}: norm {norm} does not match {c} channels")
+    return nn.ModuleList(n if n is not None else nn.Identity() for n in norms)
 
 
 def _tokens_weight(weight: Tensor, transposed: bool) -> Tensor:
@@ -363,16 +373,11 @@ class HierarchicalPatchEmbed(nn.Module):
         for i in range(1, len(stages)):
             if stages[i].in_channels != stages[i - 1].embed_dim or len(stages[i].kernel_size) != len(stages[0].kernel_size):
                 raise ValueError(f"HierarchicalPatchEmbed.from_convs: convs[{i}] {convs[i]} does not follow {convs[i - 1]}")
-        norms = list(norms) if norms is not None else [None] * (len(convs) - 1)
-        if len(norms) != len(convs) - 1:
-            raise ValueError("HierarchicalPatchEmbed.from_convs: need one norm (or None) between each pair of convs")
-        for i, n in enumerate(norms):
-            if n is not None:
-                _check_norm(n, stages[i].embed_dim, "HierarchicalPatchEmbed.from_convs")
+        norms = _norms_between(norms, [s.embed_dim for s in stages[:-1]], "HierarchicalPatchEmbed.from_convs")
         module = cls(stages[0].in_channels, stages[-1].embed_dim, [s.kernel_size for s in stages],
                      norm=None, act=act, dims=len(stages[0].kernel_size), out_format=out_format, device="meta")
         module.stages = nn.ModuleList(stages)
-        module.norms = nn.ModuleList(n if n is not None else nn.Identity() for n in norms)
+        module.norms = norms
         return module
 
     def forward(self, x: Tensor) -> Tensor:
@@ -440,16 +445,11 @@ class HierarchicalPatchUnembed(nn.Module):
         for i in range(1, len(stages)):
             if stages[i].in_channels != stages[i - 1].out_channels:
                 raise ValueError(f"HierarchicalPatchUnembed.from_convs: convs[{i}] {convs[i]} does not follow {convs[i - 1]}")
-        norms = list(norms) if norms is not None else [None] * (len(convs) - 1)
-        if len(norms) != len(convs) - 1:
-            raise ValueError("HierarchicalPatchUnembed.from_convs: need one norm (or None) between each pair of convs")
-        for i, n in enumerate(norms):
-            if n is not None:
-                _check_norm(n, stages[i].out_channels, "HierarchicalPatchUnembed.from_convs")
+        norms = _norms_between(norms, [s.out_channels for s in stages[:-1]], "HierarchicalPatchUnembed.from_convs")
         module = cls(stages[0].in_channels, stages[-1].out_channels, [s.kernel_size for s in reversed(stages)],
                      norm=None, act=act, dims=len(stages[0].kernel_size), in_format=in_format, device="meta")
         module.stages = nn.ModuleList(stages)
-        module.norms = nn.ModuleList(n if n is not None else nn.Identity() for n in norms)
+        module.norms = norms
         return module
 
     def forward(self, x: Tensor, grid: Optional[Sequence[int]] = None) -> Tensor:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import patchgemm
-from conftest import DEVICES, DTYPES, HAS_GPU, assert_close_to_ref, needs_gpu, poison_allocator, randn
+from conftest import DEVICES, DTYPES, assert_close_to_ref, needs_gpu, poison_allocator, randn
 
 ops = torch.ops.patchgemm
 
