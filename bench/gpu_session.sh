@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One GPU-machine session: build, info, the whole test suite, compute-sanitizer on the CUDA paths,
-# and the benchmark suite. Logs go to $OUT (the device tool's result folder) or ./gpu-logs.
-#   [BENCH_FILTER=P] [BENCH_NOLT=1] bash bench/gpu_session.sh [pytest -k expression]
+# the benchmark suite (table, JSON, plot) and the C++ microbenchmarks. Logs go to $OUT (the device
+# tool's result folder) or ./gpu-logs.
+#   [BENCH_FILTER=P] [BENCH_NOLT=1] [MICROBENCH_ARGS=...] bash bench/gpu_session.sh [pytest -k expression]
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 # NOTE: on the lent GPU image $CXX is /opt/gcc/bin/g++, a wrapper whose extensions segfault whenever
 # C++ throws (even a 5-line load_inline op with a failing TORCH_CHECK; /usr/bin/g++ is fine).
-[ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+[ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 step() { echo "=== $1"; }
 step build
@@ -22,7 +23,11 @@ for tool in memcheck racecheck; do
     >"$OUT/sanitizer-$tool.log" 2>&1; echo "$tool exit $?"; tail -3 "$OUT/sanitizer-$tool.log"
 done
 step bench
-python3 -m patchgemm bench ${BENCH_FILTER:+--filter "$BENCH_FILTER"} --json "$OUT/bench.json" 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+python3 -m patchgemm bench ${BENCH_FILTER:+--filter "$BENCH_FILTER"} --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+  2>"$OUT/bench.err" | tee "$OUT/bench.txt"
+step "C++ microbenchmarks"
+bash "${OLDPWD}/bench/cpp/run.sh" ${MICROBENCH_ARGS:-} --json "$OUT/microbench.json" 2>"$OUT/microbench.err" \
+  | tee "$OUT/microbench.txt" || tail -30 "$OUT/microbench.err"
 if [ -n "${BENCH_NOLT:-}" ]; then
   step "bench, classic cuBLAS API only (PATCHGEMM_DISABLE_LT=1)"
   PATCHGEMM_DISABLE_LT=1 python3 -m patchgemm bench --filter "G1 bf16" 2>/dev/null | tee "$OUT/bench-nolt.txt"

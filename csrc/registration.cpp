@@ -1,7 +1,6 @@
 // Every op's schema, in one place. Kernels are registered per backend beside their code
 // (TORCH_LIBRARY_IMPL); autograd, fake kernels and autocast are registered from Python
 // (patchgemm/ops.py).
-#include <Python.h>
 #include <torch/library.h>
 
 #include <climits>
@@ -17,13 +16,6 @@
 
 namespace patchgemm {
 std::string blas_version();  // per backend: cuBLAS/hipBLAS version, or "" on CPU builds
-}
-
-// `import patchgemm._C` loads this library, which runs the registrations below. No pybind11: the
-// module is empty and built against the stable ABI.
-extern "C" PyObject* PyInit__C(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module);
 }
 
 TORCH_LIBRARY(patchgemm, m) {

@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     bench.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     bench.add_argument("--filter", help="run only cases whose id contains this text (comma-separated: any of them)")
     bench.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 cases (default: torch's setting)")
+    bench.add_argument("--plot", metavar="PATH", help="also draw the results (speedup over PyTorch, %% of floor); "
+                       "needs matplotlib")
+    bench.add_argument("--from-json", metavar="PATH", help="do not run: print (and --plot) a saved --json file")
     sub.add_parser("info", help="version, build flavour, torch/CUDA/BLAS versions")
     args = parser.parse_args(argv)
     if args.command == "info":
@@ -39,7 +42,9 @@ def main(argv=None) -> int:
 
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
-    return suite.main(device=args.device, json_path=args.json, filter=args.filter)
+    if args.from_json:
+        return suite.replay(args.from_json, plot_path=args.plot)
+    return suite.main(device=args.device, json_path=args.json, filter=args.filter, plot_path=args.plot)
 
 
 if __name__ == "__main__":

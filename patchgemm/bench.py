@@ -417,7 +417,16 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def main(device: Optional[str] = None, json_path: Optional[str] = None, filter: Optional[str] = None) -> int:
+def _plot(rows: List[dict], env: dict, path: str) -> None:
+    from .plot import plot
+
+    where = env.get("gpu") or env.get("device", "?")
+    plot(rows, path, title=f"python -m patchgemm bench: {where}, torch {env.get('torch', '?')}, {env.get('date', '')}")
+    print(f"plot written to {path}")
+
+
+def main(device: Optional[str] = None, json_path: Optional[str] = None, filter: Optional[str] = None,
+         plot_path: Optional[str] = None) -> int:
     from tqdm import tqdm
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -434,8 +443,21 @@ def main(device: Optional[str] = None, json_path: Optional[str] = None, filter: 
         for case in cases:
             rows += run_case(case, dev, ceilings, progress)
     print(format_table(rows))
+    env = environment(dev)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"environment": environment(dev), "ceilings": ceilings.__dict__,
+            json.dump({"environment": env, "ceilings": ceilings.__dict__,
                        "rows": [r.__dict__ for r in rows]}, f, indent=1)
+    if plot_path:
+        _plot([r.__dict__ for r in rows], env, plot_path)
+    return 0
+
+
+def replay(json_path: str, plot_path: Optional[str] = None) -> int:
+    """Prints (and plots) the results a `--json` run saved, without running anything."""
+    with open(json_path) as f:
+        saved = json.load(f)
+    print(format_table([Row(**r) for r in saved["rows"]]))
+    if plot_path:
+        _plot(saved["rows"], saved.get("environment", {}), plot_path)
     return 0

@@ -1,0 +1,57 @@
+"""`python -m patchgemm bench --plot` / `--from-json`: the summary arithmetic and the picture."""
+
+import json
+import struct
+
+import pytest
+
+from patchgemm import __main__ as cli
+from patchgemm.plot import summarize
+
+
+def rows():
+    # ours, two baselines and a variant of ours; "P1 fwd+bwd" lacks ours and must be left out.
+    return [
+        dict(case="P1", pass_="fwd", impl="patchgemm", ms=0.5, tflops=1.0, floor_ms=0.25, peak_mb=None, error=""),
+        dict(case="P1", pass_="fwd", impl="cuDNN conv", ms=2.0, tflops=1.0, floor_ms=0.25, peak_mb=None, error=""),
+        dict(case="P1", pass_="fwd", impl="linear", ms=1.0, tflops=1.0, floor_ms=0.25, peak_mb=None, error=""),
+        dict(case="P1", pass_="fwd", impl="patchgemm per stage", ms=0.1, tflops=1.0, floor_ms=0.25, peak_mb=None,
+             error=""),
+        dict(case="P1", pass_="fwd+bwd", impl="linear", ms=1.0, tflops=1.0, floor_ms=0.5, peak_mb=3.0, error=""),
+        dict(case="G1", pass_="fwd", impl="patchgemm", ms=2.0, tflops=1.0, floor_ms=1.0, peak_mb=None, error=""),
+        dict(case="G1", pass_="fwd", impl="einsum", ms=None, tflops=None, floor_ms=1.0, peak_mb=None, error="x"),
+        dict(case="G1", pass_="fwd", impl="bmm", ms=1.0, tflops=1.0, floor_ms=1.0, peak_mb=None, error=""),
+    ]
+
+
+def test_summary_compares_ours_with_the_fastest_baseline_that_ran():
+    s = summarize(rows())
+    assert [x.label for x in s] == ["P1 fwd", "G1 fwd"]
+    p1, g1 = s
+    assert (p1.best_impl, p1.speedup, p1.ours_pct_floor, p1.best_pct_floor) == ("linear", 2.0, 50.0, 25.0)
+    assert (g1.best_impl, g1.speedup, g1.ours_pct_floor, g1.best_pct_floor) == ("bmm", 0.5, 50.0, 100.0)
+
+
+def png_size(path):
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_from_json_prints_the_table_and_draws_the_plot(tmp_path, capsys):
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps({"environment": {"gpu": "TestGPU", "torch": "x", "date": "d"}, "rows": rows()}))
+    out = tmp_path / "out.png"
+    assert cli.main(["bench", "--from-json", str(saved), "--plot", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "cuDNN conv" in printed and "4.00x" in printed and f"plot written to {out}" in printed
+    width, height = png_size(out)
+    assert width > 800 and height > 200
+
+
+def test_plot_with_nothing_to_compare_is_a_clear_error(tmp_path):
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps({"environment": {}, "rows": rows()[4:5]}))
+    with pytest.raises(ValueError, match="nothing to plot"):
+        cli.main(["bench", "--from-json", str(saved), "--plot", str(tmp_path / "x.png")])
