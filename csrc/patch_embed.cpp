@@ -121,11 +121,13 @@ std::optional<at::Tensor> patch_matrix_as_view(const at::Tensor& x5, const Patch
 }
 
 // t [B, N, C] as [1, B*N, C] when the strides allow a view, else as is (the GEMM then runs
-// batched over B).
+// batched over B). N == 1 always merges: otherwise a batch of B one-row products reads the
+// weight B times.
 at::Tensor merge_batch(const at::Tensor& t) {
-  if (t.size(0) <= 1 || t.stride(0) == t.size(1) * t.stride(1)) {
+  const int64_t row_stride = t.size(1) == 1 ? t.stride(0) : t.stride(1);
+  if (t.size(0) <= 1 || t.size(1) == 1 || t.stride(0) == t.size(1) * t.stride(1)) {
     return t.as_strided({1, t.size(0) * t.size(1), t.size(2)},
-                        {t.size(0) * t.size(1) * t.stride(1), t.stride(1), t.stride(2)});
+                        {t.size(0) * t.size(1) * row_stride, row_stride, t.stride(2)});
   }
   return t;
 }
@@ -177,9 +179,13 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
   // Channels-first: y[b] [E, N] = W' [E, K'] @ P[b]^T, batched over B with W' shared. The bias is
   // a column of W' against a ones column of P: no pass over y (whose bias would run along rows,
   // which BLAS epilogues do not offer).
+  at::Tensor y = at::empty(cf_shape, x.options());
+#ifdef PATCHGEMM_WITH_CUDA
+  // Patches of at most 64 elements: one fused kernel, no patch matrix (tiny_patch_gemm.cu).
+  if (x.is_cuda() && cuda::tiny_embed(x5, w2, bias, g, y.view({g.batch, embed, N}))) return y;
+#endif
   const at::Tensor p = patchify(x5, g, /*ones_column=*/bias.has_value());
   const at::Tensor w = padded_weight(w2, bias, p.size(2));
-  at::Tensor y = at::empty(cf_shape, x.options());
   run_gemm(w.unsqueeze(0).expand({g.batch, embed, w.size(1)}), p.transpose(1, 2),
            y.view({g.batch, embed, N}));
   return y;
@@ -227,6 +233,13 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
   y_shape.insert(y_shape.end(), g.size.end() - rank, g.size.end());
   at::Tensor y = at::empty(y_shape, x.options());
   const int64_t K = g.patch_size(), align = row_alignment(x);
+#ifdef PATCHGEMM_WITH_CUDA
+  if (!tokens && x.is_cuda() &&
+      cuda::tiny_unembed(x.reshape({g.batch, in_channels, g.tokens()}), weight.reshape({in_channels, K}),
+                         bias, g, to_5d(y))) {
+    return y;
+  }
+#endif
   at::Tensor q = at::empty({g.batch, g.tokens(), (K + align - 1) / align * align}, x.options());
   // Q[B*N, K] = x_tokens[B*N, C_in] @ W[C_in, K]: one GEMM (batched over B with W shared when
   // x's strides keep B and N apart, e.g. channels-first input).
@@ -260,6 +273,14 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   std::vector<int64_t> w_shape{embed, g.channels};
   w_shape.insert(w_shape.end(), kernel.begin(), kernel.end());
   const at::Tensor x5 = to_5d(x);
+#ifdef PATCHGEMM_WITH_CUDA
+  if (!tokens && N > 1 && x.is_cuda()) {
+    if (const auto dw = cuda::tiny_weight_grad(grad_y.reshape({g.batch, embed, N}), x5, g)) {
+      return {dw->narrow(1, 0, K).to(x.scalar_type()).reshape(w_shape),
+              with_bias ? dw->select(1, K).to(x.scalar_type()) : at::empty({0}, x.options())};
+    }
+  }
+#endif
   // [B, N, E] (the GEMM's A^T); channels-first grad_y is read through its strides.
   const at::Tensor dy = tokens || N == 1 ? grad_y.reshape({g.batch, N, embed})
                                          : grad_y.reshape({g.batch, embed, N}).transpose(1, 2);

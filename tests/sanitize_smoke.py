@@ -48,6 +48,23 @@ def main():
                     bias_out = torch.randn(shape[1], dtype=dtype, device="cuda")
                     u = patchgemm.patch_unembed(y.detach(), w.detach(), bias_out, in_format=out_format, grid=grid)
                     assert torch.isfinite(u).all()
+    # the fused tiny-patch kernels (K <= 64, 16-bit): full and partial token tiles, any strides
+    for dtype in (torch.bfloat16, torch.float16):
+        for shape, kernel, embed in [((2, 4, 16, 16, 16), (2, 2, 2), 32), ((3, 1, 6, 10, 16), (2, 2, 2), 48),
+                                     ((2, 2, 512), (8,), 16)]:
+            for memory in ("contiguous", "channels_last"):
+                x = torch.randn(shape, dtype=dtype, device="cuda")
+                if memory == "channels_last":
+                    x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+                x.requires_grad_()
+                w = torch.randn(embed, shape[1], *kernel, dtype=dtype, device="cuda", requires_grad=True)
+                b = torch.randn(embed, dtype=dtype, device="cuda", requires_grad=True)
+                y = patchgemm.patch_embed(x, w, b)
+                grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
+                bias_out = torch.randn(shape[1], dtype=dtype, device="cuda")
+                u = patchgemm.patch_unembed(y.detach().requires_grad_(), w, bias_out)
+                grads_u = torch.autograd.grad(u, [w], torch.randn_like(u))
+                assert all(torch.isfinite(t).all() for t in (y, *grads, u, *grads_u))
     stem = patchgemm.HierarchicalPatchEmbed(3, 16, [2, 2], device="cuda")
     head = patchgemm.HierarchicalPatchUnembed(16, 3, [2, 2], device="cuda")
     z = head(stem(torch.randn(2, 3, 8, 8, 8, device="cuda")))
