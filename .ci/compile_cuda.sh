@@ -2,7 +2,8 @@
 # Compile every CUDA source with nvcc against the installed torch's headers, so a CUDA build break
 # cannot land from a machine without a GPU. A CPU torch wheel ships ATen's CUDA headers but not the
 # cuBLAS/cuSPARSE/cuSOLVER headers they include (taken from NVIDIA's wheels) nor one generated
-# config header (a one-line shim). Compile only: there is no libtorch_cuda to link against here.
+# config header (a one-line shim). Compile only: there is no libtorch_cuda to link against here. The
+# -D flags are the ones torch.utils.cpp_extension passes to nvcc (no implicit 16-bit conversions).
 set -euo pipefail
 command -v nvcc >/dev/null || { echo "compile_cuda: nvcc not found"; exit 1; }
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,6 +26,7 @@ for src in "$root"/csrc/cuda/*.cu; do
   nvcc -c "$src" -o "$work/out.o" -std=c++20 -arch=sm_90 -DPATCHGEMM_WITH_CUDA \
     -I"$root/csrc" -I"$work/shim" -I"$torch_dir/include" \
     -I"$torch_dir/include/torch/csrc/api/include" -I"$cublas_include" \
-    -diag-suppress 20013,20015
+    -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
+    -D__CUDA_NO_HALF2_OPERATORS__ -diag-suppress 20013,20015
 done
 echo "compile_cuda: ok"

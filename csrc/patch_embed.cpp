@@ -181,7 +181,7 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
   // which BLAS epilogues do not offer).
   at::Tensor y = at::empty(cf_shape, x.options());
 #ifdef PATCHGEMM_WITH_CUDA
-  // Patches of at most 64 elements: one fused kernel, no patch matrix (tiny_patch_gemm.cu).
+  // Patches of at most 64 elements (16-bit): one fused kernel, no patch matrix (tiny_patch_gemm.cu).
   if (x.is_cuda() && cuda::tiny_embed(x5, w2, bias, g, y.view({g.batch, embed, N}))) return y;
 #endif
   const at::Tensor p = patchify(x5, g, /*ones_column=*/bias.has_value());
@@ -233,13 +233,6 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
   y_shape.insert(y_shape.end(), g.size.end() - rank, g.size.end());
   at::Tensor y = at::empty(y_shape, x.options());
   const int64_t K = g.patch_size(), align = row_alignment(x);
-#ifdef PATCHGEMM_WITH_CUDA
-  if (!tokens && x.is_cuda() &&
-      cuda::tiny_unembed(x.reshape({g.batch, in_channels, g.tokens()}), weight.reshape({in_channels, K}),
-                         bias, g, to_5d(y))) {
-    return y;
-  }
-#endif
   at::Tensor q = at::empty({g.batch, g.tokens(), (K + align - 1) / align * align}, x.options());
   // Q[B*N, K] = x_tokens[B*N, C_in] @ W[C_in, K]: one GEMM (batched over B with W shared when
   // x's strides keep B and N apart, e.g. channels-first input).
@@ -273,14 +266,6 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   std::vector<int64_t> w_shape{embed, g.channels};
   w_shape.insert(w_shape.end(), kernel.begin(), kernel.end());
   const at::Tensor x5 = to_5d(x);
-#ifdef PATCHGEMM_WITH_CUDA
-  if (!tokens && N > 1 && x.is_cuda()) {
-    if (const auto dw = cuda::tiny_weight_grad(grad_y.reshape({g.batch, embed, N}), x5, g)) {
-      return {dw->narrow(1, 0, K).to(x.scalar_type()).reshape(w_shape),
-              with_bias ? dw->select(1, K).to(x.scalar_type()) : at::empty({0}, x.options())};
-    }
-  }
-#endif
   // [B, N, E] (the GEMM's A^T); channels-first grad_y is read through its strides.
   const at::Tensor dy = tokens || N == 1 ? grad_y.reshape({g.batch, N, embed})
                                          : grad_y.reshape({g.batch, embed, N}).transpose(1, 2);

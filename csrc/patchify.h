@@ -53,18 +53,11 @@ bool patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column, co
 bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
                 const at::Tensor& y5);
 
-// Fused kernels for patches of at most 64 elements, 16-bit dtypes, channels-first token side
-// (tiny_patch_gemm.cu): no patch matrix in global memory. false / nullopt where they do not apply.
-// y [B, E, N] = patch_embed(x5, w2 [E, K], bias), channels-first.
+// The fused embedding for patches of at most 64 elements, 16-bit dtypes (tiny_patch_gemm.cu):
+// y [B, E, N] (contiguous, channels-first) = patch_embed(x5, w2 [E, K], bias), with no patch matrix
+// in global memory. false where it does not apply (the caller then gathers and runs the GEMM).
 bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
                 const PatchGeometry& g, const at::Tensor& y);
-// y5 = patch_unembed(x [B, C_in, N], w2 [C_in, K], bias), every element written.
-bool tiny_unembed(const at::Tensor& x, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
-                  const PatchGeometry& g, const at::Tensor& y5);
-// fp32 [E, Kp]: columns 0..K-1 the weight gradient of patch_embed for grad_y [B, E, N] and x5,
-// column K the bias gradient.
-std::optional<at::Tensor> tiny_weight_grad(const at::Tensor& grad_y, const at::Tensor& x5,
-                                           const PatchGeometry& g);
 }  // namespace cuda
 #endif
 

@@ -1,27 +1,24 @@
-// Fused kernels for patches of at most 64 elements (tiny K: P3's Conv3d(4, E, 2), U2's
-// ConvTranspose3d(C, 4, 2)). There the GEMM is so thin that gather -> GEMM -> scatter is pure data
-// movement: each kernel reads the volume through its strides and the token-side tensor
-// (channels-first [B, features, N]) once, and multiplies on tensor cores (WMMA, fp32
-// accumulation) in shared memory, so no patch matrix ever reaches global memory.
+// Fused patch embedding for patches of at most 64 elements (tiny K, e.g. P3's Conv3d(4, E, 2)):
+// y[b, :, tokens] = W [E, K] @ patches^T (+ bias), channels-first, 16-bit dtypes.
 //
-//   tiny_embed        y[b, :, tokens] = W [E, K] @ patches^T (+ bias)   (patch_embed; unembed's dx)
-//   tiny_unembed      volume patches = x[b, :, tokens]^T @ W [C_in, K] (+ bias), scattered
-//                     (patch_unembed; embed's dx)
-//   tiny_weight_grad  [dW | db] [E, K + 1] += G[b, :, tokens] @ [patches | 1]  (both weight grads)
-//
-// A block takes token tiles in a grid-stride loop, so the weight is loaded into shared memory once
-// per block. Volume offsets come from two small tables, token offset + in-patch offset, which
-// serve any input strides. 16-bit dtypes only (fp32 stays on cuBLAS: WMMA would mean TF32).
+// There the GEMM is so thin that gather -> GEMM is pure data movement, and writing y dominates
+// (E outputs per K inputs). One kernel reads x once through its strides and writes y once: a block
+// gathers a tile of 128 tokens' patches into shared memory, then each warp multiplies a 16-row
+// block of W (kept in registers) against 64 of those tokens with mma.sync (fp32 accumulation),
+// converts in registers, and stages its 16 x 64 outputs in its own shared-memory slice so the
+// stores to y are whole 128-byte rows of 16-byte vectors. The instruction count per output stays
+// near one (a first version with WMMA and fp32 staging was issue-bound at twice the time of the
+// unfused path). fp32 stays on cuBLAS (tensor cores would mean TF32).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 
 #include <algorithm>
 #include <climits>
-#include <functional>
+#include <cstdint>
+#include <type_traits>
 
 #include "patchify.h"
 
@@ -29,466 +26,234 @@ namespace patchgemm {
 namespace cuda {
 namespace {
 
-using namespace nvcuda;
-
 constexpr int kThreads = 256, kWarps = kThreads / 32;
-constexpr int kMaxPatch = 64;  // K (+1 for the bias column of the weight gradient), padded to 16
-constexpr int kBatch = 8;      // independent loads in flight per thread
+constexpr int kTileTokens = 128;  // tokens per block tile
+constexpr int kWarpTokens = 64;   // tokens per warp unit (8 MMA n-tiles)
+constexpr int kMaxPatch = 64;     // K, padded to a multiple of 16
+constexpr int kStagePitch = kWarpTokens / 2 + 4;  // words per staged row: conflict-free stores
 
-// The volume side: [B, C, D, H, W] with any strides, cut into kd x kh x kw patches, tokens in
-// row-major grid order.
+// The volume [B, C, D, H, W] (any strides) cut into kd x kh x kw patches; tokens row-major.
 struct Volume {
   int64_t stride[5];
-  int channels, kd, kh, kw, K;  // K = channels * kd * kh * kw
-  int gd, gh, gw;
-  int64_t tokens, batch;        // N per sample, B
+  int kd, kh, kw, K, Kp;  // K = C * kd * kh * kw; Kp = K rounded up to 16
+  int gh, gw;             // patch grid (the depth count follows from tokens)
+  int tokens;             // N per sample (< 2^31)
+  int64_t batch;
+  int unit;               // elements per load: 2 (pairs along w) or 1
 };
 
-template <typename T> __device__ __forceinline__ T from_float(float f);
-template <> __device__ __forceinline__ __half from_float<__half>(float f) { return __float2half_rn(f); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float f) { return __float2bfloat16_rn(f); }
-__device__ __forceinline__ float to_float(__half h) { return __half2float(h); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 h) { return __bfloat162float(h); }
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 
-__device__ __forceinline__ int round16(int n) { return (n + 15) / 16 * 16; }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(p)));
+}
 
-// Offset of patch element k = ((c * kd + i) * kh + j) * kw + l from its patch's origin.
-__device__ void fill_patch_offsets(int64_t* k_off, const Volume& v) {
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(smem_address(p)));
+}
+
+// d += a (16 x 16, row-major) @ b (16 x 8, column-major), fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// (torch builds with __CUDA_NO_HALF_CONVERSIONS__: no implicit float <-> 16-bit conversions.)
+template <typename T>
+__device__ __forceinline__ T zero() {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16(0.f);
+  } else {
+    return __float2half(0.f);
+  }
+}
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+// P[t, 0..Kp) for the tile's tokens (row pitch ldp): thread t % 128 owns token t and walks the
+// patch in units (pairs along w where the layout allows), so a warp reads runs along w.
+template <typename T>
+__device__ __forceinline__ void gather_patches(T* P, int ldp, const T* __restrict__ x, const int64_t* k_off,
+                                               const Volume& v, int64_t b, int t0, int count) {
+  const int t = threadIdx.x % kTileTokens, first = threadIdx.x / kTileTokens;
+  constexpr int kLanesPerToken = kThreads / kTileTokens;
+  T* row = P + t * ldp;
+  const int units = v.K / v.unit;
+  if (t >= count) {
+    for (int u = first; u < v.Kp / v.unit; u += kLanesPerToken) {
+      for (int e = 0; e < v.unit; ++e) row[u * v.unit + e] = zero<T>();
+    }
+    return;
+  }
+  const int n = t0 + t, nw = n % v.gw, nh = n / v.gw % v.gh, nd = n / v.gw / v.gh;
+  const T* origin = x + b * v.stride[0] + int64_t{nd} * v.kd * v.stride[2] + int64_t{nh} * v.kh * v.stride[3] +
+                    int64_t{nw} * v.kw * v.stride[4];
+  if (v.unit == 2) {
+    constexpr int kBatch = 8;
+    for (int u0 = first; u0 < units; u0 += kLanesPerToken * kBatch) {
+      uint32_t val[kBatch];
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) {
+        const int u = u0 + q * kLanesPerToken;
+        if (u < units) val[q] = *reinterpret_cast<const uint32_t*>(origin + k_off[u * 2]);
+      }
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) {
+        const int u = u0 + q * kLanesPerToken;
+        if (u < units) *reinterpret_cast<uint32_t*>(row + u * 2) = val[q];
+      }
+    }
+  } else {
+    for (int k = first; k < v.K; k += kLanesPerToken) row[k] = origin[k_off[k]];
+  }
+  for (int k = v.K + first; k < v.Kp; k += kLanesPerToken) row[k] = zero<T>();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) tiny_embed_kernel(Volume v, const T* __restrict__ x,
+                                                              const T* __restrict__ w, int E,
+                                                              const T* __restrict__ bias, T* __restrict__ y) {
+#if __CUDA_ARCH__ >= 800
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int ldw = v.Kp + 8, ldp = v.Kp + 8;  // odd multiples of 16 bytes: conflict-free ldmatrix
+  T* Ws = reinterpret_cast<T*>(smem);
+  T* Ps = Ws + E * ldw;
+  uint32_t* stage = reinterpret_cast<uint32_t*>(Ps + kTileTokens * ldp);  // per warp 16 x kStagePitch
+  int64_t* k_off = reinterpret_cast<int64_t*>(stage + kWarps * 16 * kStagePitch);
+
+  for (int i = threadIdx.x; i < E * v.Kp; i += kThreads) Ws[i / v.Kp * ldw + i % v.Kp] = w[i];
   for (int k = threadIdx.x; k < v.K; k += kThreads) {
     const int l = k % v.kw, j = k / v.kw % v.kh, i = k / (v.kw * v.kh) % v.kd, c = k / (v.kw * v.kh * v.kd);
     k_off[k] = c * v.stride[1] + i * v.stride[2] + j * v.stride[3] + l * v.stride[4];
   }
-}
-
-// Offset of each token's patch origin, for tokens t0 .. t0 + count - 1 of sample b.
-__device__ void fill_token_offsets(int64_t* t_off, const Volume& v, int64_t b, int64_t t0, int count) {
-  for (int t = threadIdx.x; t < count; t += kThreads) {
-    const int64_t n = t0 + t;
-    const int64_t nw = n % v.gw, nh = n / v.gw % v.gh, nd = n / (int64_t{v.gw} * v.gh);
-    t_off[t] = b * v.stride[0] + nd * v.kd * v.stride[2] + nh * v.kh * v.stride[3] + nw * v.kw * v.stride[4];
-  }
-}
-
-// P[t, k] (row pitch ld) for the tile's tokens: thread order (k / kw, t, k % kw), so a warp reads
-// runs along w. Rows past `count` are zero; columns K.. are set by the caller.
-template <typename T, int TM>
-__device__ __forceinline__ void gather_patches(T* P, int ld, const T* __restrict__ vol, const int64_t* t_off,
-                                               const int64_t* k_off, const Volume& v, int count) {
-  const int total = TM * v.K;
-  for (int i0 = threadIdx.x; i0 < total; i0 += kThreads * kBatch) {
-    T val[kBatch];
-    int at[kBatch];
-#pragma unroll
-    for (int q = 0; q < kBatch; ++q) {
-      const int idx = i0 + q * kThreads;
-      at[q] = -1;
-      if (idx < total) {
-        const int l = idx % v.kw, r = idx / v.kw, t = r % TM, k = r / TM * v.kw + l;
-        at[q] = t * ld + k;
-        val[q] = t < count ? vol[t_off[t] + k_off[k]] : from_float<T>(0.f);
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < kBatch; ++q) {
-      if (at[q] >= 0) P[at[q]] = val[q];
-    }
-  }
-}
-
-// rows x TM elements of a channels-first tensor (row r at src + r * row_stride, tokens contiguous)
-// into S (pitch ld), 16-byte vectors; tokens past `count` are zero. The host guarantees alignment
-// and count % 8 == 0.
-template <typename T, int TM>
-__device__ __forceinline__ void load_token_rows(T* S, int ld, const T* __restrict__ src, int64_t row_stride,
-                                                int rows, int count) {
-  constexpr int kVec = 8, kPerRow = TM / kVec;
-  const int total = rows * kPerRow;
-  for (int i0 = threadIdx.x; i0 < total; i0 += kThreads * kBatch) {
-    uint4 val[kBatch];
-#pragma unroll
-    for (int q = 0; q < kBatch; ++q) {
-      const int idx = i0 + q * kThreads, r = idx / kPerRow, t = idx % kPerRow * kVec;
-      if (idx < total) {
-        val[q] = t < count ? *reinterpret_cast<const uint4*>(src + r * row_stride + t) : make_uint4(0, 0, 0, 0);
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < kBatch; ++q) {
-      const int idx = i0 + q * kThreads, r = idx / kPerRow, t = idx % kPerRow * kVec;
-      if (idx < total) *reinterpret_cast<uint4*>(S + r * ld + t) = val[q];
-    }
-  }
-}
-
-__device__ __forceinline__ int64_t tiles_per_sample(const Volume& v, int tm) { return (v.tokens + tm - 1) / tm; }
-// Tokens in the tile starting at t0 (the last tile of a sample may be short).
-__device__ __forceinline__ int tile_count(const Volume& v, int64_t t0, int tm) {
-  return v.tokens - t0 < tm ? static_cast<int>(v.tokens - t0) : tm;
-}
-
-template <typename T>
-__device__ __forceinline__ T* carve(unsigned char*& p, int64_t elements) {
-  T* out = reinterpret_cast<T*>(p);
-  p += (elements * sizeof(T) + 127) / 128 * 128;
-  return out;
-}
-
-// ---- y [B, E, N] = W [E, K] @ P^T (+ bias) --------------------------------------------------------
-
-constexpr int kEmbedTokens = 128, kEmbedRows = 32;  // tokens per tile, output rows per pass
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads) tiny_embed_kernel(Volume v, const T* __restrict__ vol,
-                                                              const T* __restrict__ w, int E,
-                                                              const T* __restrict__ bias, T* __restrict__ y) {
-#if __CUDA_ARCH__ >= 800
-  constexpr int TM = kEmbedTokens, EC = kEmbedRows;
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int Kp = round16(v.K), ldw = Kp + 8, ldp = Kp + 8, ldc = TM + 4;
-  unsigned char* p = smem;
-  T* Ws = carve<T>(p, int64_t{E} * ldw);
-  T* Ps = carve<T>(p, int64_t{TM} * ldp);
-  float* Cs = carve<float>(p, int64_t{EC} * ldc);
-  int64_t* k_off = carve<int64_t>(p, kMaxPatch);
-  int64_t* t_off = carve<int64_t>(p, TM);
-
-  for (int i = threadIdx.x; i < E * Kp; i += kThreads) Ws[i / Kp * ldw + i % Kp] = w[i];
-  for (int i = threadIdx.x; i < TM * (Kp - v.K); i += kThreads) {
-    Ps[i / (Kp - v.K) * ldp + v.K + i % (Kp - v.K)] = from_float<T>(0.f);
-  }
-  fill_patch_offsets(k_off, v);
-  const int warp = threadIdx.x / 32;
-  const int64_t per_sample = tiles_per_sample(v, TM), tiles = v.batch * per_sample;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  uint32_t* my_stage = stage + warp * 16 * kStagePitch;
+  const int64_t per_sample = (v.tokens + kTileTokens - 1) / kTileTokens, tiles = v.batch * per_sample;
+  const int units = E / 16 * (kTileTokens / kWarpTokens), ksteps = v.Kp / 16;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t b = tile / per_sample, t0 = tile % per_sample * TM;
-    const int count = tile_count(v, t0, TM);
-    __syncthreads();  // the last tile is done with t_off and Ps
-    fill_token_offsets(t_off, v, b, t0, count);
+    const int64_t b = tile / per_sample;
+    const int t0 = static_cast<int>(tile % per_sample) * kTileTokens;
+    const int count = min(kTileTokens, v.tokens - t0);
+    __syncthreads();  // W and k_off ready; the last tile's MMAs are done with Ps
+    gather_patches(Ps, ldp, x, k_off, v, b, t0, count);
     __syncthreads();
-    gather_patches<T, TM>(Ps, ldp, vol, t_off, k_off, v, count);
-    __syncthreads();
-    for (int e0 = 0; e0 < E; e0 += EC) {
-      const int rows = min(EC, E - e0);  // a multiple of 16
-      for (int f = warp; f < rows / 16 * (TM / 16); f += kWarps) {
-        const int et = f / (TM / 16), tt = f % (TM / 16);
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-        wmma::fill_fragment(acc, 0.f);
-        for (int kk = 0; kk < Kp; kk += 16) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> bt;
-          wmma::load_matrix_sync(a, Ws + (e0 + et * 16) * ldw + kk, ldw);
-          wmma::load_matrix_sync(bt, Ps + tt * 16 * ldp + kk, ldp);
-          wmma::mma_sync(acc, a, bt, acc);
+    for (int unit = warp; unit < units; unit += kWarps) {
+      const int e0 = unit / 2 * 16, n0 = unit % 2 * kWarpTokens;
+      if (n0 >= count) continue;
+      uint32_t a[kMaxPatch / 16][4];
+#pragma unroll
+      for (int ks = 0; ks < kMaxPatch / 16; ++ks) {
+        if (ks < ksteps) ldmatrix_x4(a[ks], Ws + (e0 + lane % 16) * ldw + ks * 16 + lane / 16 * 8);
+      }
+      const float bias_lo = bias ? to_float(bias[e0 + g]) : 0.f, bias_hi = bias ? to_float(bias[e0 + g + 8]) : 0.f;
+#pragma unroll
+      for (int j = 0; j < kWarpTokens / 8; ++j) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int ks = 0; ks < kMaxPatch / 16; ++ks) {
+          if (ks < ksteps) {
+            uint32_t bfrag[2];
+            ldmatrix_x2(bfrag, Ps + (n0 + j * 8 + lane % 8) * ldp + ks * 16 + lane / 8 % 2 * 8);
+            mma_16816<T>(acc, a[ks], bfrag);
+          }
         }
-        wmma::store_matrix_sync(Cs + et * 16 * ldc + tt * 16, acc, ldc, wmma::mem_row_major);
+        // acc: rows g and g + 8 of the 16-row block, tokens 2q and 2q + 1 of n-tile j.
+        my_stage[g * kStagePitch + j * 4 + q] = pack2<T>(acc[0] + bias_lo, acc[1] + bias_lo);
+        my_stage[(g + 8) * kStagePitch + j * 4 + q] = pack2<T>(acc[2] + bias_hi, acc[3] + bias_hi);
       }
-      __syncthreads();
-      // rows x count outputs, 8 tokens (16 bytes) per thread and step.
-      const int vectors = rows * (count / 8);
-      for (int i = threadIdx.x; i < vectors; i += kThreads) {
-        const int r = i / (count / 8), t = i % (count / 8) * 8;
-        const float add = bias ? to_float(bias[e0 + r]) : 0.f;
-        const float4 lo = *reinterpret_cast<const float4*>(Cs + r * ldc + t);
-        const float4 hi = *reinterpret_cast<const float4*>(Cs + r * ldc + t + 4);
-        alignas(16) T out[8] = {from_float<T>(lo.x + add), from_float<T>(lo.y + add), from_float<T>(lo.z + add),
-                                from_float<T>(lo.w + add), from_float<T>(hi.x + add), from_float<T>(hi.y + add),
-                                from_float<T>(hi.z + add), from_float<T>(hi.w + add)};
-        *reinterpret_cast<uint4*>(y + (b * E + e0 + r) * v.tokens + t0 + t) = *reinterpret_cast<const uint4*>(out);
-      }
-      __syncthreads();
-    }
-  }
-#endif
-}
-
-// ---- volume patches = x[b, :, tokens]^T @ W [C_in, K] (+ bias[c]) ---------------------------------
-
-constexpr int kUnembedTokens = 64;
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads) tiny_unembed_kernel(Volume v, const T* __restrict__ x,
-                                                                int64_t x_batch_stride, int64_t x_row_stride,
-                                                                int c_in, const T* __restrict__ w,
-                                                                const T* __restrict__ bias, T* __restrict__ vol) {
-#if __CUDA_ARCH__ >= 800
-  constexpr int TM = kUnembedTokens;
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int Kp = round16(v.K), ldw = Kp + 8, ldx = TM + 8, ldq = Kp + 4;
-  const int kvol = v.kd * v.kh * v.kw;
-  unsigned char* p = smem;
-  T* Ws = carve<T>(p, int64_t{c_in} * ldw);
-  T* Xs = carve<T>(p, int64_t{c_in} * ldx);
-  float* Qs = carve<float>(p, int64_t{TM} * ldq);
-  int64_t* k_off = carve<int64_t>(p, kMaxPatch);
-  int64_t* t_off = carve<int64_t>(p, TM);
-
-  for (int i = threadIdx.x; i < c_in * Kp; i += kThreads) Ws[i / Kp * ldw + i % Kp] = w[i];
-  fill_patch_offsets(k_off, v);
-  const int warp = threadIdx.x / 32;
-  const int64_t per_sample = tiles_per_sample(v, TM), tiles = v.batch * per_sample;
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t b = tile / per_sample, t0 = tile % per_sample * TM;
-    const int count = tile_count(v, t0, TM);
-    __syncthreads();  // the last tile is done with t_off, Xs and Qs
-    fill_token_offsets(t_off, v, b, t0, count);
-    load_token_rows<T, TM>(Xs, ldx, x + b * x_batch_stride + t0, x_row_stride, c_in, count);
-    __syncthreads();
-    // Q [TM, Kp] = X^T [TM, C_in] @ W [C_in, Kp]; X^T is Xs read column-major.
-    for (int f = warp; f < TM / 16 * (Kp / 16); f += kWarps) {
-      const int tt = f / (Kp / 16), kt = f % (Kp / 16);
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-      for (int cc = 0; cc < c_in; cc += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bw;
-        wmma::load_matrix_sync(a, Xs + cc * ldx + tt * 16, ldx);
-        wmma::load_matrix_sync(bw, Ws + cc * ldw + kt * 16, ldw);
-        wmma::mma_sync(acc, a, bw, acc);
-      }
-      wmma::store_matrix_sync(Qs + tt * 16 * ldq + kt * 16, acc, ldq, wmma::mem_row_major);
-    }
-    __syncthreads();
-    // Scatter, thread order (k / kw, t, k % kw): a warp writes runs along w.
-    const int total = TM * v.K;
-    for (int idx = threadIdx.x; idx < total; idx += kThreads) {
-      const int l = idx % v.kw, r = idx / v.kw, t = r % TM, k = r / TM * v.kw + l;
-      if (t < count) {
-        const float add = bias ? to_float(bias[k / kvol]) : 0.f;
-        vol[t_off[t] + k_off[k]] = from_float<T>(Qs[t * ldq + k] + add);
-      }
-    }
-  }
-#endif
-}
-
-// ---- [dW | db] [E, Kp] += G[b, :, tokens] @ [P | 1 | 0] ------------------------------------------
-
-constexpr int kGradTokens = 64, kMaxFragments = 6;  // accumulator tiles per warp: E * Kp <= 12288
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 2) tiny_weight_grad_kernel(Volume v, const T* __restrict__ vol,
-                                                                    const T* __restrict__ g,
-                                                                    int64_t g_batch_stride, int64_t g_row_stride,
-                                                                    int E, int Kp, float* __restrict__ dw) {
-#if __CUDA_ARCH__ >= 800
-  constexpr int TM = kGradTokens;
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int ldg = TM + 8, ldp = Kp + 8, ldc = Kp + 4;
-  unsigned char* p = smem;
-  // G's tile, and at the end the fp32 partial sums, share the first region.
-  unsigned char* shared_region = p;
-  T* Gs = carve<T>(p, int64_t{E} * (ldg > 2 * ldc ? ldg : 2 * ldc));
-  T* Ps = carve<T>(p, int64_t{TM} * ldp);
-  int64_t* k_off = carve<int64_t>(p, kMaxPatch);
-  int64_t* t_off = carve<int64_t>(p, TM);
-
-  fill_patch_offsets(k_off, v);
-  const int warp = threadIdx.x / 32, fragments = E / 16 * (Kp / 16);
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kMaxFragments];
+      __syncwarp();
+      // 16 rows x 64 tokens, 16 bytes (8 tokens) per lane and step: whole 128-byte rows per 8 lanes.
 #pragma unroll
-  for (int f = 0; f < kMaxFragments; ++f) wmma::fill_fragment(acc[f], 0.f);
-  const int64_t per_sample = tiles_per_sample(v, TM), tiles = v.batch * per_sample;
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t b = tile / per_sample, t0 = tile % per_sample * TM;
-    const int count = tile_count(v, t0, TM);
-    __syncthreads();  // the last tile is done with t_off, Gs and Ps
-    fill_token_offsets(t_off, v, b, t0, count);
-    // Columns K.. of P: the ones column (bias gradient) and zeros; zero rows past `count`.
-    for (int i = threadIdx.x; i < TM * (Kp - v.K); i += kThreads) {
-      const int t = i / (Kp - v.K), k = v.K + i % (Kp - v.K);
-      Ps[t * ldp + k] = from_float<T>(k == v.K && t < count ? 1.f : 0.f);
-    }
-    load_token_rows<T, TM>(Gs, ldg, g + b * g_batch_stride + t0, g_row_stride, E, count);
-    __syncthreads();
-    gather_patches<T, TM>(Ps, ldp, vol, t_off, k_off, v, count);
-    __syncthreads();
-#pragma unroll
-    for (int f = 0; f < kMaxFragments; ++f) {
-      const int id = warp + f * kWarps;
-      if (id < fragments) {
-        const int et = id / (Kp / 16), kt = id % (Kp / 16);
-        for (int tt = 0; tt < TM; tt += 16) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> bp;
-          wmma::load_matrix_sync(a, Gs + et * 16 * ldg + tt, ldg);
-          wmma::load_matrix_sync(bp, Ps + tt * ldp + kt * 16, ldp);
-          wmma::mma_sync(acc[f], a, bp, acc[f]);
+      for (int s = 0; s < 4; ++s) {
+        const int r = s * 4 + lane / 8, chunk = lane % 8, t = n0 + chunk * 8;
+        if (t < count) {
+          const uint4 val = *reinterpret_cast<const uint4*>(my_stage + r * kStagePitch + chunk * 4);
+          *reinterpret_cast<uint4*>(y + (b * E + e0 + r) * v.tokens + t0 + t) = val;
         }
       }
+      __syncwarp();
     }
   }
-  __syncthreads();
-  float* Cs = reinterpret_cast<float*>(shared_region);
-#pragma unroll
-  for (int f = 0; f < kMaxFragments; ++f) {
-    const int id = warp + f * kWarps;
-    if (id < fragments) {
-      const int et = id / (Kp / 16), kt = id % (Kp / 16);
-      wmma::store_matrix_sync(Cs + et * 16 * ldc + kt * 16, acc[f], ldc, wmma::mem_row_major);
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < E * Kp; i += kThreads) atomicAdd(dw + i, Cs[i / Kp * ldc + i % Kp]);
 #endif
-}
-
-// ---- host side -------------------------------------------------------------------------------------
-
-int64_t round16_host(int64_t n) { return (n + 15) / 16 * 16; }
-
-// w2 [rows, K] as [rows, width] with zero columns after K (whole 16-wide MMA steps).
-at::Tensor padded_weight_for_tiles(const at::Tensor& w2, int64_t width) {
-  at::Tensor w = at::zeros({w2.size(0), width}, w2.options());
-  w.narrow(1, 0, w2.size(1)).copy_(w2);
-  return w;
-}
-
-bool tensor_cores_for(const at::Tensor& t) {
-  if (t.scalar_type() != at::kHalf && t.scalar_type() != at::kBFloat16) return false;
-  return at::cuda::getDeviceProperties(t.get_device())->major >= 8;
-}
-
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
-// The volume side, or false where the kernels do not apply: tokens in row-major order, K small,
-// sizes inside int.
-bool volume_of(const at::Tensor& v5, const PatchGeometry& g, int extra_columns, Volume& v) {
-  if (g.levels.size() != 1 || g.patch_size() + extra_columns > kMaxPatch || g.patch_size() == 0) return false;
-  for (int d = 0; d < 3; ++d) {
-    if (g.grid[d] > INT_MAX) return false;
-  }
-  for (int d = 0; d < 5; ++d) v.stride[d] = v5.size(d) == 1 ? 0 : v5.stride(d);
-  v.channels = static_cast<int>(g.channels);
-  v.kd = static_cast<int>(g.kernel[0]);
-  v.kh = static_cast<int>(g.kernel[1]);
-  v.kw = static_cast<int>(g.kernel[2]);
-  v.K = static_cast<int>(g.patch_size());
-  v.gd = static_cast<int>(g.grid[0]);
-  v.gh = static_cast<int>(g.grid[1]);
-  v.gw = static_cast<int>(g.grid[2]);
-  v.tokens = g.tokens();
-  v.batch = g.batch;
-  return true;
-}
-
-// A channels-first token-side tensor t [B, rows, N]: contiguous tokens, rows of 16-byte-aligned
-// starts, N a multiple of 8 (whole 16-byte vectors per tile).
-bool token_rows_ok(const at::Tensor& t) {
-  return t.stride(2) == 1 && t.size(2) % 8 == 0 && t.stride(1) % 8 == 0 && t.stride(0) % 8 == 0 &&
-         aligned16(t.const_data_ptr());
-}
-
-template <typename Kernel>
-bool launch(Kernel kernel, int64_t tiles, int64_t smem, const std::function<void(dim3)>& go) {
-  if (smem > 200 * 1024) return false;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-  if (per_sm == 0) return false;
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  go(dim3(static_cast<unsigned>(std::min<int64_t>(tiles, sms * per_sm))));
-  return true;
-}
-
-int64_t carved(int64_t elements, int64_t bytes_each) { return (elements * bytes_each + 127) / 128 * 128; }
-
-template <typename F>
-void dispatch_16bit(at::ScalarType dtype, F&& f) {
-  if (dtype == at::kHalf) {
-    f(__half{});
-  } else {
-    f(__nv_bfloat16{});
-  }
 }
 
 }  // namespace
 
-bool tiny_embed(const at::Tensor& x5, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
                 const PatchGeometry& g, const at::Tensor& y) {
-  Volume v;
-  const int64_t E = w.size(0);
-  if (!tensor_cores_for(x5) || !volume_of(x5, g, 0, v) || E % 16 || E * round16_host(v.K) > 16384 ||
-      !y.is_contiguous() || !token_rows_ok(y) || g.batch * E * g.tokens() == 0) {
+  const int64_t E = w2.size(0), K = g.patch_size(), N = g.tokens();
+  if ((x5.scalar_type() != at::kHalf && x5.scalar_type() != at::kBFloat16) || g.levels.size() != 1 || K == 0 ||
+      K > kMaxPatch || E % 16 || E > 512 || N % 8 || N > INT_MAX || g.batch * E * N == 0 || !y.is_contiguous() ||
+      reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 ||
+      at::cuda::getDeviceProperties(x5.get_device())->major < 8) {
     return false;
   }
+  Volume v;
+  for (int d = 0; d < 5; ++d) v.stride[d] = x5.size(d) == 1 ? 0 : x5.stride(d);
+  v.kd = static_cast<int>(g.kernel[0]);
+  v.kh = static_cast<int>(g.kernel[1]);
+  v.kw = static_cast<int>(g.kernel[2]);
+  v.K = static_cast<int>(K);
+  v.Kp = static_cast<int>((K + 15) / 16 * 16);
+  v.gh = static_cast<int>(g.grid[1]);
+  v.gw = static_cast<int>(g.grid[2]);
+  v.tokens = static_cast<int>(N);
+  v.batch = g.batch;
+  // Pairs along w: w contiguous, kw even, every offset of a pair 4-byte aligned.
+  bool pairs = v.kw % 2 == 0 && (x5.size(4) == 1 || x5.stride(4) == 1) &&
+               reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % 4 == 0;
+  for (int d = 0; d < 4; ++d) pairs = pairs && v.stride[d] % 2 == 0;
+  v.unit = pairs ? 2 : 1;
+
   const c10::cuda::CUDAGuard guard(y.device());
-  const int64_t Kp = round16_host(v.K);
-  const at::Tensor wp = padded_weight_for_tiles(w, Kp);
+  at::Tensor w = at::zeros({E, v.Kp}, w2.options());  // zero columns K..Kp: whole 16-wide MMA steps
+  w.narrow(1, 0, K).copy_(w2);
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  const int64_t tiles = g.batch * ((g.tokens() + kEmbedTokens - 1) / kEmbedTokens);
-  const int64_t smem = carved(E * (Kp + 8), 2) + carved(kEmbedTokens * (Kp + 8), 2) +
-                       carved(kEmbedRows * (kEmbedTokens + 4), 4) + carved(kMaxPatch, 8) + carved(kEmbedTokens, 8);
-  bool ok = false;
-  dispatch_16bit(x5.scalar_type(), [&](auto tag) {
+  const int64_t smem = (E + kTileTokens) * (v.Kp + 8) * 2 + kWarps * 16 * kStagePitch * 4 + kMaxPatch * 8;
+  auto run = [&](auto tag) {
     using T = decltype(tag);
-    ok = launch(tiny_embed_kernel<T>, tiles, smem, [&](dim3 grid) {
-      tiny_embed_kernel<T><<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-          v, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(wp.const_data_ptr()),
-          static_cast<int>(E), bias ? static_cast<const T*>(b.const_data_ptr()) : nullptr,
-          static_cast<T*>(y.data_ptr()));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
-  return ok;
-}
-
-bool tiny_unembed(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                  const PatchGeometry& g, const at::Tensor& y5) {
-  Volume v;
-  const int64_t c_in = w.size(0);
-  if (!tensor_cores_for(x) || !volume_of(y5, g, 0, v) || c_in % 16 || c_in > 256 || !token_rows_ok(x) ||
-      g.batch * c_in * g.tokens() == 0) {
-    return false;
-  }
-  const c10::cuda::CUDAGuard guard(y5.device());
-  const int64_t Kp = round16_host(v.K);
-  const at::Tensor wp = padded_weight_for_tiles(w, Kp);
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  const int64_t tiles = g.batch * ((g.tokens() + kUnembedTokens - 1) / kUnembedTokens);
-  const int64_t smem = carved(c_in * (Kp + 8), 2) + carved(c_in * (kUnembedTokens + 8), 2) +
-                       carved(kUnembedTokens * (Kp + 4), 4) + carved(kMaxPatch, 8) + carved(kUnembedTokens, 8);
-  bool ok = false;
-  dispatch_16bit(x.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    ok = launch(tiny_unembed_kernel<T>, tiles, smem, [&](dim3 grid) {
-      tiny_unembed_kernel<T><<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-          v, static_cast<const T*>(x.const_data_ptr()), x.stride(0), x.stride(1), static_cast<int>(c_in),
-          static_cast<const T*>(wp.const_data_ptr()), bias ? static_cast<const T*>(b.const_data_ptr()) : nullptr,
-          static_cast<T*>(y5.data_ptr()));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
-  return ok;
-}
-
-std::optional<at::Tensor> tiny_weight_grad(const at::Tensor& grad_y, const at::Tensor& x5,
-                                           const PatchGeometry& g) {
-  Volume v;
-  const int64_t E = grad_y.size(1);
-  // Accumulation order across blocks (fp32 atomics) varies run to run: not under deterministic mode.
-  if (!tensor_cores_for(x5) || at::globalContext().deterministicAlgorithms() || !volume_of(x5, g, 1, v) ||
-      E % 16 || E > 256 || E * round16_host(v.K + 1) > kMaxFragments * kWarps * 256 || !token_rows_ok(grad_y) ||
-      g.batch * g.tokens() == 0) {
-    return std::nullopt;
-  }
-  const c10::cuda::CUDAGuard guard(x5.device());
-  const int64_t Kp = round16_host(v.K + 1), TM = kGradTokens;
-  at::Tensor dw = at::zeros({E, Kp}, x5.options().dtype(at::kFloat));
-  const int64_t tiles = g.batch * ((g.tokens() + TM - 1) / TM);
-  const int64_t smem = carved(std::max(E * (TM + 8), E * (Kp + 4) * 2), 2) + carved(TM * (Kp + 8), 2) +
-                       carved(kMaxPatch, 8) + carved(TM, 8);
-  bool ok = false;
-  dispatch_16bit(x5.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    ok = launch(tiny_weight_grad_kernel<T>, tiles, smem, [&](dim3 grid) {
-      tiny_weight_grad_kernel<T><<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-          v, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(grad_y.const_data_ptr()),
-          grad_y.stride(0), grad_y.stride(1), static_cast<int>(E), static_cast<int>(Kp), dw.data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
-  if (!ok) return std::nullopt;
-  return dw;
+    auto kernel = tiny_embed_kernel<T>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+    if (per_sm == 0) return false;
+    const int64_t tiles = g.batch * ((N + kTileTokens - 1) / kTileTokens);
+    const int64_t blocks = std::min<int64_t>(tiles, int64_t{per_sm} * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+    kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+        v, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(w.const_data_ptr()), static_cast<int>(E),
+        bias ? static_cast<const T*>(b.const_data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+  };
+  return x5.scalar_type() == at::kHalf ? run(__half{}) : run(__nv_bfloat16{});
 }
 
 }  // namespace cuda
