@@ -10,6 +10,18 @@
 // near one (a first version with WMMA and fp32 staging was issue-bound at twice the time of the
 // unfused path). fp32 stays on cuBLAS (tensor cores would mean TF32).
 #include <ATen/ATen.h>
+
+#include "patchify.h"
+
+#ifdef USE_ROCM
+namespace patchgemm::cuda {
+// The kernel is NVIDIA PTX (mma.sync, ldmatrix): ROCm builds take the gather -> GEMM path.
+bool tiny_embed(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const PatchGeometry&,
+                const at::Tensor&) {
+  return false;
+}
+}  // namespace patchgemm::cuda
+#else
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
@@ -19,8 +31,6 @@
 #include <climits>
 #include <cstdint>
 #include <type_traits>
-
-#include "patchify.h"
 
 namespace patchgemm {
 namespace cuda {
@@ -258,3 +268,4 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
 
 }  // namespace cuda
 }  // namespace patchgemm
+#endif  // USE_ROCM
