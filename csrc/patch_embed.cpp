@@ -176,14 +176,14 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
              merge_batch(y), bias ? std::optional<at::Tensor>(bias->unsqueeze(0)) : std::nullopt);
     return tokens ? y : y.view(cf_shape);
   }
-  // Channels-first: y[b] [E, N] = W' [E, K'] @ P[b]^T, batched over B with W' shared. The bias is
-  // a column of W' against a ones column of P: no pass over y (whose bias would run along rows,
-  // which BLAS epilogues do not offer).
   at::Tensor y = at::empty(cf_shape, x.options());
 #ifdef PATCHGEMM_WITH_CUDA
   // Patches of at most 64 elements (16-bit): one fused kernel, no patch matrix (tiny_patch_gemm.cu).
   if (x.is_cuda() && cuda::tiny_embed(x5, w2, bias, g, y.view({g.batch, embed, N}))) return y;
 #endif
+  // Channels-first: y[b] [E, N] = W' [E, K'] @ P[b]^T, batched over B with W' shared. The bias is
+  // a column of W' against a ones column of P: no pass over y (whose bias would run along rows,
+  // which BLAS epilogues do not offer).
   const at::Tensor p = patchify(x5, g, /*ones_column=*/bias.has_value());
   const at::Tensor w = padded_weight(w2, bias, p.size(2));
   run_gemm(w.unsqueeze(0).expand({g.batch, embed, w.size(1)}), p.transpose(1, 2),
