@@ -276,14 +276,17 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   if (g.batch == 1 || dy.stride(0) == N * dy.stride(1)) {
     // One GEMM, reducing over all B*N tokens.
     run_gemm(merge_batch(dy).transpose(1, 2), merge_batch(p), dw);
-  } else if (g.batch <= 16) {
-    // Channels-first grad_y cannot merge B and N: one accumulating GEMM per sample.
+  } else if (g.batch <= 16 && (g.batch - 1) * p.size(2) < g.batch * N) {
+    // Channels-first grad_y cannot merge B and N: one accumulating GEMM per sample. Each after
+    // the first re-reads and re-writes dW [E, ld], so this wins only while that traffic is below
+    // the copy of grad_y [B, E, N] the other branch makes (P3: ld 40, N 262144; not P5: ld 12288,
+    // N 512).
     for (int64_t b = 0; b < g.batch; ++b) {
       run_gemm(dy.narrow(0, b, 1).transpose(1, 2), p.narrow(0, b, 1), dw, std::nullopt,
                /*accumulate=*/b > 0);
     }
   } else {
-    // Many samples: one copy of grad_y into tokens order beats B separate calls.
+    // One copy of grad_y into tokens order, then one GEMM over all B * N tokens.
     run_gemm(merge_batch(dy.contiguous()).transpose(1, 2), merge_batch(p), dw);
   }
   if (g.batch == 0) dw.zero_();
