@@ -14,7 +14,6 @@
 #include <cstdio>
 #include <ctime>
 #include <fstream>
-#include <iostream>
 
 #ifdef PATCHGEMM_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>

@@ -3,8 +3,6 @@
 #include <ATen/Context.h>
 
 #include <cstdio>
-#include <cstring>
-#include <iostream>
 #include <sstream>
 
 #include "harness.h"

@@ -159,7 +159,11 @@ __global__ void __launch_bounds__(kThreads) tiny_embed_kernel(Volume v, const T*
   uint32_t* stage = reinterpret_cast<uint32_t*>(Ps + kTileTokens * ldp);  // per warp 16 x kStagePitch
   int64_t* k_off = reinterpret_cast<int64_t*>(stage + kWarps * 16 * kStagePitch);
 
-  for (int i = threadIdx.x; i < E * v.Kp; i += kThreads) Ws[i / v.Kp * ldw + i % v.Kp] = w[i];
+  // W [E, K] into shared memory with zero columns K..Kp (whole 16-wide MMA steps).
+  for (int i = threadIdx.x; i < E * v.Kp; i += kThreads) {
+    const int e = i / v.Kp, k = i % v.Kp;
+    Ws[e * ldw + k] = k < v.K ? w[e * v.K + k] : zero<T>();
+  }
   for (int k = threadIdx.x; k < v.K; k += kThreads) {
     const int l = k % v.kw, j = k / v.kw % v.kh, i = k / (v.kw * v.kh) % v.kd, c = k / (v.kw * v.kh * v.kd);
     k_off[k] = c * v.stride[1] + i * v.stride[2] + j * v.stride[3] + l * v.stride[4];
@@ -244,8 +248,7 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
   v.unit = pairs ? 2 : 1;
 
   const c10::cuda::CUDAGuard guard(y.device());
-  at::Tensor w = at::zeros({E, v.Kp}, w2.options());  // zero columns K..Kp: whole 16-wide MMA steps
-  w.narrow(1, 0, K).copy_(w2);
+  const at::Tensor w = w2.contiguous();
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
   const int64_t smem = (E + kTileTokens) * (v.Kp + 8) * 2 + kWarps * 16 * kStagePitch * 4 + kMaxPatch * 8;
   auto run = [&](auto tag) {
