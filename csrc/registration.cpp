@@ -1,6 +1,6 @@
 // Every op's schema, in one place. Kernels are registered per backend beside their code
-// (TORCH_LIBRARY_IMPL); autograd, fake kernels and autocast are registered from Python
-// (patchgemm/ops.py).
+// (TORCH_LIBRARY_IMPL), autograd in autograd.cpp; fake kernels are registered from Python
+// (patchgemm/ops.py) and autocast is applied by the functional API (patchgemm/functional.py).
 #include <torch/library.h>
 
 #include <climits>

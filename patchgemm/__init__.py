@@ -1,6 +1,6 @@
 """patchgemm: layers that are really one GEMM over strided views."""
 
-from . import ops as _ops  # noqa: F401  (loads the compiled library, registers fake/autograd)
+from . import ops as _ops  # noqa: F401  (loads the compiled library, registers the fake kernels)
 from .functional import grouped_linear, patch_embed, patch_unembed
 from .nn import (ConvertReport, GroupedLinear, HierarchicalPatchEmbed, HierarchicalPatchUnembed,
                  PatchEmbed, PatchUnembed, convert)
