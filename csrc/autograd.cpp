@@ -9,8 +9,10 @@
 //   grouped_linear  dx = grouped_linear_grad_input, dW = grouped_linear_grad_weight, db = sum
 //   patch_embed     dx = patch_unembed with the same weight, (dW, db) = patch_weight_grad
 //   patch_unembed   dx = patch_embed with the same weight, dW = patch_weight_grad (roles swapped)
+//   instance_norm_act  instance_norm_act_backward, from x and the per-channel statistics
 // The patch matrix is never saved: patch_weight_grad recomputes it from x, an input of the op
-// (saving an input costs no memory).
+// (saving an input costs no memory); nor is the normalized activation: the norm's backward
+// recomputes it from x.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -207,9 +209,65 @@ at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight,
   return PatchUnembed::apply(x, weight, bias, tokens, levels);
 }
 
+// ---- instance_norm_act ---------------------------------------------------------------------------
+
+using NormResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Norm = NormResult(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, double,
+                        bool, bool);
+using NormBackward = NormResult(const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+                                const OptionalTensor&, const at::Tensor&, const at::Tensor&, bool,
+                                bool);
+
+struct InstanceNormAct : Function<InstanceNormAct> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
+                               const OptionalTensor& weight, const OptionalTensor& bias,
+                               double eps, bool gelu, bool tokens) {
+    static const auto op = find_op<Norm>("patchgemm::instance_norm_act");
+    NormResult result;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      result = op.call(x, weight, bias, eps, gelu, tokens);
+    }
+    const auto& [y, mean, rstd] = result;
+    ctx->save_for_backward({x, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), mean, rstd});
+    ctx->saved_data["gelu"] = gelu;
+    ctx->saved_data["tokens"] = tokens;
+    ctx->saved_data["has_weight"] = has_value(weight);
+    ctx->saved_data["has_bias"] = has_value(bias);
+    ctx->mark_non_differentiable({mean, rstd});
+    return {y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = find_op<NormBackward>("patchgemm::instance_norm_act_backward");
+    const variable_list saved = ctx->get_saved_variables();
+    const bool has_weight = ctx->saved_data["has_weight"].toBool();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const OptionalTensor weight = has_weight ? OptionalTensor(saved[1]) : std::nullopt;
+    const OptionalTensor bias = has_bias ? OptionalTensor(saved[2]) : std::nullopt;
+    auto [grad_x, grad_w, grad_b] = op.call(grads[0], saved[0], weight, bias, saved[3], saved[4],
+                                            ctx->saved_data["gelu"].toBool(),
+                                            ctx->saved_data["tokens"].toBool());
+    // Edges: x, then weight and bias where given.
+    const size_t weight_edge = 1, bias_edge = has_weight ? 2 : 1;
+    return {ctx->needs_input_grad(0) ? grad_x : at::Tensor(),
+            has_weight && ctx->needs_input_grad(weight_edge) ? grad_w : at::Tensor(),
+            has_bias && ctx->needs_input_grad(bias_edge) ? grad_b : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+NormResult instance_norm_act_autograd(const at::Tensor& x, const OptionalTensor& weight,
+                                      const OptionalTensor& bias, double eps, bool gelu,
+                                      bool tokens) {
+  const variable_list out = InstanceNormAct::apply(x, weight, bias, eps, gelu, tokens);
+  return {out[0], out[1], out[2]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(patchgemm, Autograd, m) {
+  m.impl("instance_norm_act", &instance_norm_act_autograd);
   m.impl("grouped_linear", &grouped_linear_autograd);
   m.impl("patch_embed", &patch_embed_autograd);
   m.impl("patch_unembed", &patch_unembed_autograd);

@@ -42,6 +42,18 @@ TORCH_LIBRARY(patchgemm, m) {
       "patch_weight_grad(Tensor grad_y, Tensor x, int[] kernel_size, bool tokens, int[] levels, "
       "bool with_bias) -> (Tensor, Tensor)");
 
+  // Instance norm (statistics per sample and channel over the spatial dims or tokens), then the
+  // affine weight/bias and GELU when `gelu`: x is channels-first [B, C, *spatial] or (tokens)
+  // [B, N, C]. Returns (y in x's shape, mean [B, C], rstd [B, C]) in float32 (float64 for float64 x).
+  m.def(
+      "instance_norm_act(Tensor x, Tensor? weight, Tensor? bias, float eps, bool gelu, bool tokens) "
+      "-> (Tensor, Tensor, Tensor)");
+  // (grad_x, grad_weight, grad_bias) of instance_norm_act from its input and statistics;
+  // grad_weight / grad_bias are [0] where weight / bias are None.
+  m.def(
+      "instance_norm_act_backward(Tensor grad_y, Tensor x, Tensor? weight, Tensor? bias, "
+      "Tensor mean, Tensor rstd, bool gelu, bool tokens) -> (Tensor, Tensor, Tensor)");
+
   // "cpu" | "cuda" | "rocm", the arch list it was built for, and the BLAS library version.
   m.def("build_info() -> str[]", []() -> std::vector<std::string> {
     return {PATCHGEMM_FLAVOUR, PATCHGEMM_ARCHS, patchgemm::blas_version()};

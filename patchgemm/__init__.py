@@ -1,12 +1,12 @@
 """patchgemm: layers that are really one GEMM over strided views."""
 
 from . import ops as _ops  # noqa: F401  (loads the compiled library, registers the fake kernels)
-from .functional import grouped_linear, patch_embed, patch_unembed
+from .functional import grouped_linear, instance_norm_act, patch_embed, patch_unembed
 from .nn import (ConvertReport, GroupedLinear, HierarchicalPatchEmbed, HierarchicalPatchUnembed,
                  PatchEmbed, PatchUnembed, convert)
 
 __version__ = "0.1.0"
 __all__ = [
-    "grouped_linear", "patch_embed", "patch_unembed", "GroupedLinear", "PatchEmbed", "PatchUnembed",
+    "grouped_linear", "patch_embed", "patch_unembed", "instance_norm_act", "GroupedLinear", "PatchEmbed", "PatchUnembed",
     "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "__version__",
 ]

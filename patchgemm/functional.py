@@ -165,3 +165,28 @@ def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     x, weight, bias = _autocast(x, weight, bias)
     y = ops.patch_unembed(x, weight, bias, tokens, grid if tokens else [])
     return y.squeeze(0) if unbatched else y
+
+
+# ---- the glue of hierarchical stems ---------------------------------------------------------------
+
+def instance_norm_act(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, *,
+                      eps: float = 1e-5, act: Optional[str] = "gelu", layout: str = "channels_first") -> Tensor:
+    """``F.gelu(F.instance_norm(x, weight=weight, bias=bias, eps=eps))`` in two passes over ``x``.
+
+    Args:
+        x: ``layout="channels_first"``: ``[B, C, *spatial]`` (a conv's output);
+            ``"tokens"``: ``[B, N, C]``, normalized per sample and channel over the N tokens.
+        weight, bias: ``[C]`` (InstanceNorm's affine parameters) or None.
+        act: ``"gelu"`` (exact, erf) or None (the norm alone).
+
+    The statistics are float32 (float64 for float64 ``x``). Backward saves only ``x`` and the
+    per-channel statistics, and recomputes the normalized activation; PyTorch's two ops save two
+    copies of the activation and make about three times the passes over it.
+    """
+    _check_format("instance_norm_act: layout", layout)
+    if act not in ("gelu", None):
+        raise ValueError(f"instance_norm_act: act must be 'gelu' or None, got {act!r}")
+    if not isinstance(x, Tensor):
+        raise TypeError("instance_norm_act: x must be a tensor")
+    weight, bias = (None if t is None else t.to(x.dtype) for t in (weight, bias))
+    return ops.instance_norm_act(x, weight, bias, float(eps), act == "gelu", layout == "tokens")[0]

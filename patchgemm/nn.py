@@ -288,15 +288,15 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
 _ACTS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu, "silu": nn.functional.silu, None: None}
 
 
-def _instance_norm_tokens(y: Tensor, norm: Optional[nn.Module]) -> Tensor:
-    """InstanceNorm over tokens [B, N, C]: per sample and channel, over the N tokens."""
-    if norm is None:
-        return y
-    var, mean = torch.var_mean(y, dim=1, keepdim=True, correction=0)
-    y = (y - mean) * torch.rsqrt(var + norm.eps)
-    if norm.weight is not None:
-        y = y * norm.weight + norm.bias
-    return y
+def _norm_act_tokens(y: Tensor, norm: Optional[nn.Module], act: Optional[str]) -> Tensor:
+    """InstanceNorm over tokens [B, N, C] (per sample and channel, over the N tokens), then the
+    activation: one fused op for GELU or none, else the fused norm and then the activation."""
+    if norm is not None:
+        fused = act if act in ("gelu", None) else None
+        y = F.instance_norm_act(y, norm.weight, norm.bias, eps=norm.eps, act=fused, layout="tokens")
+        if fused == act:
+            return y
+    return y if act is None else _ACTS[act](y)
 
 
 def _make_norm(kind: Optional[str], channels: int, rank: int, factory) -> Optional[nn.Module]:
@@ -394,9 +394,7 @@ class HierarchicalPatchEmbed(nn.Module):
         x, w, b = F._autocast(x, first.weight, first.bias)
         y = ops.patch_embed(x, w, b, True, levels)  # [B, N1, C1]
         for stage, norm in zip(self.stages[1:], self.norms):
-            y = _instance_norm_tokens(y, None if isinstance(norm, nn.Identity) else norm)
-            if self.act is not None:
-                y = _ACTS[self.act](y)
+            y = _norm_act_tokens(y, None if isinstance(norm, nn.Identity) else norm, self.act)
             patch = math.prod(stage.kernel_size)
             rows = y.reshape(y.shape[0], y.shape[1] // patch, patch * y.shape[2])  # a view
             y = nn.functional.linear(rows, _tokens_weight(stage.weight, False).to(rows.dtype),
@@ -474,9 +472,7 @@ class HierarchicalPatchUnembed(nn.Module):
             bias = None if stage.bias is None else stage.bias.repeat(patch).to(y.dtype)
             y = nn.functional.linear(y, _tokens_weight(stage.weight, True).t().to(y.dtype), bias)
             y = y.reshape(y.shape[0], y.shape[1] * patch, stage.out_channels)  # a view
-            y = _instance_norm_tokens(y, None if isinstance(norm, nn.Identity) else norm)
-            if self.act is not None:
-                y = _ACTS[self.act](y)
+            y = _norm_act_tokens(y, None if isinstance(norm, nn.Identity) else norm, self.act)
         last = self.stages[-1]
         # Scatter with the token order the stages produced: (grid, k_L, ..., k_2).
         levels = grid + [v for s in self.stages[:-1] for v in s.kernel_size]

@@ -78,3 +78,24 @@ def _(grad_y, x, kernel_size, tokens, levels, with_bias):
     embed = grad_y.shape[-1] if tokens else grad_y.shape[1]
     return (x.new_empty((embed, x.shape[1], *kernel_size)),
             x.new_empty((embed,) if with_bias else (0,)))
+
+
+# ---- instance norm + activation: fake kernels -----------------------------------------------------
+
+def _norm_stats_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("patchgemm::instance_norm_act")
+def _(x, weight, bias, eps, gelu, tokens):
+    channels = x.shape[2] if tokens else x.shape[1]
+    stats = x.new_empty((x.shape[0], channels), dtype=_norm_stats_dtype(x))
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+
+@torch.library.register_fake("patchgemm::instance_norm_act_backward")
+def _(grad_y, x, weight, bias, mean, rstd, gelu, tokens):
+    channels = x.shape[2] if tokens else x.shape[1]
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty((channels,) if weight is not None else (0,)),
+            x.new_empty((channels,) if bias is not None else (0,)))

@@ -26,15 +26,16 @@ def randn(*shape, dtype=torch.float32, device="cpu", requires_grad=False):
     return t.requires_grad_(requires_grad)
 
 
-def assert_close_to_ref(out, ref, dtype, what="output"):
-    """`out` (computed in `dtype`) against a float64 reference: shape, finiteness, relative error."""
+def assert_close_to_ref(out, ref, dtype, what="output", tol=None):
+    """`out` (computed in `dtype`) against a float64 reference: shape, finiteness, relative error
+    (at most `tol`, by default REL_TOL[dtype])."""
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
     out64 = out.detach().double().cpu()
     ref64 = ref.detach().double().cpu()
     assert torch.isfinite(out64).all(), f"{what}: non-finite values (unwritten output?)"
     denom = ref64.norm().item()
     err = (out64 - ref64).norm().item()
-    tol = REL_TOL[dtype]
+    tol = REL_TOL[dtype] if tol is None else tol
     assert err <= tol * max(denom, 1e-30) or (denom == 0 and err == 0), (
         f"{what}: relative error {err / max(denom, 1e-30):.3g} > {tol:g} ({dtype})")
 

@@ -65,6 +65,19 @@ def main():
                 u = patchgemm.patch_unembed(y.detach().requires_grad_(), w, bias_out)
                 grads_u = torch.autograd.grad(u, [w], torch.randn_like(u))
                 assert all(torch.isfinite(t).all() for t in (y, *grads, u, *grads_u))
+    # fused instance norm + GELU: both layouts, vector and one-element paths, several chunks
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        for shape in [(2, 16, 8, 8, 8), (2, 5, 7, 9), (1, 8, 20000)]:
+            for layout in ("channels_first", "tokens"):
+                x = torch.randn(shape, dtype=dtype, device="cuda")
+                if layout == "tokens":
+                    x = x.flatten(2).transpose(1, 2).contiguous()
+                x.requires_grad_()
+                w = torch.randn(shape[1], dtype=dtype, device="cuda", requires_grad=True)
+                b = torch.randn(shape[1], dtype=dtype, device="cuda", requires_grad=True)
+                y = patchgemm.instance_norm_act(x, w, b, layout=layout)
+                grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
+                assert all(torch.isfinite(t).all() for t in (y, *grads))
     stem = patchgemm.HierarchicalPatchEmbed(3, 16, [2, 2], device="cuda")
     head = patchgemm.HierarchicalPatchUnembed(16, 3, [2, 2], device="cuda")
     z = head(stem(torch.randn(2, 3, 8, 8, 8, device="cuda")))
