@@ -3,8 +3,10 @@
 //   channel_sums  per (sample, channel) partial sums of two terms over a chunk of S: the forward
 //                 sums x - k and (x - k)^2 (k = the channel's first element: a shift that keeps
 //                 the variance free of cancellation), the backward dz and dz * xhat.
-//   finish_sums   adds a channel's partials (in double) into mean/rstd, or s1/s2.
-//   apply         one element-wise pass: y = act(z), or grad_x from dz and the sums.
+//   finish_sums   adds a channel's partials (in double) into mean/rstd, or s1/s2, and the
+//                 coefficients of the element-wise pass.
+//   apply         one element-wise pass: y = act(z), or grad_x from dz; linear in x and dz with
+//                 per-(sample, channel) coefficients.
 // Every access is a 16-byte vector where the layout allows (S or C a multiple of the vector, the
 // pointers aligned), else one element. channels-first x reads each channel's contiguous run;
 // tokens x ([B, S, C]) has each thread own a vector of adjacent channels over many rows.
@@ -37,10 +39,8 @@ struct Args {
   const scalar_t* dy;      // backward only
   const scalar_t* weight;  // [C] or null
   const scalar_t* bias;    // [C] or null
-  const acc_t* mean;       // [B * C]; backward and apply only
+  const acc_t* mean;       // [B * C]; the backward only
   const acc_t* rstd;
-  const acc_t* s1;         // [B * C] sums of the backward; its apply only
-  const acc_t* s2;
   NormShape shape;
   bool gelu;
 };
@@ -150,8 +150,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   block_sum(t1, t2);
   if (threadIdx.x == 0) {
-    part1[bc * gridDim.y + blockIdx.y] = t1;
-    part2[bc * gridDim.y + blockIdx.y] = t2;
+    const int64_t i = static_cast<int64_t>(blockIdx.y) * gridDim.x + bc;
+    part1[i] = t1;
+    part2[i] = t2;
   }
 }
 
@@ -195,79 +196,101 @@ __global__ void __launch_bounds__(kThreads)
         u1 += s1[r * cols + tx];
         u2 += s2[r * cols + tx];
       }
-      const int64_t bc = b * C + c0 + i;
-      part1[bc * gridDim.x + blockIdx.x] = u1;
-      part2[bc * gridDim.x + blockIdx.x] = u2;
+      const int64_t j = blockIdx.x * gridDim.y * C + b * C + c0 + i;  // [chunk][b][c]
+      part1[j] = u1;
+      part2[j] = u2;
     }
     __syncthreads();
   }
 }
 
-// One thread per (sample, channel): adds its chunks' partials. Stats: mean and rstd; backward:
-// the sums themselves.
+// One thread per (sample, channel): adds its chunks' partials ([chunk][b * C + c], so a warp
+// reads them coalesced) and turns them into the coefficients of the element-wise pass.
+//   stats:    mean, rstd (saved for backward); y = act(x * ca + cc), ca = rstd * gamma,
+//             cc = beta - mean * ca.
+//   backward: with m1 = mean(dz), m2 = mean(dz * xhat) over the channel,
+//             dx = rstd * gamma * (dz - m1 - xhat * m2) = ca * dz + x * cp + cq,
+//             cp = -ca * m2 * rstd, cq = -ca * m1 - cp * mean; also s1, s2 for dweight / dbias.
 template <Pass kPass, typename scalar_t, typename acc_t>
 __global__ void finish_sums(Args<scalar_t, acc_t> a, int64_t chunks, const acc_t* part1,
-                            const acc_t* part2, double eps, acc_t* out1, acc_t* out2) {
+                            const acc_t* part2, double eps, acc_t* out1, acc_t* out2,
+                            acc_t* coef) {
+  const int64_t bcs = a.shape.batch * a.shape.channels;
   const int64_t bc = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (bc >= a.shape.batch * a.shape.channels) return;
+  if (bc >= bcs) return;
   double u1 = 0, u2 = 0;
   for (int64_t i = 0; i < chunks; ++i) {
-    u1 += part1[bc * chunks + i];
-    u2 += part2[bc * chunks + i];
+    u1 += part1[i * bcs + bc];
+    u2 += part2[i * bcs + bc];
   }
+  const double n = static_cast<double>(a.shape.spatial);
+  const Channel<acc_t> ch = channel_of<kPass>(a, bc / a.shape.channels, bc % a.shape.channels);
+  double mean, rstd;
   if (kPass == Pass::kStats) {
-    const double n = static_cast<double>(a.shape.spatial), d = u1 / n;
-    const Channel<acc_t> ch = channel_of<kPass>(a, bc / a.shape.channels, bc % a.shape.channels);
-    const double var = u2 / n - d * d;
-    out1[bc] = static_cast<acc_t>(static_cast<double>(ch.shift_or_mean) + d);
-    out2[bc] = static_cast<acc_t>(1.0 / sqrt((var > 0 ? var : 0.0) + eps));
+    const double d = u1 / n, var = u2 / n - d * d;
+    mean = static_cast<double>(ch.shift_or_mean) + d;
+    rstd = 1.0 / sqrt((var > 0 ? var : 0.0) + eps);
+    out1[bc] = static_cast<acc_t>(mean);
+    out2[bc] = static_cast<acc_t>(rstd);
   } else {
+    mean = ch.shift_or_mean;
+    rstd = ch.rstd;
     out1[bc] = static_cast<acc_t>(u1);
     out2[bc] = static_cast<acc_t>(u2);
+  }
+  const int64_t c = bc % a.shape.channels;
+  const double gamma = a.weight ? static_cast<double>(static_cast<acc_t>(a.weight[c])) : 1.0;
+  const double beta = a.bias ? static_cast<double>(static_cast<acc_t>(a.bias[c])) : 0.0;
+  const double ca = rstd * gamma;
+  coef[bc] = static_cast<acc_t>(ca);
+  coef[bcs + bc] = static_cast<acc_t>(beta - mean * ca);
+  if (kPass == Pass::kBackward) {
+    const double cp = -ca * (u2 / n) * rstd;
+    coef[2 * bcs + bc] = static_cast<acc_t>(cp);
+    coef[3 * bcs + bc] = static_cast<acc_t>(-ca * (u1 / n) - cp * mean);
   }
 }
 
 // The element-wise pass over V-element vectors; a vector never straddles two channels
-// (channels-first: S % V == 0) or two samples (tokens: C % V == 0). kStats here means the forward's
-// output pass (after the statistics), kBackward the input gradient.
+// (channels-first: S % V == 0) or two samples (tokens: C % V == 0), so its coefficients are one
+// value (channels-first) or V adjacent ones (tokens, one vector load each).
 template <Pass kPass, typename scalar_t, typename acc_t, int V>
 __global__ void __launch_bounds__(kThreads)
-    apply(Args<scalar_t, acc_t> a, scalar_t* out) {
+    apply(Args<scalar_t, acc_t> a, const acc_t* coef, scalar_t* out) {
   const NormShape& s = a.shape;
-  const int64_t vectors = s.numel() / V;
-  const acc_t inv_n = acc_t(1) / static_cast<acc_t>(s.spatial);
+  const int64_t vectors = s.numel() / V, bcs = s.batch * s.channels;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; v < vectors;
        v += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int64_t e = v * V;
     const int64_t b = e / (s.spatial * s.channels);
-    const int64_t c_first = s.tokens ? e % s.channels : (e / s.spatial) % s.channels;
+    const int64_t bc = s.tokens ? b * s.channels + e % s.channels : e / s.spatial;
+    constexpr int kCoefs = kPass == Pass::kStats ? 2 : 4;
+    acc_t k[kCoefs][V];
+#pragma unroll
+    for (int j = 0; j < kCoefs; ++j) {
+      if (s.tokens) {
+        const Vec<acc_t, V> kv = load<acc_t, V>(coef + j * bcs + bc);
+#pragma unroll
+        for (int i = 0; i < V; ++i) k[j][i] = kv.v[i];
+      } else {
+        const acc_t kj = coef[j * bcs + bc];
+#pragma unroll
+        for (int i = 0; i < V; ++i) k[j][i] = kj;
+      }
+    }
     const Vec<scalar_t, V> xv = load<scalar_t, V>(a.x + e);
     Vec<scalar_t, V> dv{}, result;
     if (kPass == Pass::kBackward) dv = load<scalar_t, V>(a.dy + e);
-    // channels-first vectors lie in one channel: its parameters are loaded once.
-    Channel<acc_t> ch = channel_of<Pass::kBackward>(a, b, c_first);
-    acc_t mean_dz = 0, mean_dz_xhat = 0;
-    if (kPass == Pass::kBackward) {
-      mean_dz = a.s1[b * s.channels + c_first] * inv_n;
-      mean_dz_xhat = a.s2[b * s.channels + c_first] * inv_n;
-    }
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      if (s.tokens && i > 0) {
-        ch = channel_of<Pass::kBackward>(a, b, c_first + i);
-        if (kPass == Pass::kBackward) {
-          mean_dz = a.s1[b * s.channels + c_first + i] * inv_n;
-          mean_dz_xhat = a.s2[b * s.channels + c_first + i] * inv_n;
-        }
-      }
       const acc_t x = static_cast<acc_t>(xv.v[i]);
+      const acc_t z = x * k[0][i] + k[1][i];
       if (kPass == Pass::kStats) {
-        const acc_t z = (x - ch.shift_or_mean) * ch.rstd * ch.gamma + ch.beta;
         result.v[i] = static_cast<scalar_t>(a.gelu ? gelu_of(z) : z);
       } else {
-        acc_t dz, xhat;
-        dz_xhat(x, static_cast<acc_t>(dv.v[i]), ch, a.gelu, dz, xhat);
-        result.v[i] = static_cast<scalar_t>(ch.rstd * ch.gamma * (dz - mean_dz - xhat * mean_dz_xhat));
+        const acc_t dy = static_cast<acc_t>(dv.v[i]);
+        const acc_t dz = a.gelu ? dy * gelu_grad(z) : dy;
+        result.v[i] = static_cast<scalar_t>(k[0][i] * dz + x * k[kCoefs - 2][i] + k[kCoefs - 1][i]);
       }
     }
     *reinterpret_cast<Vec<scalar_t, V>*>(out + e) = result;
@@ -278,57 +301,69 @@ bool aligned(const void* p, int64_t bytes) {
   return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// Both reductions: partial sums per chunk, then their totals into out1/out2 [B * C].
+// Both reductions: partial sums per chunk, then per (sample, channel) their totals into out1 /
+// out2 [B * C] and the element-wise pass's coefficients into coef.
 template <Pass kPass, typename scalar_t, typename acc_t, int V>
 void channel_sums(const Args<scalar_t, acc_t>& a, double eps, acc_t* out1, acc_t* out2,
-                  const at::TensorOptions& acc_options) {
+                  acc_t* coef, const at::TensorOptions& acc_options) {
   const NormShape& s = a.shape;
   auto stream = at::cuda::getCurrentCUDAStream();
+  // Enough blocks to fill the GPU several times over, each with a long run of rows to stream.
+  const int64_t target_blocks = 16LL * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int64_t chunk, chunks;
   int cols = 0;
   dim3 grid;
   if (s.tokens) {
     const int64_t col_vectors = s.channels / V;
     cols = static_cast<int>(std::min<int64_t>(col_vectors, kThreads));
-    const int64_t rows_per_pass = kThreads / cols;
-    chunk = std::max<int64_t>(rows_per_pass, kChunkElements / s.channels);
+    const int64_t tiles = (col_vectors + cols - 1) / cols, rows_per_pass = kThreads / cols;
+    chunks = std::max<int64_t>(1, target_blocks / std::max<int64_t>(1, s.batch * tiles));
+    chunks = std::min({chunks, (s.spatial + rows_per_pass - 1) / rows_per_pass, kMaxChunks});
+    chunk = (s.spatial + chunks - 1) / chunks;
     chunks = (s.spatial + chunk - 1) / chunk;
-    if (chunks > kMaxChunks) {
-      chunks = kMaxChunks;
-      chunk = (s.spatial + chunks - 1) / chunks;
-    }
-    TORCH_CHECK(s.batch <= 65535, "instance_norm_act: batch ", s.batch, " exceeds 65535");
+    TORCH_CHECK(s.batch <= 65535 && tiles <= 65535, "instance_norm_act: batch ", s.batch,
+                " or channels ", s.channels, " too large for the CUDA kernels");
     grid = dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(s.batch),
-                static_cast<unsigned>((col_vectors + cols - 1) / cols));
+                static_cast<unsigned>(tiles));
   } else {
     chunks = std::min<int64_t>((s.spatial + kChunkElements - 1) / kChunkElements, kMaxChunks);
     chunk = (s.spatial + chunks - 1) / chunks;
     chunk = (chunk + V - 1) / V * V;  // chunks start on vector boundaries
     grid = dim3(static_cast<unsigned>(s.batch * s.channels), static_cast<unsigned>(chunks));
   }
-  at::Tensor part = at::empty({2, s.batch * s.channels * chunks}, acc_options);
+  const int64_t bcs = s.batch * s.channels;
+  at::Tensor part = at::empty({2, bcs * chunks}, acc_options);
   acc_t* p1 = part.data_ptr<acc_t>();
-  acc_t* p2 = p1 + s.batch * s.channels * chunks;
+  acc_t* p2 = p1 + bcs * chunks;
   if (s.tokens) {
     channel_sums_tokens<kPass, scalar_t, acc_t, V><<<grid, kThreads, 0, stream>>>(a, chunk, cols, p1, p2);
   } else {
     channel_sums_cf<kPass, scalar_t, acc_t, V><<<grid, kThreads, 0, stream>>>(a, chunk, p1, p2);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int64_t bcs = s.batch * s.channels;
   finish_sums<kPass><<<static_cast<unsigned>((bcs + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      a, chunks, p1, p2, eps, out1, out2);
+      a, chunks, p1, p2, eps, out1, out2, coef);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <Pass kPass, typename scalar_t, typename acc_t, int V>
-void launch_apply(const Args<scalar_t, acc_t>& a, scalar_t* out) {
+void launch_apply(const Args<scalar_t, acc_t>& a, const acc_t* coef, scalar_t* out) {
   const int64_t vectors = a.shape.numel() / V;
   const int64_t blocks = std::min<int64_t>((vectors + kThreads - 1) / kThreads,
                                            at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 16);
   apply<kPass, scalar_t, acc_t, V><<<static_cast<unsigned>(blocks), kThreads, 0,
-                                    at::cuda::getCurrentCUDAStream()>>>(a, out);
+                                    at::cuda::getCurrentCUDAStream()>>>(a, coef, out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Both passes of one direction at vector width V.
+template <Pass kPass, typename scalar_t, typename acc_t, int V>
+void run(const Args<scalar_t, acc_t>& a, double eps, acc_t* out1, acc_t* out2,
+         const at::TensorOptions& acc_options, scalar_t* out) {
+  const int64_t bcs = a.shape.batch * a.shape.channels;
+  at::Tensor coef = at::empty({kPass == Pass::kStats ? 2 : 4, bcs}, acc_options);
+  channel_sums<kPass, scalar_t, acc_t, V>(a, eps, out1, out2, coef.data_ptr<acc_t>(), acc_options);
+  launch_apply<kPass, scalar_t, acc_t, V>(a, coef.data_ptr<acc_t>(), out);
 }
 
 // The vector width for this call: 16 bytes when the innermost run (S, or C for tokens) and every
@@ -358,15 +393,14 @@ void instance_norm_act_forward(const at::Tensor& x, const at::Tensor& weight,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "instance_norm_act", [&] {
     using acc_t = at::acc_type<scalar_t, true>;
     Args<scalar_t, acc_t> a{x.const_data_ptr<scalar_t>(), nullptr, ptr_or_null<scalar_t>(weight),
-                            ptr_or_null<scalar_t>(bias), mean.data_ptr<acc_t>(),
-                            rstd.data_ptr<acc_t>(), nullptr, nullptr, s, gelu};
+                            ptr_or_null<scalar_t>(bias), nullptr, nullptr, s, gelu};
     constexpr int V = 16 / sizeof(scalar_t);
+    acc_t* m = mean.data_ptr<acc_t>();
+    acc_t* r = rstd.data_ptr<acc_t>();
     if (can_vectorize<scalar_t>(s, {x.const_data_ptr(), y.data_ptr()})) {
-      channel_sums<Pass::kStats, scalar_t, acc_t, V>(a, eps, mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), mean.options());
-      launch_apply<Pass::kStats, scalar_t, acc_t, V>(a, y.data_ptr<scalar_t>());
+      run<Pass::kStats, scalar_t, acc_t, V>(a, eps, m, r, mean.options(), y.data_ptr<scalar_t>());
     } else {
-      channel_sums<Pass::kStats, scalar_t, acc_t, 1>(a, eps, mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), mean.options());
-      launch_apply<Pass::kStats, scalar_t, acc_t, 1>(a, y.data_ptr<scalar_t>());
+      run<Pass::kStats, scalar_t, acc_t, 1>(a, eps, m, r, mean.options(), y.data_ptr<scalar_t>());
     }
   });
 }
@@ -382,17 +416,14 @@ void instance_norm_act_backward(const at::Tensor& grad_y, const at::Tensor& x,
     using acc_t = at::acc_type<scalar_t, true>;
     Args<scalar_t, acc_t> a{x.const_data_ptr<scalar_t>(), grad_y.const_data_ptr<scalar_t>(),
                             ptr_or_null<scalar_t>(weight), ptr_or_null<scalar_t>(bias),
-                            mean.const_data_ptr<acc_t>(), rstd.const_data_ptr<acc_t>(),
-                            sum_dz.data_ptr<acc_t>(), sum_dz_xhat.data_ptr<acc_t>(), s, gelu};
+                            mean.const_data_ptr<acc_t>(), rstd.const_data_ptr<acc_t>(), s, gelu};
     acc_t* s1 = sum_dz.data_ptr<acc_t>();
     acc_t* s2 = sum_dz_xhat.data_ptr<acc_t>();
     constexpr int V = 16 / sizeof(scalar_t);
     if (can_vectorize<scalar_t>(s, {x.const_data_ptr(), grad_y.const_data_ptr(), grad_x.data_ptr()})) {
-      channel_sums<Pass::kBackward, scalar_t, acc_t, V>(a, 0.0, s1, s2, mean.options());
-      launch_apply<Pass::kBackward, scalar_t, acc_t, V>(a, grad_x.data_ptr<scalar_t>());
+      run<Pass::kBackward, scalar_t, acc_t, V>(a, 0.0, s1, s2, mean.options(), grad_x.data_ptr<scalar_t>());
     } else {
-      channel_sums<Pass::kBackward, scalar_t, acc_t, 1>(a, 0.0, s1, s2, mean.options());
-      launch_apply<Pass::kBackward, scalar_t, acc_t, 1>(a, grad_x.data_ptr<scalar_t>());
+      run<Pass::kBackward, scalar_t, acc_t, 1>(a, 0.0, s1, s2, mean.options(), grad_x.data_ptr<scalar_t>());
     }
   });
 }
