@@ -84,8 +84,9 @@ __device__ __forceinline__ Channel<acc_t> channel_of(const Args<scalar_t, acc_t>
 template <typename acc_t>
 __device__ __forceinline__ void dz_xhat(acc_t x, acc_t dy, const Channel<acc_t>& ch, bool gelu,
                                         acc_t& dz, acc_t& xhat) {
-  xhat = (x - ch.shift_or_mean) * ch.rstd;
-  dz = gelu ? dy * gelu_grad(xhat * ch.gamma + ch.beta) : dy;
+  const acc_t centered = x - ch.shift_or_mean;
+  xhat = centered * ch.rstd;
+  dz = gelu ? dy * gelu_grad(centered * (ch.rstd * ch.gamma) + ch.beta) : dy;
 }
 
 template <Pass kPass, typename acc_t>
@@ -205,12 +206,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // One thread per (sample, channel): adds its chunks' partials ([chunk][b * C + c], so a warp
-// reads them coalesced) and turns them into the coefficients of the element-wise pass.
-//   stats:    mean, rstd (saved for backward); y = act(x * ca + cc), ca = rstd * gamma,
-//             cc = beta - mean * ca.
-//   backward: with m1 = mean(dz), m2 = mean(dz * xhat) over the channel,
-//             dx = rstd * gamma * (dz - m1 - xhat * m2) = ca * dz + x * cp + cq,
-//             cp = -ca * m2 * rstd, cq = -ca * m1 - cp * mean; also s1, s2 for dweight / dbias.
+// reads them coalesced) and writes the coefficients of the element-wise pass, coef[j][b * C + c]:
+//   both:     mean, ca = rstd * gamma, beta; z = (x - mean) * ca + beta, y = act(z)
+//   backward: m1 = mean(dz), m2r = mean(dz * xhat) * rstd over the channel;
+//             dx = rstd * gamma * (dz - m1 - xhat * m2) = ca * (dz - m1 - (x - mean) * m2r)
+// (x - mean is formed first, as PyTorch does: no cancellation between large terms). Also the
+// statistics (mean, rstd) or the sums (s1, s2, for dweight / dbias) into out1 / out2.
 template <Pass kPass, typename scalar_t, typename acc_t>
 __global__ void finish_sums(Args<scalar_t, acc_t> a, int64_t chunks, const acc_t* part1,
                             const acc_t* part2, double eps, acc_t* out1, acc_t* out2,
@@ -241,13 +242,12 @@ __global__ void finish_sums(Args<scalar_t, acc_t> a, int64_t chunks, const acc_t
   const int64_t c = bc % a.shape.channels;
   const double gamma = a.weight ? static_cast<double>(static_cast<acc_t>(a.weight[c])) : 1.0;
   const double beta = a.bias ? static_cast<double>(static_cast<acc_t>(a.bias[c])) : 0.0;
-  const double ca = rstd * gamma;
-  coef[bc] = static_cast<acc_t>(ca);
-  coef[bcs + bc] = static_cast<acc_t>(beta - mean * ca);
+  coef[bc] = static_cast<acc_t>(mean);
+  coef[bcs + bc] = static_cast<acc_t>(rstd * gamma);
+  coef[2 * bcs + bc] = static_cast<acc_t>(beta);
   if (kPass == Pass::kBackward) {
-    const double cp = -ca * (u2 / n) * rstd;
-    coef[2 * bcs + bc] = static_cast<acc_t>(cp);
-    coef[3 * bcs + bc] = static_cast<acc_t>(-ca * (u1 / n) - cp * mean);
+    coef[3 * bcs + bc] = static_cast<acc_t>(u1 / n);
+    coef[4 * bcs + bc] = static_cast<acc_t>(u2 / n * rstd);
   }
 }
 
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t e = v * V;
     const int64_t b = e / (s.spatial * s.channels);
     const int64_t bc = s.tokens ? b * s.channels + e % s.channels : e / s.spatial;
-    constexpr int kCoefs = kPass == Pass::kStats ? 2 : 4;
+    constexpr int kCoefs = kPass == Pass::kStats ? 3 : 5;
     acc_t k[kCoefs][V];
 #pragma unroll
     for (int j = 0; j < kCoefs; ++j) {
@@ -283,14 +283,14 @@ __global__ void __launch_bounds__(kThreads)
     if (kPass == Pass::kBackward) dv = load<scalar_t, V>(a.dy + e);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const acc_t x = static_cast<acc_t>(xv.v[i]);
-      const acc_t z = x * k[0][i] + k[1][i];
+      const acc_t centered = static_cast<acc_t>(xv.v[i]) - k[0][i];
+      const acc_t z = centered * k[1][i] + k[2][i];
       if (kPass == Pass::kStats) {
         result.v[i] = static_cast<scalar_t>(a.gelu ? gelu_of(z) : z);
       } else {
         const acc_t dy = static_cast<acc_t>(dv.v[i]);
         const acc_t dz = a.gelu ? dy * gelu_grad(z) : dy;
-        result.v[i] = static_cast<scalar_t>(k[0][i] * dz + x * k[kCoefs - 2][i] + k[kCoefs - 1][i]);
+        result.v[i] = static_cast<scalar_t>(k[1][i] * (dz - k[3][i] - centered * k[4][i]));
       }
     }
     *reinterpret_cast<Vec<scalar_t, V>*>(out + e) = result;
@@ -361,7 +361,7 @@ template <Pass kPass, typename scalar_t, typename acc_t, int V>
 void run(const Args<scalar_t, acc_t>& a, double eps, acc_t* out1, acc_t* out2,
          const at::TensorOptions& acc_options, scalar_t* out) {
   const int64_t bcs = a.shape.batch * a.shape.channels;
-  at::Tensor coef = at::empty({kPass == Pass::kStats ? 2 : 4, bcs}, acc_options);
+  at::Tensor coef = at::empty({kPass == Pass::kStats ? 3 : 5, bcs}, acc_options);
   channel_sums<kPass, scalar_t, acc_t, V>(a, eps, out1, out2, coef.data_ptr<acc_t>(), acc_options);
   launch_apply<kPass, scalar_t, acc_t, V>(a, coef.data_ptr<acc_t>(), out);
 }
