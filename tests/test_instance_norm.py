@@ -1,5 +1,7 @@
 """instance_norm_act: InstanceNorm (+ affine) + GELU fused, both layouts, against PyTorch in float64."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,7 +77,13 @@ def test_forward_backward_match_pytorch(device, dtype, shape, layout):
     want = torch.autograd.grad(ref, [x64, w64, b64], dy_cf)
     # The gradients also carry dy's rounding to `dtype` and sums over whole channels.
     tol = GRAD_TOL[dtype]
-    assert_close_to_ref(from_layout(got[0], x_cf, layout), want[0], dtype, "grad_x", tol)
+    if math.prod(shape[2:]) == 1:
+        # One element per channel: grad_x is exactly 0, as the difference of two equal terms of
+        # size |dy| * weight / sqrt(eps) that the kernels may round one ulp apart.
+        scale = dy_cf.abs().max().item() * w.abs().max().item() / math.sqrt(1e-5)
+        assert got[0].abs().max().item() <= 1e-5 * scale, "grad_x of one-element channels"
+    else:
+        assert_close_to_ref(from_layout(got[0], x_cf, layout), want[0], dtype, "grad_x", tol)
     assert_close_to_ref(got[1], want[1], dtype, "grad_weight", tol)
     assert_close_to_ref(got[2], want[2], dtype, "grad_bias", tol)
 
