@@ -118,6 +118,19 @@ void save_patch_context(AutogradContext* ctx, const at::Tensor& x, const at::Ten
   ctx->saved_data["kernel"] = concrete(weight.sym_sizes().slice(2));
 }
 
+// What save_patch_context kept, read back in backward.
+struct PatchContext {
+  at::Tensor x, weight;
+  bool tokens;
+  std::vector<int64_t> levels, kernel;
+};
+
+PatchContext load_patch_context(AutogradContext* ctx) {
+  const variable_list saved = ctx->get_saved_variables();
+  return {saved[0], saved[1], ctx->saved_data["tokens"].toBool(),
+          ctx->saved_data["levels"].toIntVector(), ctx->saved_data["kernel"].toIntVector()};
+}
+
 const auto& patch_embed_op() {
   static const auto op = find_op<Patch>("patchgemm::patch_embed");
   return op;
@@ -148,20 +161,18 @@ struct PatchEmbed : Function<PatchEmbed> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &grad_y = grads[0];
-    const bool tokens = ctx->saved_data["tokens"].toBool();
-    const std::vector<int64_t> levels = ctx->saved_data["levels"].toIntVector();
+    const PatchContext c = load_patch_context(ctx);
+    const at::Tensor& grad_y = grads[0];
     at::Tensor grad_x, grad_w, grad_b;
     if (ctx->needs_input_grad(kX)) {
       const std::vector<int64_t> unembed_levels =
-          ctx->saved_data.count("grid") ? ctx->saved_data["grid"].toIntVector() : levels;
-      grad_x = patch_unembed_op().call(grad_y, weight, std::nullopt, tokens, unembed_levels);
+          ctx->saved_data.count("grid") ? ctx->saved_data["grid"].toIntVector() : c.levels;
+      grad_x = patch_unembed_op().call(grad_y, c.weight, std::nullopt, c.tokens, unembed_levels);
     }
     const bool needs_b = needs_bias_grad(ctx);
     if (ctx->needs_input_grad(kWeight) || needs_b) {
-      std::tie(grad_w, grad_b) = patch_weight_grad_op().call(
-          grad_y, x, ctx->saved_data["kernel"].toIntVector(), tokens, levels, needs_b);
+      std::tie(grad_w, grad_b) =
+          patch_weight_grad_op().call(grad_y, c.x, c.kernel, c.tokens, c.levels, needs_b);
     }
     return {grad_x, ctx->needs_input_grad(kWeight) ? grad_w : at::Tensor(),
             needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor()};
@@ -177,17 +188,15 @@ struct PatchUnembed : Function<PatchUnembed> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &grad_y = grads[0];
-    const bool tokens = ctx->saved_data["tokens"].toBool();
-    const std::vector<int64_t> levels = ctx->saved_data["levels"].toIntVector();
+    const PatchContext c = load_patch_context(ctx);
+    const at::Tensor& grad_y = grads[0];
     at::Tensor grad_x, grad_w, grad_b;
     if (ctx->needs_input_grad(kX)) {
-      grad_x = patch_embed_op().call(grad_y, weight, std::nullopt, tokens, levels);
+      grad_x = patch_embed_op().call(grad_y, c.weight, std::nullopt, c.tokens, c.levels);
     }
     if (ctx->needs_input_grad(kWeight)) {
-      grad_w = std::get<0>(patch_weight_grad_op().call(
-          x, grad_y, ctx->saved_data["kernel"].toIntVector(), tokens, levels, false));
+      grad_w = std::get<0>(
+          patch_weight_grad_op().call(c.x, grad_y, c.kernel, c.tokens, c.levels, false));
     }
     if (needs_bias_grad(ctx)) {
       std::vector<int64_t> dims{0};
