@@ -91,10 +91,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act(
   TORCH_CHECK(eps >= 0 && std::isfinite(eps), kOp, ": eps must be finite and >= 0, got ", eps);
   const at::Tensor x = x_in.contiguous(), weight = defined_or_empty(weight_in),
                    bias = defined_or_empty(bias_in);
-  const auto acc = x.options().dtype(acc_dtype(x));
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
 #ifdef PATCHGEMM_WITH_CUDA
   if (x.is_cuda()) {
+    const auto acc = x.options().dtype(acc_dtype(x));
+    at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
     at::Tensor mean = at::empty({s.batch, s.channels}, acc), rstd = at::empty_like(mean);
     cuda::instance_norm_act_forward(x, weight, bias, eps, gelu, s, y, mean, rstd);
     return {y, mean, rstd};
@@ -104,8 +104,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act(
   const at::Tensor mean = xf.mean(-1);
   const at::Tensor rstd = (xf.var(-1, /*unbiased=*/false) + eps).rsqrt();
   const at::Tensor z = normalized(x, weight, bias, mean, rstd, s).second;
-  y.copy_(from_bcs(gelu ? at::gelu(z) : z, x, s));
-  return {y, mean, rstd};
+  return {from_bcs(gelu ? at::gelu(z) : z, x, s), mean, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward(
@@ -129,9 +128,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward(
   }
   const at::Tensor x = x_in.contiguous(), grad_y = grad_y_in.contiguous();
   const at::Tensor weight = defined_or_empty(weight_in), bias = defined_or_empty(bias_in);
-  at::Tensor grad_x = at::empty_like(x, at::MemoryFormat::Contiguous), sum_dz, sum_dz_xhat;
+  at::Tensor grad_x, sum_dz, sum_dz_xhat;
 #ifdef PATCHGEMM_WITH_CUDA
   if (x.is_cuda()) {
+    grad_x = at::empty_like(x, at::MemoryFormat::Contiguous);
     sum_dz = at::empty({s.batch, s.channels}, mean.options());
     sum_dz_xhat = at::empty_like(sum_dz);
     cuda::instance_norm_act_backward(grad_y, x, weight, bias, mean.contiguous(), rstd.contiguous(),
@@ -147,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward(
     const double inv_n = s.spatial ? 1.0 / static_cast<double>(s.spatial) : 0.0;
     const at::Tensor dx = rstd.unsqueeze(2) * per_channel(weight, 1.0, s, x) *
                           (dz - sum_dz.unsqueeze(2) * inv_n - xhat * sum_dz_xhat.unsqueeze(2) * inv_n);
-    grad_x.copy_(from_bcs(dx, x, s));
+    grad_x = from_bcs(dx, x, s);
   }
   const auto options = x.options();
   at::Tensor grad_w = weight.defined() ? sum_dz_xhat.sum(0).to(x.scalar_type()) : at::empty({0}, options);

@@ -291,12 +291,11 @@ _ACTS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu, "silu": nn.func
 def _norm_act_tokens(y: Tensor, norm: Optional[nn.Module], act: Optional[str]) -> Tensor:
     """InstanceNorm over tokens [B, N, C] (per sample and channel, over the N tokens), then the
     activation: one fused op for GELU or none, else the fused norm and then the activation."""
-    if norm is not None:
-        fused = act if act in ("gelu", None) else None
-        y = F.instance_norm_act(y, norm.weight, norm.bias, eps=norm.eps, act=fused, layout="tokens")
-        if fused == act:
-            return y
-    return y if act is None else _ACTS[act](y)
+    if norm is None:
+        return y if act is None else _ACTS[act](y)
+    if act in ("gelu", None):
+        return F.instance_norm_act(y, norm.weight, norm.bias, eps=norm.eps, act=act, layout="tokens")
+    return _ACTS[act](F.instance_norm_act(y, norm.weight, norm.bias, eps=norm.eps, act=None, layout="tokens"))
 
 
 def _make_norm(kind: Optional[str], channels: int, rank: int, factory) -> Optional[nn.Module]:
