@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <numeric>
 
 #include "checks.h"
@@ -21,6 +22,8 @@ namespace patchgemm {
 namespace {
 
 constexpr int64_t kMaxLevels = 4;
+
+std::atomic<FusedKernels> g_fused_kernels{FusedKernels::kAuto};
 
 int64_t product(c10::IntArrayRef v) {
   return std::accumulate(v.begin(), v.end(), int64_t{1}, std::multiplies<int64_t>());
@@ -147,6 +150,8 @@ at::Tensor padded_weight(const at::Tensor& w2, const std::optional<at::Tensor>& 
 
 }  // namespace
 
+FusedKernels set_fused_patch_kernels(FusedKernels mode) { return g_fused_kernels.exchange(mode); }
+
 at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, bool tokens,
                        c10::IntArrayRef levels) {
@@ -170,6 +175,13 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
   if (tokens || N == 1) {
     at::Tensor y = at::empty({g.batch, N, embed}, x.options());
     const auto view = patch_matrix_as_view(x5, g);
+#ifdef PATCHGEMM_WITH_CUDA
+    const FusedKernels fused = g_fused_kernels;
+    if (!view && x.is_cuda() && fused != FusedKernels::kNever &&
+        cuda::implicit_embed(x5, w2, bias, g, y, /*tokens_out=*/true, fused == FusedKernels::kAlways)) {
+      return tokens ? y : y.view(cf_shape);
+    }
+#endif
     const at::Tensor p = view ? *view : patchify(x5, g, /*ones_column=*/false);
     // y[B*N, E] = P[B*N, ld] @ W'^T; the bias in the GEMM's epilogue where the backend has one.
     run_gemm(merge_batch(p), padded_weight(w2, std::nullopt, p.size(2)).t().unsqueeze(0),
@@ -178,8 +190,16 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
   }
   at::Tensor y = at::empty(cf_shape, x.options());
 #ifdef PATCHGEMM_WITH_CUDA
-  // Patches of at most 64 elements (16-bit): one fused kernel, no patch matrix (tiny_patch_gemm.cu).
-  if (x.is_cuda() && cuda::tiny_embed(x5, w2, bias, g, y.view({g.batch, embed, N}))) return y;
+  // 16-bit: patches of at most 64 elements take the fused tiny kernel (tiny_patch_gemm.cu), thin
+  // GEMMs with kw even the implicit GEMM (implicit_patch_gemm.cu, which says where it runs):
+  // neither materializes the patch matrix.
+  const FusedKernels fused = g_fused_kernels;
+  if (x.is_cuda() && fused != FusedKernels::kNever &&
+      (cuda::tiny_embed(x5, w2, bias, g, y.view({g.batch, embed, N})) ||
+       cuda::implicit_embed(x5, w2, bias, g, y.view({g.batch, embed, N}), /*tokens_out=*/false,
+                            fused == FusedKernels::kAlways))) {
+    return y;
+  }
 #endif
   // Channels-first: y[b] [E, N] = W' [E, K'] @ P[b]^T, batched over B with W' shared. The bias is
   // a column of W' against a ones column of P: no pass over y (whose bias would run along rows,

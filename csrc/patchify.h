@@ -46,6 +46,12 @@ at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_colu
 void unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
                 const at::Tensor& y5);
 
+// Testing and benchmarking hook: whether patch_embed takes the fused CUDA kernels (tiny and
+// implicit GEMM) where they apply and its rule picks them (kAuto), wherever they apply (kAlways),
+// or never (gather + GEMM everywhere). Returns the previous setting.
+enum class FusedKernels { kNever, kAuto, kAlways };
+FusedKernels set_fused_patch_kernels(FusedKernels mode);
+
 #ifdef PATCHGEMM_WITH_CUDA
 namespace cuda {
 // The tiled kernels; false where they do not apply (the caller then runs the ATen version).
@@ -58,6 +64,13 @@ bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional
 // in global memory. false where it does not apply (the caller then gathers and runs the GEMM).
 bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
                 const PatchGeometry& g, const at::Tensor& y);
+
+// The implicit-GEMM embedding for 16-bit dtypes, kw even, w contiguous (implicit_patch_gemm.cu):
+// y = patch_embed(x5, w2 [E, K], bias) as tokens [B, N, E] or channels-first [B, E, N] (contiguous),
+// the patches read from x inside the GEMM. false where it does not apply or, unless `always`, where
+// gather + cuBLAS is faster.
+bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
+                    const PatchGeometry& g, const at::Tensor& y, bool tokens_out, bool always);
 }  // namespace cuda
 #endif
 

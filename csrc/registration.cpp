@@ -4,8 +4,12 @@
 #include <torch/library.h>
 
 #include <climits>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "core/strided_gemm.h"
+#include "patchify.h"
 
 #ifndef PATCHGEMM_FLAVOUR
 #define PATCHGEMM_FLAVOUR "cpu"
@@ -65,4 +69,19 @@ TORCH_LIBRARY(patchgemm, m) {
                       INT_MAX, "], got ", limit);
           return patchgemm::set_blas_int_limit(limit);
         });
+  // Testing and benchmarking hook: when patch_embed takes its fused CUDA kernels, "auto" (its
+  // rule), "always" (wherever they apply) or "never" (gather + GEMM). Returns the previous mode.
+  m.def("_set_fused_patch_kernels(str mode) -> str", [](const std::string& mode) -> std::string {
+    using patchgemm::FusedKernels;
+    const std::vector<std::pair<std::string, FusedKernels>> modes = {
+        {"never", FusedKernels::kNever}, {"auto", FusedKernels::kAuto}, {"always", FusedKernels::kAlways}};
+    for (const auto& [name, value] : modes) {
+      if (name != mode) continue;
+      const FusedKernels old = patchgemm::set_fused_patch_kernels(value);
+      for (const auto& [old_name, old_value] : modes) {
+        if (old_value == old) return old_name;
+      }
+    }
+    TORCH_CHECK(false, "_set_fused_patch_kernels: mode must be \"never\", \"auto\" or \"always\", got \"", mode, "\"");
+  });
 }

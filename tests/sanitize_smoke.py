@@ -65,6 +65,19 @@ def main():
                 u = patchgemm.patch_unembed(y.detach().requires_grad_(), w, bias_out)
                 grads_u = torch.autograd.grad(u, [w], torch.randn_like(u))
                 assert all(torch.isfinite(t).all() for t in (y, *grads, u, *grads_u))
+    # the implicit-GEMM embedding (16-bit, kw even): runs of 2, 4 and 8, partial tiles, padded K
+    old = ops._set_fused_patch_kernels("always")
+    for dtype in (torch.bfloat16, torch.float16):
+        for shape, kernel, embed in [((2, 32, 4, 8, 8), (2, 2, 2), 192), ((2, 5, 6, 12, 18), (1, 3, 2), 37),
+                                     ((3, 3, 48, 80), (16, 16), 96), ((2, 24, 8, 8, 8), (4, 4, 4), 200)]:
+            x = torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True)
+            w = torch.randn(embed, shape[1], *kernel, dtype=dtype, device="cuda", requires_grad=True)
+            b = torch.randn(embed, dtype=dtype, device="cuda", requires_grad=True)
+            for out_format in ("channels_first", "tokens"):
+                y = patchgemm.patch_embed(x, w, b, out_format=out_format)
+                grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
+                assert all(torch.isfinite(t).all() for t in (y, *grads))
+    ops._set_fused_patch_kernels(old)
     # fused instance norm + GELU: both layouts, vector and one-element paths, several chunks
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
         for shape in [(2, 16, 8, 8, 8), (2, 5, 7, 9), (1, 8, 20000)]:

@@ -470,6 +470,96 @@ def test_gpu_tiny_patch_embed_kernel(dtype, shape, kernel, embed, memory, has_bi
     assert_close_to_ref(out["g"][0], want, dtype, "grad_z")
 
 
+# Other 16-bit patches with kw even run the implicit GEMM of csrc/cuda/implicit_patch_gemm.cu:
+# (x shape, kernel, E) covering its runs of 2, 4 and 8 elements, 128- and 192-wide embedding tiles
+# (partial ones too), E and N that allow no vector stores, K not a multiple of 8 (padded weight),
+# token tiles that cross samples, and a one-tile problem.
+IMPLICIT = [((2, 192, 8, 16, 16), (2, 2, 2), 192),  # P4-like: runs of 2, K = 1536, 192-wide tiles
+            ((2, 24, 8, 8, 8), (4, 4, 4), 200),     # P5-like: runs of 4, two partial 128-wide tiles
+            ((3, 3, 48, 80), (16, 16), 96),         # P1-like 2-D: runs of 8, N = 15 (odd)
+            ((2, 5, 6, 12, 18), (1, 3, 2), 37),     # K = 30, E = 37: padded weight, scalar stores
+            ((2, 9, 1024), (8,), 64),               # 1-D, K = 72
+            ((1, 16, 4, 36, 36), (2, 6, 6), 48),    # kw = 6: runs of 2
+            ((3, 9, 6, 10, 20), (2, 2, 2), 64)]     # N = 150: token tiles straddle samples
+
+
+@pytest.fixture
+def fused_always():
+    """The fused kernels wherever they apply (their rule would send these small shapes to cuBLAS)."""
+    old = ops._set_fused_patch_kernels("always")
+    yield
+    ops._set_fused_patch_kernels(old)
+
+
+def cropped(x):
+    """x as a view into a larger tensor (w still contiguous, other strides and offset aligned)."""
+    big = torch.zeros(x.shape[0], x.shape[1] + 1, *x.shape[2:-1], x.shape[-1], dtype=x.dtype, device=x.device)
+    big[:, 1:] = x
+    return big[:, 1:]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,embed", IMPLICIT)
+@pytest.mark.parametrize("memory", ["contiguous", "cropped"])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_implicit_patch_embed_kernel(fused_always, dtype, shape, kernel, embed, memory, has_bias):
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=embed, bias=has_bias)
+    xs = (cropped(x) if memory == "cropped" else x.clone()).requires_grad_()
+    params = [w.requires_grad_()] + ([b.requires_grad_()] if has_bias else [])
+    x64, w64 = x.double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_() if has_bias else None
+    conv, conv_t = CONV[len(kernel)], CONV_T[len(kernel)]
+    ref = conv(x64, w64, b64, stride=kernel)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    want = torch.autograd.grad(ref, [x64, w64] + ([b64] if has_bias else []), dy.double())
+    for out_format in ("channels_first", "tokens"):
+        poison_allocator(2 * math.prod(ref.shape), "cuda")
+        out = {}
+        ran = cuda_kernels_run(lambda: out.update(y=patchgemm.patch_embed(xs, w, b, out_format=out_format)))
+        assert "implicit_embed_kernel" in ran, ran
+        tokens = out_format == "tokens"
+        assert_close_to_ref(out["y"], conv_tokens(ref) if tokens else ref, dtype, out_format)
+        got = torch.autograd.grad(out["y"], [xs] + params, conv_tokens(dy) if tokens else dy)
+        for g, r, name in zip(got, want, ["grad_x", "grad_weight", "grad_bias"]):
+            assert_close_to_ref(g, r, dtype, f"{name} ({out_format})")
+
+    # The transpose's input gradient is this embedding.
+    z = randn(*ref.shape, dtype=dtype, device="cuda", requires_grad=True)
+    u = patchgemm.patch_unembed(z, w)
+    du = randn(*u.shape, dtype=dtype, device="cuda")
+    out = {}
+    assert "implicit_embed_kernel" in cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(u, [z], du)))
+    z64 = z.detach().double().requires_grad_()
+    (want_z,) = torch.autograd.grad(conv_t(z64, w64, stride=kernel), [z64], du.double())
+    assert_close_to_ref(out["g"][0], want_z, dtype, "grad_z")
+
+
+@needs_gpu
+@pytest.mark.parametrize("embed,expected", [(64, True), (384, False)])
+def test_gpu_implicit_rule(embed, expected):
+    """By default the implicit GEMM takes thin GEMMs (E <= 256) with a token tile per SM; wider
+    ones gather and run cuBLAS. Both give the conv's result."""
+    x, w, b = make((1, 32, 64, 64, 64), (2, 2, 2), torch.bfloat16, "cuda", embed=embed)
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(y=patchgemm.patch_embed(x, w, b)))
+    assert ("implicit_embed_kernel" in ran) == expected, ran
+    assert_close_to_ref(out["y"], F.conv3d(x.double(), w.double(), b.double(), stride=2), torch.bfloat16)
+    old = ops._set_fused_patch_kernels("never")
+    try:
+        assert "implicit_embed_kernel" not in cuda_kernels_run(lambda: patchgemm.patch_embed(x, w, b))
+    finally:
+        ops._set_fused_patch_kernels(old)
+
+
+def test_fused_kernel_mode_hook():
+    old = ops._set_fused_patch_kernels("never")
+    assert ops._set_fused_patch_kernels("always") == "never"
+    assert ops._set_fused_patch_kernels(old) == "always"
+    with pytest.raises(RuntimeError, match="mode must be"):
+        ops._set_fused_patch_kernels("sometimes")
+
+
 @needs_gpu
 def test_gpu_forward_keeps_no_patch_matrix():
     """Activation memory: a layer keeps its output only (x and weight are inputs, saved by

@@ -1,0 +1,328 @@
+// Implicit-GEMM patch embedding, 16-bit dtypes: y = patches(x) @ W^T (+ bias) with the patches read
+// straight from x inside the GEMM's main loop, so no patch matrix ever reaches global memory. (The
+// gather -> GEMM path writes and re-reads one as large as x: for P4 that is most of its time.)
+//
+// The GEMM is (B*N tokens) x E x (K = C*kd*kh*kw). A block computes 128 tokens x kTileN (128 or 192)
+// embeddings with 8 warps (2 x 4; mma.sync m16n8k16, fp32 accumulation, fragments double-buffered)
+// over a 3-stage cp.async pipeline of 64-wide K slices. The A operand is the trick: with kw even,
+// the kw elements of one patch row (c, i, j) are contiguous in x and sit at consecutive k in the
+// weight's K order (c, i, j, l). So a token's K slice is a few aligned runs of x (V = 2, 4 or 8
+// elements) that cp.async copies straight into a K-major shared tile, which ldmatrix feeds to the
+// tensor cores like any row-major operand. Eight consecutive tokens of a patch row are adjacent
+// runs: a warp's copies are whole sectors. Where each token's patch starts, and where each run sits
+// in a patch, are tabulated in shared memory once per block, so the main loop does no index math.
+// The epilogue adds the bias in fp32, rounds once, stages the tile in shared memory and writes the
+// final layout, tokens [B, N, E] or channels-first [B, E, N], in coalesced vectors.
+#include <ATen/ATen.h>
+
+#include "patchify.h"
+
+#ifdef USE_ROCM
+namespace patchgemm::cuda {
+// NVIDIA PTX (mma.sync, ldmatrix, cp.async): ROCm builds take the gather -> GEMM path.
+bool implicit_embed(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const PatchGeometry&,
+                    const at::Tensor&, bool, bool) {
+  return false;
+}
+}  // namespace patchgemm::cuda
+#else
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "cuda/mma.cuh"
+
+namespace patchgemm {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kTileM = 128;         // tokens per block
+constexpr int kTileK = 64;          // K per pipeline stage
+constexpr int kStages = 3;
+constexpr int kPitch = kTileK + 8;  // shared row pitch in elements (144 bytes): conflict-free ldmatrix
+constexpr int kMaxRuns = 16384;     // entries of the run-offset table (64 KB of shared memory)
+
+struct Problem {
+  int64_t stride[4];  // x5 strides of b, c, d, h in elements (w has stride 1)
+  int kd, kh, kw;
+  int K;              // patch size
+  int ldw;            // weight row length: K rounded up to 8 (zero columns)
+  int E;
+  int gh, gw, tokens;  // patch grid rows and columns, tokens per sample
+  int64_t rows;        // B * tokens
+};
+
+// Offset in x of the first element of token `row`'s patch.
+__device__ __forceinline__ int64_t patch_origin(const Problem& p, int64_t row) {
+  const int64_t b = row / p.tokens;
+  const int n = static_cast<int>(row - b * p.tokens);
+  const int nw = n % p.gw, nh = n / p.gw % p.gh, nd = n / p.gw / p.gh;
+  return b * p.stride[0] + int64_t{nd} * p.kd * p.stride[2] + int64_t{nh} * p.kh * p.stride[3] +
+         int64_t{nw} * p.kw;
+}
+
+// Offset in x of patch element k = (c, i, j, l) from the patch's first element (< 2^31: checked).
+__device__ __forceinline__ int patch_offset(const Problem& p, int k) {
+  const int l = k % p.kw, r = k / p.kw, j = r % p.kh, i = r / p.kh % p.kd, c = r / p.kh / p.kd;
+  return static_cast<int>(c * p.stride[1] + i * p.stride[2] + j * p.stride[3] + l);
+}
+
+// Writes n 16-bit values (n = 8, 4, 2 or 1; dst aligned to n elements).
+__device__ __forceinline__ void store_vector(uint16_t* dst, const uint16_t* src, int n) {
+  switch (n) {
+    case 8: *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src); break;
+    case 4: *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src); break;
+    case 2: *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src); break;
+    default: *dst = *src;
+  }
+}
+
+template <typename T, int kTileN, int V>
+__global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, const T* __restrict__ x,
+                                                                  const T* __restrict__ w,
+                                                                  const T* __restrict__ bias, bool tokens_out,
+                                                                  T* __restrict__ y) {
+#if __CUDA_ARCH__ >= 800
+  constexpr int kWarpN = kTileN / 4, kTilesN = kWarpN / 8;  // a warp: 64 tokens x kWarpN embeddings
+  constexpr int kRuns = kTileK / V;                         // runs per token and K slice
+  constexpr int kRunGroups = kRuns / 4;                     // lanes: 8 tokens x 4 runs
+  constexpr int kLoadsA = kTileM / 8 * kRunGroups / kWarps;  // runs each thread copies per slice
+  constexpr int kTokenStep = kWarps / kRunGroups * 8;        // between one thread's tokens
+  constexpr int kLoadsB = kTileN * kTileK / 8 / kThreads;    // 16-byte pieces of W per thread
+  static_assert(kWarps % kRunGroups == 0 && kLoadsA >= 1 && kTileN * kTileK / 8 % kThreads == 0 &&
+                kTilesN % 2 == 0);
+  extern __shared__ __align__(128) unsigned char smem[];
+  int64_t* token_origin = reinterpret_cast<int64_t*>(smem);  // [kTileM]
+  T* sA = reinterpret_cast<T*>(token_origin + kTileM);       // [kStages][kTileM][kPitch]: tokens x K slice
+  T* sB = sA + kStages * kTileM * kPitch;                    // [kStages][kTileN][kPitch]: embeddings x K slice
+  int* run_offset = reinterpret_cast<int*>(sB + kStages * kTileN * kPitch);  // [k_tiles * kRuns]; -1: past K
+
+  const int tiles_n = (p.E + kTileN - 1) / kTileN;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x / tiles_n) * kTileM;
+  const int e0 = static_cast<int>(blockIdx.x % tiles_n) * kTileN;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int k_tiles = (p.ldw + kTileK - 1) / kTileK;
+
+  // Tokens and embeddings past the end read the last real ones: their results are never stored.
+  for (int r = threadIdx.x; r < k_tiles * kRuns; r += kThreads) run_offset[r] = r * V < p.K ? patch_offset(p, r * V) : -1;
+  if (threadIdx.x < kTileM) token_origin[threadIdx.x] = patch_origin(p, min(m0 + threadIdx.x, p.rows - 1));
+  __syncthreads();
+
+  // A: this thread copies run `run` of every K slice for kLoadsA tokens, kTokenStep apart.
+  const int run = warp % kRunGroups * 4 + lane / 8, first_token = warp / kRunGroups * 8 + lane % 8;
+  const T* a_src[kLoadsA];
+#pragma unroll
+  for (int i = 0; i < kLoadsA; ++i) a_src[i] = x + token_origin[first_token + i * kTokenStep];
+  const uint32_t a_dst = smem_address(sA + first_token * kPitch + run * V);
+  // B: 16-byte pieces at column b_col of rows b_row + 32 i.
+  const int b_col = threadIdx.x % 8 * 8, b_row = threadIdx.x / 8;
+  const T* b_src[kLoadsB];
+#pragma unroll
+  for (int i = 0; i < kLoadsB; ++i) b_src[i] = w + int64_t{min(e0 + b_row + 32 * i, p.E - 1)} * p.ldw + b_col;
+  const uint32_t b_dst = smem_address(sB + b_row * kPitch + b_col);
+
+  auto load_slice = [&](int kt, int slot) {
+    const int offset = run_offset[kt * kRuns + run];
+#pragma unroll
+    for (int i = 0; i < kLoadsA; ++i) {
+      cp_async<V * 2>(a_dst + (slot * kTileM + i * kTokenStep) * kPitch * 2, a_src[i] + max(offset, 0), offset >= 0);
+    }
+    const int col = kt * kTileK;
+    const bool in_w = col + b_col < p.ldw;
+#pragma unroll
+    for (int i = 0; i < kLoadsB; ++i) {
+      cp_async<16>(b_dst + (slot * kTileN + 32 * i) * kPitch * 2, b_src[i] + (in_w ? col : 0), in_w);
+    }
+  };
+
+  const int wm = warp / 4, wn = warp % 4;
+  const uint32_t a_frag = smem_address(sA + (wm * 64 + lane % 16) * kPitch + lane / 16 * 8);
+  const uint32_t b_frag = smem_address(sB + (wn * kWarpN + lane / 16 * 8 + lane % 8) * kPitch + lane / 8 % 2 * 8);
+  uint32_t af[2][4][4], bf[2][kTilesN][2];
+  auto load_fragments = [&](int buf, int slot, int kk) {
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) ldmatrix_x4(af[buf][mi], a_frag + ((slot * kTileM + mi * 16) * kPitch + kk) * 2);
+#pragma unroll
+    for (int j = 0; j < kTilesN; j += 2) {
+      uint32_t r[4];
+      ldmatrix_x4(r, b_frag + ((slot * kTileN + j * 8) * kPitch + kk) * 2);
+      bf[buf][j][0] = r[0], bf[buf][j][1] = r[1], bf[buf][j + 1][0] = r[2], bf[buf][j + 1][1] = r[3];
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_slice(s, s);
+    cp_async_commit();
+  }
+  float acc[4][kTilesN][4] = {};
+  for (int kt = 0, slot = 0; kt < k_tiles; ++kt, slot = slot + 1 == kStages ? 0 : slot + 1) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // slice kt has landed for every thread; the slot of slice kt - 1 is free again
+    load_fragments(0, slot, 0);
+    if (kt + kStages - 1 < k_tiles) load_slice(kt + kStages - 1, slot == 0 ? kStages - 1 : slot - 1);
+    cp_async_commit();
+#pragma unroll
+    for (int step = 0; step < kTileK / 16; ++step) {
+      if (step + 1 < kTileK / 16) load_fragments((step + 1) % 2, slot, (step + 1) * 16);
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) mma_16816<T>(acc[mi][j], af[step % 2][mi], bf[step % 2][j]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline's shared memory becomes the output stage
+
+  // acc[mi][j]: tokens g and g + 8 of m-tile mi, embeddings 2q and 2q + 1 of n-tile j. Staged as
+  // [token][embedding] (tokens out) or [embedding][token] (channels-first), 16-bit.
+  uint16_t* stage = reinterpret_cast<uint16_t*>(sA);
+  constexpr int kTokenPitch = kTileN + 8, kChannelPitch = kTileM + 8;  // 16-byte rows, no conflicts
+  const int g = lane / 4, q = lane % 4;
+#pragma unroll
+  for (int j = 0; j < kTilesN; ++j) {
+    const int n = wn * kWarpN + j * 8 + 2 * q, e = e0 + n;
+    const float bias_lo = bias && e < p.E ? to_float(bias[e]) : 0.f;
+    const float bias_hi = bias && e + 1 < p.E ? to_float(bias[e + 1]) : 0.f;
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = wm * 64 + mi * 16 + g + half * 8;
+        const uint32_t v = pack2<T>(acc[mi][j][2 * half] + bias_lo, acc[mi][j][2 * half + 1] + bias_hi);
+        if (tokens_out) {
+          *reinterpret_cast<uint32_t*>(stage + m * kTokenPitch + n) = v;
+        } else {
+          stage[n * kChannelPitch + m] = static_cast<uint16_t>(v);
+          stage[(n + 1) * kChannelPitch + m] = static_cast<uint16_t>(v >> 16);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  uint16_t* out = reinterpret_cast<uint16_t*>(y);
+  if (tokens_out) {  // y[row, e]: vectors of 8 embeddings
+    constexpr int kVectors = kTileN / 8;
+    const int vec = p.E % 8 == 0 ? 8 : 1;
+    for (int u = threadIdx.x; u < kTileM * kVectors; u += kThreads) {
+      const int m = u / kVectors, n = u % kVectors * 8;
+      const int64_t row = m0 + m;
+      if (row >= p.rows) continue;
+      for (int s = 0; s < 8 && e0 + n + s < p.E; s += vec) {
+        store_vector(out + row * p.E + e0 + n + s, stage + m * kTokenPitch + n + s, vec);
+      }
+    }
+  } else {  // y[b, e, n]: vectors of up to 8 tokens, as long as the sample's row length allows
+    constexpr int kVectors = kTileM / 8;
+    const int vec = p.tokens % 8 == 0 ? 8 : p.tokens % 4 == 0 ? 4 : p.tokens % 2 == 0 ? 2 : 1;
+    const int64_t b0 = m0 / p.tokens;
+    const int n0 = static_cast<int>(m0 - b0 * p.tokens);
+    for (int u = threadIdx.x; u < kTileN * kVectors; u += kThreads) {
+      const int n = u / kVectors, m = u % kVectors * 8, e = e0 + n;
+      if (e >= p.E) continue;
+      for (int s = 0; s < 8 && m0 + m + s < p.rows; s += vec) {
+        const int local = n0 + m + s;  // vectors never straddle two samples: tokens % vec == 0
+        const int64_t b = b0 + local / p.tokens;
+        store_vector(out + (b * p.E + e) * p.tokens + local % p.tokens, stage + n * kChannelPitch + m + s, vec);
+      }
+    }
+  }
+#endif
+}
+
+template <typename T, int kTileN, int V>
+bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+            bool tokens_out, const at::Tensor& y) {
+  const int64_t runs = (p.ldw + kTileK - 1) / kTileK * (kTileK / V);
+  const int64_t smem = kTileM * 8 + kStages * (kTileM + kTileN) * kPitch * 2 + runs * 4;
+  if (runs > kMaxRuns || smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
+  auto kernel = implicit_embed_kernel<T, kTileN, V>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.E + kTileN - 1) / kTileN);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+      p, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(w.const_data_ptr()),
+      bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr, tokens_out, static_cast<T*>(y.data_ptr()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+template <typename T, int kTileN>
+bool launch_for_runs(int run, const Problem& p, const at::Tensor& x5, const at::Tensor& w,
+                     const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y) {
+  switch (run) {
+    case 8: return launch<T, kTileN, 8>(p, x5, w, bias, tokens_out, y);
+    case 4: return launch<T, kTileN, 4>(p, x5, w, bias, tokens_out, y);
+    default: return launch<T, kTileN, 2>(p, x5, w, bias, tokens_out, y);
+  }
+}
+
+}  // namespace
+
+bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
+                    const PatchGeometry& g, const at::Tensor& y, bool tokens_out, bool always) {
+  const int64_t E = w2.size(0), K = g.patch_size(), N = g.tokens(), kw = g.kernel[2];
+  const auto dtype = x5.scalar_type();
+  const cudaDeviceProp* device = at::cuda::getDeviceProperties(x5.get_device());
+  if ((dtype != at::kHalf && dtype != at::kBFloat16) || g.levels.size() != 1 || kw % 2 || K < 16 || E < 32 ||
+      N < 2 || N >= (int64_t{1} << 30) || K >= (int64_t{1} << 30) || E >= (int64_t{1} << 30) ||
+      x5.stride(4) != 1 || !y.is_contiguous() || reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 ||
+      device->major < 8) {
+    return false;
+  }
+  // The rule (H200, bench/RESULTS.md): this kernel's mma.sync runs at 200-300 TFLOP/s, cuBLAS's
+  // GEMM at up to ~700, so the gather it saves (4 bytes per patch element) pays only for thin
+  // GEMMs, E <= 256 (P4's 192: 1.5x; E = 384: 0.9x), and only with a tile per SM to fill the GPU.
+  if (!always && (E > 256 || g.batch * N < int64_t{kTileM} * device->multiProcessorCount)) return false;
+  // Runs of V elements: the largest of 8, 4, 2 dividing kw, every stride and the address (in V).
+  int run = kw % 8 == 0 ? 8 : kw % 4 == 0 ? 4 : 2;
+  auto aligned = [&](int v) {
+    if (reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % (2 * v)) return false;
+    for (int d = 0; d < 4; ++d) {
+      if (x5.size(d) > 1 && x5.stride(d) % v) return false;
+    }
+    return true;
+  };
+  while (run > 2 && !aligned(run)) run /= 2;
+  if (!aligned(run)) return false;
+  // Offsets within a patch are int in the kernel.
+  const int64_t patch_extent = (g.channels - 1) * x5.stride(1) + (g.kernel[0] - 1) * x5.stride(2) +
+                               (g.kernel[1] - 1) * x5.stride(3) + kw;
+  if (patch_extent >= INT_MAX) return false;
+
+  Problem p;
+  for (int d = 0; d < 4; ++d) p.stride[d] = x5.size(d) > 1 ? x5.stride(d) : 0;
+  p.kd = static_cast<int>(g.kernel[0]);
+  p.kh = static_cast<int>(g.kernel[1]);
+  p.kw = static_cast<int>(kw);
+  p.K = static_cast<int>(K);
+  p.E = static_cast<int>(E);
+  p.gh = static_cast<int>(g.grid[1]);
+  p.gw = static_cast<int>(g.grid[2]);
+  p.tokens = static_cast<int>(N);
+  p.rows = g.batch * N;
+  if (p.rows == 0) return true;
+
+  const c10::cuda::CUDAGuard guard(y.device());
+  // W [E, K] with rows padded to 16 bytes (zero columns meet zero-filled patch columns).
+  at::Tensor w = w2.contiguous();
+  if (K % 8) w = at::constant_pad_nd(w, {0, 8 - K % 8});
+  p.ldw = static_cast<int>(w.size(1));
+  const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  // 192-wide tiles where E is a multiple (ViT-B's 768, the hMLP stems' 192): fewer W re-reads per
+  // token and no idle columns; 128 otherwise.
+  const bool wide = E % 192 == 0;
+  if (dtype == at::kHalf) {
+    return wide ? launch_for_runs<__half, 192>(run, p, x5, w, b, tokens_out, y)
+                : launch_for_runs<__half, 128>(run, p, x5, w, b, tokens_out, y);
+  }
+  return wide ? launch_for_runs<__nv_bfloat16, 192>(run, p, x5, w, b, tokens_out, y)
+              : launch_for_runs<__nv_bfloat16, 128>(run, p, x5, w, b, tokens_out, y);
+}
+
+}  // namespace cuda
+}  // namespace patchgemm
+#endif  // USE_ROCM
