@@ -471,7 +471,8 @@ def test_gpu_tiny_patch_embed_kernel(dtype, shape, kernel, embed, memory, has_bi
 
 
 # Other 16-bit patches with kw even run the implicit GEMM of csrc/cuda/implicit_patch_gemm.cu:
-# (x shape, kernel, E) covering its runs of 2, 4 and 8 elements, 128- and 192-wide embedding tiles
+# (x shape, kernel, E) covering its runs of 2, 4 and 8 elements and its pair-major copies (kw = 2,
+# patch-grid width a multiple of 4), 128- and 192-wide embedding tiles
 # (partial ones too), E and N that allow no vector stores, K not a multiple of 8 (padded weight),
 # token tiles that cross samples, and a one-tile problem.
 IMPLICIT = [((2, 192, 8, 16, 16), (2, 2, 2), 192),  # P4-like: runs of 2, K = 1536, 192-wide tiles
@@ -480,7 +481,8 @@ IMPLICIT = [((2, 192, 8, 16, 16), (2, 2, 2), 192),  # P4-like: runs of 2, K = 15
             ((2, 5, 6, 12, 18), (1, 3, 2), 37),     # K = 30, E = 37: padded weight, scalar stores
             ((2, 9, 1024), (8,), 64),               # 1-D, K = 72
             ((1, 16, 4, 36, 36), (2, 6, 6), 48),    # kw = 6: runs of 2
-            ((3, 9, 6, 10, 20), (2, 2, 2), 64)]     # N = 150: token tiles straddle samples
+            ((3, 9, 6, 10, 20), (2, 2, 2), 64),     # N = 150: token tiles straddle samples
+            ((3, 16, 2, 6, 8), (2, 2, 2), 64)]      # pair-major copies; 36 tokens: one partial tile
 
 
 @pytest.fixture

@@ -80,7 +80,7 @@ __device__ __forceinline__ void store_vector(uint16_t* dst, const uint16_t* src,
   }
 }
 
-template <typename T, int kTileN, int V>
+template <typename T, int kTileN, int V, bool kPairMajor>
 __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, const T* __restrict__ x,
                                                                   const T* __restrict__ w,
                                                                   const T* __restrict__ bias, bool tokens_out,
@@ -94,6 +94,11 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
   constexpr int kLoadsB = kTileN * kTileK / 8 / kThreads;    // 16-byte pieces of W per thread
   static_assert(kWarps % kRunGroups == 0 && kLoadsA >= 1 && kTileN * kTileK / 8 % kThreads == 0 &&
                 kTilesN % 2 == 0);
+  // Pair-major A (kw = 2 with groups of 4 tokens 16-byte aligned): a slot of sA holds 32-bit words
+  // [pair][token], so one 16-byte copy moves the pair (c, i, j) of 4 consecutive tokens (4x fewer
+  // copies than 4-byte runs, which throttle the load queue) and fragments come from 32-bit loads.
+  constexpr int kPairPitch = kTileM + 8;  // words; = 8 mod 32: conflict-free fragment loads
+  static_assert(!kPairMajor || (V == 2 && kRuns % kWarps == 0 && kRuns * kPairPitch * 4 <= kTileM * kPitch * 2));
   extern __shared__ __align__(128) unsigned char smem[];
   int64_t* token_origin = reinterpret_cast<int64_t*>(smem);  // [kTileM]
   T* sA = reinterpret_cast<T*>(token_origin + kTileM);       // [kStages][kTileM][kPitch]: tokens x K slice
@@ -117,6 +122,9 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
 #pragma unroll
   for (int i = 0; i < kLoadsA; ++i) a_src[i] = x + token_origin[first_token + i * kTokenStep];
   const uint32_t a_dst = smem_address(sA + first_token * kPitch + run * V);
+  // Pair-major: this thread copies pairs warp + 8 i of tokens 4 lane .. 4 lane + 3.
+  const T* group_src = x + (kPairMajor ? patch_origin(p, min(m0 + 4 * lane, p.rows - 4)) : 0);
+  const uint32_t group_dst = smem_address(sA) + (warp * kPairPitch + 4 * lane) * 4;
   // B: 16-byte pieces at column b_col of rows b_row + 32 i.
   const int b_col = threadIdx.x % 8 * 8, b_row = threadIdx.x / 8;
   const T* b_src[kLoadsB];
@@ -125,10 +133,19 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
   const uint32_t b_dst = smem_address(sB + b_row * kPitch + b_col);
 
   auto load_slice = [&](int kt, int slot) {
-    const int offset = run_offset[kt * kRuns + run];
+    if constexpr (kPairMajor) {
 #pragma unroll
-    for (int i = 0; i < kLoadsA; ++i) {
-      cp_async<V * 2>(a_dst + (slot * kTileM + i * kTokenStep) * kPitch * 2, a_src[i] + max(offset, 0), offset >= 0);
+      for (int i = 0; i < kRuns / kWarps; ++i) {
+        const int offset = run_offset[kt * kRuns + warp + i * kWarps];
+        cp_async<16>(group_dst + slot * kTileM * kPitch * 2 + i * kWarps * kPairPitch * 4, group_src + max(offset, 0),
+                     offset >= 0);
+      }
+    } else {
+      const int offset = run_offset[kt * kRuns + run];
+#pragma unroll
+      for (int i = 0; i < kLoadsA; ++i) {
+        cp_async<V * 2>(a_dst + (slot * kTileM + i * kTokenStep) * kPitch * 2, a_src[i] + max(offset, 0), offset >= 0);
+      }
     }
     const int col = kt * kTileK;
     const bool in_w = col + b_col < p.ldw;
@@ -141,10 +158,22 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
   const int wm = warp / 4, wn = warp % 4;
   const uint32_t a_frag = smem_address(sA + (wm * 64 + lane % 16) * kPitch + lane / 16 * 8);
   const uint32_t b_frag = smem_address(sB + (wn * kWarpN + lane / 16 * 8 + lane % 8) * kPitch + lane / 8 % 2 * 8);
+  const uint32_t* a_words = reinterpret_cast<const uint32_t*>(sA) + lane % 4 * kPairPitch + wm * 64 + lane / 4;
   uint32_t af[2][4][4], bf[2][kTilesN][2];
   auto load_fragments = [&](int buf, int slot, int kk) {
+    if constexpr (kPairMajor) {  // a0..a3: (token g, pair q), (g + 8, q), (g, q + 4), (g + 8, q + 4)
+      const uint32_t* a = a_words + slot * (kTileM * kPitch / 2) + kk / 2 * kPairPitch;
 #pragma unroll
-    for (int mi = 0; mi < 4; ++mi) ldmatrix_x4(af[buf][mi], a_frag + ((slot * kTileM + mi * 16) * kPitch + kk) * 2);
+      for (int mi = 0; mi < 4; ++mi) {
+        af[buf][mi][0] = a[mi * 16];
+        af[buf][mi][1] = a[mi * 16 + 8];
+        af[buf][mi][2] = a[4 * kPairPitch + mi * 16];
+        af[buf][mi][3] = a[4 * kPairPitch + mi * 16 + 8];
+      }
+    } else {
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) ldmatrix_x4(af[buf][mi], a_frag + ((slot * kTileM + mi * 16) * kPitch + kk) * 2);
+    }
 #pragma unroll
     for (int j = 0; j < kTilesN; j += 2) {
       uint32_t r[4];
@@ -234,13 +263,13 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
 #endif
 }
 
-template <typename T, int kTileN, int V>
+template <typename T, int kTileN, int V, bool kPairMajor = false>
 bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& w, const std::optional<at::Tensor>& bias,
             bool tokens_out, const at::Tensor& y) {
   const int64_t runs = (p.ldw + kTileK - 1) / kTileK * (kTileK / V);
   const int64_t smem = kTileM * 8 + kStages * (kTileM + kTileN) * kPitch * 2 + runs * 4;
   if (runs > kMaxRuns || smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
-  auto kernel = implicit_embed_kernel<T, kTileN, V>;
+  auto kernel = implicit_embed_kernel<T, kTileN, V, kPairMajor>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.E + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
@@ -251,12 +280,14 @@ bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& w, const s
 }
 
 template <typename T, int kTileN>
-bool launch_for_runs(int run, const Problem& p, const at::Tensor& x5, const at::Tensor& w,
+bool launch_for_runs(int run, bool pair_major, const Problem& p, const at::Tensor& x5, const at::Tensor& w,
                      const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y) {
   switch (run) {
     case 8: return launch<T, kTileN, 8>(p, x5, w, bias, tokens_out, y);
     case 4: return launch<T, kTileN, 4>(p, x5, w, bias, tokens_out, y);
-    default: return launch<T, kTileN, 2>(p, x5, w, bias, tokens_out, y);
+    default:
+      return pair_major ? launch<T, kTileN, 2, true>(p, x5, w, bias, tokens_out, y)
+                        : launch<T, kTileN, 2>(p, x5, w, bias, tokens_out, y);
   }
 }
 
@@ -288,6 +319,8 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
   };
   while (run > 2 && !aligned(run)) run /= 2;
   if (!aligned(run)) return false;
+  // kw = 2: pair-major copies of 4 tokens where every group of 4 starts a 16-byte aligned run.
+  const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && aligned(8);
   // Offsets within a patch are int in the kernel.
   const int64_t patch_extent = (g.channels - 1) * x5.stride(1) + (g.kernel[0] - 1) * x5.stride(2) +
                                (g.kernel[1] - 1) * x5.stride(3) + kw;
@@ -316,11 +349,11 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
   // token and no idle columns; 128 otherwise.
   const bool wide = E % 192 == 0;
   if (dtype == at::kHalf) {
-    return wide ? launch_for_runs<__half, 192>(run, p, x5, w, b, tokens_out, y)
-                : launch_for_runs<__half, 128>(run, p, x5, w, b, tokens_out, y);
+    return wide ? launch_for_runs<__half, 192>(run, pair_major, p, x5, w, b, tokens_out, y)
+                : launch_for_runs<__half, 128>(run, pair_major, p, x5, w, b, tokens_out, y);
   }
-  return wide ? launch_for_runs<__nv_bfloat16, 192>(run, p, x5, w, b, tokens_out, y)
-              : launch_for_runs<__nv_bfloat16, 128>(run, p, x5, w, b, tokens_out, y);
+  return wide ? launch_for_runs<__nv_bfloat16, 192>(run, pair_major, p, x5, w, b, tokens_out, y)
+              : launch_for_runs<__nv_bfloat16, 128>(run, pair_major, p, x5, w, b, tokens_out, y);
 }
 
 }  // namespace cuda
