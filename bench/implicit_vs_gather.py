@@ -1,5 +1,6 @@
-"""patch_embed's forward through the implicit-GEMM kernel vs gather + cuBLAS, same process and inputs
-(the table behind the kernel's selection rule; see csrc/cuda/implicit_patch_gemm.cu).
+"""The implicit-GEMM kernels vs gather + cuBLAS, same process and inputs: patch_embed's forward
+(csrc/cuda/implicit_patch_gemm.cu) and its weight gradient (implicit_patch_weight_grad.cu, kw = 2).
+The tables behind their selection rule (csrc/cuda/implicit_patch.cuh).
 
     python bench/implicit_vs_gather.py          (CUDA, bf16, with bias)
 """
@@ -15,6 +16,9 @@ CASES = [("P1", (128, 3, 224, 224), (16, 16), 768), ("P4", (8, 192, 64, 64, 64),
          ("P4 E96", (4, 192, 64, 64, 64), (2, 2, 2), 96), ("P5 E192", (8, 192, 32, 32, 32), (4, 4, 4), 192),
          ("C96 E384", (8, 96, 64, 64, 64), (2, 2, 2), 384), ("2D k2", (64, 64, 112, 112), (2, 2), 128),
          ("ViT-L/14", (64, 3, 224, 224), (14, 14), 1024), ("P5 E1536", (8, 192, 32, 32, 32), (4, 4, 4), 1536)]
+# The weight gradient's cases (kw = 2); "U2 dW" is U2's (the unembed's weight gradient: x is its
+# output gradient [8, 4, 128^3], grad_y its input [8, 192, 64^3]).
+WEIGHT_GRAD_CASES = [c for c in CASES if c[2][-1] == 2] + [("U2 dW", (8, 4, 128, 128, 128), (2, 2, 2), 192)]
 
 
 def median_ms(fn, runs=20):
@@ -31,28 +35,43 @@ def median_ms(fn, runs=20):
     return sorted(times)[runs // 2]
 
 
-def main():
+def compare(label, run, flops):
     mode = torch.ops.patchgemm._set_fused_patch_kernels
-    print(f"{'case':10} {'format':15} {'implicit ms':>11} {'gather+GEMM ms':>14} {'ratio':>6} {'implicit TF/s':>13}")
-    for name, shape, kernel, embed in CASES:
-        x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-        w = torch.randn(embed, shape[1], *kernel, dtype=torch.bfloat16, device="cuda") / math.sqrt(
-            shape[1] * math.prod(kernel))
-        b = torch.randn(embed, dtype=torch.bfloat16, device="cuda")
-        for fmt in ("channels_first", "tokens"):
-            def run():
-                return patchgemm.patch_embed(x, w, b, out_format=fmt)
+    old = mode("always")
+    try:
+        implicit = median_ms(run)
+        mode("never")
+        gathered = median_ms(run)
+    finally:
+        mode(old)
+    print(f"{label} {implicit:11.4f} {gathered:14.4f} {gathered / implicit:6.2f} {flops / implicit / 1e9:13.1f}",
+          flush=True)
 
-            old = mode("always")
-            try:
-                implicit = median_ms(run)
-                mode("never")
-                gathered = median_ms(run)
-            finally:
-                mode(old)
-            tflops = 2 * x.numel() * embed / implicit / 1e9
-            print(f"{name:10} {fmt:15} {implicit:11.4f} {gathered:14.4f} {gathered / implicit:6.2f} {tflops:13.1f}",
-                  flush=True)
+
+def make(shape, kernel, embed):
+    x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(embed, shape[1], *kernel, dtype=torch.bfloat16, device="cuda") / math.sqrt(
+        shape[1] * math.prod(kernel))
+    return x, w, torch.randn(embed, dtype=torch.bfloat16, device="cuda")
+
+
+def main():
+    header = f"{'format':15} {'implicit ms':>11} {'gather+GEMM ms':>14} {'ratio':>6} {'implicit TF/s':>13}"
+    print(f"forward (patch_embed)\n{'case':10} {header}")
+    for name, shape, kernel, embed in CASES:
+        x, w, b = make(shape, kernel, embed)
+        for fmt in ("channels_first", "tokens"):
+            compare(f"{name:10} {fmt:15}", lambda: patchgemm.patch_embed(x, w, b, out_format=fmt),
+                    2 * x.numel() * embed)
+    print(f"\nweight gradient (patch_weight_grad, with the bias gradient)\n{'case':10} {header}")
+    for name, shape, kernel, embed in WEIGHT_GRAD_CASES:
+        x, w, b = make(shape, kernel, embed)
+        for fmt in ("channels_first", "tokens"):
+            y = patchgemm.patch_embed(x, w, b, out_format=fmt)
+            dy = torch.randn_like(y)
+            compare(f"{name:10} {fmt:15}",
+                    lambda: torch.ops.patchgemm.patch_weight_grad(dy, x, kernel, fmt == "tokens", [], True),
+                    2 * x.numel() * embed)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 //                     [B, E, N] as one GEMM batched over B (W shared, stride 0).
 //   patch_unembed     Q = x_tokens @ W, then y = unpatchify(Q) + b (the bias rides on the scatter).
 //   patch_weight_grad dW = grad_y^T @ P, recomputing P from x (never saved); with a ones column in
-//                     P the same GEMM also yields dbias.
+//                     P the same GEMM also yields dbias. (16-bit kw = 2: an implicit GEMM reading
+//                     the patches from x instead.)
 // The adjoint of patch_embed is patch_unembed with the same weight and vice versa, so autograd needs
 // only these three ops.
 #include <ATen/ATen.h>
@@ -290,6 +291,20 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   const at::Tensor dy = tokens || N == 1 ? grad_y.reshape({g.batch, N, embed})
                                          : grad_y.reshape({g.batch, embed, N}).transpose(1, 2);
   const auto view = patch_matrix_as_view(x5, g);
+  auto bias_grad = [&] { return with_bias ? dy.sum(std::vector<int64_t>{0, 1}) : at::empty({0}, x.options()); };
+#ifdef PATCHGEMM_WITH_CUDA
+  // 16-bit, kw = 2: the implicit GEMM reads the patches from x (implicit_patch_weight_grad.cu, which
+  // says where it runs).
+  const FusedKernels fused = g_fused_kernels;
+  if (!view && x.is_cuda() && fused != FusedKernels::kNever) {
+    at::Tensor grad_w = at::empty({embed, K}, x.options());
+    const at::Tensor dy_layout = tokens || N == 1 ? grad_y.reshape({g.batch, N, embed})
+                                                  : grad_y.reshape({g.batch, embed, N});
+    if (cuda::implicit_weight_grad(dy_layout, tokens || N == 1, x5, g, grad_w, fused == FusedKernels::kAlways)) {
+      return {grad_w.view(w_shape), bias_grad()};
+    }
+  }
+#endif
   const bool ones_column = with_bias && !view;  // the bias gradient comes out of the GEMM
   const at::Tensor p = view ? *view : patchify(x5, g, ones_column);
   at::Tensor dw = at::empty({1, embed, p.size(2)}, x.options());  // [dW | dbias | (padding)]
@@ -311,10 +326,7 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   }
   if (g.batch == 0) dw.zero_();
   at::Tensor grad_w = dw.select(0, 0).narrow(1, 0, K).reshape(w_shape).contiguous();
-  at::Tensor grad_b = at::empty({0}, x.options());
-  if (with_bias) {
-    grad_b = ones_column ? dw.select(0, 0).select(1, K).contiguous() : dy.sum(std::vector<int64_t>{0, 1});
-  }
+  at::Tensor grad_b = ones_column ? dw.select(0, 0).select(1, K).contiguous() : bias_grad();
   return {grad_w, grad_b};
 }
 

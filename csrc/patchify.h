@@ -71,6 +71,13 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
 // gather + cuBLAS is faster.
 bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
                     const PatchGeometry& g, const at::Tensor& y, bool tokens_out, bool always);
+
+// The implicit-GEMM weight gradient for 16-bit dtypes, kw = 2 (implicit_patch_weight_grad.cu):
+// dw [E, K] (contiguous) = the weight gradient of patch_embed(x5, ...) for grad_y, tokens
+// [B, N, E] or channels-first [B, E, N], the patches read from x inside the GEMM.
+// false where it does not apply or, unless `always`, where gather + cuBLAS is faster.
+bool implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tensor& x5, const PatchGeometry& g,
+                          const at::Tensor& dw, bool always);
 }  // namespace cuda
 #endif
 

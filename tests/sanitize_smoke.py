@@ -65,12 +65,14 @@ def main():
                 u = patchgemm.patch_unembed(y.detach().requires_grad_(), w, bias_out)
                 grads_u = torch.autograd.grad(u, [w], torch.randn_like(u))
                 assert all(torch.isfinite(t).all() for t in (y, *grads, u, *grads_u))
-    # the implicit-GEMM embedding (16-bit, kw even): runs of 2, 4 and 8, partial tiles, padded K
+    # the implicit-GEMM embedding (16-bit, kw even): runs of 2, 4 and 8, partial tiles, padded K; and
+    # its weight gradient (kw = 2), over many token ranges in the last shape
     old = ops._set_fused_patch_kernels("always")
     for dtype in (torch.bfloat16, torch.float16):
         for shape, kernel, embed in [((2, 32, 4, 8, 8), (2, 2, 2), 192), ((2, 5, 6, 12, 18), (1, 3, 2), 37),
                                      ((3, 3, 48, 80), (16, 16), 96), ((2, 24, 8, 8, 8), (4, 4, 4), 200),
-                                     ((3, 16, 2, 6, 8), (2, 2, 2), 64), ((3, 9, 6, 10, 20), (2, 2, 2), 64)]:
+                                     ((3, 16, 2, 6, 8), (2, 2, 2), 64), ((3, 9, 6, 10, 20), (2, 2, 2), 64),
+                                     ((3, 8, 20, 40, 40), (2, 2, 2), 64)]:
             x = torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True)
             w = torch.randn(embed, shape[1], *kernel, dtype=dtype, device="cuda", requires_grad=True)
             b = torch.randn(embed, dtype=dtype, device="cuda", requires_grad=True)

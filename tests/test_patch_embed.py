@@ -537,19 +537,68 @@ def test_gpu_implicit_patch_embed_kernel(fused_always, dtype, shape, kernel, emb
     assert_close_to_ref(out["g"][0], want_z, dtype, "grad_z")
 
 
+# 16-bit weight gradients with kw = 2 run the implicit GEMM of csrc/cuda/implicit_patch_weight_grad.cu:
+# (x shape, kernel, E) covering one and two 128-column tiles (a partial one: K = 192), 128- and
+# 192-wide embedding tiles (partial: E = 200), E not a multiple of 8 (channels-first grad_y only),
+# N not a multiple of 8 (tokens grad_y only), 1-D/2-D/3-D, and many token ranges (a block per SM)
+# that end inside samples.
+IMPLICIT_DW = [((2, 192, 8, 16, 16), (2, 2, 2), 192),  # P4-like: K = 1536, 192-wide tiles
+               ((2, 24, 4, 8, 8), (2, 2, 2), 200),     # K = 192, E = 200: partial tiles both ways
+               ((2, 8, 4, 8, 16), (2, 2, 2), 36),      # E = 36: channels-first grad_y only
+               ((3, 16, 2, 6, 8), (2, 2, 2), 64),      # N = 12: tokens grad_y only
+               ((3, 40, 16, 32), (2, 2), 48),          # 2-D
+               ((2, 64, 512), (2,), 32),               # 1-D
+               ((3, 8, 20, 40, 40), (2, 2, 2), 64)]    # 12000 tokens: ~47 ranges of 256
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,embed", IMPLICIT_DW)
+@pytest.mark.parametrize("memory", ["contiguous", "cropped"])
+@pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
+def test_gpu_implicit_weight_grad_kernel(fused_always, dtype, shape, kernel, embed, memory, out_format):
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=embed)
+    xs = cropped(x) if memory == "cropped" else x.clone()
+    w.requires_grad_(), b.requires_grad_()
+    w64, b64 = w.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = CONV[len(kernel)](x.double(), w64, b64, stride=kernel)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    want = torch.autograd.grad(ref, [w64, b64], dy.double())
+    tokens = out_format == "tokens"
+    y = patchgemm.patch_embed(xs, w, b, out_format=out_format)
+    poison_allocator(4 * w.numel() * 64, "cuda")
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, [w, b], conv_tokens(dy) if tokens else dy)))
+    applies = embed % 8 == 0 if tokens else math.prod(ref.shape[2:]) % 8 == 0
+    assert ("implicit_weight_grad_kernel" in ran) == applies, ran
+    for g, r, name in zip(out["g"], want, ["grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+
+
 @needs_gpu
 @pytest.mark.parametrize("embed,expected", [(64, True), (384, False)])
 def test_gpu_implicit_rule(embed, expected):
-    """By default the implicit GEMM takes thin GEMMs (E <= 256) with a token tile per SM; wider
-    ones gather and run cuBLAS. Both give the conv's result."""
+    """By default the implicit GEMMs (forward and weight gradient) take thin GEMMs (E <= 256) with a
+    token tile per SM; wider ones gather and run cuBLAS. Both give the conv's result."""
     x, w, b = make((1, 32, 64, 64, 64), (2, 2, 2), torch.bfloat16, "cuda", embed=embed)
+    w.requires_grad_()
     out = {}
-    ran = cuda_kernels_run(lambda: out.update(y=patchgemm.patch_embed(x, w, b)))
+
+    def step():
+        out["y"] = patchgemm.patch_embed(x, w, b)
+        (out["dw"],) = torch.autograd.grad(out["y"], [w], dy)
+
+    dy = randn(1, embed, 32, 32, 32, dtype=torch.bfloat16, device="cuda")
+    ran = cuda_kernels_run(step)
     assert ("implicit_embed_kernel" in ran) == expected, ran
-    assert_close_to_ref(out["y"], F.conv3d(x.double(), w.double(), b.double(), stride=2), torch.bfloat16)
+    assert ("implicit_weight_grad_kernel" in ran) == expected, ran
+    x64, w64 = x.double(), w.detach().double().requires_grad_()
+    ref = F.conv3d(x64, w64, b.double(), stride=2)
+    assert_close_to_ref(out["y"], ref, torch.bfloat16)
+    assert_close_to_ref(out["dw"], torch.autograd.grad(ref, [w64], dy.double())[0], torch.bfloat16, "grad_weight")
     old = ops._set_fused_patch_kernels("never")
     try:
-        assert "implicit_embed_kernel" not in cuda_kernels_run(lambda: patchgemm.patch_embed(x, w, b))
+        assert "implicit" not in cuda_kernels_run(step)
     finally:
         ops._set_fused_patch_kernels(old)
 

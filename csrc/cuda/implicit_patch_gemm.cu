@@ -29,9 +29,9 @@ bool implicit_embed(const at::Tensor&, const at::Tensor&, const std::optional<at
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <climits>
 #include <cstdint>
 
+#include "cuda/implicit_patch.cuh"
 #include "cuda/mma.cuh"
 
 namespace patchgemm {
@@ -44,31 +44,6 @@ constexpr int kTileK = 64;          // K per pipeline stage
 constexpr int kStages = 3;
 constexpr int kPitch = kTileK + 8;  // shared row pitch in elements (144 bytes): conflict-free ldmatrix
 constexpr int kMaxRuns = 16384;     // entries of the run-offset table (64 KB of shared memory)
-
-struct Problem {
-  int64_t stride[4];  // x5 strides of b, c, d, h in elements (w has stride 1)
-  int kd, kh, kw;
-  int K;              // patch size
-  int ldw;            // weight row length: K rounded up to 8 (zero columns)
-  int E;
-  int gh, gw, tokens;  // patch grid rows and columns, tokens per sample
-  int64_t rows;        // B * tokens
-};
-
-// Offset in x of the first element of token `row`'s patch.
-__device__ __forceinline__ int64_t patch_origin(const Problem& p, int64_t row) {
-  const int64_t b = row / p.tokens;
-  const int n = static_cast<int>(row - b * p.tokens);
-  const int nw = n % p.gw, nh = n / p.gw % p.gh, nd = n / p.gw / p.gh;
-  return b * p.stride[0] + int64_t{nd} * p.kd * p.stride[2] + int64_t{nh} * p.kh * p.stride[3] +
-         int64_t{nw} * p.kw;
-}
-
-// Offset in x of patch element k = (c, i, j, l) from the patch's first element (< 2^31: checked).
-__device__ __forceinline__ int patch_offset(const Problem& p, int k) {
-  const int l = k % p.kw, r = k / p.kw, j = r % p.kh, i = r / p.kh % p.kd, c = r / p.kh / p.kd;
-  return static_cast<int>(c * p.stride[1] + i * p.stride[2] + j * p.stride[3] + l);
-}
 
 // Writes n 16-bit values (n = 8, 4, 2 or 1; dst aligned to n elements).
 __device__ __forceinline__ void store_vector(uint16_t* dst, const uint16_t* src, int n) {
@@ -100,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
   constexpr int kPairPitch = kTileM + 8;  // words; = 8 mod 32: conflict-free fragment loads
   static_assert(!kPairMajor || (V == 2 && kRuns % kWarps == 0 && kRuns * kPairPitch * 4 <= kTileM * kPitch * 2));
   extern __shared__ __align__(128) unsigned char smem[];
-  int64_t* token_origin = reinterpret_cast<int64_t*>(smem);  // [kTileM]
+  int64_t* token_origin = reinterpret_cast<int64_t*>(smem);  // [kTileM] (not pair-major)
   T* sA = reinterpret_cast<T*>(token_origin + kTileM);       // [kStages][kTileM][kPitch]: tokens x K slice
   T* sB = sA + kStages * kTileM * kPitch;                    // [kStages][kTileN][kPitch]: embeddings x K slice
   int* run_offset = reinterpret_cast<int*>(sB + kStages * kTileN * kPitch);  // [k_tiles * kRuns]; -1: past K
@@ -113,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
 
   // Tokens and embeddings past the end read the last real ones: their results are never stored.
   for (int r = threadIdx.x; r < k_tiles * kRuns; r += kThreads) run_offset[r] = r * V < p.K ? patch_offset(p, r * V) : -1;
-  if (threadIdx.x < kTileM) token_origin[threadIdx.x] = patch_origin(p, min(m0 + threadIdx.x, p.rows - 1));
+  if (!kPairMajor && threadIdx.x < kTileM) token_origin[threadIdx.x] = patch_origin(p, min(m0 + threadIdx.x, p.rows - 1));
   __syncthreads();
 
   // A: this thread copies run `run` of every K slice for kLoadsA tokens, kTokenStep apart.
@@ -299,44 +274,18 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
   const auto dtype = x5.scalar_type();
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(x5.get_device());
   if ((dtype != at::kHalf && dtype != at::kBFloat16) || g.levels.size() != 1 || kw % 2 || K < 16 || E < 32 ||
-      N < 2 || N >= (int64_t{1} << 30) || K >= (int64_t{1} << 30) || E >= (int64_t{1} << 30) ||
-      x5.stride(4) != 1 || !y.is_contiguous() || reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 ||
+      N < 2 || x5.stride(4) != 1 || !y.is_contiguous() || reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 ||
       device->major < 8) {
     return false;
   }
-  // The rule (H200, bench/RESULTS.md): this kernel's mma.sync runs at 200-300 TFLOP/s, cuBLAS's
-  // GEMM at up to ~700, so the gather it saves (4 bytes per patch element) pays only for thin
-  // GEMMs, E <= 256 (P4's 192: 1.5x; E = 384: 0.9x), and only with a tile per SM to fill the GPU.
-  if (!always && (E > 256 || g.batch * N < int64_t{kTileM} * device->multiProcessorCount)) return false;
+  if (!always && !implicit_pays(E, g.batch * N, *device)) return false;
   // Runs of V elements: the largest of 8, 4, 2 dividing kw, every stride and the address (in V).
   int run = kw % 8 == 0 ? 8 : kw % 4 == 0 ? 4 : 2;
-  auto aligned = [&](int v) {
-    if (reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % (2 * v)) return false;
-    for (int d = 0; d < 4; ++d) {
-      if (x5.size(d) > 1 && x5.stride(d) % v) return false;
-    }
-    return true;
-  };
-  while (run > 2 && !aligned(run)) run /= 2;
-  if (!aligned(run)) return false;
-  // kw = 2: pair-major copies of 4 tokens where every group of 4 starts a 16-byte aligned run.
-  const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && aligned(8);
-  // Offsets within a patch are int in the kernel.
-  const int64_t patch_extent = (g.channels - 1) * x5.stride(1) + (g.kernel[0] - 1) * x5.stride(2) +
-                               (g.kernel[1] - 1) * x5.stride(3) + kw;
-  if (patch_extent >= INT_MAX) return false;
-
+  while (run > 2 && !runs_aligned(x5, run)) run /= 2;
   Problem p;
-  for (int d = 0; d < 4; ++d) p.stride[d] = x5.size(d) > 1 ? x5.stride(d) : 0;
-  p.kd = static_cast<int>(g.kernel[0]);
-  p.kh = static_cast<int>(g.kernel[1]);
-  p.kw = static_cast<int>(kw);
-  p.K = static_cast<int>(K);
-  p.E = static_cast<int>(E);
-  p.gh = static_cast<int>(g.grid[1]);
-  p.gw = static_cast<int>(g.grid[2]);
-  p.tokens = static_cast<int>(N);
-  p.rows = g.batch * N;
+  if (!runs_aligned(x5, run) || !make_problem(x5, g, E, p)) return false;
+  // kw = 2: pair-major copies of 4 tokens where every group of 4 starts a 16-byte aligned run.
+  const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
   if (p.rows == 0) return true;
 
   const c10::cuda::CUDAGuard guard(y.device());
