@@ -1,5 +1,6 @@
-"""The implicit-GEMM kernels vs gather + cuBLAS, same process and inputs: patch_embed's forward
-(csrc/cuda/implicit_patch_gemm.cu) and its weight gradient (implicit_patch_weight_grad.cu, kw = 2).
+"""The implicit-GEMM kernels vs gather/scatter + cuBLAS, same process and inputs: patch_embed's
+forward (csrc/cuda/implicit_patch_gemm.cu), its weight gradient (implicit_patch_weight_grad.cu,
+kw = 2) and patch_unembed, which is also its input gradient (implicit_patch_unembed.cu, kw = 2).
 The tables behind their selection rule (csrc/cuda/implicit_patch.cuh).
 
     python bench/implicit_vs_gather.py          (CUDA, bf16, with bias)
@@ -19,6 +20,10 @@ CASES = [("P1", (128, 3, 224, 224), (16, 16), 768), ("P4", (8, 192, 64, 64, 64),
 # The weight gradient's cases (kw = 2); "U2 dW" is U2's (the unembed's weight gradient: x is its
 # output gradient [8, 4, 128^3], grad_y its input [8, 192, 64^3]).
 WEIGHT_GRAD_CASES = [c for c in CASES if c[2][-1] == 2] + [("U2 dW", (8, 4, 128, 128, 128), (2, 2, 2), 192)]
+# patch_unembed: the input gradients of the kw = 2 cases (x = grad_y [B, E, *grid], C_out = C), and U2.
+UNEMBED_CASES = [(f"{name} dx", (shape[0], embed, *[s // k for s, k in zip(shape[2:], kernel)]), kernel, shape[1])
+                 for name, shape, kernel, embed in CASES if kernel[-1] == 2] + [
+                     ("U2", (8, 192, 64, 64, 64), (2, 2, 2), 4)]
 
 
 def median_ms(fn, runs=20):
@@ -72,6 +77,16 @@ def main():
             compare(f"{name:10} {fmt:15}",
                     lambda: torch.ops.patchgemm.patch_weight_grad(dy, x, kernel, fmt == "tokens", [], True),
                     2 * x.numel() * embed)
+    print(f"\nunembedding (patch_unembed, with bias)\n{'case':10} {header}")
+    for name, shape, kernel, out_channels in UNEMBED_CASES:
+        x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        w = torch.randn(shape[1], out_channels, *kernel, dtype=torch.bfloat16, device="cuda") / math.sqrt(shape[1])
+        b = torch.randn(out_channels, dtype=torch.bfloat16, device="cuda")
+        x_tokens = x.flatten(2).transpose(1, 2).contiguous()
+        for fmt, inp in (("channels_first", x), ("tokens", x_tokens)):
+            compare(f"{name:10} {fmt:15}",
+                    lambda: patchgemm.patch_unembed(inp, w, b, in_format=fmt, grid=shape[2:] if fmt == "tokens" else None),
+                    2 * x.numel() * out_channels * math.prod(kernel))
 
 
 if __name__ == "__main__":

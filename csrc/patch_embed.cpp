@@ -4,6 +4,7 @@
 //   patch_embed       y = P @ W^T (+ b): tokens [B, N, E] as one plain GEMM, channels-first
 //                     [B, E, N] as one GEMM batched over B (W shared, stride 0).
 //   patch_unembed     Q = x_tokens @ W, then y = unpatchify(Q) + b (the bias rides on the scatter).
+//                     (16-bit kw = 2: an implicit GEMM scattering from its epilogue instead.)
 //   patch_weight_grad dW = grad_y^T @ P, recomputing P from x (never saved); with a ones column in
 //                     P the same GEMM also yields dbias. (16-bit kw = 2: an implicit GEMM reading
 //                     the patches from x instead.)
@@ -254,6 +255,16 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
   y_shape.insert(y_shape.end(), g.size.end() - rank, g.size.end());
   at::Tensor y = at::empty(y_shape, x.options());
   const int64_t K = g.patch_size(), align = row_alignment(x);
+#ifdef PATCHGEMM_WITH_CUDA
+  // 16-bit, kw = 2: the implicit GEMM scatters its tiles into y from the epilogue
+  // (implicit_patch_unembed.cu, which says where it runs).
+  const FusedKernels fused = g_fused_kernels;
+  if (x.is_cuda() && fused != FusedKernels::kNever &&
+      cuda::implicit_unembed(tokens ? x : x.reshape({g.batch, in_channels, g.tokens()}), tokens,
+                             weight.reshape({in_channels, K}), bias, g, to_5d(y), fused == FusedKernels::kAlways)) {
+    return y;
+  }
+#endif
   at::Tensor q = at::empty({g.batch, g.tokens(), (K + align - 1) / align * align}, x.options());
   // Q[B*N, K] = x_tokens[B*N, C_in] @ W[C_in, K]: one GEMM (batched over B with W shared when
   // x's strides keep B and N apart, e.g. channels-first input).

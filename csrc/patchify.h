@@ -46,9 +46,9 @@ at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_colu
 void unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
                 const at::Tensor& y5);
 
-// Testing and benchmarking hook: whether patch_embed takes the fused CUDA kernels (tiny and
-// implicit GEMM) where they apply and its rule picks them (kAuto), wherever they apply (kAlways),
-// or never (gather + GEMM everywhere). Returns the previous setting.
+// Testing and benchmarking hook: whether the patch ops take the fused CUDA kernels (tiny and
+// implicit GEMM) where they apply and their rule picks them (kAuto), wherever they apply (kAlways),
+// or never (gather/scatter + GEMM everywhere). Returns the previous setting.
 enum class FusedKernels { kNever, kAuto, kAlways };
 FusedKernels set_fused_patch_kernels(FusedKernels mode);
 
@@ -78,6 +78,13 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
 // false where it does not apply or, unless `always`, where gather + cuBLAS is faster.
 bool implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tensor& x5, const PatchGeometry& g,
                           const at::Tensor& dw, bool always);
+
+// The implicit-GEMM unembedding for 16-bit dtypes, kw = 2 (implicit_patch_unembed.cu): y5 (g's
+// volume, contiguous) = patch_unembed(x, w2 [C_in, K], bias) for x tokens [B, N, C_in] or
+// channels-first [B, C_in, N], the GEMM's tiles scattered into y5 from its epilogue. false where it
+// does not apply or, unless `always`, where GEMM + scatter is faster.
+bool implicit_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
+                      const PatchGeometry& g, const at::Tensor& y5, bool always);
 }  // namespace cuda
 #endif
 

@@ -66,7 +66,8 @@ def main():
                 grads_u = torch.autograd.grad(u, [w], torch.randn_like(u))
                 assert all(torch.isfinite(t).all() for t in (y, *grads, u, *grads_u))
     # the implicit-GEMM embedding (16-bit, kw even): runs of 2, 4 and 8, partial tiles, padded K; and
-    # its weight gradient (kw = 2), over many token ranges in the last shape
+    # with kw = 2 its weight gradient (over many token ranges in the last shape) and the unembedding
+    # (its input gradient; with a bias below)
     old = ops._set_fused_patch_kernels("always")
     for dtype in (torch.bfloat16, torch.float16):
         for shape, kernel, embed in [((2, 32, 4, 8, 8), (2, 2, 2), 192), ((2, 5, 6, 12, 18), (1, 3, 2), 37),
@@ -79,7 +80,10 @@ def main():
             for out_format in ("channels_first", "tokens"):
                 y = patchgemm.patch_embed(x, w, b, out_format=out_format)
                 grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
-                assert all(torch.isfinite(t).all() for t in (y, *grads))
+                grid = [s // k for s, k in zip(shape[2:], kernel)]
+                u = patchgemm.patch_unembed(y.detach(), w.detach(), torch.randn(shape[1], dtype=dtype, device="cuda"),
+                                            in_format=out_format, grid=grid)
+                assert all(torch.isfinite(t).all() for t in (y, *grads, u))
     ops._set_fused_patch_kernels(old)
     # fused instance norm + GELU: both layouts, vector and one-element paths, several chunks
     for dtype in (torch.bfloat16, torch.float32, torch.float64):

@@ -575,27 +575,74 @@ def test_gpu_implicit_weight_grad_kernel(fused_always, dtype, shape, kernel, emb
         assert_close_to_ref(g, r, dtype, name)
 
 
+# 16-bit unembeddings with kw = 2 (and so patch_embed's input gradients) run the implicit GEMM of
+# csrc/cuda/implicit_patch_unembed.cu: (x shape [B, C_in, *grid], kernel, C_out) covering one and
+# two 128-column tiles (a partial one: K = 192), C_in not a multiple of 8 (channels-first x only),
+# N not a multiple of 8 (tokens x only), 1-D/2-D/3-D, and token tiles that straddle samples.
+IMPLICIT_UNEMBED = [((2, 192, 4, 8, 8), (2, 2, 2), 192),  # P4's input gradient: K = 1536
+                    ((2, 64, 4, 4, 8), (2, 2, 2), 24),    # K = 192: a partial column tile
+                    ((2, 36, 2, 4, 8), (2, 2, 2), 16),    # C_in = 36: channels-first x only
+                    ((3, 64, 1, 3, 4), (2, 2, 2), 16),    # N = 12: tokens x only
+                    ((3, 48, 8, 16), (2, 2), 40),         # 2-D
+                    ((2, 32, 256), (2,), 64),             # 1-D
+                    ((3, 64, 5, 6, 8), (2, 2, 2), 16)]    # N = 240: tiles straddle samples
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,out_channels", IMPLICIT_UNEMBED)
+@pytest.mark.parametrize("in_format", ["channels_first", "tokens"])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_implicit_unembed_kernel(fused_always, dtype, shape, kernel, out_channels, in_format, has_bias):
+    c_in, grid = shape[1], list(shape[2:])
+    x = randn(*shape, dtype=dtype, device="cuda")
+    w = randn(c_in, out_channels, *kernel, dtype=dtype, device="cuda") / math.sqrt(c_in)
+    b = randn(out_channels, dtype=dtype, device="cuda") if has_bias else None
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    b64 = b.double().requires_grad_() if has_bias else None
+    ref = CONV_T[len(kernel)](x64, w64, b64, stride=kernel)
+    tokens = in_format == "tokens"
+    xs = (conv_tokens(x).contiguous() if tokens else x).requires_grad_()
+    params = [w.requires_grad_()] + ([b.requires_grad_()] if has_bias else [])
+    poison_allocator(2 * math.prod(ref.shape), "cuda")
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(
+        y=patchgemm.patch_unembed(xs, w, b, in_format=in_format, grid=grid if tokens else None)))
+    applies = c_in % 8 == 0 if tokens else math.prod(grid) % 8 == 0
+    assert ("implicit_unembed_kernel" in ran) == applies, ran
+    assert_close_to_ref(out["y"], ref, dtype)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    want = torch.autograd.grad(ref, [x64, w64] + ([b64] if has_bias else []), dy.double())
+    got = torch.autograd.grad(out["y"], [xs] + params, dy)
+    want = [conv_tokens(want[0]) if tokens else want[0], *want[1:]]
+    for g, r, name in zip(got, want, ["grad_x", "grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+
+
 @needs_gpu
 @pytest.mark.parametrize("embed,expected", [(64, True), (384, False)])
 def test_gpu_implicit_rule(embed, expected):
-    """By default the implicit GEMMs (forward and weight gradient) take thin GEMMs (E <= 256) with a
+    """By default the implicit GEMMs (forward, input and weight gradients) take thin GEMMs (E <= 256) with a
     token tile per SM; wider ones gather and run cuBLAS. Both give the conv's result."""
     x, w, b = make((1, 32, 64, 64, 64), (2, 2, 2), torch.bfloat16, "cuda", embed=embed)
-    w.requires_grad_()
+    x.requires_grad_(), w.requires_grad_()
     out = {}
 
     def step():
         out["y"] = patchgemm.patch_embed(x, w, b)
-        (out["dw"],) = torch.autograd.grad(out["y"], [w], dy)
+        out["dx"], out["dw"] = torch.autograd.grad(out["y"], [x, w], dy)
 
     dy = randn(1, embed, 32, 32, 32, dtype=torch.bfloat16, device="cuda")
     ran = cuda_kernels_run(step)
     assert ("implicit_embed_kernel" in ran) == expected, ran
     assert ("implicit_weight_grad_kernel" in ran) == expected, ran
-    x64, w64 = x.double(), w.detach().double().requires_grad_()
+    assert ("implicit_unembed_kernel" in ran) == expected, ran
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = F.conv3d(x64, w64, b.double(), stride=2)
     assert_close_to_ref(out["y"], ref, torch.bfloat16)
-    assert_close_to_ref(out["dw"], torch.autograd.grad(ref, [w64], dy.double())[0], torch.bfloat16, "grad_weight")
+    want = torch.autograd.grad(ref, [x64, w64], dy.double())
+    assert_close_to_ref(out["dx"], want[0], torch.bfloat16, "grad_x")
+    assert_close_to_ref(out["dw"], want[1], torch.bfloat16, "grad_weight")
     old = ops._set_fused_patch_kernels("never")
     try:
         assert "implicit" not in cuda_kernels_run(step)

@@ -86,7 +86,8 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k_tiles = (p.ldw + kTileK - 1) / kTileK;
 
-  // Tokens and embeddings past the end read the last real ones: their results are never stored.
+  // Tokens past the end read the last real ones and embeddings past E read zeros (without loads:
+  // clamped rows of W would all hit one line): their results are never stored.
   for (int r = threadIdx.x; r < k_tiles * kRuns; r += kThreads) run_offset[r] = r * V < p.K ? patch_offset(p, r * V) : -1;
   if (!kPairMajor && threadIdx.x < kTileM) token_origin[threadIdx.x] = patch_origin(p, min(m0 + threadIdx.x, p.rows - 1));
   __syncthreads();
@@ -103,8 +104,12 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
   // B: 16-byte pieces at column b_col of rows b_row + 32 i.
   const int b_col = threadIdx.x % 8 * 8, b_row = threadIdx.x / 8;
   const T* b_src[kLoadsB];
+  bool b_valid[kLoadsB];
 #pragma unroll
-  for (int i = 0; i < kLoadsB; ++i) b_src[i] = w + int64_t{min(e0 + b_row + 32 * i, p.E - 1)} * p.ldw + b_col;
+  for (int i = 0; i < kLoadsB; ++i) {
+    b_valid[i] = e0 + b_row + 32 * i < p.E;
+    b_src[i] = w + int64_t{min(e0 + b_row + 32 * i, p.E - 1)} * p.ldw + b_col;
+  }
   const uint32_t b_dst = smem_address(sB + b_row * kPitch + b_col);
 
   auto load_slice = [&](int kt, int slot) {
@@ -126,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
     const bool in_w = col + b_col < p.ldw;
 #pragma unroll
     for (int i = 0; i < kLoadsB; ++i) {
-      cp_async<16>(b_dst + (slot * kTileN + 32 * i) * kPitch * 2, b_src[i] + (in_w ? col : 0), in_w);
+      cp_async<16>(b_dst + (slot * kTileN + 32 * i) * kPitch * 2, b_src[i] + (in_w ? col : 0), in_w && b_valid[i]);
     }
   };
 

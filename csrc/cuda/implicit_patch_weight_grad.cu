@@ -76,28 +76,35 @@ __global__ void __launch_bounds__(kThreads) implicit_weight_grad_kernel(Problem 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   // A: this thread copies pairs a_pair + 16 i of tokens 4 a_group .. 4 a_group + 3 of each slice.
-  // Pairs past K read the last real one, embeddings past E the last real one: their results are
-  // never stored. Tokens past the range read zeros (cp.async zero-fill): they are the reduction.
+  // Whatever lies past K, E or the token range reads zeros, without loads (cp.async zero-fill):
+  // tokens are the reduction, and clamped rows would all hit one line.
   const int a_group = threadIdx.x % 16, a_pair = threadIdx.x / 16;
   int pair_offset[kLoadsA];
+  bool pair_valid[kLoadsA];
 #pragma unroll
-  for (int i = 0; i < kLoadsA; ++i) pair_offset[i] = patch_offset(p, 2 * min(pair0 + a_pair + 16 * i, p.K / 2 - 1));
+  for (int i = 0; i < kLoadsA; ++i) {
+    pair_valid[i] = pair0 + a_pair + 16 * i < p.K / 2;
+    pair_offset[i] = patch_offset(p, 2 * min(pair0 + a_pair + 16 * i, p.K / 2 - 1));
+  }
   const uint32_t a_dst = sA + (a_pair * kPairPitch + 4 * a_group) * 4;
   // B, channels-first: 8 tokens (b_token ..) of embedding rows b_row + 32 i. Tokens: 8 embeddings
   // (b_col[i] ..) of token rows b_token[i].
   int64_t b_row_offset[kLoadsB];
   int b_token[kLoadsB];
   uint32_t b_dst[kLoadsB];
+  bool b_valid[kLoadsB];
 #pragma unroll
   for (int i = 0; i < kLoadsB; ++i) {
     if constexpr (kTokensDy) {
       const int v = threadIdx.x + kThreads * i, col = v % kVectorsN * 8;
       b_token[i] = v / kVectorsN;
+      b_valid[i] = e0 + col < p.E;  // E % 8 == 0
       b_row_offset[i] = min(e0 + col, p.E - 8);
       b_dst[i] = sB + (b_token[i] * kDyPitch + col) * 2;
     } else {
       const int row = threadIdx.x / 8 + 32 * i;
       b_token[i] = threadIdx.x % 8 * 8;
+      b_valid[i] = e0 + row < p.E;
       b_row_offset[i] = int64_t{min(e0 + row, p.E - 1)} * p.tokens;
       b_dst[i] = sB + (row * kPitch + b_token[i]) * 2;
     }
@@ -111,7 +118,7 @@ __global__ void __launch_bounds__(kThreads) implicit_weight_grad_kernel(Problem 
       const T* src = x + patch_origin(p, valid ? token : t_begin);
 #pragma unroll
       for (int i = 0; i < kLoadsA; ++i) {
-        cp_async<16>(a_dst + slot * kSlotA + i * 16 * kPairPitch * 4, src + pair_offset[i], valid);
+        cp_async<16>(a_dst + slot * kSlotA + i * 16 * kPairPitch * 4, src + pair_offset[i], valid && pair_valid[i]);
       }
     }
     if constexpr (kTokensDy) {
@@ -119,7 +126,8 @@ __global__ void __launch_bounds__(kThreads) implicit_weight_grad_kernel(Problem 
       for (int i = 0; i < kLoadsB; ++i) {
         const int64_t token = t0 + b_token[i];
         const bool valid = token < t_end;
-        cp_async<16>(b_dst[i] + slot * kSlotB, dy + (valid ? token : t_begin) * p.E + b_row_offset[i], valid);
+        cp_async<16>(b_dst[i] + slot * kSlotB, dy + (valid ? token : t_begin) * p.E + b_row_offset[i],
+                     valid && b_valid[i]);
       }
     } else {  // the 8 tokens of a piece share a sample: tokens % 8 == 0 (checked on the host)
       const int64_t token = t0 + b_token[0];
@@ -127,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) implicit_weight_grad_kernel(Problem 
       const int64_t b = (valid ? token : t_begin) / p.tokens;
       const T* src = dy + b * p.E * p.tokens + ((valid ? token : t_begin) - b * p.tokens);
 #pragma unroll
-      for (int i = 0; i < kLoadsB; ++i) cp_async<16>(b_dst[i] + slot * kSlotB, src + b_row_offset[i], valid);
+      for (int i = 0; i < kLoadsB; ++i) cp_async<16>(b_dst[i] + slot * kSlotB, src + b_row_offset[i], valid && b_valid[i]);
     }
   };
 
