@@ -76,7 +76,7 @@ def test_patch_embed_matches_float64_conv(device, dtype, shape, kernel, out_form
     ref = conv_tokens(ref) if out_format == "tokens" else ref
     assert y.dtype == dtype and y.is_contiguous()
     assert_close_to_ref(y, ref, dtype)
-    grad_y = randn(*ref.shape, dtype=torch.float64)
+    grad_y = randn(*ref.shape, dtype=dtype).double()  # the values the op sees, exactly
     got = grads(y, [x, w, b], grad_y.to(device, dtype))
     want = grads(ref, [x64, w64, b64], grad_y)
     for g, r, name in zip(got, want, ["grad_x", "grad_weight", "grad_bias"]):
@@ -119,7 +119,7 @@ def test_patch_unembed_matches_float64_conv_transpose(device, dtype, shape, kern
     ref = CONV_T[len(kernel)](x64, w64, b64, stride=kernel)
     assert y.is_contiguous()
     assert_close_to_ref(y, ref, dtype)
-    grad_y = randn(*ref.shape, dtype=torch.float64)
+    grad_y = randn(*ref.shape, dtype=dtype).double()  # the values the op sees, exactly
     got = grads(y, [x, w, b], grad_y.to(device, dtype))
     want = grads(ref, [x64, w64, b64], grad_y)
     for g, r, name in zip(got, want, ["grad_x", "grad_weight", "grad_bias"]):
