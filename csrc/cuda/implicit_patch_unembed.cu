@@ -141,29 +141,14 @@ __global__ void __launch_bounds__(kThreads, 2) implicit_unembed_kernel(Problem p
     }
   };
 
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_tiles) load_slice(s, s);
-    cp_async_commit();
-  }
   float acc[4][4][4] = {};
-  for (int kt = 0, slot = 0; kt < k_tiles; ++kt, slot = slot + 1 == kStages ? 0 : slot + 1) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // slice kt has landed for every thread; the slot of slice kt - 1 is free again
-    load_fragments(0, slot, 0);
-    if (kt + kStages - 1 < k_tiles) load_slice(kt + kStages - 1, slot == 0 ? kStages - 1 : slot - 1);
-    cp_async_commit();
+  pipelined_main_loop<kStages, kTileK>(k_tiles, load_slice, load_fragments, [&](int buf) {
 #pragma unroll
-    for (int step = 0; step < kTileK / 16; ++step) {
-      if (step + 1 < kTileK / 16) load_fragments((step + 1) % 2, slot, (step + 1) * 16);
+    for (int mi = 0; mi < 4; ++mi) {
 #pragma unroll
-      for (int mi = 0; mi < 4; ++mi) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mma_16816<T>(acc[mi][j], af[step % 2][mi], bf[step % 2][j]);
-      }
+      for (int j = 0; j < 4; ++j) mma_16816<T>(acc[mi][j], af[buf][mi], bf[buf][j]);
     }
-  }
-  cp_async_wait<0>();
+  });
   __syncthreads();  // the pipeline's shared memory becomes the output stage
 
   // acc[mi][j]: tokens g and g + 8 of m-tile mi, columns 2q and 2q + 1 of n-tile j: one word of

@@ -1,5 +1,5 @@
 // Warp-level tensor-core building blocks shared by the fused patch kernels (sm_80+ PTX: ldmatrix,
-// mma.sync, cp.async). NVIDIA only: the kernels that include this are compiled out on ROCm.
+// mma.sync, cp.async), and the implicit GEMMs' pipelined main loop. NVIDIA only: the kernels that include this are compiled out on ROCm.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -73,6 +73,34 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// The main loop of the implicit GEMM kernels: a kStages-deep cp.async pipeline of kTileK-wide K
+// slices with double-buffered fragments. load_slice(k_tile, slot) issues one slice's copies into a
+// shared-memory slot, load_fragments(buffer, slot, k) loads the 16-wide step at k of a landed slot,
+// multiply(buffer) runs one step's mma.sync. Returns with every copy landed (the caller syncs before
+// reusing shared memory).
+template <int kStages, int kTileK, typename LoadSlice, typename LoadFragments, typename Multiply>
+__device__ __forceinline__ void pipelined_main_loop(int k_tiles, LoadSlice&& load_slice, LoadFragments&& load_fragments,
+                                                    Multiply&& multiply) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_slice(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0, slot = 0; kt < k_tiles; ++kt, slot = slot + 1 == kStages ? 0 : slot + 1) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // slice kt has landed for every thread; the slot of slice kt - 1 is free again
+    load_fragments(0, slot, 0);
+    if (kt + kStages - 1 < k_tiles) load_slice(kt + kStages - 1, slot == 0 ? kStages - 1 : slot - 1);
+    cp_async_commit();
+#pragma unroll
+    for (int step = 0; step < kTileK / 16; ++step) {
+      if (step + 1 < kTileK / 16) load_fragments((step + 1) % 2, slot, (step + 1) * 16);
+      multiply(step % 2);
+    }
+  }
+  cp_async_wait<0>();
 }
 
 template <typename T>
