@@ -303,9 +303,9 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   const at::Tensor dy = tokens || N == 1 ? grad_y.reshape({g.batch, N, embed})
                                          : grad_y.reshape({g.batch, embed, N}).transpose(1, 2);
   const auto view = patch_matrix_as_view(x5, g);
-  // The bias gradient where no GEMM yields it, accumulated in fp32 (fp64 for fp64). Tokens grad_y [B*N, E] is folded
-  // to [B*N / f, f * E] first: ATen's reduction over rows spreads a few hundred columns poorly (P4's
-  // E = 192: 0.7 TB/s).
+  // The bias gradient where no GEMM yields it, accumulated in fp32 (fp64 for fp64). Tokens grad_y
+  // [B*N, E] is folded to [B*N / f, f * E] first: ATen's reduction over rows spreads a few hundred
+  // columns poorly (P4's E = 192: 0.7 TB/s).
   auto bias_grad = [&] {
     if (!with_bias) return at::empty({0}, x.options());
     const at::ScalarType acc = at::toOpMathType(x.scalar_type());
