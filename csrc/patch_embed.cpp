@@ -321,11 +321,10 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   // says where it runs).
   const FusedKernels fused = g_fused_kernels;
   if (!view && x.is_cuda() && fused != FusedKernels::kNever) {
-    at::Tensor grad_w = at::empty({embed, K}, x.options());
-    const at::Tensor dy_layout = tokens || N == 1 ? grad_y.reshape({g.batch, N, embed})
-                                                  : grad_y.reshape({g.batch, embed, N});
-    if (cuda::implicit_weight_grad(dy_layout, tokens || N == 1, x5, g, grad_w, fused == FusedKernels::kAlways)) {
-      return {grad_w.view(w_shape), bias_grad()};
+    const bool dy_tokens = tokens || N == 1;  // else dy is [B, E, N] transposed
+    if (const auto grad_w = cuda::implicit_weight_grad(dy_tokens ? dy : dy.transpose(1, 2), dy_tokens, x5, g,
+                                                       embed, fused == FusedKernels::kAlways)) {
+      return {grad_w->view(w_shape), bias_grad()};
     }
   }
 #endif

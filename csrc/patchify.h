@@ -73,11 +73,11 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
                     const PatchGeometry& g, const at::Tensor& y, bool tokens_out, bool always);
 
 // The implicit-GEMM weight gradient for 16-bit dtypes, kw = 2 (implicit_patch_weight_grad.cu):
-// dw [E, K] (contiguous) = the weight gradient of patch_embed(x5, ...) for grad_y, tokens
-// [B, N, E] or channels-first [B, E, N], the patches read from x inside the GEMM.
-// false where it does not apply or, unless `always`, where gather + cuBLAS is faster.
-bool implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tensor& x5, const PatchGeometry& g,
-                          const at::Tensor& dw, bool always);
+// dW [E, K] of patch_embed(x5, ...) for grad_y, tokens [B, N, E] or channels-first [B, E, N], the
+// patches read from x inside the GEMM. nullopt where it does not apply or, unless `always`, where
+// gather + cuBLAS is faster.
+std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tensor& x5,
+                                               const PatchGeometry& g, int64_t E, bool always);
 
 // The implicit-GEMM unembedding for 16-bit dtypes, kw = 2 (implicit_patch_unembed.cu): y5 (g's
 // volume, contiguous) = patch_unembed(x, w2 [C_in, K], bias) for x tokens [B, N, C_in] or

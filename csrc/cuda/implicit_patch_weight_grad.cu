@@ -25,9 +25,9 @@
 #ifdef USE_ROCM
 namespace patchgemm::cuda {
 // NVIDIA PTX (mma.sync, ldmatrix, cp.async): ROCm builds take the gather -> GEMM path.
-bool implicit_weight_grad(const at::Tensor&, bool, const at::Tensor&, const PatchGeometry&, const at::Tensor&,
-                          bool) {
-  return false;
+std::optional<at::Tensor> implicit_weight_grad(const at::Tensor&, bool, const at::Tensor&, const PatchGeometry&,
+                                               int64_t, bool) {
+  return std::nullopt;
 }
 }  // namespace patchgemm::cuda
 #else
@@ -215,9 +215,9 @@ void launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x5, cons
 
 }  // namespace
 
-bool implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tensor& x5, const PatchGeometry& g,
-                          const at::Tensor& dw, bool always) {
-  const int64_t E = dw.size(0), K = g.patch_size(), N = g.tokens();
+std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tensor& x5,
+                                               const PatchGeometry& g, int64_t E, bool always) {
+  const int64_t K = g.patch_size(), N = g.tokens();
   const auto dtype = x5.scalar_type();
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(x5.get_device());
   Problem p;
@@ -225,16 +225,13 @@ bool implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tenso
   if ((dtype != at::kHalf && dtype != at::kBFloat16) || grad_y.scalar_type() != dtype ||
       (tokens ? E % 8 : N % 8) || g.levels.size() != 1 || g.kernel[2] != 2 || g.grid[2] % 4 || K < 16 || E < 32 ||
       x5.stride(4) != 1 || !runs_aligned(x5, 8) || device->major < 8 || !make_problem(x5, g, E, p)) {
-    return false;
+    return std::nullopt;
   }
   // The rule: implicit_pays, and a full 128-column tile (U2's weight gradient, K = 32, runs at 0.45x
   // gather + cuBLAS: three quarters of each tile idle).
-  if (!always && (K < kTileM || !implicit_pays(E, p.rows, *device))) return false;
-  const c10::cuda::CUDAGuard guard(dw.device());
-  if (p.rows == 0) {
-    dw.zero_();
-    return true;
-  }
+  if (!always && (K < kTileM || !implicit_pays(E, p.rows, *device))) return std::nullopt;
+  const c10::cuda::CUDAGuard guard(x5.device());
+  if (p.rows == 0) return at::zeros({E, K}, x5.options());
   // Token ranges: enough for a block per SM (one fits an SM), each at least 4 slices long.
   const int64_t kTileN = E % 192 == 0 ? 192 : 128;  // as the forward
   const int64_t tiles = (K + kTileM - 1) / kTileM * ((E + kTileN - 1) / kTileN);
@@ -256,8 +253,7 @@ bool implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tenso
     E % 192 == 0 ? launch_for_layout<__nv_bfloat16, 192>(tokens, p, x5, dy, splits, chunk, partial)
                  : launch_for_layout<__nv_bfloat16, 128>(tokens, p, x5, dy, splits, chunk, partial);
   }
-  dw.copy_(splits == 1 ? partial.select(0, 0) : partial.sum(0));
-  return true;
+  return (splits == 1 ? partial.select(0, 0) : partial.sum(0)).to(dtype);
 }
 
 }  // namespace cuda
