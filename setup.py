@@ -4,11 +4,13 @@ Flavour (PATCHGEMM_BUILD=auto|cpu|cuda|rocm, default auto):
   rocm  torch is a ROCm build: the .cu sources are hipified by torch.utils.cpp_extension;
   cuda  torch is a CUDA build and nvcc is found (CUDA_HOME);
   cpu   otherwise: a plain C++ extension.
-TORCH_CUDA_ARCH_LIST and MAX_JOBS are honoured (read by torch.utils.cpp_extension).
+TORCH_CUDA_ARCH_LIST and MAX_JOBS are honoured (read by torch.utils.cpp_extension); 9.0 is built as
+9.0a (Hopper's wgmma kernels).
 """
 
 import glob
 import os
+import re
 import sys
 
 from setuptools import setup
@@ -45,6 +47,22 @@ def choose_flavour():
     return "rocm" if is_rocm else "cuda" if has_cuda else "cpu"
 
 
+def cuda_arch_list():
+    """TORCH_CUDA_ARCH_LIST, else the visible GPUs' (as torch would pick them), else DEFAULT_CUDA_ARCHS;
+    with 9.0 built as 9.0a: Hopper's wgmma kernels need sm_90a code, which runs on the same GPUs."""
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "native")
+    if archs == "native":
+        if torch.cuda.is_available():
+            sms = [int(re.sub(r"\D", "", a[3:])) for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
+            newest = max((sm // 10, sm % 10) for sm in sms)  # what this torch (and its nvcc) supports
+            caps = {min(torch.cuda.get_device_capability(i), newest) for i in range(torch.cuda.device_count())}
+            archs = ";".join(f"{major}.{minor}" for major, minor in sorted(caps))
+        else:
+            archs = DEFAULT_CUDA_ARCHS
+    return ";".join("9.0a" + a[3:] if a.startswith("9.0") and not a.startswith("9.0a") else a
+                    for a in archs.replace(" ", ";").split(";") if a)
+
+
 def default_max_jobs():
     # nvcc can take several GB per job; stay inside the machine's memory.
     try:
@@ -73,8 +91,10 @@ else:
     if flavour == "cuda":
         extra_compile_args["nvcc"] += ["--use_fast_math", "-lineinfo"]
         libraries = ["cublas", "cublasLt"]
-        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+        os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
+        if "9.0a" in os.environ["TORCH_CUDA_ARCH_LIST"].split(";"):
+            extra_compile_args["nvcc"].append("-DPATCHGEMM_SM90A")
+            cxx_flags.append("-DPATCHGEMM_SM90A")
     else:
         libraries = ["hipblas"]
     # Recorded in the binary so `python -m patchgemm info` can say what was built.

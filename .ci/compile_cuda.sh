@@ -3,7 +3,8 @@
 # cannot land from a machine without a GPU. A CPU torch wheel ships ATen's CUDA headers but not the
 # cuBLAS/cuSPARSE/cuSOLVER headers they include (taken from NVIDIA's wheels) nor one generated
 # config header (a one-line shim). Compile only: there is no libtorch_cuda to link against here. The
-# -D flags are the ones torch.utils.cpp_extension passes to nvcc (no implicit 16-bit conversions).
+# -D flags are the ones torch.utils.cpp_extension passes to nvcc (no implicit 16-bit conversions);
+# sm_90a, as setup.py builds 9.0, so the wgmma kernels compile too.
 set -euo pipefail
 command -v nvcc >/dev/null || { echo "compile_cuda: nvcc not found"; exit 1; }
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,7 +24,7 @@ mkdir -p "$work/shim/c10/cuda/impl"
 printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >"$work/shim/c10/cuda/impl/cuda_cmake_macros.h"
 for src in "$root"/csrc/cuda/*.cu; do
   echo "nvcc -c ${src#$root/}"
-  nvcc -c "$src" -o "$work/out.o" -std=c++20 -arch=sm_90 -DPATCHGEMM_WITH_CUDA \
+  nvcc -c "$src" -o "$work/out.o" -std=c++20 -gencode=arch=compute_90a,code=sm_90a -DPATCHGEMM_SM90A -DPATCHGEMM_WITH_CUDA \
     -I"$root/csrc" -I"$work/shim" -I"$torch_dir/include" \
     -I"$torch_dir/include/torch/csrc/api/include" -I"$cublas_include" \
     -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \

@@ -1,7 +1,8 @@
 """The implicit-GEMM kernels vs gather/scatter + cuBLAS, same process and inputs: patch_embed's
 forward (csrc/cuda/implicit_patch_gemm.cu), its weight gradient (implicit_patch_weight_grad.cu,
 kw = 2) and patch_unembed, which is also its input gradient (implicit_patch_unembed.cu, kw = 2).
-The tables behind their selection rule (csrc/cuda/implicit_patch.cuh).
+The tables behind their selection rule (csrc/cuda/implicit_patch.cuh). The forward also times its
+mma.sync kernel where the wgmma one (implicit_patch_gemm_sm90.cu) runs.
 
     python bench/implicit_vs_gather.py          (CUDA, bf16, with bias)
 """
@@ -40,17 +41,24 @@ def median_ms(fn, runs=20):
     return sorted(times)[runs // 2]
 
 
-def compare(label, run, flops):
-    mode = torch.ops.patchgemm._set_fused_patch_kernels
+def compare(label, run, flops, mma_sync_column=False):
+    """Prints the implicit kernel's time, gather/scatter + cuBLAS's, their ratio and the implicit
+    TFLOP/s; with mma_sync_column, also the forward's mma.sync kernel (the wgmma one off)."""
+    mode, wgmma = torch.ops.patchgemm._set_fused_patch_kernels, torch.ops.patchgemm._set_implicit_wgmma
     old = mode("always")
     try:
         implicit = median_ms(run)
+        if mma_sync_column:
+            wgmma(False)
+            mma_sync = median_ms(run)
+            wgmma(True)
         mode("never")
         gathered = median_ms(run)
     finally:
         mode(old)
-    print(f"{label} {implicit:11.4f} {gathered:14.4f} {gathered / implicit:6.2f} {flops / implicit / 1e9:13.1f}",
-          flush=True)
+    extra = f" {mma_sync:11.4f}" if mma_sync_column else ""
+    print(f"{label} {implicit:11.4f}{extra} {gathered:14.4f} {gathered / implicit:6.2f} "
+          f"{flops / implicit / 1e9:13.1f}", flush=True)
 
 
 def make(shape, kernel, embed):
@@ -62,12 +70,13 @@ def make(shape, kernel, embed):
 
 def main():
     header = f"{'format':15} {'implicit ms':>11} {'gather+GEMM ms':>14} {'ratio':>6} {'implicit TF/s':>13}"
-    print(f"forward (patch_embed)\n{'case':10} {header}")
+    forward_header = header.replace("implicit ms", "implicit ms mma.sync ms")
+    print(f"forward (patch_embed; implicit: the wgmma kernel on a 9.0 GPU)\n{'case':10} {forward_header}")
     for name, shape, kernel, embed in CASES:
         x, w, b = make(shape, kernel, embed)
         for fmt in ("channels_first", "tokens"):
             compare(f"{name:10} {fmt:15}", lambda: patchgemm.patch_embed(x, w, b, out_format=fmt),
-                    2 * x.numel() * embed)
+                    2 * x.numel() * embed, mma_sync_column=True)
     print(f"\nweight gradient (patch_weight_grad, with the bias gradient)\n{'case':10} {header}")
     for name, shape, kernel, embed in WEIGHT_GRAD_CASES:
         x, w, b = make(shape, kernel, embed)

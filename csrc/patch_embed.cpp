@@ -27,6 +27,7 @@ namespace {
 constexpr int64_t kMaxLevels = 4;
 
 std::atomic<FusedKernels> g_fused_kernels{FusedKernels::kAuto};
+std::atomic<bool> g_implicit_wgmma{true};
 
 int64_t product(c10::IntArrayRef v) {
   return std::accumulate(v.begin(), v.end(), int64_t{1}, std::multiplies<int64_t>());
@@ -154,6 +155,8 @@ at::Tensor padded_weight(const at::Tensor& w2, const std::optional<at::Tensor>& 
 }  // namespace
 
 FusedKernels set_fused_patch_kernels(FusedKernels mode) { return g_fused_kernels.exchange(mode); }
+bool set_implicit_wgmma(bool enabled) { return g_implicit_wgmma.exchange(enabled); }
+bool implicit_wgmma_enabled() { return g_implicit_wgmma; }
 
 at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, bool tokens,

@@ -65,11 +65,12 @@ def main():
                 u = patchgemm.patch_unembed(y.detach().requires_grad_(), w, bias_out)
                 grads_u = torch.autograd.grad(u, [w], torch.randn_like(u))
                 assert all(torch.isfinite(t).all() for t in (y, *grads, u, *grads_u))
-    # the implicit-GEMM embedding (16-bit, kw even): runs of 2, 4 and 8, partial tiles, padded K; and
-    # with kw = 2 its weight gradient (over many token ranges in the last shape) and the unembedding
-    # (its input gradient; with a bias below)
+    # the implicit-GEMM embedding (16-bit, kw even; its wgmma and mma.sync kernels on a 9.0 GPU): runs
+    # of 2, 4 and 8, partial tiles, padded K; and with kw = 2 its weight gradient (over many token
+    # ranges in the last shape) and the unembedding (its input gradient; with a bias below)
     old = ops._set_fused_patch_kernels("always")
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype, wgmma in [(torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)]:
+        ops._set_implicit_wgmma(wgmma)
         for shape, kernel, embed in [((2, 32, 4, 8, 8), (2, 2, 2), 192), ((2, 5, 6, 12, 18), (1, 3, 2), 37),
                                      ((3, 3, 48, 80), (16, 16), 96), ((2, 24, 8, 8, 8), (4, 4, 4), 200),
                                      ((3, 16, 2, 6, 8), (2, 2, 2), 64), ((3, 9, 6, 10, 20), (2, 2, 2), 64),
@@ -84,6 +85,7 @@ def main():
                 u = patchgemm.patch_unembed(y.detach(), w.detach(), torch.randn(shape[1], dtype=dtype, device="cuda"),
                                             in_format=out_format, grid=grid)
                 assert all(torch.isfinite(t).all() for t in (y, *grads, u))
+    ops._set_implicit_wgmma(True)
     ops._set_fused_patch_kernels(old)
     # fused instance norm + GELU: both layouts, vector and one-element paths, several chunks
     for dtype in (torch.bfloat16, torch.float32, torch.float64):

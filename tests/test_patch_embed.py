@@ -470,7 +470,8 @@ def test_gpu_tiny_patch_embed_kernel(dtype, shape, kernel, embed, memory, has_bi
     assert_close_to_ref(out["g"][0], want, dtype, "grad_z")
 
 
-# Other 16-bit patches with kw even run the implicit GEMM of csrc/cuda/implicit_patch_gemm.cu:
+# Other 16-bit patches with kw even run the implicit GEMM of csrc/cuda/implicit_patch_gemm.cu (on
+# a 9.0 GPU, its wgmma version in implicit_patch_gemm_sm90.cu; the tests run both):
 # (x shape, kernel, E) covering its runs of 2, 4 and 8 elements and its pair-major copies (kw = 2,
 # patch-grid width a multiple of 4), 128- and 192-wide embedding tiles
 # (partial ones too), E and N that allow no vector stores, K not a multiple of 8 (padded weight),
@@ -482,7 +483,8 @@ IMPLICIT = [((2, 192, 8, 16, 16), (2, 2, 2), 192),  # P4-like: runs of 2, K = 15
             ((2, 9, 1024), (8,), 64),               # 1-D, K = 72
             ((1, 16, 4, 36, 36), (2, 6, 6), 48),    # kw = 6: runs of 2
             ((3, 9, 6, 10, 20), (2, 2, 2), 64),     # N = 150: token tiles straddle samples
-            ((3, 16, 2, 6, 8), (2, 2, 2), 64)]      # pair-major copies; 36 tokens: one partial tile
+            ((3, 16, 2, 6, 8), (2, 2, 2), 64),      # pair-major copies; 36 tokens: one partial tile
+            ((2, 48, 8, 8, 8), (4, 4, 4), 384)]     # K = 3072: many pipeline slices, two 192-wide tiles
 
 
 @pytest.fixture
@@ -491,6 +493,20 @@ def fused_always():
     old = ops._set_fused_patch_kernels("always")
     yield
     ops._set_fused_patch_kernels(old)
+
+
+def wgmma_built():
+    """Whether the implicit forward's Hopper kernel (implicit_patch_gemm_sm90.cu) runs here: a 9.0 GPU
+    and a build with sm_90a code."""
+    return torch.cuda.get_device_capability() == (9, 0) and any(a.startswith("9.0a") for a in ops.build_info()[1].split(";"))
+
+
+@pytest.fixture(params=[True, False], ids=["wgmma", "mma_sync"])
+def implicit_wgmma(request):
+    """Whether the implicit forward may take its Hopper kernel; returns whether it should run here."""
+    old = ops._set_implicit_wgmma(request.param)
+    yield request.param and wgmma_built()
+    ops._set_implicit_wgmma(old)
 
 
 def cropped(x):
@@ -505,7 +521,7 @@ def cropped(x):
 @pytest.mark.parametrize("shape,kernel,embed", IMPLICIT)
 @pytest.mark.parametrize("memory", ["contiguous", "cropped"])
 @pytest.mark.parametrize("has_bias", [True, False])
-def test_gpu_implicit_patch_embed_kernel(fused_always, dtype, shape, kernel, embed, memory, has_bias):
+def test_gpu_implicit_patch_embed_kernel(fused_always, implicit_wgmma, dtype, shape, kernel, embed, memory, has_bias):
     x, w, b = make(shape, kernel, dtype, "cuda", embed=embed, bias=has_bias)
     xs = (cropped(x) if memory == "cropped" else x.clone()).requires_grad_()
     params = [w.requires_grad_()] + ([b.requires_grad_()] if has_bias else [])
@@ -520,6 +536,7 @@ def test_gpu_implicit_patch_embed_kernel(fused_always, dtype, shape, kernel, emb
         out = {}
         ran = cuda_kernels_run(lambda: out.update(y=patchgemm.patch_embed(xs, w, b, out_format=out_format)))
         assert "implicit_embed_kernel" in ran, ran
+        assert ("implicit_embed_kernel_sm90" in ran) == implicit_wgmma, ran
         tokens = out_format == "tokens"
         assert_close_to_ref(out["y"], conv_tokens(ref) if tokens else ref, dtype, out_format)
         got = torch.autograd.grad(out["y"], [xs] + params, conv_tokens(dy) if tokens else dy)
@@ -623,7 +640,8 @@ def test_gpu_implicit_unembed_kernel(fused_always, dtype, shape, kernel, out_cha
 @pytest.mark.parametrize("embed,expected", [(64, True), (384, False)])
 def test_gpu_implicit_rule(embed, expected):
     """By default the implicit GEMMs (forward, input and weight gradients) take thin GEMMs (E <= 256) with a
-    token tile per SM; wider ones gather and run cuBLAS. Both give the conv's result."""
+    token tile per SM; wider ones gather and run cuBLAS, except the forward where its wgmma kernel runs
+    (any E). Both give the conv's result."""
     x, w, b = make((1, 32, 64, 64, 64), (2, 2, 2), torch.bfloat16, "cuda", embed=embed)
     x.requires_grad_(), w.requires_grad_()
     out = {}
@@ -634,7 +652,7 @@ def test_gpu_implicit_rule(embed, expected):
 
     dy = randn(1, embed, 32, 32, 32, dtype=torch.bfloat16, device="cuda")
     ran = cuda_kernels_run(step)
-    assert ("implicit_embed_kernel" in ran) == expected, ran
+    assert ("implicit_embed_kernel" in ran) == (expected or wgmma_built()), ran
     assert ("implicit_weight_grad_kernel" in ran) == expected, ran
     assert ("implicit_unembed_kernel" in ran) == expected, ran
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()

@@ -1,10 +1,13 @@
-// What the implicit-GEMM patch kernels share (implicit_patch_gemm.cu: the forward;
-// implicit_patch_weight_grad.cu: the weight gradient): where a token's patch and a patch element
-// sit in x, and the host-side checks that x's strides allow reading patches as aligned runs.
+// What the implicit-GEMM patch kernels share (implicit_patch_gemm.cu and implicit_patch_gemm_sm90.cu:
+// the forward; implicit_patch_weight_grad.cu: the weight gradient; implicit_patch_unembed.cu: the
+// transpose): where a token's patch and a patch element sit in x, the host-side checks that x's
+// strides allow reading patches as aligned runs, and the forward kernels' epilogue.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <cuda_runtime_api.h>
+
+#include <optional>
 
 #include <climits>
 #include <cstdint>
@@ -79,6 +82,87 @@ inline bool make_problem(const at::Tensor& x5, const PatchGeometry& g, int64_t E
 inline bool implicit_pays(int64_t E, int64_t rows, const cudaDeviceProp& device) {
   return E <= 256 && rows >= int64_t{128} * device.multiProcessorCount;
 }
+
+
+// Writes n 16-bit values (n = 8, 4, 2 or 1; dst aligned to n elements).
+__device__ __forceinline__ void store_vector(uint16_t* dst, const uint16_t* src, int n) {
+  switch (n) {
+    case 8: *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src); break;
+    case 4: *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src); break;
+    case 2: *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src); break;
+    default: *dst = *src;
+  }
+}
+
+// The forward kernels' epilogue for a kTileM-token x kTileN-embedding tile at (m0, e0): results
+// (bias added in fp32, rounded once) are staged in shared memory as [token][embedding] (tokens out)
+// or [embedding][token] (channels-first), then leave in coalesced vectors of the final layout,
+// tokens [B, N, E] or channels-first [B, E, N].
+template <int kTileM, int kTileN>
+struct EmbedEpilogue {
+  static constexpr int kTokenPitch = kTileN + 8, kChannelPitch = kTileM + 8;  // 16-byte rows, no conflicts
+  static constexpr int kBytes = 2 * (kTileM * kTokenPitch > kTileN * kChannelPitch ? kTileM * kTokenPitch
+                                                                                   : kTileN * kChannelPitch);
+  uint16_t* stage;
+  bool tokens_out;
+
+  // Stages the packed pair v of token m, embeddings n and n + 1 (tile coordinates).
+  __device__ __forceinline__ void put(int m, int n, uint32_t v) const {
+    if (tokens_out) {
+      *reinterpret_cast<uint32_t*>(stage + m * kTokenPitch + n) = v;
+    } else {
+      stage[n * kChannelPitch + m] = static_cast<uint16_t>(v);
+      stage[(n + 1) * kChannelPitch + m] = static_cast<uint16_t>(v >> 16);
+    }
+  }
+
+  // After a barrier: every thread of the block writes its share of the staged tile.
+  template <int kThreads>
+  __device__ __forceinline__ void write(const Problem& p, int64_t m0, int e0, uint16_t* out) const {
+    if (tokens_out) {  // y[row, e]: vectors of 8 embeddings
+      constexpr int kVectors = kTileN / 8;
+      const int vec = p.E % 8 == 0 ? 8 : 1;
+      for (int u = threadIdx.x; u < kTileM * kVectors; u += kThreads) {
+        const int m = u / kVectors, n = u % kVectors * 8;
+        const int64_t row = m0 + m;
+        if (row >= p.rows) continue;
+        for (int s = 0; s < 8 && e0 + n + s < p.E; s += vec) {
+          store_vector(out + row * p.E + e0 + n + s, stage + m * kTokenPitch + n + s, vec);
+        }
+      }
+    } else {  // y[b, e, n]: vectors of up to 8 tokens, as long as the sample's row length allows
+      constexpr int kVectors = kTileM / 8;
+      const int vec = p.tokens % 8 == 0 ? 8 : p.tokens % 4 == 0 ? 4 : p.tokens % 2 == 0 ? 2 : 1;
+      const int64_t b0 = m0 / p.tokens;
+      const int n0 = static_cast<int>(m0 - b0 * p.tokens);
+      for (int u = threadIdx.x; u < kTileN * kVectors; u += kThreads) {
+        const int n = u / kVectors, m = u % kVectors * 8, e = e0 + n;
+        if (e >= p.E) continue;
+        for (int s = 0; s < 8 && m0 + m + s < p.rows; s += vec) {
+          const int local = n0 + m + s;  // vectors never straddle two samples: tokens % vec == 0
+          const int64_t b = b0 + local / p.tokens;
+          store_vector(out + (b * p.E + e) * p.tokens + local % p.tokens, stage + n * kChannelPitch + m + s, vec);
+        }
+      }
+    }
+  }
+};
+
+// The forward's rule where its wgmma kernel runs (H100, bench/RESULTS.md): at the tensor cores'
+// rate the implicit GEMM beats gather + cuBLAS at any E we measured (96 to 1536: 1.0-2.9x), but for
+// 4-byte runs copied one token at a time (ViT-L/14's kw = 14: 0.8x); again with a 128-token tile per SM.
+inline bool implicit_wgmma_pays(int run, bool pair_major, int64_t rows, const cudaDeviceProp& device) {
+  return (run >= 4 || pair_major) && rows >= int64_t{128} * device.multiProcessorCount;
+}
+
+// Whether the wgmma forward runs here: built for sm_90a and a 9.0 device.
+bool implicit_embed_sm90_runs_on(const cudaDeviceProp& device);
+
+// The forward on Hopper's wgmma (implicit_patch_gemm_sm90.cu), for a problem implicit_embed has
+// checked and set up: runs of `run` elements (pair-major copies where pair_major), w [E, p.ldw]
+// contiguous. false where it cannot run: shared memory.
+bool implicit_embed_sm90(const Problem& p, int run, bool pair_major, const at::Tensor& x5, const at::Tensor& w,
+                         const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y);
 
 }  // namespace cuda
 }  // namespace patchgemm

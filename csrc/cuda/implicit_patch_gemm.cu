@@ -45,16 +45,6 @@ constexpr int kStages = 3;
 constexpr int kPitch = kTileK + 8;  // shared row pitch in elements (144 bytes): conflict-free ldmatrix
 constexpr int kMaxRuns = 16384;     // entries of the run-offset table (64 KB of shared memory)
 
-// Writes n 16-bit values (n = 8, 4, 2 or 1; dst aligned to n elements).
-__device__ __forceinline__ void store_vector(uint16_t* dst, const uint16_t* src, int n) {
-  switch (n) {
-    case 8: *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src); break;
-    case 4: *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src); break;
-    case 2: *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src); break;
-    default: *dst = *src;
-  }
-}
-
 template <typename T, int kTileN, int V, bool kPairMajor>
 __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, const T* __restrict__ x,
                                                                   const T* __restrict__ w,
@@ -172,10 +162,8 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
   });
   __syncthreads();  // the pipeline's shared memory becomes the output stage
 
-  // acc[mi][j]: tokens g and g + 8 of m-tile mi, embeddings 2q and 2q + 1 of n-tile j. Staged as
-  // [token][embedding] (tokens out) or [embedding][token] (channels-first), 16-bit.
-  uint16_t* stage = reinterpret_cast<uint16_t*>(sA);
-  constexpr int kTokenPitch = kTileN + 8, kChannelPitch = kTileM + 8;  // 16-byte rows, no conflicts
+  // acc[mi][j]: tokens g and g + 8 of m-tile mi, embeddings 2q and 2q + 1 of n-tile j.
+  const EmbedEpilogue<kTileM, kTileN> epilogue{reinterpret_cast<uint16_t*>(sA), tokens_out};
   const int g = lane / 4, q = lane % 4;
 #pragma unroll
   for (int j = 0; j < kTilesN; ++j) {
@@ -186,45 +174,13 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
     for (int mi = 0; mi < 4; ++mi) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int m = wm * 64 + mi * 16 + g + half * 8;
-        const uint32_t v = pack2<T>(acc[mi][j][2 * half] + bias_lo, acc[mi][j][2 * half + 1] + bias_hi);
-        if (tokens_out) {
-          *reinterpret_cast<uint32_t*>(stage + m * kTokenPitch + n) = v;
-        } else {
-          stage[n * kChannelPitch + m] = static_cast<uint16_t>(v);
-          stage[(n + 1) * kChannelPitch + m] = static_cast<uint16_t>(v >> 16);
-        }
+        epilogue.put(wm * 64 + mi * 16 + g + half * 8, n,
+                     pack2<T>(acc[mi][j][2 * half] + bias_lo, acc[mi][j][2 * half + 1] + bias_hi));
       }
     }
   }
   __syncthreads();
-  uint16_t* out = reinterpret_cast<uint16_t*>(y);
-  if (tokens_out) {  // y[row, e]: vectors of 8 embeddings
-    constexpr int kVectors = kTileN / 8;
-    const int vec = p.E % 8 == 0 ? 8 : 1;
-    for (int u = threadIdx.x; u < kTileM * kVectors; u += kThreads) {
-      const int m = u / kVectors, n = u % kVectors * 8;
-      const int64_t row = m0 + m;
-      if (row >= p.rows) continue;
-      for (int s = 0; s < 8 && e0 + n + s < p.E; s += vec) {
-        store_vector(out + row * p.E + e0 + n + s, stage + m * kTokenPitch + n + s, vec);
-      }
-    }
-  } else {  // y[b, e, n]: vectors of up to 8 tokens, as long as the sample's row length allows
-    constexpr int kVectors = kTileM / 8;
-    const int vec = p.tokens % 8 == 0 ? 8 : p.tokens % 4 == 0 ? 4 : p.tokens % 2 == 0 ? 2 : 1;
-    const int64_t b0 = m0 / p.tokens;
-    const int n0 = static_cast<int>(m0 - b0 * p.tokens);
-    for (int u = threadIdx.x; u < kTileN * kVectors; u += kThreads) {
-      const int n = u / kVectors, m = u % kVectors * 8, e = e0 + n;
-      if (e >= p.E) continue;
-      for (int s = 0; s < 8 && m0 + m + s < p.rows; s += vec) {
-        const int local = n0 + m + s;  // vectors never straddle two samples: tokens % vec == 0
-        const int64_t b = b0 + local / p.tokens;
-        store_vector(out + (b * p.E + e) * p.tokens + local % p.tokens, stage + n * kChannelPitch + m + s, vec);
-      }
-    }
-  }
+  epilogue.template write<kThreads>(p, m0, e0, reinterpret_cast<uint16_t*>(y));
 #endif
 }
 
@@ -268,7 +224,6 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
       device->major < 8) {
     return false;
   }
-  if (!always && !implicit_pays(E, g.batch * N, *device)) return false;
   // Runs of V elements: the largest of 8, 4, 2 dividing kw, every stride and the address (in V).
   int run = kw % 8 == 0 ? 8 : kw % 4 == 0 ? 4 : 2;
   while (run > 2 && !runs_aligned(x5, run)) run /= 2;
@@ -276,6 +231,10 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
   if (!runs_aligned(x5, run) || !make_problem(x5, g, E, p)) return false;
   // kw = 2: pair-major copies of 4 tokens where every group of 4 starts a 16-byte aligned run.
   const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
+  const bool wgmma = implicit_wgmma_enabled() && implicit_embed_sm90_runs_on(*device);
+  if (!always && !(wgmma ? implicit_wgmma_pays(run, pair_major, p.rows, *device) : implicit_pays(E, p.rows, *device))) {
+    return false;
+  }
   if (p.rows == 0) return true;
 
   const c10::cuda::CUDAGuard guard(y.device());
@@ -284,6 +243,7 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
   if (K % 8) w = at::constant_pad_nd(w, {0, 8 - K % 8});
   p.ldw = static_cast<int>(w.size(1));
   const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  if (wgmma && implicit_embed_sm90(p, run, pair_major, x5, w, b, tokens_out, y)) return true;
   // 192-wide tiles where E is a multiple (ViT-B's 768, the hMLP stems' 192): fewer W re-reads per
   // token and no idle columns; 128 otherwise.
   const bool wide = E % 192 == 0;

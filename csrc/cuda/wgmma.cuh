@@ -1,0 +1,160 @@
+// Hopper's warpgroup MMA (wgmma, sm_90a PTX) for the implicit GEMM kernels: shared-memory matrix
+// descriptors for 128-byte-swizzled K-major tiles, the m64nNk16 instructions with A from registers
+// (RS) or shared memory (SS), and their fences. Every body is compiled only for sm_90a
+// (__CUDA_ARCH_FEAT_SM90_ALL); kernels that include this check the same macro.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace patchgemm {
+namespace cuda {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PATCHGEMM_HAS_WGMMA 1
+#endif
+
+// Byte offset of the 16-byte chunk holding byte `byte` of row `row` in a tile of 128-byte rows
+// swizzled like the tensor cores' 128B mode: chunk c of row r sits at chunk c ^ (r % 8). The tile
+// starts 1024-byte aligned. Spreads a column of chunks over all banks, and is what wgmma reads.
+__device__ __forceinline__ uint32_t swizzle_128b(int row, int byte) {
+  return static_cast<uint32_t>(row * 128 + ((byte / 16) ^ (row % 8)) * 16 + byte % 16);
+}
+
+// Descriptor of a K-major operand tile in shared memory: rows of 64 16-bit elements (128 bytes),
+// 128B swizzle, 8-row groups 1024 bytes apart. Moving `address` 32 bytes on steps 16 along K.
+__device__ __forceinline__ uint64_t smem_descriptor_128b(uint32_t address) {
+  return uint64_t{(address & 0x3FFFF) >> 4} | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef PATCHGEMM_HAS_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef PATCHGEMM_HAS_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most kPending of this warpgroup's committed wgmma groups are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef PATCHGEMM_HAS_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Makes this thread's ordinary shared-memory writes (cp.async included) visible to the tensor cores'
+// asynchronous reads; then a barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+#ifdef PATCHGEMM_HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// Pins the accumulators in place around in-flight wgmmas (the compiler may not move them).
+template <int R>
+__device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The 64 accumulators of an m64n128 tile as in-out operands %0..%63, and their list in PTX.
+#define PATCHGEMM_WGMMA_ACC128(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define PATCHGEMM_WGMMA_D128 \
+  "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// The 96 accumulators of an m64n192 tile as in-out operands %0..%95, and their list in PTX.
+#define PATCHGEMM_WGMMA_ACC192(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+#define PATCHGEMM_WGMMA_D192 \
+  "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
+
+
+#define PATCHGEMM_WGMMA_RS(N, AB, A_OPS, DESC, ONE)                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ONE ", 0;\n"                                        \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." AB "." AB " " PATCHGEMM_WGMMA_D##N    \
+               ", " A_OPS ", " DESC ", p, 1, 1, 0;\n}\n"                                               \
+               : PATCHGEMM_WGMMA_ACC##N(d)                                                             \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+#define PATCHGEMM_WGMMA_SS(N, AB, DESCS, ONE)                                                          \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ONE ", 0;\n"                                        \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." AB "." AB " " PATCHGEMM_WGMMA_D##N    \
+               ", " DESCS ", p, 1, 1, 0, 0;\n}\n"                                                      \
+               : PATCHGEMM_WGMMA_ACC##N(d)                                                             \
+               : "l"(desc_a), "l"(desc_b), "r"(1))
+
+// d (64 x N per warpgroup, fp32) += a (64 x 16, registers: each warp's 16 rows as mma.sync's A
+// fragment) @ b (descriptor of an N x 16 K-major tile).
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
+  static_assert(N == 128 || N == 192, "wgmma_rs: N = 128 or 192");
+#ifdef PATCHGEMM_HAS_WGMMA
+  constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (N == 128 && bf16) {
+    PATCHGEMM_WGMMA_RS(128, "bf16", "{%64, %65, %66, %67}", "%68", "%69");
+  } else if constexpr (N == 128) {
+    PATCHGEMM_WGMMA_RS(128, "f16", "{%64, %65, %66, %67}", "%68", "%69");
+  } else if constexpr (bf16) {
+    PATCHGEMM_WGMMA_RS(192, "bf16", "{%96, %97, %98, %99}", "%100", "%101");
+  } else {
+    PATCHGEMM_WGMMA_RS(192, "f16", "{%96, %97, %98, %99}", "%100", "%101");
+  }
+#endif
+}
+
+// d (64 x N per warpgroup, fp32) += a (descriptor of a 64 x 16 K-major tile) @ b (N x 16, K-major).
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {
+  static_assert(N == 128 || N == 192, "wgmma_ss: N = 128 or 192");
+#ifdef PATCHGEMM_HAS_WGMMA
+  constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (N == 128 && bf16) {
+    PATCHGEMM_WGMMA_SS(128, "bf16", "%64, %65", "%66");
+  } else if constexpr (N == 128) {
+    PATCHGEMM_WGMMA_SS(128, "f16", "%64, %65", "%66");
+  } else if constexpr (bf16) {
+    PATCHGEMM_WGMMA_SS(192, "bf16", "%96, %97", "%98");
+  } else {
+    PATCHGEMM_WGMMA_SS(192, "f16", "%96, %97", "%98");
+  }
+#endif
+}
+
+}  // namespace cuda
+}  // namespace patchgemm
