@@ -1,8 +1,8 @@
 """The implicit-GEMM kernels vs gather/scatter + cuBLAS, same process and inputs: patch_embed's
 forward (csrc/cuda/implicit_patch_gemm.cu), its weight gradient (implicit_patch_weight_grad.cu,
 kw = 2) and patch_unembed, which is also its input gradient (implicit_patch_unembed.cu, kw = 2).
-The tables behind their selection rule (csrc/cuda/implicit_patch.cuh). The forward also times its
-mma.sync kernel where the wgmma one (implicit_patch_gemm_sm90.cu) runs.
+The tables behind their selection rule (csrc/cuda/implicit_patch.cuh). The forward and the
+unembedding also time their mma.sync kernels where the wgmma ones (*_sm90.cu) run.
 
     python bench/implicit_vs_gather.py          (CUDA, bf16, with bias)
 """
@@ -43,7 +43,7 @@ def median_ms(fn, runs=20):
 
 def compare(label, run, flops, mma_sync_column=False):
     """Prints the implicit kernel's time, gather/scatter + cuBLAS's, their ratio and the implicit
-    TFLOP/s; with mma_sync_column, also the forward's mma.sync kernel (the wgmma one off)."""
+    TFLOP/s; with mma_sync_column, also the time of the mma.sync kernel (the wgmma one off)."""
     mode, wgmma = torch.ops.patchgemm._set_fused_patch_kernels, torch.ops.patchgemm._set_implicit_wgmma
     old = mode("always")
     try:
@@ -70,8 +70,8 @@ def make(shape, kernel, embed):
 
 def main():
     header = f"{'format':15} {'implicit ms':>11} {'gather+GEMM ms':>14} {'ratio':>6} {'implicit TF/s':>13}"
-    forward_header = header.replace("implicit ms", "implicit ms mma.sync ms")
-    print(f"forward (patch_embed; implicit: the wgmma kernel on a 9.0 GPU)\n{'case':10} {forward_header}")
+    wgmma_header = header.replace("implicit ms", "implicit ms mma.sync ms")
+    print(f"forward (patch_embed; implicit: the wgmma kernel on a 9.0 GPU)\n{'case':10} {wgmma_header}")
     for name, shape, kernel, embed in CASES:
         x, w, b = make(shape, kernel, embed)
         for fmt in ("channels_first", "tokens"):
@@ -86,7 +86,7 @@ def main():
             compare(f"{name:10} {fmt:15}",
                     lambda: torch.ops.patchgemm.patch_weight_grad(dy, x, kernel, fmt == "tokens", [], True),
                     2 * x.numel() * embed)
-    print(f"\nunembedding (patch_unembed, with bias)\n{'case':10} {header}")
+    print(f"\nunembedding (patch_unembed, with bias; implicit: the wgmma kernel on a 9.0 GPU)\n{'case':10} {wgmma_header}")
     for name, shape, kernel, out_channels in UNEMBED_CASES:
         x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         w = torch.randn(shape[1], out_channels, *kernel, dtype=torch.bfloat16, device="cuda") / math.sqrt(shape[1])
@@ -95,7 +95,7 @@ def main():
         for fmt, inp in (("channels_first", x), ("tokens", x_tokens)):
             compare(f"{name:10} {fmt:15}",
                     lambda: patchgemm.patch_unembed(inp, w, b, in_format=fmt, grid=shape[2:] if fmt == "tokens" else None),
-                    2 * x.numel() * out_channels * math.prod(kernel))
+                    2 * x.numel() * out_channels * math.prod(kernel), mma_sync_column=True)
 
 
 if __name__ == "__main__":

@@ -593,9 +593,11 @@ def test_gpu_implicit_weight_grad_kernel(fused_always, dtype, shape, kernel, emb
 
 
 # 16-bit unembeddings with kw = 2 (and so patch_embed's input gradients) run the implicit GEMM of
-# csrc/cuda/implicit_patch_unembed.cu: (x shape [B, C_in, *grid], kernel, C_out) covering one and
-# two 128-column tiles (a partial one: K = 192), C_in not a multiple of 8 (channels-first x only),
-# N not a multiple of 8 (tokens x only), 1-D/2-D/3-D, and token tiles that straddle samples.
+# csrc/cuda/implicit_patch_unembed.cu (on a 9.0 GPU, its wgmma version; the tests run both):
+# (x shape [B, C_in, *grid], kernel, C_out) covering one and two 128-column tiles (partial ones:
+# K = 192 for mma.sync, 160 for wgmma), 192-column tiles (wgmma), C_in not a multiple of 8
+# (channels-first x only), N not a multiple of 8 (tokens x only), 1-D/2-D/3-D, and token tiles that
+# straddle samples.
 IMPLICIT_UNEMBED = [((2, 192, 4, 8, 8), (2, 2, 2), 192),  # P4's input gradient: K = 1536
                     ((2, 64, 4, 4, 8), (2, 2, 2), 24),    # K = 192: a partial column tile
                     ((2, 36, 2, 4, 8), (2, 2, 2), 16),    # C_in = 36: channels-first x only
@@ -610,7 +612,8 @@ IMPLICIT_UNEMBED = [((2, 192, 4, 8, 8), (2, 2, 2), 192),  # P4's input gradient:
 @pytest.mark.parametrize("shape,kernel,out_channels", IMPLICIT_UNEMBED)
 @pytest.mark.parametrize("in_format", ["channels_first", "tokens"])
 @pytest.mark.parametrize("has_bias", [True, False])
-def test_gpu_implicit_unembed_kernel(fused_always, dtype, shape, kernel, out_channels, in_format, has_bias):
+def test_gpu_implicit_unembed_kernel(fused_always, implicit_wgmma, dtype, shape, kernel, out_channels, in_format,
+                                     has_bias):
     c_in, grid = shape[1], list(shape[2:])
     x = randn(*shape, dtype=dtype, device="cuda")
     w = randn(c_in, out_channels, *kernel, dtype=dtype, device="cuda") / math.sqrt(c_in)
@@ -627,6 +630,7 @@ def test_gpu_implicit_unembed_kernel(fused_always, dtype, shape, kernel, out_cha
         y=patchgemm.patch_unembed(xs, w, b, in_format=in_format, grid=grid if tokens else None)))
     applies = c_in % 8 == 0 if tokens else math.prod(grid) % 8 == 0
     assert ("implicit_unembed_kernel" in ran) == applies, ran
+    assert ("implicit_unembed_kernel_sm90" in ran) == (applies and implicit_wgmma), ran
     assert_close_to_ref(out["y"], ref, dtype)
     dy = randn(*ref.shape, dtype=dtype, device="cuda")
     want = torch.autograd.grad(ref, [x64, w64] + ([b64] if has_bias else []), dy.double())

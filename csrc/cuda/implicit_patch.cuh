@@ -149,20 +149,23 @@ struct EmbedEpilogue {
 };
 
 // The forward's rule where its wgmma kernel runs (H100, bench/RESULTS.md): at the tensor cores'
-// rate the implicit GEMM beats gather + cuBLAS at any E we measured (96 to 1536: 1.0-2.9x), but for
-// 4-byte runs copied one token at a time (ViT-L/14's kw = 14: 0.8x); again with a 128-token tile per SM.
-inline bool implicit_wgmma_pays(int run, bool pair_major, int64_t rows, const cudaDeviceProp& device) {
-  return (run >= 4 || pair_major) && rows >= int64_t{128} * device.multiProcessorCount;
-}
+// rate the implicit GEMM beats gather + cuBLAS at any E and size we measured (E 96 to 1536, 32 to
+// 2048 blocks: 1.0-3x), but for 4-byte runs copied one token at a time (ViT-L/14's kw = 14: 0.8x).
+inline bool implicit_wgmma_pays(int run, bool pair_major) { return run >= 4 || pair_major; }
 
-// Whether the wgmma forward runs here: built for sm_90a and a 9.0 device.
-bool implicit_embed_sm90_runs_on(const cudaDeviceProp& device);
+// Whether the wgmma kernels (*_sm90.cu) run here: built for sm_90a and a 9.0 device.
+bool wgmma_kernels_run_on(const cudaDeviceProp& device);
 
 // The forward on Hopper's wgmma (implicit_patch_gemm_sm90.cu), for a problem implicit_embed has
 // checked and set up: runs of `run` elements (pair-major copies where pair_major), w [E, p.ldw]
 // contiguous. false where it cannot run: shared memory.
 bool implicit_embed_sm90(const Problem& p, int run, bool pair_major, const at::Tensor& x5, const at::Tensor& w,
                          const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y);
+
+// The unembedding on Hopper's wgmma (implicit_patch_unembed_sm90.cu), for a problem implicit_unembed
+// has checked and set up (its p, x and W^T [K, p.ldw]). false where it cannot run: shared memory.
+bool implicit_unembed_sm90(const Problem& p, bool tokens, const at::Tensor& x, const at::Tensor& wt,
+                           const std::optional<at::Tensor>& bias, const at::Tensor& y5);
 
 }  // namespace cuda
 }  // namespace patchgemm

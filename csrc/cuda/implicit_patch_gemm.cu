@@ -231,10 +231,8 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
   if (!runs_aligned(x5, run) || !make_problem(x5, g, E, p)) return false;
   // kw = 2: pair-major copies of 4 tokens where every group of 4 starts a 16-byte aligned run.
   const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
-  const bool wgmma = implicit_wgmma_enabled() && implicit_embed_sm90_runs_on(*device);
-  if (!always && !(wgmma ? implicit_wgmma_pays(run, pair_major, p.rows, *device) : implicit_pays(E, p.rows, *device))) {
-    return false;
-  }
+  const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device);
+  if (!always && !(wgmma ? implicit_wgmma_pays(run, pair_major) : implicit_pays(E, p.rows, *device))) return false;
   if (p.rows == 0) return true;
 
   const c10::cuda::CUDAGuard guard(y.device());

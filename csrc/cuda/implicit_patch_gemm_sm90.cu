@@ -10,9 +10,8 @@
 //   - patches, kw = 2 with pair-major copies (one 16-byte copy moves a pair of 4 tokens): a token's
 //     K elements are not contiguous, so A goes through registers. The [pair][token] words are
 //     exactly the A fragment's element pairs, so each register is one 32-bit shared load.
-// A warpgroup issues a slice's 4 wgmmas as one group and waits for it only after the next slice's
-// barrier and copies, so the tensor cores work through slice kt meanwhile; the copies run
-// kStages - 2 slices ahead (at the barrier, the slot one group behind is still being read).
+// The main loop is wgmma_main_loop (wgmma.cuh): a warpgroup issues a slice's 4 wgmmas as one group
+// and waits for it only after the next slice's barrier and copies.
 #include <ATen/ATen.h>
 
 #include "patchify.h"
@@ -58,9 +57,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kRunGroups = kRuns / 4;                      // lanes: 8 tokens x 4 runs
   constexpr int kLoadsA = kTileM / 8 * kRunGroups / kWarps;  // runs each thread copies per slice
   constexpr int kTokenStep = kWarps / kRunGroups * 8;        // between one thread's tokens (8 | it)
-  constexpr int kLoadsB = kTileN * kTileK / 8 / kThreads;    // 16-byte pieces of W per thread
-  constexpr int kAhead = kStages - 2;                        // slices in flight ahead of the math
-  static_assert(kWarps % kRunGroups == 0 && kLoadsA >= 1 && kTileN * kTileK / 8 % kThreads == 0);
+  static_assert(kWarps % kRunGroups == 0 && kLoadsA >= 1);
   static_assert(!kPairMajor || (V == 2 && kRuns % kWarps == 0));
   extern __shared__ unsigned char smem_raw[];
   // Slots from a 1024-byte aligned base (the launch adds the slack), then the tables.
@@ -91,16 +88,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A, pair-major: this thread copies pairs warp + 8 i of tokens 4 lane .. 4 lane + 3.
   const T* group_src = x + (kPairMajor ? patch_origin(p, min(m0 + 4 * lane, p.rows - 4)) : 0);
   const uint32_t group_dst = (warp * kPairPitch + 4 * lane) * 4;
-  // B: 16-byte pieces at column b_col of rows b_row + 32 i (the same swizzled column for all i).
-  const int b_col = threadIdx.x % 8 * 8, b_row = threadIdx.x / 8;
-  const T* b_src[kLoadsB];
-  bool b_valid[kLoadsB];
-#pragma unroll
-  for (int i = 0; i < kLoadsB; ++i) {
-    b_valid[i] = e0 + b_row + 32 * i < p.E;
-    b_src[i] = w + int64_t{min(e0 + b_row + 32 * i, p.E - 1)} * p.ldw + b_col;
-  }
-  const uint32_t b_dst = S::kA + swizzle_128b(b_row, b_col * 2);
+  // B: W's rows e0 .. e0 + kTileN - 1.
+  const SwizzledRowCopies<T, kTileN, kThreads> b_copies(w, p.E, p.ldw, e0);
 
   auto load_slice = [&](int kt, int slot) {
     const uint32_t slot_base = base + slot * S::kBytes;
@@ -117,12 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         cp_async<V * 2>(slot_base + a_dst + i * kTokenStep * 128, a_src[i] + max(offset, 0), offset >= 0);
       }
     }
-    const int col = kt * kTileK;
-    const bool in_w = col + b_col < p.ldw;
-#pragma unroll
-    for (int i = 0; i < kLoadsB; ++i) {
-      cp_async<16>(slot_base + b_dst + 32 * i * 128, b_src[i] + (in_w ? col : 0), in_w && b_valid[i]);
-    }
+    b_copies.copy(slot_base + S::kA, kt * kTileK);
   };
 
   // This warp's rows: warpgroup wg's 64 tokens, 16 per warp.
@@ -134,23 +118,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
 
-#pragma unroll
-  for (int s = 0; s < kAhead; ++s) {
-    if (s < k_tiles) load_slice(s, s);
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    cp_async_wait<kAhead - 1>();
-    fence_proxy_async();
-    __syncthreads();  // slice kt landed for all; every warpgroup is done with slice kt - 2's slot
-    if (kt + kAhead < k_tiles) load_slice(kt + kAhead, (kt + kAhead) % kStages);
-    cp_async_commit();
-    // The previous slice's wgmmas ran during the barrier and the copies. Waiting for them only now,
-    // and loading A registers only after, keeps register writes out of in-flight wgmma groups
-    // (ptxas would serialize the wgmmas otherwise).
-    wgmma_wait<0>();
+  wgmma_main_loop<kStages>(k_tiles, load_slice, [&](int slot) {
     fence_accumulators(acc);
-    const int slot = kt % kStages;
     const uint32_t slot_base = base + slot * S::kBytes;
     uint32_t af[kTileK / 16][4];
     if constexpr (kPairMajor) {
@@ -175,11 +144,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_commit();
     fence_accumulators(acc);
-  }
-  wgmma_wait<0>();
-  fence_accumulators(acc);
-  cp_async_wait<0>();
-  __syncthreads();  // the pipeline's shared memory becomes the output stage
+  });
+  fence_accumulators(acc);  // the pipeline's shared memory becomes the output stage
 
   // acc[4 j + 2 half + i]: token wg*64 + wq*16 + g + 8 half, embedding 8 j + 2 q + i.
   const EmbedEpilogue<kTileM, kTileN> epilogue{reinterpret_cast<uint16_t*>(smem), tokens_out};
@@ -231,7 +197,7 @@ bool launch_for_runs(int run, bool pair_major, const Problem& p, const at::Tenso
 
 }  // namespace
 
-bool implicit_embed_sm90_runs_on(const cudaDeviceProp& device) {
+bool wgmma_kernels_run_on(const cudaDeviceProp& device) {
 #ifdef PATCHGEMM_SM90A  // set by the build where it compiles for sm_90a
   return device.major == 9 && device.minor == 0;
 #else

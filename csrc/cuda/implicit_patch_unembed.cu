@@ -220,6 +220,7 @@ bool implicit_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, co
   }
   // The rule: implicit_pays (C_in is the thin dimension here), and a full 128-column tile.
   if (!always && (K < kTileN || !implicit_pays(C_in, p.rows, *device))) return false;
+  const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device);
   if (p.rows == 0) return true;
   const c10::cuda::CUDAGuard guard(y5.device());
   // A copy of x (a fraction of y) where it is not one contiguous, aligned block.
@@ -232,6 +233,7 @@ bool implicit_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, co
   if (C_in % 8) wt = at::constant_pad_nd(wt, {0, 8 - C_in % 8});
   p.ldw = static_cast<int>(wt.size(1));
   const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  if (wgmma && implicit_unembed_sm90(p, tokens, xc, wt, b, y5)) return true;
   if (dtype == at::kHalf) {
     launch_for_layout<__half>(tokens, p, xc, wt, b, y5);
   } else {

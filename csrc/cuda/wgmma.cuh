@@ -1,6 +1,6 @@
 // Hopper's warpgroup MMA (wgmma, sm_90a PTX) for the implicit GEMM kernels: shared-memory matrix
-// descriptors for 128-byte-swizzled K-major tiles, the m64nNk16 instructions with A from registers
-// (RS) or shared memory (SS), and their fences. Every body is compiled only for sm_90a
+// descriptors for 128-byte-swizzled tiles, the m64nNk16 instructions with A from registers (RS) or
+// shared memory (SS), their fences, and the kernels' pipelined main loop. Every body is compiled only for sm_90a
 // (__CUDA_ARCH_FEAT_SM90_ALL); kernels that include this check the same macro.
 #pragma once
 
@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <type_traits>
+
+#include "cuda/mma.cuh"
 
 namespace patchgemm {
 namespace cuda {
@@ -24,8 +26,11 @@ __device__ __forceinline__ uint32_t swizzle_128b(int row, int byte) {
   return static_cast<uint32_t>(row * 128 + ((byte / 16) ^ (row % 8)) * 16 + byte % 16);
 }
 
-// Descriptor of a K-major operand tile in shared memory: rows of 64 16-bit elements (128 bytes),
-// 128B swizzle, 8-row groups 1024 bytes apart. Moving `address` 32 bytes on steps 16 along K.
+// Descriptor of an operand tile in shared memory made of 128-byte rows in the 128B swizzle, 8-row
+// groups 1024 bytes apart:
+//   K-major: a row is one M (or N) index's 64 K elements. Moving `address` 32 bytes steps 16 along K.
+//   M-major (A only): a row is one k's 64 M elements (a warpgroup's m64). Steps of 16 along K are
+//   2048 bytes.
 __device__ __forceinline__ uint64_t smem_descriptor_128b(uint32_t address) {
   return uint64_t{(address & 0x3FFFF) >> 4} | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
 }
@@ -112,12 +117,12 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
                ", " A_OPS ", " DESC ", p, 1, 1, 0;\n}\n"                                               \
                : PATCHGEMM_WGMMA_ACC##N(d)                                                             \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
-#define PATCHGEMM_WGMMA_SS(N, AB, DESCS, ONE)                                                          \
+#define PATCHGEMM_WGMMA_SS(N, AB, DESCS, ONE, TRANS_A)                                                        \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ONE ", 0;\n"                                        \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." AB "." AB " " PATCHGEMM_WGMMA_D##N    \
-               ", " DESCS ", p, 1, 1, 0, 0;\n}\n"                                                      \
+               ", " DESCS ", p, 1, 1, " TRANS_A ", 0;\n}\n"                                             \
                : PATCHGEMM_WGMMA_ACC##N(d)                                                             \
-               : "l"(desc_a), "l"(desc_b), "r"(1))
+               : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kMajorM ? 1 : 0))
 
 // d (64 x N per warpgroup, fp32) += a (64 x 16, registers: each warp's 16 rows as mma.sync's A
 // fragment) @ b (descriptor of an N x 16 K-major tile).
@@ -138,22 +143,88 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #endif
 }
 
-// d (64 x N per warpgroup, fp32) += a (descriptor of a 64 x 16 K-major tile) @ b (N x 16, K-major).
-template <typename T, int N>
+// d (64 x N per warpgroup, fp32) += a (descriptor of a 64 x 16 tile, K-major or, with kMajorM,
+// M-major) @ b (N x 16, K-major).
+template <typename T, int N, bool kMajorM = false>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {
   static_assert(N == 128 || N == 192, "wgmma_ss: N = 128 or 192");
 #ifdef PATCHGEMM_HAS_WGMMA
   constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   if constexpr (N == 128 && bf16) {
-    PATCHGEMM_WGMMA_SS(128, "bf16", "%64, %65", "%66");
+    PATCHGEMM_WGMMA_SS(128, "bf16", "%64, %65", "%66", "%67");
   } else if constexpr (N == 128) {
-    PATCHGEMM_WGMMA_SS(128, "f16", "%64, %65", "%66");
+    PATCHGEMM_WGMMA_SS(128, "f16", "%64, %65", "%66", "%67");
   } else if constexpr (bf16) {
-    PATCHGEMM_WGMMA_SS(192, "bf16", "%96, %97", "%98");
+    PATCHGEMM_WGMMA_SS(192, "bf16", "%96, %97", "%98", "%99");
   } else {
-    PATCHGEMM_WGMMA_SS(192, "f16", "%96, %97", "%98");
+    PATCHGEMM_WGMMA_SS(192, "f16", "%96, %97", "%98", "%99");
   }
 #endif
+}
+
+// A K-major operand's copies for the wgmma kernels: rows row0 .. row0 + kRows - 1 of m [rows, ld]
+// (ld a multiple of 8, m 16-byte aligned) in 64-element slices, each into a 128B-swizzled tile of
+// kRows 128-byte rows. Rows past `rows` and columns past ld read zeros (without loads: clamped rows
+// would all hit one line). Thread t copies 16-byte piece t % 8 of rows t / 8 + (kThreads / 8) i.
+template <typename T, int kRows, int kThreads>
+struct SwizzledRowCopies {
+  static constexpr int kCopies = kRows * 8 / kThreads;
+  static_assert(kRows * 8 % kThreads == 0 && kThreads / 8 % 8 == 0);  // one swizzled column per thread
+  const T* src[kCopies];
+  bool valid[kCopies];
+  uint32_t dst;  // from the tile's start
+  int col, ld;
+
+  __device__ __forceinline__ SwizzledRowCopies(const T* m, int64_t rows, int ld_, int64_t row0)
+      : col(threadIdx.x % 8 * 8), ld(ld_) {
+    const int row = threadIdx.x / 8;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int64_t r = row0 + row + kThreads / 8 * i;
+      valid[i] = r < rows;
+      src[i] = m + (valid[i] ? r : 0) * ld + col;
+    }
+    dst = swizzle_128b(row, col * 2);
+  }
+
+  // The slice of columns k0 .. k0 + 63 into the tile at shared address `tile` (1024-byte aligned).
+  __device__ __forceinline__ void copy(uint32_t tile, int k0) const {
+    const bool in = k0 + col < ld;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      cp_async<16>(tile + dst + kThreads / 8 * i * 128, src[i] + (in ? k0 : 0), in && valid[i]);
+    }
+  }
+};
+
+// The wgmma kernels' main loop over k_tiles 64-wide K slices: a kStages-deep cp.async pipeline
+// whose copies run kStages - 2 slices ahead. load_slice(k_tile, slot) issues a slice's copies into
+// a shared-memory slot; multiply(slot) issues the slice's wgmmas as one committed group (after
+// fence_accumulators and wgmma_fence). A warpgroup waits for a group only after the next slice's
+// barrier and copies, so the tensor cores work through it meanwhile; and multiply may load A
+// registers, which then never change under an in-flight group (ptxas would serialize the wgmmas).
+// At the barrier the slot one group behind is still being read: hence kStages - 2. Returns with
+// every wgmma and copy done and a barrier passed (shared memory may be reused).
+template <int kStages, typename LoadSlice, typename Multiply>
+__device__ __forceinline__ void wgmma_main_loop(int k_tiles, LoadSlice&& load_slice, Multiply&& multiply) {
+  constexpr int kAhead = kStages - 2;
+#pragma unroll
+  for (int s = 0; s < kAhead; ++s) {
+    if (s < k_tiles) load_slice(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<kAhead - 1>();
+    fence_proxy_async();
+    __syncthreads();  // slice kt landed for all; every warpgroup is done with slice kt - 2's slot
+    if (kt + kAhead < k_tiles) load_slice(kt + kAhead, (kt + kAhead) % kStages);
+    cp_async_commit();
+    wgmma_wait<0>();
+    multiply(kt % kStages);
+  }
+  wgmma_wait<0>();
+  cp_async_wait<0>();
+  __syncthreads();
 }
 
 }  // namespace cuda
