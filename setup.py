@@ -50,7 +50,7 @@ def choose_flavour():
 def cuda_arch_list():
     """TORCH_CUDA_ARCH_LIST, else the visible GPUs' (as torch would pick them), else DEFAULT_CUDA_ARCHS;
     with 9.0 built as 9.0a: Hopper's wgmma kernels need sm_90a code, which runs on the same GPUs."""
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "native")
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or "native"
     if archs == "native":
         if torch.cuda.is_available():
             sms = [int(re.sub(r"\D", "", a[3:])) for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
@@ -98,7 +98,7 @@ else:
     else:
         libraries = ["hipblas"]
     # Recorded in the binary so `python -m patchgemm info` can say what was built.
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "native")
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or "native"
     extra_compile_args["nvcc"].append(f"-DPATCHGEMM_ARCHS=\"{archs}\"")
     extra_compile_args["cxx"].append(f"-DPATCHGEMM_ARCHS=\"{archs}\"")
 
