@@ -595,9 +595,8 @@ def test_gpu_implicit_weight_grad_kernel(fused_always, dtype, shape, kernel, emb
 # 16-bit unembeddings with kw = 2 (and so patch_embed's input gradients) run the implicit GEMM of
 # csrc/cuda/implicit_patch_unembed.cu (on a 9.0 GPU, its wgmma version; the tests run both):
 # (x shape [B, C_in, *grid], kernel, C_out) covering one and two 128-column tiles (partial ones:
-# K = 192 for mma.sync, 160 for wgmma), 192-column tiles (wgmma), C_in not a multiple of 8
-# (channels-first x only), N not a multiple of 8 (tokens x only), 1-D/2-D/3-D, and token tiles that
-# straddle samples.
+# K = 160, 192), C_in not a multiple of 8 (channels-first x only), N not a multiple of 8 (tokens x
+# only), 1-D/2-D/3-D, and token tiles that straddle samples.
 IMPLICIT_UNEMBED = [((2, 192, 4, 8, 8), (2, 2, 2), 192),  # P4's input gradient: K = 1536
                     ((2, 64, 4, 4, 8), (2, 2, 2), 24),    # K = 192: a partial column tile
                     ((2, 36, 2, 4, 8), (2, 2, 2), 16),    # C_in = 36: channels-first x only

@@ -32,22 +32,17 @@ constexpr int kTileM = 128;                             // tokens per block, 64 
 constexpr int kTileK = 64;                              // input channels per slice
 constexpr int kStages = 3;  // C_in is short (P4: 3 slices); two blocks per SM overlap one's stores
                              // with the other's loads
-constexpr int kSlotA = kTileM * 128;
+constexpr int kTileN = 128, kPairs = kTileN / 2;  // patch columns (pairs) per block
+constexpr int kSlotA = kTileM * 128, kSlot = kSlotA + kTileN * 128;  // bytes of a pipeline slot
 constexpr int kStagePitch = kTileM + 8;  // words of the output stage's [pair][token] rows (= 8 mod 32)
-
-template <int kTileN>
-__host__ __device__ constexpr int slot_bytes() {
-  return kSlotA + kTileN * 128;
-}
 
 // p describes y (the volume the patches tile) with p.E = C_in, the reduction, and p.ldw the row
 // length of wt = W^T [K, ldw] (C_in rounded up to 8, zero columns).
-template <typename T, int kTileN, bool kTokensIn>
+template <typename T, bool kTokensIn>
 __global__ void __launch_bounds__(kThreads, 2)
     implicit_unembed_kernel_sm90(Problem p, const T* __restrict__ x, const T* __restrict__ wt,
                                  const T* __restrict__ bias, T* __restrict__ y) {
 #ifdef PATCHGEMM_HAS_WGMMA
-  constexpr int kPairs = kTileN / 2, kSlot = slot_bytes<kTileN>();
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;  // the launch adds the slack
   unsigned char* smem = smem_raw + (base - raw);
@@ -139,13 +134,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
-template <typename T, int kTileN, bool kTokensIn>
+template <typename T, bool kTokensIn>
 bool launch(const Problem& p, const at::Tensor& x, const at::Tensor& wt, const std::optional<at::Tensor>& bias,
             const at::Tensor& y5) {
-  constexpr int smem = 1024 + kStages * slot_bytes<kTileN>();
-  static_assert(kTileN / 2 * kStagePitch * 4 <= kStages * slot_bytes<kTileN>());
+  constexpr int smem = 1024 + kStages * kSlot;
+  static_assert(kPairs * kStagePitch * 4 <= kStages * kSlot);
   if (smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
-  auto kernel = implicit_unembed_kernel_sm90<T, kTileN, kTokensIn>;
+  auto kernel = implicit_unembed_kernel_sm90<T, kTokensIn>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.K + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
@@ -158,7 +153,7 @@ bool launch(const Problem& p, const at::Tensor& x, const at::Tensor& wt, const s
 template <typename T>
 bool launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x, const at::Tensor& wt,
                        const std::optional<at::Tensor>& bias, const at::Tensor& y5) {
-  return tokens ? launch<T, 128, true>(p, x, wt, bias, y5) : launch<T, 128, false>(p, x, wt, bias, y5);
+  return tokens ? launch<T, true>(p, x, wt, bias, y5) : launch<T, false>(p, x, wt, bias, y5);
 }
 
 }  // namespace
