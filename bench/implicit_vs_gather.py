@@ -1,7 +1,7 @@
 """The implicit-GEMM kernels vs gather/scatter + cuBLAS, same process and inputs: patch_embed's
 forward (csrc/cuda/implicit_patch_gemm.cu), its weight gradient (implicit_patch_weight_grad.cu,
-kw = 2) and patch_unembed, which is also its input gradient (implicit_patch_unembed.cu, kw = 2).
-The tables behind their selection rule (csrc/cuda/implicit_patch.cuh). The forward and the
+kw = 2; implicit_patch_weight_grad_sm90.cu, kw % 4 == 0 on a 9.0 GPU) and patch_unembed, which is
+also its input gradient (implicit_patch_unembed.cu, kw = 2). The tables behind their selection rule (csrc/cuda/implicit_patch.cuh). The forward and the
 unembedding also time their mma.sync kernels where the wgmma ones (*_sm90.cu) run.
 
     python bench/implicit_vs_gather.py          (CUDA, bf16, with bias)
@@ -18,9 +18,11 @@ CASES = [("P1", (128, 3, 224, 224), (16, 16), 768), ("P4", (8, 192, 64, 64, 64),
          ("P4 E96", (4, 192, 64, 64, 64), (2, 2, 2), 96), ("P5 E192", (8, 192, 32, 32, 32), (4, 4, 4), 192),
          ("C96 E384", (8, 96, 64, 64, 64), (2, 2, 2), 384), ("2D k2", (64, 64, 112, 112), (2, 2), 128),
          ("ViT-L/14", (64, 3, 224, 224), (14, 14), 1024), ("P5 E1536", (8, 192, 32, 32, 32), (4, 4, 4), 1536)]
-# The weight gradient's cases (kw = 2); "U2 dW" is U2's (the unembed's weight gradient: x is its
-# output gradient [8, 4, 128^3], grad_y its input [8, 192, 64^3]).
-WEIGHT_GRAD_CASES = [c for c in CASES if c[2][-1] == 2] + [("U2 dW", (8, 4, 128, 128, 128), (2, 2, 2), 192)]
+# The weight gradient's cases (kw = 2 on mma.sync, kw % 4 == 0 on wgmma); "U2 dW" is U2's (the
+# unembed's weight gradient: x is its output gradient [8, 4, 128^3], grad_y its input [8, 192, 64^3]);
+# U1's is P5's.
+WEIGHT_GRAD_CASES = [c for c in CASES if c[2][-1] == 2 or c[2][-1] % 4 == 0] + [
+    ("U2 dW", (8, 4, 128, 128, 128), (2, 2, 2), 192)]
 # patch_unembed: the input gradients of the kw = 2 cases (x = grad_y [B, E, *grid], C_out = C), and U2.
 UNEMBED_CASES = [(f"{name} dx", (shape[0], embed, *[s // k for s, k in zip(shape[2:], kernel)]), kernel, shape[1])
                  for name, shape, kernel, embed in CASES if kernel[-1] == 2] + [

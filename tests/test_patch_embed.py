@@ -554,18 +554,28 @@ def test_gpu_implicit_patch_embed_kernel(fused_always, implicit_wgmma, dtype, sh
     assert_close_to_ref(out["g"][0], want_z, dtype, "grad_z")
 
 
-# 16-bit weight gradients with kw = 2 run the implicit GEMM of csrc/cuda/implicit_patch_weight_grad.cu:
-# (x shape, kernel, E) covering one and two 128-column tiles (a partial one: K = 192), 128- and
-# 192-wide embedding tiles (partial: E = 200), E not a multiple of 8 (channels-first grad_y only),
-# N not a multiple of 8 (tokens grad_y only), 1-D/2-D/3-D, and many token ranges (a block per SM)
-# that end inside samples.
+# 16-bit weight gradients run an implicit GEMM: kw = 2 the mma.sync one of
+# csrc/cuda/implicit_patch_weight_grad.cu, kw % 4 == 0 on a 9.0 GPU the wgmma one of
+# implicit_patch_weight_grad_sm90.cu (the tests run with it on and off). (x shape, kernel, E) covering
+# one and two 128-column tiles (partial ones: K = 192, 432), 128- and 192-wide embedding tiles
+# (partial: E = 200), E not a multiple of 8 (channels-first grad_y only), N not a multiple of 8 (tokens
+# grad_y only, but for wgmma's 4-token pieces where N % 4 == 0), 1-D/2-D/3-D, many token ranges (a
+# block per SM) that end inside samples, and one range (wgmma: dW written by the kernel).
 IMPLICIT_DW = [((2, 192, 8, 16, 16), (2, 2, 2), 192),  # P4-like: K = 1536, 192-wide tiles
                ((2, 24, 4, 8, 8), (2, 2, 2), 200),     # K = 192, E = 200: partial tiles both ways
                ((2, 8, 4, 8, 16), (2, 2, 2), 36),      # E = 36: channels-first grad_y only
                ((3, 16, 2, 6, 8), (2, 2, 2), 64),      # N = 12: tokens grad_y only
                ((3, 40, 16, 32), (2, 2), 48),          # 2-D
                ((2, 64, 512), (2,), 32),               # 1-D
-               ((3, 8, 20, 40, 40), (2, 2, 2), 64)]    # 12000 tokens: ~47 ranges of 256
+               ((3, 8, 20, 40, 40), (2, 2, 2), 64),    # 12000 tokens: ~47 ranges of 256
+               ((2, 24, 8, 8, 8), (4, 4, 4), 200),     # P5-like: K = 1536, E = 200
+               ((2, 8, 8, 8, 16), (4, 4, 4), 36),      # E = 36: channels-first grad_y only
+               ((3, 3, 48, 64), (16, 16), 96),         # P1-like 2-D: N = 12, pieces of 4 tokens
+               ((3, 3, 48, 80), (16, 16), 96),         # N = 15: tokens grad_y only
+               ((1, 3, 24, 48), (12, 12), 64),         # kw = 12, K = 432: a partial column tile
+               ((2, 32, 512), (4,), 32),               # 1-D
+               ((3, 8, 40, 40, 40), (4, 4, 4), 64),    # 3000 tokens: 11 ranges
+               ((2, 48, 16, 16, 16), (4, 4, 4), 384)]  # K = 3072: one range, two 192-wide tiles
 
 
 @needs_gpu
@@ -573,7 +583,8 @@ IMPLICIT_DW = [((2, 192, 8, 16, 16), (2, 2, 2), 192),  # P4-like: K = 1536, 192-
 @pytest.mark.parametrize("shape,kernel,embed", IMPLICIT_DW)
 @pytest.mark.parametrize("memory", ["contiguous", "cropped"])
 @pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
-def test_gpu_implicit_weight_grad_kernel(fused_always, dtype, shape, kernel, embed, memory, out_format):
+def test_gpu_implicit_weight_grad_kernel(fused_always, implicit_wgmma, dtype, shape, kernel, embed, memory,
+                                         out_format):
     x, w, b = make(shape, kernel, dtype, "cuda", embed=embed)
     xs = cropped(x) if memory == "cropped" else x.clone()
     w.requires_grad_(), b.requires_grad_()
@@ -586,8 +597,13 @@ def test_gpu_implicit_weight_grad_kernel(fused_always, dtype, shape, kernel, emb
     poison_allocator(4 * w.numel() * 64, "cuda")
     out = {}
     ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, [w, b], conv_tokens(dy) if tokens else dy)))
-    applies = embed % 8 == 0 if tokens else math.prod(ref.shape[2:]) % 8 == 0
+    n = math.prod(ref.shape[2:])
+    if kernel[-1] % 4 == 0:
+        applies = implicit_wgmma and (embed % 8 == 0 if tokens else n % 4 == 0)
+    else:
+        applies = kernel[-1] == 2 and (embed % 8 == 0 if tokens else n % 8 == 0)
     assert ("implicit_weight_grad_kernel" in ran) == applies, ran
+    assert ("implicit_weight_grad_kernel_sm90" in ran) == (applies and kernel[-1] % 4 == 0), ran
     for g, r, name in zip(out["g"], want, ["grad_weight", "grad_bias"]):
         assert_close_to_ref(g, r, dtype, name)
 
@@ -669,6 +685,25 @@ def test_gpu_implicit_rule(embed, expected):
         assert "implicit" not in cuda_kernels_run(step)
     finally:
         ops._set_fused_patch_kernels(old)
+
+
+@needs_gpu
+@pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
+def test_gpu_implicit_wgmma_weight_grad_rule(out_format):
+    """By default the Hopper weight gradient (kw % 4 == 0) takes channels-first grad_y at any E, and
+    tokens grad_y only up to E = 256; the rest gathers and runs cuBLAS. Both give the conv's result."""
+    x, w, b = make((1, 32, 32, 32, 32), (4, 4, 4), torch.bfloat16, "cuda", embed=384)
+    w.requires_grad_()
+    tokens = out_format == "tokens"
+    w64 = w.detach().double().requires_grad_()
+    ref = F.conv3d(x.double(), w64, stride=4)
+    dy = randn(*ref.shape, dtype=torch.bfloat16, device="cuda")
+    y = patchgemm.patch_embed(x, w, b, out_format=out_format)
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(dw=torch.autograd.grad(y, [w], conv_tokens(dy) if tokens else dy)[0]))
+    assert ("implicit_weight_grad_kernel_sm90" in ran) == (wgmma_built() and not tokens), ran
+    (want,) = torch.autograd.grad(ref, [w64], dy.double())
+    assert_close_to_ref(out["dw"], want, torch.bfloat16, "grad_weight")
 
 
 def test_fused_kernel_mode_hook():

@@ -1,7 +1,7 @@
-// What the implicit-GEMM patch kernels share (implicit_patch_gemm.cu and implicit_patch_gemm_sm90.cu:
-// the forward; implicit_patch_weight_grad.cu: the weight gradient; implicit_patch_unembed.cu: the
-// transpose): where a token's patch and a patch element sit in x, the host-side checks that x's
-// strides allow reading patches as aligned runs, and the forward kernels' epilogue.
+// What the implicit-GEMM patch kernels share (implicit_patch_gemm*.cu: the forward;
+// implicit_patch_weight_grad*.cu: the weight gradient; implicit_patch_unembed*.cu: the transpose):
+// where a token's patch and a patch element sit in x, the host-side checks that x's strides allow
+// reading patches as aligned runs, and the forward kernels' epilogue.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -153,6 +153,12 @@ struct EmbedEpilogue {
 // 2048 blocks: 1.0-3x), but for 4-byte runs copied one token at a time (ViT-L/14's kw = 14: 0.8x).
 inline bool implicit_wgmma_pays(int run, bool pair_major) { return run >= 4 || pair_major; }
 
+// The weight gradient's rule where its wgmma kernel runs (H100, bench/RESULTS.md): against gather +
+// cuBLAS it wins wherever grad_y is channels-first (which cuBLAS needs copied into tokens order:
+// 1.06-1.85x), but with tokens grad_y only for thin GEMMs (E = 192: 1.8x; 768: 0.7-1.07x; 1536:
+// 0.85x).
+inline bool implicit_wgmma_weight_grad_pays(bool tokens, int64_t E) { return !tokens || E <= 256; }
+
 // Whether the wgmma kernels (*_sm90.cu) run here: built for sm_90a and a 9.0 device.
 bool wgmma_kernels_run_on(const cudaDeviceProp& device);
 
@@ -161,6 +167,14 @@ bool wgmma_kernels_run_on(const cudaDeviceProp& device);
 // contiguous. false where it cannot run: shared memory.
 bool implicit_embed_sm90(const Problem& p, int run, bool pair_major, const at::Tensor& x5, const at::Tensor& w,
                          const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y);
+
+// The weight gradient on Hopper's wgmma (implicit_patch_weight_grad_sm90.cu), runs of 4 (kw % 4 ==
+// 0), for a problem implicit_weight_grad has checked and set up: grad_y dy contiguous and 16-byte
+// aligned, channels-first [B, E, N] copied dy_piece (8 or 4) tokens at a time, or tokens [B*N, E]
+// (dy_piece 0); `out` the fp32 partial sums [splits, E, K], or dW [E, K] itself where splits = 1.
+// false where it cannot run: shared memory.
+bool implicit_weight_grad_sm90(const Problem& p, int dy_piece, const at::Tensor& x5, const at::Tensor& dy,
+                               int64_t splits, int64_t chunk, const at::Tensor& out);
 
 // The unembedding on Hopper's wgmma (implicit_patch_unembed_sm90.cu), for a problem implicit_unembed
 // has checked and set up (its p, x and W^T [K, p.ldw]). false where it cannot run: shared memory.

@@ -10,8 +10,8 @@
 //   - patches, kw = 2 with pair-major copies (one 16-byte copy moves a pair of 4 tokens): a token's
 //     K elements are not contiguous, so A goes through registers. The [pair][token] words are
 //     exactly the A fragment's element pairs, so each register is one 32-bit shared load.
-// The main loop is wgmma_main_loop (wgmma.cuh): a warpgroup issues a slice's 4 wgmmas as one group
-// and waits for it only after the next slice's barrier and copies.
+// The main loop is wgmma_main_loop (wgmma.cuh): a warpgroup issues a slice's 4 wgmmas as one group,
+// which runs while the warpgroup issues later copies.
 #include <ATen/ATen.h>
 
 #include "patchify.h"
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
 
-  wgmma_main_loop<kStages>(k_tiles, load_slice, [&](int slot) {
+  wgmma_main_loop<kStages, kPairMajor>(k_tiles, load_slice, [&](int slot) {
     fence_accumulators(acc);
     const uint32_t slot_base = base + slot * S::kBytes;
     uint32_t af[kTileK / 16][4];

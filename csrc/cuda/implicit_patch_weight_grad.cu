@@ -1,7 +1,9 @@
 // Implicit-GEMM weight gradient of the patch embedding, 16-bit dtypes, kw = 2:
 //   dW [E, K] = grad_y^T [E, B*N] @ P [B*N, K]
 // with P read straight from x inside the GEMM's main loop. (The gather it replaces writes and
-// re-reads a patch matrix as large as x: with the scatter, most of P4's backward.)
+// re-reads a patch matrix as large as x: with the scatter, most of P4's backward.) The host side,
+// implicit_weight_grad, also runs the Hopper kernel for kw % 4 == 0
+// (implicit_patch_weight_grad_sm90.cu).
 //
 // The block computes dW^T [K, E] = P^T @ grad_y for 128 patch columns x kTileN (128 or 192)
 // embeddings over a range of tokens, the reduction dimension. The output is small and the reduction
@@ -217,19 +219,30 @@ void launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x5, cons
 
 std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tensor& x5,
                                                const PatchGeometry& g, int64_t E, bool always) {
-  const int64_t K = g.patch_size(), N = g.tokens();
+  const int64_t K = g.patch_size(), N = g.tokens(), kw = g.kernel[2];
   const auto dtype = x5.scalar_type();
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(x5.get_device());
   Problem p;
-  // grad_y moves in 16-byte pieces of 8 embeddings (tokens) or 8 tokens of a sample (channels-first).
-  if ((dtype != at::kHalf && dtype != at::kBFloat16) || grad_y.scalar_type() != dtype ||
-      (tokens ? E % 8 : N % 8) || g.levels.size() != 1 || g.kernel[2] != 2 || g.grid[2] % 4 || K < 16 || E < 32 ||
-      x5.stride(4) != 1 || !runs_aligned(x5, 8) || device->major < 8 || !make_problem(x5, g, E, p)) {
+  if ((dtype != at::kHalf && dtype != at::kBFloat16) || grad_y.scalar_type() != dtype || g.levels.size() != 1 ||
+      K < 16 || E < 32 || x5.stride(4) != 1 || device->major < 8 || !make_problem(x5, g, E, p)) {
     return std::nullopt;
   }
-  // The rule: implicit_pays, and a full 128-column tile (U2's weight gradient, K = 32, runs at 0.45x
-  // gather + cuBLAS: three quarters of each tile idle).
-  if (!always && (K < kTileM || !implicit_pays(E, p.rows, *device))) return std::nullopt;
+  // Two kernels: on Hopper's wgmma, runs of 4 (kw % 4 == 0, token indices in 32 bits); on mma.sync,
+  // kw = 2 pair-major. grad_y moves in 16-byte pieces of 8 embeddings (tokens) or pieces of 8 (4 on
+  // wgmma) tokens of a sample (channels-first).
+  const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device) && kw % 4 == 0;
+  const int dy_piece = tokens ? 0 : N % 8 == 0 ? 8 : N % 4 == 0 && wgmma ? 4 : -1;
+  if ((tokens && E % 8) || dy_piece < 0) return std::nullopt;
+  if (wgmma ? !runs_aligned(x5, 4) || p.rows >= INT_MAX
+            : kw != 2 || g.grid[2] % 4 || !runs_aligned(x5, 8)) {
+    return std::nullopt;
+  }
+  // The rule: a full 128-column tile (U2's weight gradient, K = 32, runs at 0.45x gather + cuBLAS:
+  // three quarters of each tile idle), and the kernel's own rule.
+  if (!always && (K < kTileM || !(wgmma ? implicit_wgmma_weight_grad_pays(tokens, E)
+                                        : implicit_pays(E, p.rows, *device)))) {
+    return std::nullopt;
+  }
   const c10::cuda::CUDAGuard guard(x5.device());
   if (p.rows == 0) return at::zeros({E, K}, x5.options());
   // Token ranges: enough for a block per SM (one fits an SM), each at least 4 slices long.
@@ -240,12 +253,18 @@ std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool to
   const int64_t chunk = ((p.rows + splits - 1) / splits + kTileK - 1) / kTileK * kTileK;
   splits = (p.rows + chunk - 1) / chunk;
   TORCH_CHECK(splits * tiles < INT_MAX, "patch_weight_grad: ", splits * tiles, " blocks is too many");
-  at::Tensor partial = at::empty({splits, E, K}, x5.options().dtype(at::kFloat));
   // A copy of grad_y (a fraction of x) where it is not one contiguous, aligned block.
   at::Tensor dy = grad_y;
   if (!dy.is_contiguous() || reinterpret_cast<uintptr_t>(dy.const_data_ptr()) % 16) {
     dy = grad_y.clone(at::MemoryFormat::Contiguous);
   }
+  if (wgmma) {
+    // One token range: the kernel writes dW itself.
+    at::Tensor out = splits == 1 ? at::empty({E, K}, x5.options()) : at::empty({splits, E, K}, x5.options().dtype(at::kFloat));
+    if (!implicit_weight_grad_sm90(p, dy_piece, x5, dy, splits, chunk, out)) return std::nullopt;
+    return splits == 1 ? out : out.sum(0).to(dtype);
+  }
+  at::Tensor partial = at::empty({splits, E, K}, x5.options().dtype(at::kFloat));
   if (dtype == at::kHalf) {
     E % 192 == 0 ? launch_for_layout<__half, 192>(tokens, p, x5, dy, splits, chunk, partial)
                  : launch_for_layout<__half, 128>(tokens, p, x5, dy, splits, chunk, partial);

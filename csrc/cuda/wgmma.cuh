@@ -29,10 +29,11 @@ __device__ __forceinline__ uint32_t swizzle_128b(int row, int byte) {
 // Descriptor of an operand tile in shared memory made of 128-byte rows in the 128B swizzle, 8-row
 // groups 1024 bytes apart:
 //   K-major: a row is one M (or N) index's 64 K elements. Moving `address` 32 bytes steps 16 along K.
-//   M-major (A only): a row is one k's 64 M elements (a warpgroup's m64). Steps of 16 along K are
-//   2048 bytes.
-__device__ __forceinline__ uint64_t smem_descriptor_128b(uint32_t address) {
-  return uint64_t{(address & 0x3FFFF) >> 4} | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
+//   M- or N-major: a row is one k's 64 M (N) elements, and the next 64 M (N) elements lie
+//   `mn_block_bytes` further (a block of 64 rows: 8192). Steps of 16 along K are 2048 bytes.
+__device__ __forceinline__ uint64_t smem_descriptor_128b(uint32_t address, uint32_t mn_block_bytes = 16) {
+  return uint64_t{(address & 0x3FFFF) >> 4} | uint64_t{(mn_block_bytes >> 4) & 0x3FFF} << 16 |
+         uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
 }
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -117,12 +118,12 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
                ", " A_OPS ", " DESC ", p, 1, 1, 0;\n}\n"                                               \
                : PATCHGEMM_WGMMA_ACC##N(d)                                                             \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
-#define PATCHGEMM_WGMMA_SS(N, AB, DESCS, ONE, TRANS_A)                                                        \
+#define PATCHGEMM_WGMMA_SS(N, AB, DESCS, ONE, TRANS_A, TRANS_B)                                        \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ONE ", 0;\n"                                        \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." AB "." AB " " PATCHGEMM_WGMMA_D##N    \
-               ", " DESCS ", p, 1, 1, " TRANS_A ", 0;\n}\n"                                             \
+               ", " DESCS ", p, 1, 1, " TRANS_A ", " TRANS_B ";\n}\n"                                  \
                : PATCHGEMM_WGMMA_ACC##N(d)                                                             \
-               : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kMajorM ? 1 : 0))
+               : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kMajorM ? 1 : 0), "n"(kMajorN ? 1 : 0))
 
 // d (64 x N per warpgroup, fp32) += a (64 x 16, registers: each warp's 16 rows as mma.sync's A
 // fragment) @ b (descriptor of an N x 16 K-major tile).
@@ -144,20 +145,20 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 }
 
 // d (64 x N per warpgroup, fp32) += a (descriptor of a 64 x 16 tile, K-major or, with kMajorM,
-// M-major) @ b (N x 16, K-major).
-template <typename T, int N, bool kMajorM = false>
+// M-major) @ b (descriptor of an N x 16 tile, K-major or, with kMajorN, N-major).
+template <typename T, int N, bool kMajorM = false, bool kMajorN = false>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {
   static_assert(N == 128 || N == 192, "wgmma_ss: N = 128 or 192");
 #ifdef PATCHGEMM_HAS_WGMMA
   constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   if constexpr (N == 128 && bf16) {
-    PATCHGEMM_WGMMA_SS(128, "bf16", "%64, %65", "%66", "%67");
+    PATCHGEMM_WGMMA_SS(128, "bf16", "%64, %65", "%66", "%67", "%68");
   } else if constexpr (N == 128) {
-    PATCHGEMM_WGMMA_SS(128, "f16", "%64, %65", "%66", "%67");
+    PATCHGEMM_WGMMA_SS(128, "f16", "%64, %65", "%66", "%67", "%68");
   } else if constexpr (bf16) {
-    PATCHGEMM_WGMMA_SS(192, "bf16", "%96, %97", "%98", "%99");
+    PATCHGEMM_WGMMA_SS(192, "bf16", "%96, %97", "%98", "%99", "%100");
   } else {
-    PATCHGEMM_WGMMA_SS(192, "f16", "%96, %97", "%98", "%99");
+    PATCHGEMM_WGMMA_SS(192, "f16", "%96, %97", "%98", "%99", "%100");
   }
 #endif
 }
@@ -199,13 +200,16 @@ struct SwizzledRowCopies {
 
 // The wgmma kernels' main loop over k_tiles 64-wide K slices: a kStages-deep cp.async pipeline
 // whose copies run kStages - 2 slices ahead. load_slice(k_tile, slot) issues a slice's copies into
-// a shared-memory slot; multiply(slot) issues the slice's wgmmas as one committed group (after
-// fence_accumulators and wgmma_fence). A warpgroup waits for a group only after the next slice's
-// barrier and copies, so the tensor cores work through it meanwhile; and multiply may load A
-// registers, which then never change under an in-flight group (ptxas would serialize the wgmmas).
-// At the barrier the slot one group behind is still being read: hence kStages - 2. Returns with
-// every wgmma and copy done and a barrier passed (shared memory may be reused).
-template <int kStages, typename LoadSlice, typename Multiply>
+// a shared-memory slot (called for k tiles 0, 1, 2, ... in order); multiply(slot) issues the
+// slice's wgmmas as one committed group (after fence_accumulators and wgmma_fence).
+//   - Operands in shared memory: a warpgroup issues slice kt's group, then slice kt + kStages - 2's
+//     copies while the tensor cores run it, then waits for group kt - 1. At the next barrier every
+//     group up to kt - 1 is done, so the slot the copies then refill (kt - 1's) is free.
+//   - kRegisterA (multiply loads A registers): the registers must not change under an in-flight
+//     group (ptxas would serialize the wgmmas), so a warpgroup issues the copies first, then waits
+//     for group kt - 1, then multiplies; the tensor cores work through kt - 1 meanwhile.
+// Returns with every wgmma and copy done and a barrier passed (shared memory may be reused).
+template <int kStages, bool kRegisterA = false, typename LoadSlice, typename Multiply>
 __device__ __forceinline__ void wgmma_main_loop(int k_tiles, LoadSlice&& load_slice, Multiply&& multiply) {
   constexpr int kAhead = kStages - 2;
 #pragma unroll
@@ -217,10 +221,15 @@ __device__ __forceinline__ void wgmma_main_loop(int k_tiles, LoadSlice&& load_sl
     cp_async_wait<kAhead - 1>();
     fence_proxy_async();
     __syncthreads();  // slice kt landed for all; every warpgroup is done with slice kt - 2's slot
+    if constexpr (!kRegisterA) multiply(kt % kStages);
     if (kt + kAhead < k_tiles) load_slice(kt + kAhead, (kt + kAhead) % kStages);
     cp_async_commit();
-    wgmma_wait<0>();
-    multiply(kt % kStages);
+    if constexpr (kRegisterA) {
+      wgmma_wait<0>();
+      multiply(kt % kStages);
+    } else {
+      wgmma_wait<1>();
+    }
   }
   wgmma_wait<0>();
   cp_async_wait<0>();

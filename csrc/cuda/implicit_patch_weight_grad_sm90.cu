@@ -1,0 +1,273 @@
+// Implicit-GEMM weight gradient of the patch embedding on Hopper (sm_90a), patch rows in runs of 4
+// elements (kw % 4 == 0: P5's and U1's kw = 4, ViT's 16):
+//   dW^T [K, E] = P^T [K, B*N] @ grad_y [B*N, E]
+// with P read straight from x inside the main loop, as implicit_patch_weight_grad.cu (which explains
+// the token ranges and partial sums) does for kw = 2 on mma.sync.
+//
+// A block: 128 patch columns x kTileN (128 or 192) embeddings over a range of tokens (the
+// reduction), two warpgroups of 64 columns each, over wgmma_main_loop's cp.async pipeline of 64-token
+// slices, every operand a 128B-swizzled tile read by descriptor:
+//   - patches (A = P^T): a token's 64 columns of a warpgroup are one 128-byte row, copied as 4-element
+//     runs of x: an M-major tile, [token][column].
+//   - grad_y channels-first [B, E, N] (B): rows are embeddings, 64 tokens each, K-major; copied in
+//     pieces of 8 or 4 tokens of one sample (N % 8 or N % 4 == 0).
+//   - grad_y tokens [B*N, E] (B): rows are tokens, each 64 embeddings of one 8 KB block: N-major.
+// The result leaves through shared memory as rows of dW [E, K]: the output dtype where one block
+// covers all tokens, fp32 partial sums otherwise.
+#include <ATen/ATen.h>
+
+#include "patchify.h"
+
+#ifndef USE_ROCM
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstdint>
+
+#include "cuda/implicit_patch.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace patchgemm {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileM = 128;  // patch columns per block, 64 per warpgroup
+constexpr int kTileK = 64;   // tokens per slice
+constexpr int kStages = 5;
+constexpr int kRun = 4;                                        // elements per copy of x
+constexpr int kRunsA = kTileM / kRun * kTileK / kThreads;      // A copies per thread and slice
+constexpr int kRunStep = kThreads / kTileK;                    // between one thread's runs
+constexpr int kStagePitch = kTileM + 4;  // floats of an output stage row: conflict-free, 16-byte rows
+
+// A token's place, (sample, patch-grid depth, row, column), moved along by mixed-radix addition:
+// the main loop steps tokens without divisions.
+struct TokenCursor {
+  unsigned b, d, h, w;
+
+  __device__ __forceinline__ TokenCursor(const Problem& p, unsigned token) {
+    b = token / p.tokens;
+    const unsigned n = token - b * p.tokens;
+    w = n % p.gw, h = n / p.gw % p.gh, d = n / p.gw / p.gh;
+  }
+
+  // Moves by the tokens `step` holds (its depth digit taken mod gd, the grid's depth).
+  __device__ __forceinline__ void advance(const Problem& p, const TokenCursor& step, unsigned gd) {
+    w += step.w;
+    unsigned carry = w >= unsigned(p.gw);
+    w -= carry ? p.gw : 0;
+    h += step.h + carry;
+    carry = h >= unsigned(p.gh);
+    h -= carry ? p.gh : 0;
+    d += step.d + carry;
+    carry = d >= gd;
+    d -= carry ? gd : 0;
+    b += step.b + carry;
+  }
+
+  __device__ __forceinline__ unsigned n(const Problem& p) const { return (d * p.gh + h) * p.gw + w; }
+
+  // patch_origin: the offset in x of the token's patch.
+  __device__ __forceinline__ int64_t origin(const Problem& p) const {
+    return b * p.stride[0] + int64_t{d} * p.kd * p.stride[2] + int64_t{h} * p.kh * p.stride[3] + int64_t{w} * p.kw;
+  }
+};
+
+template <int kTileN>
+struct Slot {
+  static constexpr int kA = kTileM * 128, kB = kTileN * 128, kBytes = kA + kB;  // 1024-byte multiples
+};
+
+// kDyPiece: tokens per copy of channels-first grad_y (8 or 4); 0: grad_y is tokens.
+template <typename T, int kTileN, int kDyPiece>
+__global__ void __launch_bounds__(kThreads, 1)
+    implicit_weight_grad_kernel_sm90(Problem p, const T* __restrict__ x, const T* __restrict__ dy, int64_t chunk,
+                                     bool partial, void* __restrict__ out) {
+#ifdef PATCHGEMM_HAS_WGMMA
+  using S = Slot<kTileN>;
+  constexpr bool kTokensDy = kDyPiece == 0;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;  // the launch adds the slack
+  unsigned char* smem = smem_raw + (base - raw);
+
+  const int tiles_n = (p.E + kTileN - 1) / kTileN, tiles_m = (p.K + kTileM - 1) / kTileM;
+  const int e0 = static_cast<int>(blockIdx.x % tiles_n) * kTileN;
+  const int col0 = static_cast<int>(blockIdx.x / tiles_n % tiles_m) * kTileM;
+  const int64_t split = blockIdx.x / tiles_n / tiles_m;
+  // Token indices fit in 32 bits (checked on the host).
+  const int t_begin = static_cast<int>(split * chunk), t_end = static_cast<int>(min(split * chunk + chunk, p.rows));
+  const int k_tiles = (t_end - t_begin + kTileK - 1) / kTileK;
+
+  // A: this thread copies runs a_run + kRunStep i of token a_token of each slice. A warp is 32
+  // tokens of one run. Tokens past the range and columns past K read zeros (without loads).
+  const int a_token = threadIdx.x % kTileK, a_run = threadIdx.x / kTileK;
+  int run_offset[kRunsA];
+  uint32_t run_dst[kRunsA];
+#pragma unroll
+  for (int i = 0; i < kRunsA; ++i) {
+    const int column = (a_run + kRunStep * i) * kRun;  // in the block: warpgroup column / 64's tile
+    run_offset[i] = col0 + column < p.K ? patch_offset(p, col0 + column) : -1;
+    run_dst[i] = column / 64 * 8192 + swizzle_128b(a_token, column % 64 * 2);
+  }
+
+  // B, channels-first: piece b_piece of embedding rows b_row + kRowStep i. Tokens: pieces of 8
+  // embeddings, u = threadIdx.x + kThreads i: token u / kPiecesN, embeddings u % kPiecesN * 8 ...
+  constexpr int kPiecesK = kTokensDy ? 1 : kTileK / kDyPiece;  // pieces per embedding row
+  constexpr int kPiecesN = kTileN / 8;                         // pieces per token row
+  constexpr int kRowStep = kThreads / kPiecesK;
+  constexpr int kCopiesB = kTokensDy ? kTileK * kPiecesN / kThreads : kTileN / kRowStep;
+  static_assert(kCopiesB * kThreads == kTileN * kTileK / (kTokensDy ? 8 : kDyPiece));
+  const int b_piece = threadIdx.x % kPiecesK, b_row = threadIdx.x / kPiecesK;
+  int64_t b_offset[kCopiesB];  // channels-first: row offsets; tokens: offsets from the slice's token
+  uint32_t b_dst[kCopiesB];
+  bool b_valid[kCopiesB];
+#pragma unroll
+  for (int i = 0; i < kCopiesB; ++i) {
+    if constexpr (kTokensDy) {
+      const int u = threadIdx.x + kThreads * i, token = u / kPiecesN, col = u % kPiecesN * 8;
+      b_valid[i] = e0 + col < p.E;  // E % 8 == 0
+      b_offset[i] = int64_t{token} * p.E + (b_valid[i] ? e0 + col : 0);
+      b_dst[i] = col / 64 * 8192 + swizzle_128b(token, col % 64 * 2);
+    } else {
+      const int row = b_row + kRowStep * i;
+      b_valid[i] = e0 + row < p.E;
+      b_offset[i] = int64_t{b_valid[i] ? e0 + row : 0} * p.tokens;
+      b_dst[i] = swizzle_128b(row, b_piece * kDyPiece * 2);
+    }
+  }
+
+  // The slices' tokens: this thread's A token and channels-first B piece, stepped kTileK at a time
+  // (load_slice runs for slices 0, 1, 2, ... in order).
+  const unsigned gd = p.tokens / (p.gh * p.gw);
+  const TokenCursor step(p, kTileK);
+  TokenCursor a_at(p, t_begin + a_token), b_at(p, t_begin + b_piece * (kTokensDy ? 0 : kDyPiece));
+
+  auto load_slice = [&](int kt, int slot) {
+    const uint32_t slot_base = base + slot * S::kBytes;
+    const int t0 = t_begin + kt * kTileK;
+    {
+      const bool valid = t0 + a_token < t_end;
+      const T* origin = x + (valid ? a_at.origin(p) : 0);
+#pragma unroll
+      for (int i = 0; i < kRunsA; ++i) {
+        cp_async<kRun * 2>(slot_base + run_dst[i], origin + max(run_offset[i], 0), valid && run_offset[i] >= 0);
+      }
+      a_at.advance(p, step, gd);
+    }
+    if constexpr (kTokensDy) {
+      const bool full = t0 + kTileK <= t_end;
+#pragma unroll
+      for (int i = 0; i < kCopiesB; ++i) {
+        const int token = (threadIdx.x + kThreads * i) / kPiecesN;
+        const bool valid = b_valid[i] && (full || t0 + token < t_end);
+        cp_async<16>(slot_base + S::kA + b_dst[i], dy + (valid ? int64_t{t0} * p.E + b_offset[i] : 0), valid);
+      }
+    } else {  // a piece's tokens share a sample: N % kDyPiece == 0
+      const bool valid = t0 + b_piece * kDyPiece < t_end;
+      const T* src = dy + (valid ? int64_t{b_at.b} * p.E * p.tokens + b_at.n(p) : 0);
+#pragma unroll
+      for (int i = 0; i < kCopiesB; ++i) {
+        cp_async<kDyPiece * 2>(slot_base + S::kA + b_dst[i], src + b_offset[i], valid && b_valid[i]);
+      }
+      b_at.advance(p, step, gd);
+    }
+  };
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, wq = warp % 4;
+  float acc[kTileN / 2];
+#pragma unroll
+  for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
+
+  wgmma_main_loop<kStages>(k_tiles, load_slice, [&](int slot) {
+    fence_accumulators(acc);
+    const uint32_t slot_base = base + slot * S::kBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < kTileK / 16; ++t) {  // 16 tokens: 16 rows of the M-major (N-major) tiles
+      const uint64_t desc_a = smem_descriptor_128b(slot_base + wg * 8192 + 2048 * t);
+      const uint64_t desc_b = kTokensDy ? smem_descriptor_128b(slot_base + S::kA + 2048 * t, 8192)
+                                        : smem_descriptor_128b(slot_base + S::kA + 32 * t);
+      wgmma_ss<T, kTileN, true, kTokensDy>(acc, desc_a, desc_b);
+    }
+    wgmma_commit();
+    fence_accumulators(acc);
+  });
+  fence_accumulators(acc);  // the pipeline's shared memory becomes the output stage
+
+  // acc[4 j + 2 half + i]: column wg*64 + wq*16 + g + 8 half, embedding 8 j + 2 q + i. Staged as
+  // [embedding][column] fp32, then written as rows of dW [E, K] (4 columns per store: K % 4 == 0).
+  float* stage = reinterpret_cast<float*>(smem);
+  const int g = lane / 4, q = lane % 4;
+#pragma unroll
+  for (int j = 0; j < kTileN / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        stage[(8 * j + 2 * q + i) * kStagePitch + wg * 64 + wq * 16 + g + 8 * half] = acc[4 * j + 2 * half + i];
+      }
+    }
+  }
+  __syncthreads();
+  const int64_t out_offset = partial ? split * p.E * p.K : 0;
+  for (int u = threadIdx.x; u < kTileN * kTileM / 4; u += kThreads) {
+    const int n = u / (kTileM / 4), m = u % (kTileM / 4) * 4;
+    if (e0 + n >= p.E || col0 + m >= p.K) continue;
+    const float4 v = *reinterpret_cast<const float4*>(stage + n * kStagePitch + m);
+    const int64_t at = out_offset + int64_t{e0 + n} * p.K + col0 + m;
+    if (partial) {
+      *reinterpret_cast<float4*>(static_cast<float*>(out) + at) = v;
+    } else {
+      *reinterpret_cast<uint2*>(static_cast<T*>(out) + at) = {pack2<T>(v.x, v.y), pack2<T>(v.z, v.w)};
+    }
+  }
+#endif
+}
+
+template <typename T, int kTileN, int kDyPiece>
+bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_t splits, int64_t chunk,
+            const at::Tensor& out) {
+  constexpr int smem = 1024 + kStages * Slot<kTileN>::kBytes;
+  static_assert(kTileN * kStagePitch * 4 <= kStages * Slot<kTileN>::kBytes);
+  if (smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
+  auto kernel = implicit_weight_grad_kernel_sm90<T, kTileN, kDyPiece>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int64_t blocks = splits * ((p.K + kTileM - 1) / kTileM) * ((p.E + kTileN - 1) / kTileN);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+      p, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(dy.const_data_ptr()), chunk,
+      out.scalar_type() == at::kFloat, out.data_ptr());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+template <typename T, int kTileN>
+bool launch_for_layout(int dy_piece, const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_t splits,
+                       int64_t chunk, const at::Tensor& out) {
+  switch (dy_piece) {
+    case 8: return launch<T, kTileN, 8>(p, x5, dy, splits, chunk, out);
+    case 4: return launch<T, kTileN, 4>(p, x5, dy, splits, chunk, out);
+    default: return launch<T, kTileN, 0>(p, x5, dy, splits, chunk, out);
+  }
+}
+
+}  // namespace
+
+bool implicit_weight_grad_sm90(const Problem& p, int dy_piece, const at::Tensor& x5, const at::Tensor& dy,
+                               int64_t splits, int64_t chunk, const at::Tensor& out) {
+#ifdef PATCHGEMM_SM90A
+  const bool wide = p.E % 192 == 0;
+  if (x5.scalar_type() == at::kHalf) {
+    return wide ? launch_for_layout<__half, 192>(dy_piece, p, x5, dy, splits, chunk, out)
+                : launch_for_layout<__half, 128>(dy_piece, p, x5, dy, splits, chunk, out);
+  }
+  return wide ? launch_for_layout<__nv_bfloat16, 192>(dy_piece, p, x5, dy, splits, chunk, out)
+              : launch_for_layout<__nv_bfloat16, 128>(dy_piece, p, x5, dy, splits, chunk, out);
+#else
+  return false;
+#endif
+}
+
+}  // namespace cuda
+}  // namespace patchgemm
+#endif  // USE_ROCM
