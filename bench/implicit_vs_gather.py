@@ -23,9 +23,10 @@ CASES = [("P1", (128, 3, 224, 224), (16, 16), 768), ("P4", (8, 192, 64, 64, 64),
 # U1's is P5's.
 WEIGHT_GRAD_CASES = [c for c in CASES if c[2][-1] == 2 or c[2][-1] % 4 == 0] + [
     ("U2 dW", (8, 4, 128, 128, 128), (2, 2, 2), 192)]
-# patch_unembed: the input gradients of the kw = 2 cases (x = grad_y [B, E, *grid], C_out = C), and U2.
+# patch_unembed: the input gradients of the kw = 2 and 4 cases (x = grad_y [B, E, *grid], C_out = C;
+# P5's is U1), and U2.
 UNEMBED_CASES = [(f"{name} dx", (shape[0], embed, *[s // k for s, k in zip(shape[2:], kernel)]), kernel, shape[1])
-                 for name, shape, kernel, embed in CASES if kernel[-1] == 2] + [
+                 for name, shape, kernel, embed in CASES if kernel[-1] in (2, 4)] + [
                      ("U2", (8, 192, 64, 64, 64), (2, 2, 2), 4)]
 
 

@@ -78,14 +78,16 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
 bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
                     const PatchGeometry& g, const at::Tensor& y, bool tokens_out, bool always);
 
-// The implicit-GEMM weight gradient for 16-bit dtypes, kw = 2 (implicit_patch_weight_grad.cu):
+// The implicit-GEMM weight gradient for 16-bit dtypes, kw = 2 (implicit_patch_weight_grad.cu; on
+// Hopper kw % 4 == 0 too):
 // dW [E, K] of patch_embed(x5, ...) for grad_y, tokens [B, N, E] or channels-first [B, E, N], the
 // patches read from x inside the GEMM. nullopt where it does not apply or, unless `always`, where
 // gather + cuBLAS is faster.
 std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tensor& x5,
                                                const PatchGeometry& g, int64_t E, bool always);
 
-// The implicit-GEMM unembedding for 16-bit dtypes, kw = 2 (implicit_patch_unembed.cu): y5 (g's
+// The implicit-GEMM unembedding for 16-bit dtypes, kw = 2 (implicit_patch_unembed.cu; on Hopper
+// kw = 4 too): y5 (g's
 // volume, contiguous) = patch_unembed(x, w2 [C_in, K], bias) for x tokens [B, N, C_in] or
 // channels-first [B, C_in, N], the GEMM's tiles scattered into y5 from its epilogue. false where it
 // does not apply or, unless `always`, where GEMM + scatter is faster.

@@ -68,8 +68,8 @@ def main():
     # the implicit-GEMM embedding (16-bit, kw even; its wgmma and mma.sync kernels on a 9.0 GPU): runs
     # of 2, 4 and 8, partial tiles, padded K; its weight gradient (kw = 2 on mma.sync, kw % 4 = 0 on
     # wgmma: grad_y in pieces of 8 or 4 tokens (N = 12), over many token ranges (3 x 8 x 40^3), or as
-    # one range writing dW itself (K = 3072)); and with kw = 2 the unembedding (its input gradient;
-    # with a bias below)
+    # one range writing dW itself (K = 3072)); and with kw = 2 (kw = 4 on wgmma) the unembedding (its
+    # input gradient; with a bias below)
     old = ops._set_fused_patch_kernels("always")
     for dtype, wgmma in [(torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)]:
         ops._set_implicit_wgmma(wgmma)

@@ -609,17 +609,23 @@ def test_gpu_implicit_weight_grad_kernel(fused_always, implicit_wgmma, dtype, sh
 
 
 # 16-bit unembeddings with kw = 2 (and so patch_embed's input gradients) run the implicit GEMM of
-# csrc/cuda/implicit_patch_unembed.cu (on a 9.0 GPU, its wgmma version; the tests run both):
-# (x shape [B, C_in, *grid], kernel, C_out) covering one and two 128-column tiles (partial ones:
-# K = 160, 192), C_in not a multiple of 8 (channels-first x only), N not a multiple of 8 (tokens x
-# only), 1-D/2-D/3-D, and token tiles that straddle samples.
+# csrc/cuda/implicit_patch_unembed.cu (on a 9.0 GPU, its wgmma version, which takes kw = 4 too; the
+# tests run both): (x shape [B, C_in, *grid], kernel, C_out) covering one and two 128-column tiles
+# (partial ones: K = 160, 192), C_in not a multiple of 8 (channels-first x only), N not a multiple
+# of 8 (tokens x only), 1-D/2-D/3-D, token tiles that straddle samples, and kw = 4 (a grid row of
+# odd width: neither kernel).
 IMPLICIT_UNEMBED = [((2, 192, 4, 8, 8), (2, 2, 2), 192),  # P4's input gradient: K = 1536
                     ((2, 64, 4, 4, 8), (2, 2, 2), 24),    # K = 192: a partial column tile
                     ((2, 36, 2, 4, 8), (2, 2, 2), 16),    # C_in = 36: channels-first x only
                     ((3, 64, 1, 3, 4), (2, 2, 2), 16),    # N = 12: tokens x only
                     ((3, 48, 8, 16), (2, 2), 40),         # 2-D
                     ((2, 32, 256), (2,), 64),             # 1-D
-                    ((3, 64, 5, 6, 8), (2, 2, 2), 16)]    # N = 240: tiles straddle samples
+                    ((3, 64, 5, 6, 8), (2, 2, 2), 16),    # N = 240: tiles straddle samples
+                    ((2, 64, 2, 4, 8), (4, 4, 4), 24),    # kw = 4 (P5's input gradient, U1): K = 1536
+                    ((3, 64, 1, 3, 6), (4, 4, 4), 4),     # kw = 4, N = 18: tokens x only; K = 256
+                    ((3, 48, 8, 16), (4, 4), 40),         # kw = 4, 2-D: K = 640, a partial tile
+                    ((2, 32, 256), (4,), 48),             # kw = 4, 1-D
+                    ((2, 64, 2, 4, 5), (4, 4, 4), 8)]     # kw = 4, grid rows of 5 tokens
 
 
 @needs_gpu
@@ -644,6 +650,8 @@ def test_gpu_implicit_unembed_kernel(fused_always, implicit_wgmma, dtype, shape,
     ran = cuda_kernels_run(lambda: out.update(
         y=patchgemm.patch_unembed(xs, w, b, in_format=in_format, grid=grid if tokens else None)))
     applies = c_in % 8 == 0 if tokens else math.prod(grid) % 8 == 0
+    if kernel[-1] == 4:  # 16-byte stores of 2 tokens' runs: the wgmma kernel, grid rows of even width
+        applies = applies and implicit_wgmma and grid[-1] % 2 == 0
     assert ("implicit_unembed_kernel" in ran) == applies, ran
     assert ("implicit_unembed_kernel_sm90" in ran) == (applies and implicit_wgmma), ran
     assert_close_to_ref(out["y"], ref, dtype)

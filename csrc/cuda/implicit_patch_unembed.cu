@@ -1,4 +1,5 @@
-// Implicit-GEMM patch unembedding, 16-bit dtypes, kw = 2: y = unpatchify(x_tokens @ W) (+ bias),
+// Implicit-GEMM patch unembedding, 16-bit dtypes, kw = 2 (on Hopper kw = 4 too:
+// implicit_patch_unembed_sm90.cu): y = unpatchify(x_tokens @ W) (+ bias),
 // the ConvTranspose with kernel == stride, and so also patch_embed's input gradient. The GEMM's
 // output tile is scattered into y from its epilogue: no patch matrix Q is written to and re-read
 // from global memory. (The GEMM -> scatter path moves 4 extra bytes per element of y.)
@@ -212,15 +213,18 @@ bool implicit_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, co
   const auto dtype = y5.scalar_type();
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(y5.get_device());
   Problem p;
-  // x moves in 16-byte pieces of 8 channels (tokens) or 8 tokens of a sample (channels-first).
+  // x moves in 16-byte pieces of 8 channels (tokens) or 8 tokens of a sample (channels-first); y
+  // takes 16-byte stores of the kw-element runs of 8 / kw tokens of a grid row: kw = 2, and on
+  // wgmma kw = 4 too.
+  const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device);
+  const int64_t kw = g.kernel[2];
   if ((dtype != at::kHalf && dtype != at::kBFloat16) || (tokens ? C_in % 8 : N % 8) || g.levels.size() != 1 ||
-      g.kernel[2] != 2 || g.grid[2] % 4 || K < 16 || C_in < 16 || !y5.is_contiguous() || !runs_aligned(y5, 8) ||
-      device->major < 8 || !make_problem(y5, g, C_in, p)) {
+      !(kw == 2 || (kw == 4 && wgmma)) || g.grid[2] % (8 / kw) || K < 16 || C_in < 16 || !y5.is_contiguous() ||
+      !runs_aligned(y5, 8) || device->major < 8 || !make_problem(y5, g, C_in, p)) {
     return false;
   }
   // The rule: implicit_pays (C_in is the thin dimension here), and a full 128-column tile.
   if (!always && (K < kTileN || !implicit_pays(C_in, p.rows, *device))) return false;
-  const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device);
   if (p.rows == 0) return true;
   const c10::cuda::CUDAGuard guard(y5.device());
   // A copy of x (a fraction of y) where it is not one contiguous, aligned block.
@@ -234,6 +238,7 @@ bool implicit_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, co
   p.ldw = static_cast<int>(wt.size(1));
   const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   if (wgmma && implicit_unembed_sm90(p, tokens, xc, wt, b, y5)) return true;
+  if (kw != 2) return false;
   if (dtype == at::kHalf) {
     launch_for_layout<__half>(tokens, p, xc, wt, b, y5);
   } else {

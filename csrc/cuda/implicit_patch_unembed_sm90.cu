@@ -1,7 +1,8 @@
-// Implicit-GEMM patch unembedding on Hopper (sm_90a), kw = 2: the GEMM of implicit_patch_unembed.cu,
-// which explains it (tokens x patch columns x C_in, the output tile scattered into y from the
-// epilogue), with warpgroup MMAs (wgmma) in place of mma.sync, as the forward's
-// implicit_patch_gemm_sm90.cu.
+// Implicit-GEMM patch unembedding on Hopper (sm_90a), kw = 2 or 4: the GEMM of
+// implicit_patch_unembed.cu, which explains it (tokens x patch columns x C_in, the output tile
+// scattered into y from the epilogue), with warpgroup MMAs (wgmma) in place of mma.sync, as the
+// forward's implicit_patch_gemm_sm90.cu. A patch row of y is a run of kw elements, and the runs of
+// consecutive tokens are adjacent: the epilogue stores 16 bytes = the runs of 8 / kw tokens.
 //
 // A block: 128 tokens x 128 patch columns, two warpgroups of 64 tokens each, two blocks per SM, over
 // wgmma_main_loop's cp.async pipeline of 64-channel slices, every operand a 128B-swizzled tile:
@@ -27,18 +28,20 @@ namespace patchgemm {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32;  // two warpgroups
+constexpr int kThreads = 256;                           // two warpgroups
 constexpr int kTileM = 128;                             // tokens per block, 64 per warpgroup
 constexpr int kTileK = 64;                              // input channels per slice
 constexpr int kStages = 3;  // C_in is short (P4: 3 slices); two blocks per SM overlap one's stores
                              // with the other's loads
-constexpr int kTileN = 128, kPairs = kTileN / 2;  // patch columns (pairs) per block
+constexpr int kTileN = 128;  // patch columns per block
 constexpr int kSlotA = kTileM * 128, kSlot = kSlotA + kTileN * 128;  // bytes of a pipeline slot
-constexpr int kStagePitch = kTileM + 8;  // words of the output stage's [pair][token] rows (= 8 mod 32)
+// Runs of the output stage's [run][token] rows: kw = 2, words = 8 mod 32; kw = 4, 8-byte runs:
+// 16 mod 32 words. Conflict-free either way.
+constexpr int kStagePitch = kTileM + 8;
 
 // p describes y (the volume the patches tile) with p.E = C_in, the reduction, and p.ldw the row
-// length of wt = W^T [K, ldw] (C_in rounded up to 8, zero columns).
-template <typename T, bool kTokensIn>
+// length of wt = W^T [K, ldw] (C_in rounded up to 8, zero columns). kRun = p.kw.
+template <typename T, bool kTokensIn, int kRun>
 __global__ void __launch_bounds__(kThreads, 2)
     implicit_unembed_kernel_sm90(Problem p, const T* __restrict__ x, const T* __restrict__ wt,
                                  const T* __restrict__ bias, T* __restrict__ y) {
@@ -49,7 +52,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const int tiles_n = (p.K + kTileN - 1) / kTileN;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x / tiles_n) * kTileM;
-  const int pair0 = static_cast<int>(blockIdx.x % tiles_n) * kPairs;
+  const int col0 = static_cast<int>(blockIdx.x % tiles_n) * kTileN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k_tiles = (p.ldw + kTileK - 1) / kTileK;
 
@@ -65,8 +68,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int i = 0; i < 4; ++i) a_src[i] = x + (b * p.E + min(a_row + 16 * i, p.E - 1)) * p.tokens + (token - b * p.tokens);
   }
   const uint32_t a_dst = a_col / 64 * 8192 + swizzle_128b(a_row, a_col % 64 * 2);
-  // B: W^T's rows (patch columns) 2 pair0 .. 2 pair0 + kTileN - 1.
-  const SwizzledRowCopies<T, kTileN, kThreads> b_copies(wt, p.K, p.ldw, 2 * pair0);
+  // B: W^T's rows (patch columns) col0 .. col0 + kTileN - 1.
+  const SwizzledRowCopies<T, kTileN, kThreads> b_copies(wt, p.K, p.ldw, col0);
 
   auto load_slice = [&](int kt, int slot) {
     const uint32_t slot_base = base + slot * kSlot;
@@ -104,43 +107,46 @@ __global__ void __launch_bounds__(kThreads, 2)
   fence_accumulators(acc);  // the pipeline's shared memory becomes the output stage
 
   // acc[4 j + 2 half + i]: token wg*64 + wq*16 + g + 8 half, column 8 j + 2 q + i: one word of
-  // pair 4 j + q. The bias is per output channel: pair / (kd * kh).
+  // run (8 j + 2 q) / kRun. The bias is per output channel: column / (kd * kh * kw).
+  constexpr int kWordsPerRun = kRun / 2;
   uint32_t* stage = reinterpret_cast<uint32_t*>(smem);
   const int g = lane / 4, q = lane % 4;
 #pragma unroll
   for (int j = 0; j < kTileN / 8; ++j) {
-    const int pair = 4 * j + q;
-    const float b = bias ? to_float(bias[min(pair0 + pair, p.K / 2 - 1) / (p.kd * p.kh)]) : 0.f;
+    const int column = 8 * j + 2 * q, run = column / kRun;
+    const float b = bias ? to_float(bias[min(col0 + column, p.K - 1) / (p.kd * p.kh * p.kw)]) : 0.f;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      stage[pair * kStagePitch + wg * 64 + wq * 16 + g + half * 8] =
+      const int token = wg * 64 + wq * 16 + g + half * 8;
+      stage[(run * kStagePitch + token) * kWordsPerRun + column % kRun / 2] =
           pack2<T>(acc[4 * j + 2 * half] + b, acc[4 * j + 2 * half + 1] + b);
     }
   }
   __syncthreads();
-  // 16-byte stores: this thread's 4 tokens 4 group .. (one patch-grid row: gw % 4 == 0) of pairs
-  // first_pair + 8 i.
-  const int group = threadIdx.x % 32, first_pair = threadIdx.x / 32;
-  const int64_t token = m0 + 4 * group;
+  // 16-byte stores: this thread's kGroup tokens kGroup * group .. (one patch-grid row: gw % kGroup
+  // == 0) of runs first_run + kRunStep i.
+  constexpr int kGroup = 8 / kRun, kGroups = kTileM / kGroup, kRunStep = kThreads / kGroups;
+  const int group = threadIdx.x % kGroups, first_run = threadIdx.x / kGroups;
+  const int64_t token = m0 + kGroup * group;
   if (token >= p.rows) return;
   T* origin = y + patch_origin(p, token);
 #pragma unroll
-  for (int i = 0; i < kPairs / kWarps; ++i) {
-    const int pair = first_pair + kWarps * i;
-    if (2 * (pair0 + pair) >= p.K) break;
-    *reinterpret_cast<uint4*>(origin + patch_offset(p, 2 * (pair0 + pair))) =
-        *reinterpret_cast<const uint4*>(stage + pair * kStagePitch + 4 * group);
+  for (int i = 0; i < kTileN / kRun / kRunStep; ++i) {
+    const int run = first_run + kRunStep * i;
+    if (col0 + kRun * run >= p.K) break;
+    *reinterpret_cast<uint4*>(origin + patch_offset(p, col0 + kRun * run)) =
+        *reinterpret_cast<const uint4*>(stage + (run * kStagePitch + kGroup * group) * kWordsPerRun);
   }
 #endif
 }
 
-template <typename T, bool kTokensIn>
+template <typename T, bool kTokensIn, int kRun>
 bool launch(const Problem& p, const at::Tensor& x, const at::Tensor& wt, const std::optional<at::Tensor>& bias,
             const at::Tensor& y5) {
   constexpr int smem = 1024 + kStages * kSlot;
-  static_assert(kPairs * kStagePitch * 4 <= kStages * kSlot);
+  static_assert(kTileN / kRun * kStagePitch * kRun * 2 <= kStages * kSlot);
   if (smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
-  auto kernel = implicit_unembed_kernel_sm90<T, kTokensIn>;
+  auto kernel = implicit_unembed_kernel_sm90<T, kTokensIn, kRun>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.K + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
@@ -153,7 +159,8 @@ bool launch(const Problem& p, const at::Tensor& x, const at::Tensor& wt, const s
 template <typename T>
 bool launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x, const at::Tensor& wt,
                        const std::optional<at::Tensor>& bias, const at::Tensor& y5) {
-  return tokens ? launch<T, true>(p, x, wt, bias, y5) : launch<T, false>(p, x, wt, bias, y5);
+  if (p.kw == 4) return tokens ? launch<T, true, 4>(p, x, wt, bias, y5) : launch<T, false, 4>(p, x, wt, bias, y5);
+  return tokens ? launch<T, true, 2>(p, x, wt, bias, y5) : launch<T, false, 2>(p, x, wt, bias, y5);
 }
 
 }  // namespace
