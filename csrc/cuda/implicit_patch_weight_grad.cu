@@ -260,7 +260,8 @@ std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool to
   }
   if (wgmma) {
     // One token range: the kernel writes dW itself.
-    at::Tensor out = splits == 1 ? at::empty({E, K}, x5.options()) : at::empty({splits, E, K}, x5.options().dtype(at::kFloat));
+    at::Tensor out = splits == 1 ? at::empty({E, K}, x5.options())
+                                 : at::empty({splits, E, K}, x5.options().dtype(at::kFloat));
     if (!implicit_weight_grad_sm90(p, dy_piece, x5, dy, splits, chunk, out)) return std::nullopt;
     return splits == 1 ? out : out.sum(0).to(dtype);
   }
