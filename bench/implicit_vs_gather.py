@@ -12,6 +12,7 @@ import math
 import torch
 
 import patchgemm
+from patchgemm.bench import time_ms
 
 CASES = [("P1", (128, 3, 224, 224), (16, 16), 768), ("P4", (8, 192, 64, 64, 64), (2, 2, 2), 192),
          ("P5", (8, 192, 32, 32, 32), (4, 4, 4), 768), ("P4 E384", (4, 192, 64, 64, 64), (2, 2, 2), 384),
@@ -31,17 +32,7 @@ UNEMBED_CASES = [(f"{name} dx", (shape[0], embed, *[s // k for s, k in zip(shape
 
 
 def median_ms(fn, runs=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[runs // 2]
+    return time_ms(lambda i: fn(), torch.device("cuda"), warmup=3, reps=runs).ms
 
 
 def compare(label, run, flops, mma_sync_column=False):

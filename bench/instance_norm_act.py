@@ -27,8 +27,8 @@ def main():
         }
         for name, (f, inp, grad) in impls.items():
             with torch.no_grad():
-                fwd = time_ms(lambda i: f(), dev)
-            fwd_bwd = time_ms(lambda i: torch.autograd.grad(f(), [inp, w, b], grad), dev)
+                fwd = time_ms(lambda i: f(), dev).ms
+            fwd_bwd = time_ms(lambda i: torch.autograd.grad(f(), [inp, w, b], grad), dev).ms
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()

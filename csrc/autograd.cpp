@@ -14,10 +14,11 @@
 // (saving an input costs no memory); nor is the normalized activation: the norm's backward
 // recomputes it from x.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
+
+#include "gemm.h"
 
 namespace patchgemm {
 namespace {
@@ -202,8 +203,7 @@ struct PatchUnembed : Function<PatchUnembed> {
     if (needs_bias_grad(ctx)) {
       std::vector<int64_t> dims{0};
       for (int64_t d = 2; d < grad_y.dim(); ++d) dims.push_back(d);
-      // Accumulated in fp32 for 16-bit grad_y (ATen's CPU half sum does not: ~5e-3 off).
-      grad_b = grad_y.sum(dims, false, at::toOpMathType(grad_y.scalar_type())).to(grad_y.scalar_type());
+      grad_b = sum_for_bias_grad(grad_y, dims);
     }
     return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor()};
   }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 
 #include <optional>
 
@@ -16,6 +17,14 @@ namespace patchgemm {
 // allocate it). Runs on c's device through that device's backend.
 void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
               const std::optional<at::Tensor>& bias = std::nullopt, bool accumulate = false);
+
+// t summed over dims into t's dtype, accumulated in fp32 (fp64 for fp64): a bias gradient. CUDA's
+// reductions accumulate 16-bit sums in fp32 by themselves, in one kernel; CPU half sums do not
+// (~5e-3 off), so there the sum runs in the op-math type and is cast after.
+inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
+  if (t.is_cuda()) return t.sum(dims);
+  return t.sum(dims, false, at::toOpMathType(t.scalar_type())).to(t.scalar_type());
+}
 
 // The strided view of a 3-D tensor, as the torch-free planner sees it.
 MatrixView matrix_view(const at::Tensor& t3);

@@ -306,18 +306,20 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   const at::Tensor dy = tokens || N == 1 ? grad_y.reshape({g.batch, N, embed})
                                          : grad_y.reshape({g.batch, embed, N}).transpose(1, 2);
   const auto view = patch_matrix_as_view(x5, g);
-  // The bias gradient where no GEMM yields it, accumulated in fp32 (fp64 for fp64). Tokens grad_y
-  // [B*N, E] is folded to [B*N / f, f * E] first: ATen's reduction over rows spreads a few hundred
-  // columns poorly (P4's E = 192: 0.7 TB/s).
+  // The bias gradient where no GEMM yields it (sum_for_bias_grad). Tokens grad_y [B*N, E] with E <
+  // 1024 is folded to [B*N / f, f * E] first: ATen's reduction over rows spreads a few hundred
+  // columns poorly (P4's E = 192: 0.7 TB/s). Wide rows (P2's E = 1280) reduce well in one kernel
+  // (3 fewer us on P2's 0.07 ms fwd+bwd), which takes a transient 40 MB scratch there, as
+  // nn.Linear's bias gradient does (the fold: 0.2 MB).
   auto bias_grad = [&] {
     if (!with_bias) return at::empty({0}, x.options());
-    const at::ScalarType acc = at::toOpMathType(x.scalar_type());
-    if (dy.is_contiguous()) {
+    if (dy.is_contiguous() && embed < 1024) {
       int64_t f = 32;
       while (f > 1 && (g.batch * N) % f) f /= 2;
+      const at::ScalarType acc = at::toOpMathType(x.scalar_type());
       return dy.reshape({g.batch * N / f, f * embed}).sum(0, false, acc).view({f, embed}).sum(0).to(x.scalar_type());
     }
-    return dy.sum(std::vector<int64_t>{0, 1}, false, acc).to(x.scalar_type());
+    return sum_for_bias_grad(dy, {0, 1});
   };
 #ifdef PATCHGEMM_WITH_CUDA
   // 16-bit, kw = 2: the implicit GEMM reads the patches from x (implicit_patch_weight_grad.cu, which

@@ -1,8 +1,9 @@
 """The benchmark suite behind `python -m patchgemm bench` (method: ../shared/BENCHMARKS.md).
 
-Every figure is a CUDA-event median after warm-up on fresh random inputs, rotated when they would
-fit in L2; a claim is a ratio measured in the same run: ours vs each PyTorch baseline, and ours vs
-the floor = max(FLOPs / measured GEMM peak, bytes / measured copy bandwidth).
+Every figure is a CUDA-event median of the GPU's time after warm-up on fresh random inputs, rotated
+when they would fit in L2 (the host's time per call is reported apart: see time_ms); a claim is a
+ratio measured in the same run: ours vs each PyTorch baseline, and ours vs the floor =
+max(FLOPs / measured GEMM peak, bytes / measured copy bandwidth).
 """
 
 import json
@@ -20,17 +21,56 @@ from . import functional as pg
 # ---- timing --------------------------------------------------------------------------------------
 
 
-def time_ms(fn: Callable[[int], object], device: torch.device, warmup: int = 5, reps: int = 30) -> float:
-    """Median milliseconds of fn(i) over `reps` runs (i selects a rotated input set)."""
+@dataclass
+class Timing:
+    ms: float       # median time of one call: GPU time on CUDA (see time_ms), wall time on the CPU
+    host_ms: float  # median host time to issue one call (Python, dispatch, launches; no waiting)
+
+
+_cycles_per_ms: Dict[int, float] = {}
+
+
+def _sleep_ms(ms: float, device: torch.device) -> None:
+    """Keeps the GPU busy for about `ms` (torch.cuda._sleep spins for a number of clock cycles)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cycles_per_ms:
+        cycles = 1_000_000
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _cycles_per_ms[index] = cycles / start.elapsed_time(end)
+    torch.cuda._sleep(int(ms * _cycles_per_ms[index]))
+
+
+def time_ms(fn: Callable[[int], object], device: torch.device, warmup: int = 5, reps: int = 30) -> Timing:
+    """Median time of fn(i) over `reps` runs (i selects a rotated input set).
+
+    On CUDA the events time the GPU's work: the GPU first sleeps for twice the host time a call
+    takes, so the host has queued the whole call before the start event fires. Otherwise a slow
+    host (a launch costs ~20 us on some lent VMs) would be timed instead of the GPU. What the host
+    spends is reported apart, as host_ms.
+    """
     for i in range(warmup):
         fn(i)
-    times = []
+    times, host = [], []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        for i in range(3):
+            t0 = time.perf_counter()
+            fn(i)
+            host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize(device)
+        lead_ms = 2 * max(host) + 0.05
         for i in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _sleep_ms(lead_ms, device)
             start.record()
+            t0 = time.perf_counter()
             fn(i)
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -39,7 +79,8 @@ def time_ms(fn: Callable[[int], object], device: torch.device, warmup: int = 5, 
             t0 = time.perf_counter()
             fn(i)
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        host = times
+    return Timing(statistics.median(times), statistics.median(host))
 
 
 def randn(*shape, dtype, device, requires_grad=False):
@@ -58,13 +99,13 @@ def measure_ceilings(device: torch.device, dtypes: List[torch.dtype]) -> Ceiling
     peaks = {}
     for dtype in dtypes:
         a, b = randn(n, n, dtype=dtype, device=device), randn(n, n, dtype=dtype, device=device)
-        ms = time_ms(lambda i: a @ b, device, warmup=3, reps=10 if big else 3)
+        ms = time_ms(lambda i: a @ b, device, warmup=3, reps=10 if big else 3).ms
         peaks[str(dtype).replace("torch.", "")] = 2 * n**3 / ms / 1e9
         del a, b
     nbytes = 2**30 if big else 2**26
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    ms = time_ms(lambda i: dst.copy_(src), device, warmup=3, reps=10)
+    ms = time_ms(lambda i: dst.copy_(src), device, warmup=3, reps=10).ms
     return Ceilings(peaks, 2 * nbytes / ms / 1e9)
 
 
@@ -330,6 +371,7 @@ class Row:
     floor_ms: float
     peak_mb: Optional[float] = None  # fwd+bwd: peak memory above the inputs (activations, workspaces)
     error: str = ""
+    host_ms: Optional[float] = None  # host time to issue one call (older JSON files lack it)
 
 
 def _input_sets(case: Case, device: torch.device) -> List[Dict[str, torch.Tensor]]:
@@ -381,9 +423,10 @@ def run_case(case: Case, device: torch.device, ceilings: Ceilings, progress=None
 
             try:
                 run = fwd if pass_ == "fwd" else fwd_bwd
-                ms = time_ms(run, device)
+                t = time_ms(run, device)
                 peak = _peak_mb(run, device) if pass_ == "fwd+bwd" else None
-                rows.append(Row(case.id, pass_, name, ms, flops[pass_] / ms / 1e9, floors[pass_], peak))
+                rows.append(Row(case.id, pass_, name, t.ms, flops[pass_] / t.ms / 1e9, floors[pass_], peak,
+                                host_ms=t.host_ms))
             except Exception as e:  # a baseline this torch/GPU lacks: report it, keep going
                 rows.append(Row(case.id, pass_, name, None, None, floors[pass_], error=str(e).split("\n")[0][:80]))
             if progress is not None:
@@ -394,7 +437,7 @@ def run_case(case: Case, device: torch.device, ceilings: Ceilings, progress=None
 def format_table(rows: List[Row]) -> str:
     ours = {(r.case, r.pass_): r.ms for r in rows if r.impl == "patchgemm" and r.ms}
     head = (f"{'case':<16} {'pass':<8} {'impl':<20} {'ms':>9} {'TFLOP/s':>8} {'floor ms':>9} {'x floor':>8} "
-            f"{'ours faster by':>14} {'peak MB':>8}")
+            f"{'ours faster by':>14} {'peak MB':>8} {'host ms':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.ms is None:
@@ -403,8 +446,9 @@ def format_table(rows: List[Row]) -> str:
         o = ours.get((r.case, r.pass_))
         speed = f"{r.ms / o:.2f}x" if o and r.impl != "patchgemm" else ""
         peak = f"{r.peak_mb:>8.0f}" if r.peak_mb is not None else ""
+        host = f"{r.host_ms:>8.4f}" if r.host_ms is not None else ""
         lines.append(f"{r.case:<16} {r.pass_:<8} {r.impl:<20} {r.ms:>9.4f} {r.tflops:>8.1f} "
-                     f"{r.floor_ms:>9.4f} {r.ms / r.floor_ms:>8.2f} {speed:>14} {peak}")
+                     f"{r.floor_ms:>9.4f} {r.ms / r.floor_ms:>8.2f} {speed:>14} {peak:>8} {host}")
     return "\n".join(lines)
 
 

@@ -573,6 +573,8 @@ IMPLICIT_DW = [((2, 192, 8, 16, 16), (2, 2, 2), 192),  # P4-like: K = 1536, 192-
                ((3, 3, 48, 64), (16, 16), 96),         # P1-like 2-D: N = 12, pieces of 4 tokens
                ((3, 3, 48, 80), (16, 16), 96),         # N = 15: tokens grad_y only
                ((1, 3, 24, 48), (12, 12), 64),         # kw = 12, K = 432: a partial column tile
+               ((2, 16, 8, 32, 64), (2, 8, 8), 192),   # kw = 8: runs of 8 (16-byte copies)
+               ((8, 3, 64, 224), (16, 16), 128),       # P1-like, 448 tokens: two ranges, runs of 8
                ((2, 32, 512), (4,), 32),               # 1-D
                ((3, 8, 40, 40, 40), (4, 4, 4), 64),    # 3000 tokens: 11 ranges
                ((2, 48, 16, 16, 16), (4, 4, 4), 384)]  # K = 3072: one range, two 192-wide tiles

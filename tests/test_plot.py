@@ -1,4 +1,4 @@
-"""`python -m patchgemm bench --plot` / `--from-json`: the summary arithmetic and the picture."""
+"""`python -m patchgemm bench`: the timer, `--plot` / `--from-json` (the summary arithmetic and the picture)."""
 
 import json
 import struct
@@ -55,3 +55,13 @@ def test_plot_with_nothing_to_compare_is_a_clear_error(tmp_path):
     saved.write_text(json.dumps({"environment": {}, "rows": rows()[4:5]}))
     with pytest.raises(ValueError, match="nothing to plot"):
         cli.main(["bench", "--from-json", str(saved), "--plot", str(tmp_path / "x.png")])
+
+
+def test_time_ms_reports_the_median_and_the_host_time():
+    import torch
+    from patchgemm.bench import time_ms
+
+    calls = []
+    t = time_ms(lambda i: calls.append(i), torch.device("cpu"), warmup=2, reps=5)
+    assert calls == [0, 1, 0, 1, 2, 3, 4]  # warm-ups, then one call per rep with its input index
+    assert t.ms >= 0 and t.host_ms == t.ms  # on the CPU the host time is the time

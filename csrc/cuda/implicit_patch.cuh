@@ -168,12 +168,12 @@ bool wgmma_kernels_run_on(const cudaDeviceProp& device);
 bool implicit_embed_sm90(const Problem& p, int run, bool pair_major, const at::Tensor& x5, const at::Tensor& w,
                          const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y);
 
-// The weight gradient on Hopper's wgmma (implicit_patch_weight_grad_sm90.cu), runs of 4 (kw % 4 ==
-// 0), for a problem implicit_weight_grad has checked and set up: grad_y dy contiguous and 16-byte
+// The weight gradient on Hopper's wgmma (implicit_patch_weight_grad_sm90.cu), runs of `run` (8: kw %
+// 8 == 0; 4: kw % 4 == 0), for a problem implicit_weight_grad has checked and set up: grad_y dy contiguous and 16-byte
 // aligned, channels-first [B, E, N] copied dy_piece (8 or 4) tokens at a time, or tokens [B*N, E]
 // (dy_piece 0); `out` the fp32 partial sums [splits, E, K], or dW [E, K] itself where splits = 1.
 // false where it cannot run: shared memory.
-bool implicit_weight_grad_sm90(const Problem& p, int dy_piece, const at::Tensor& x5, const at::Tensor& dy,
+bool implicit_weight_grad_sm90(const Problem& p, int run, int dy_piece, const at::Tensor& x5, const at::Tensor& dy,
                                int64_t splits, int64_t chunk, const at::Tensor& out);
 
 // The unembedding on Hopper's wgmma (implicit_patch_unembed_sm90.cu), for a problem implicit_unembed

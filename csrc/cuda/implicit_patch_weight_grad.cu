@@ -227,12 +227,13 @@ std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool to
       K < 16 || E < 32 || x5.stride(4) != 1 || device->major < 8 || !make_problem(x5, g, E, p)) {
     return std::nullopt;
   }
-  // Two kernels: on Hopper's wgmma, runs of 4 (kw % 4 == 0, token indices in 32 bits); on mma.sync,
+  // Two kernels: on Hopper's wgmma, runs of 8 or 4 (kw % 4 == 0, token indices in 32 bits); on mma.sync,
   // kw = 2 pair-major. grad_y moves in 16-byte pieces of 8 embeddings (tokens) or pieces of 8 (4 on
   // wgmma) tokens of a sample (channels-first).
   const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device) && kw % 4 == 0;
   const int dy_piece = tokens ? 0 : N % 8 == 0 ? 8 : N % 4 == 0 && wgmma ? 4 : -1;
   if ((tokens && E % 8) || dy_piece < 0) return std::nullopt;
+  const int run = kw % 8 == 0 && runs_aligned(x5, 8) ? 8 : 4;  // wgmma
   if (wgmma ? !runs_aligned(x5, 4) || p.rows >= INT_MAX
             : kw != 2 || g.grid[2] % 4 || !runs_aligned(x5, 8)) {
     return std::nullopt;
@@ -262,7 +263,7 @@ std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool to
     // One token range: the kernel writes dW itself.
     at::Tensor out = splits == 1 ? at::empty({E, K}, x5.options())
                                  : at::empty({splits, E, K}, x5.options().dtype(at::kFloat));
-    if (!implicit_weight_grad_sm90(p, dy_piece, x5, dy, splits, chunk, out)) return std::nullopt;
+    if (!implicit_weight_grad_sm90(p, run, dy_piece, x5, dy, splits, chunk, out)) return std::nullopt;
     return splits == 1 ? out : out.sum(0).to(dtype);
   }
   at::Tensor partial = at::empty({splits, E, K}, x5.options().dtype(at::kFloat));

@@ -1,5 +1,5 @@
-// Implicit-GEMM weight gradient of the patch embedding on Hopper (sm_90a), patch rows in runs of 4
-// elements (kw % 4 == 0: P5's and U1's kw = 4, ViT's 16):
+// Implicit-GEMM weight gradient of the patch embedding on Hopper (sm_90a), patch rows in runs of 8
+// or 4 elements (kw % 8 == 0: ViT's 16; kw % 4 == 0: P5's and U1's kw = 4):
 //   dW^T [K, E] = P^T [K, B*N] @ grad_y [B*N, E]
 // with P read straight from x inside the main loop, as implicit_patch_weight_grad.cu (which explains
 // the token ranges and partial sums) does for kw = 2 on mma.sync.
@@ -7,8 +7,8 @@
 // A block: 128 patch columns x kTileN (128 or 192) embeddings over a range of tokens (the
 // reduction), two warpgroups of 64 columns each, over wgmma_main_loop's cp.async pipeline of 64-token
 // slices, every operand a 128B-swizzled tile read by descriptor:
-//   - patches (A = P^T): a token's 64 columns of a warpgroup are one 128-byte row, copied as 4-element
-//     runs of x: an M-major tile, [token][column].
+//   - patches (A = P^T): a token's 64 columns of a warpgroup are one 128-byte row, copied as 8- or
+//     4-element runs of x: an M-major tile, [token][column].
 //   - grad_y channels-first [B, E, N] (B): rows are embeddings, 64 tokens each, K-major; copied in
 //     pieces of 8 or 4 tokens of one sample (N % 8 or N % 4 == 0).
 //   - grad_y tokens [B*N, E] (B): rows are tokens, each 64 embeddings of one 8 KB block: N-major.
@@ -36,9 +36,6 @@ constexpr int kThreads = 256;
 constexpr int kTileM = 128;  // patch columns per block, 64 per warpgroup
 constexpr int kTileK = 64;   // tokens per slice
 constexpr int kStages = 5;
-constexpr int kRun = 4;                                        // elements per copy of x
-constexpr int kRunsA = kTileM / kRun * kTileK / kThreads;      // A copies per thread and slice
-constexpr int kRunStep = kThreads / kTileK;                    // between one thread's runs
 constexpr int kStagePitch = kTileM + 4;  // floats of an output stage row: conflict-free, 16-byte rows
 
 // A token's place, (sample, patch-grid depth, row, column), moved along by mixed-radix addition:
@@ -79,8 +76,9 @@ struct Slot {
   static constexpr int kA = kTileM * 128, kB = kTileN * 128, kBytes = kA + kB;  // 1024-byte multiples
 };
 
-// kDyPiece: tokens per copy of channels-first grad_y (8 or 4); 0: grad_y is tokens.
-template <typename T, int kTileN, int kDyPiece>
+// kDyPiece: tokens per copy of channels-first grad_y (8 or 4); 0: grad_y is tokens. kRun: elements
+// per copy of x (8 or 4).
+template <typename T, int kTileN, int kDyPiece, int kRun>
 __global__ void __launch_bounds__(kThreads, 1)
     implicit_weight_grad_kernel_sm90(Problem p, const T* __restrict__ x, const T* __restrict__ dy, int64_t chunk,
                                      bool partial, void* __restrict__ out) {
@@ -99,9 +97,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int t_begin = static_cast<int>(split * chunk), t_end = static_cast<int>(min(split * chunk + chunk, p.rows));
   const int k_tiles = (t_end - t_begin + kTileK - 1) / kTileK;
 
-  // A: this thread copies runs a_run + kRunStep i of token a_token of each slice. A warp is 32
-  // tokens of one run. Tokens past the range and columns past K read zeros (without loads).
-  const int a_token = threadIdx.x % kTileK, a_run = threadIdx.x / kTileK;
+  // A: this thread copies runs a_run + kRunStep i of token a_token of each slice. Runs of 4: a warp
+  // is 32 tokens of one run. Runs of 8: lanes pair up on runs 2r and 2r + 1 of a token (for kw %
+  // 16 == 0, 32 contiguous bytes), a warp is 16 tokens. Tokens past the range and columns past K
+  // read zeros (without loads).
+  constexpr int kPair = kRun == 8 ? 2 : 1;
+  constexpr int kRunsA = kTileM / kRun * kTileK / kThreads;  // A copies per thread and slice
+  constexpr int kRunStep = kThreads / kTileK;                // between one thread's runs
+  const int a_token = threadIdx.x / kPair % kTileK;
+  const int a_run = threadIdx.x / (kPair * kTileK) * kPair + threadIdx.x % kPair;
   int run_offset[kRunsA];
   uint32_t run_dst[kRunsA];
 #pragma unroll
@@ -225,13 +229,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <typename T, int kTileN, int kDyPiece>
+template <typename T, int kTileN, int kDyPiece, int kRun>
 bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_t splits, int64_t chunk,
             const at::Tensor& out) {
   constexpr int smem = 1024 + kStages * Slot<kTileN>::kBytes;
   static_assert(kTileN * kStagePitch * 4 <= kStages * Slot<kTileN>::kBytes);
   if (smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
-  auto kernel = implicit_weight_grad_kernel_sm90<T, kTileN, kDyPiece>;
+  auto kernel = implicit_weight_grad_kernel_sm90<T, kTileN, kDyPiece, kRun>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t blocks = splits * ((p.K + kTileM - 1) / kTileM) * ((p.E + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
@@ -241,28 +245,35 @@ bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_
   return true;
 }
 
-template <typename T, int kTileN>
+template <typename T, int kTileN, int kRun>
 bool launch_for_layout(int dy_piece, const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_t splits,
                        int64_t chunk, const at::Tensor& out) {
   switch (dy_piece) {
-    case 8: return launch<T, kTileN, 8>(p, x5, dy, splits, chunk, out);
-    case 4: return launch<T, kTileN, 4>(p, x5, dy, splits, chunk, out);
-    default: return launch<T, kTileN, 0>(p, x5, dy, splits, chunk, out);
+    case 8: return launch<T, kTileN, 8, kRun>(p, x5, dy, splits, chunk, out);
+    case 4: return launch<T, kTileN, 4, kRun>(p, x5, dy, splits, chunk, out);
+    default: return launch<T, kTileN, 0, kRun>(p, x5, dy, splits, chunk, out);
   }
+}
+
+template <typename T, int kTileN>
+bool launch_for_run(int run, int dy_piece, const Problem& p, const at::Tensor& x5, const at::Tensor& dy,
+                    int64_t splits, int64_t chunk, const at::Tensor& out) {
+  return run == 8 ? launch_for_layout<T, kTileN, 8>(dy_piece, p, x5, dy, splits, chunk, out)
+                  : launch_for_layout<T, kTileN, 4>(dy_piece, p, x5, dy, splits, chunk, out);
 }
 
 }  // namespace
 
-bool implicit_weight_grad_sm90(const Problem& p, int dy_piece, const at::Tensor& x5, const at::Tensor& dy,
+bool implicit_weight_grad_sm90(const Problem& p, int run, int dy_piece, const at::Tensor& x5, const at::Tensor& dy,
                                int64_t splits, int64_t chunk, const at::Tensor& out) {
 #ifdef PATCHGEMM_SM90A
   const bool wide = p.E % 192 == 0;
   if (x5.scalar_type() == at::kHalf) {
-    return wide ? launch_for_layout<__half, 192>(dy_piece, p, x5, dy, splits, chunk, out)
-                : launch_for_layout<__half, 128>(dy_piece, p, x5, dy, splits, chunk, out);
+    return wide ? launch_for_run<__half, 192>(run, dy_piece, p, x5, dy, splits, chunk, out)
+                : launch_for_run<__half, 128>(run, dy_piece, p, x5, dy, splits, chunk, out);
   }
-  return wide ? launch_for_layout<__nv_bfloat16, 192>(dy_piece, p, x5, dy, splits, chunk, out)
-              : launch_for_layout<__nv_bfloat16, 128>(dy_piece, p, x5, dy, splits, chunk, out);
+  return wide ? launch_for_run<__nv_bfloat16, 192>(run, dy_piece, p, x5, dy, splits, chunk, out)
+              : launch_for_run<__nv_bfloat16, 128>(run, dy_piece, p, x5, dy, splits, chunk, out);
 #else
   return false;
 #endif
