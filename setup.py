@@ -92,7 +92,7 @@ else:
         extra_compile_args["nvcc"] += ["--use_fast_math", "-lineinfo"]
         libraries = ["cublas", "cublasLt"]
         os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
-        if "9.0a" in os.environ["TORCH_CUDA_ARCH_LIST"].split(";"):
+        if any(a.startswith("9.0a") for a in os.environ["TORCH_CUDA_ARCH_LIST"].split(";")):  # or 9.0a+PTX
             extra_compile_args["nvcc"].append("-DPATCHGEMM_SM90A")
             cxx_flags.append("-DPATCHGEMM_SM90A")
     else:

@@ -52,9 +52,9 @@ void unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional
 enum class FusedKernels { kNever, kAuto, kAlways };
 FusedKernels set_fused_patch_kernels(FusedKernels mode);
 
-// Testing hook: whether the implicit-GEMM forward and unembedding may take their wgmma kernels
-// (built for sm_90a, run on a 9.0 GPU; else the mma.sync ones). On by default. Returns the previous
-// setting.
+// Testing hook: whether the implicit-GEMM forward, weight gradient and unembedding may take their
+// wgmma kernels (built for sm_90a, run on a 9.0 GPU; else the mma.sync ones). On by default.
+// Returns the previous setting.
 bool set_implicit_wgmma(bool enabled);
 bool implicit_wgmma_enabled();
 

@@ -84,8 +84,8 @@ TORCH_LIBRARY(patchgemm, m) {
     }
     TORCH_CHECK(false, "_set_fused_patch_kernels: mode must be \"never\", \"auto\" or \"always\", got \"", mode, "\"");
   });
-  // Testing hook: whether the implicit-GEMM forward and unembedding may take their Hopper (wgmma)
-  // kernels. Returns the previous setting.
+  // Testing hook: whether the implicit-GEMM forward, weight gradient and unembedding may take their
+  // Hopper (wgmma) kernels. Returns the previous setting.
   m.def("_set_implicit_wgmma(bool enabled) -> bool",
         [](bool enabled) { return patchgemm::set_implicit_wgmma(enabled); });
 }

@@ -52,6 +52,15 @@ inline bool runs_aligned(const at::Tensor& x5, int v) {
   return true;
 }
 
+// The longest run of x5, 8, 4 or 2 elements, that divides kw and that runs_aligned allows; 0 if
+// none.
+inline int widest_run(const at::Tensor& x5, int64_t kw) {
+  for (int v : {8, 4, 2}) {
+    if (kw % v == 0 && runs_aligned(x5, v)) return v;
+  }
+  return 0;
+}
+
 // The geometry of x5 cut into g's patches for E embeddings; false where the kernels' index types
 // cannot hold it (ints within a patch and a sample).
 inline bool make_problem(const at::Tensor& x5, const PatchGeometry& g, int64_t E, Problem& p) {

@@ -225,10 +225,9 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
     return false;
   }
   // Runs of V elements: the largest of 8, 4, 2 dividing kw, every stride and the address (in V).
-  int run = kw % 8 == 0 ? 8 : kw % 4 == 0 ? 4 : 2;
-  while (run > 2 && !runs_aligned(x5, run)) run /= 2;
+  const int run = widest_run(x5, kw);
   Problem p;
-  if (!runs_aligned(x5, run) || !make_problem(x5, g, E, p)) return false;
+  if (run == 0 || !make_problem(x5, g, E, p)) return false;
   // kw = 2: pair-major copies of 4 tokens where every group of 4 starts a 16-byte aligned run.
   const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
   const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device);

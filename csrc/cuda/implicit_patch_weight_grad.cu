@@ -233,8 +233,8 @@ std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool to
   const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device) && kw % 4 == 0;
   const int dy_piece = tokens ? 0 : N % 8 == 0 ? 8 : N % 4 == 0 && wgmma ? 4 : -1;
   if ((tokens && E % 8) || dy_piece < 0) return std::nullopt;
-  const int run = kw % 8 == 0 && runs_aligned(x5, 8) ? 8 : 4;  // wgmma
-  if (wgmma ? !runs_aligned(x5, 4) || p.rows >= INT_MAX
+  const int run = widest_run(x5, kw);  // wgmma: 8 or 4
+  if (wgmma ? run < 4 || p.rows >= INT_MAX
             : kw != 2 || g.grid[2] % 4 || !runs_aligned(x5, 8)) {
     return std::nullopt;
   }
