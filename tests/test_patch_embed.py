@@ -577,7 +577,8 @@ IMPLICIT_DW = [((2, 192, 8, 16, 16), (2, 2, 2), 192),  # P4-like: K = 1536, 192-
                ((8, 3, 64, 224), (16, 16), 128),       # P1-like, 448 tokens: two ranges, runs of 8
                ((2, 32, 512), (4,), 32),               # 1-D
                ((3, 8, 40, 40, 40), (4, 4, 4), 64),    # 3000 tokens: 11 ranges
-               ((2, 48, 16, 16, 16), (4, 4, 4), 384)]  # K = 3072: one range, two 192-wide tiles
+               ((2, 48, 16, 16, 16), (4, 4, 4), 384),  # K = 3072: one range, two 192-wide tiles
+               ((5, 8, 8, 32, 32), (4, 4, 4), 64)]     # N = 128 (TMA grad_y), a range from mid-sample
 
 
 @needs_gpu
@@ -611,11 +612,12 @@ def test_gpu_implicit_weight_grad_kernel(fused_always, implicit_wgmma, dtype, sh
 
 
 # 16-bit unembeddings with kw = 2 (and so patch_embed's input gradients) run the implicit GEMM of
-# csrc/cuda/implicit_patch_unembed.cu (on a 9.0 GPU, its wgmma version, which takes kw = 4 too; the
-# tests run both): (x shape [B, C_in, *grid], kernel, C_out) covering one and two 128-column tiles
-# (partial ones: K = 160, 192), C_in not a multiple of 8 (channels-first x only), N not a multiple
-# of 8 (tokens x only), 1-D/2-D/3-D, token tiles that straddle samples, and kw = 4 (a grid row of
-# odd width: neither kernel).
+# csrc/cuda/implicit_patch_unembed.cu (on a 9.0 GPU, its wgmma version, which takes kw = 4 too and
+# reads by TMA: channels-first x with N % 64 == 0, K % 8 == 0; the tests run both): (x shape
+# [B, C_in, *grid], kernel, C_out) covering one and two 128-column tiles (partial ones: K = 160,
+# 192), C_in not a multiple of 8 (channels-first x only) or of 64, N not a multiple of 8 (tokens x
+# only) or of 64 (no TMA), K not a multiple of 8 (no TMA), 1-D/2-D/3-D, token tiles that straddle
+# samples, a last tile half past the end, and kw = 4 (a grid row of odd width: neither kernel).
 IMPLICIT_UNEMBED = [((2, 192, 4, 8, 8), (2, 2, 2), 192),  # P4's input gradient: K = 1536
                     ((2, 64, 4, 4, 8), (2, 2, 2), 24),    # K = 192: a partial column tile
                     ((2, 36, 2, 4, 8), (2, 2, 2), 16),    # C_in = 36: channels-first x only
@@ -627,7 +629,9 @@ IMPLICIT_UNEMBED = [((2, 192, 4, 8, 8), (2, 2, 2), 192),  # P4's input gradient:
                     ((3, 64, 1, 3, 6), (4, 4, 4), 4),     # kw = 4, N = 18: tokens x only; K = 256
                     ((3, 48, 8, 16), (4, 4), 40),         # kw = 4, 2-D: K = 640, a partial tile
                     ((2, 32, 256), (4,), 48),             # kw = 4, 1-D
-                    ((2, 64, 2, 4, 5), (4, 4, 4), 8)]     # kw = 4, grid rows of 5 tokens
+                    ((2, 64, 2, 4, 5), (4, 4, 4), 8),     # kw = 4, grid rows of 5 tokens
+                    ((3, 64, 2, 4, 8), (4, 4, 4), 24),    # kw = 4, N = 64, 192 tokens: half a last tile
+                    ((2, 32, 8, 16), (2, 2), 5)]          # K = 20: no TMA (rows of 40 bytes)
 
 
 @needs_gpu
@@ -652,10 +656,12 @@ def test_gpu_implicit_unembed_kernel(fused_always, implicit_wgmma, dtype, shape,
     ran = cuda_kernels_run(lambda: out.update(
         y=patchgemm.patch_unembed(xs, w, b, in_format=in_format, grid=grid if tokens else None)))
     applies = c_in % 8 == 0 if tokens else math.prod(grid) % 8 == 0
-    if kernel[-1] == 4:  # 16-byte stores of 2 tokens' runs: the wgmma kernel, grid rows of even width
-        applies = applies and implicit_wgmma and grid[-1] % 2 == 0
-    assert ("implicit_unembed_kernel" in ran) == applies, ran
-    assert ("implicit_unembed_kernel_sm90" in ran) == (applies and implicit_wgmma), ran
+    if kernel[-1] == 4:  # 16-byte stores of 2 tokens' runs: grid rows of even width
+        applies = applies and grid[-1] % 2 == 0
+    tma = out_channels * math.prod(kernel) % 8 == 0 and (tokens or math.prod(grid) % 64 == 0)
+    wgmma = applies and implicit_wgmma and tma
+    assert ("implicit_unembed_kernel" in ran) == (wgmma or (applies and kernel[-1] == 2)), ran
+    assert ("implicit_unembed_kernel_sm90" in ran) == wgmma, ran
     assert_close_to_ref(out["y"], ref, dtype)
     dy = randn(*ref.shape, dtype=dtype, device="cuda")
     want = torch.autograd.grad(ref, [x64, w64] + ([b64] if has_bias else []), dy.double())

@@ -186,8 +186,9 @@ bool implicit_weight_grad_sm90(const Problem& p, int run, int dy_piece, const at
                                int64_t splits, int64_t chunk, const at::Tensor& out);
 
 // The unembedding on Hopper's wgmma (implicit_patch_unembed_sm90.cu), for a problem implicit_unembed
-// has checked and set up (its p, x and W^T [K, p.ldw]). false where it cannot run: shared memory.
-bool implicit_unembed_sm90(const Problem& p, bool tokens, const at::Tensor& x, const at::Tensor& wt,
+// has checked and set up (its p, x contiguous, w [C_in, K] contiguous). false where it cannot run:
+// shared memory, or x and w not readable by TMA (channels-first needs N % 64 == 0; K % 8 == 0).
+bool implicit_unembed_sm90(const Problem& p, bool tokens, const at::Tensor& x, const at::Tensor& w,
                            const std::optional<at::Tensor>& bias, const at::Tensor& y5);
 
 }  // namespace cuda

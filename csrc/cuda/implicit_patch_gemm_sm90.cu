@@ -3,10 +3,12 @@
 // mma.sync tops out near 300 TFLOP/s on an H100/H200; wgmma runs at the tensor cores' rate.
 //
 // A block: 128 tokens x kTileN (128 or 192) embeddings, two warpgroups of 64 tokens each, over a
-// kStages-deep cp.async pipeline of 64-wide K slices. Each slice's operands land in shared memory as
-// tiles of 128-byte rows in the tensor cores' 128B swizzle, which wgmma reads through descriptors:
-//   - W [E, K] (B operand): rows are embeddings, K-major.
-//   - patches (A operand), runs of 8, 4 or 2 elements: rows are tokens, K-major, read the same way.
+// kStages-deep pipeline of 64-wide K slices. Each slice's operands land in shared memory as tiles of
+// 128-byte rows in the tensor cores' 128B swizzle, which wgmma reads through descriptors:
+//   - W [E, K] (B operand): rows are embeddings, K-major; one TMA copy (tma.cuh) per slice, issued
+//     by one thread.
+//   - patches (A operand), runs of 8, 4 or 2 elements copied by cp.async: rows are tokens, K-major,
+//     read the same way.
 //   - patches, kw = 2 with pair-major copies (one 16-byte copy moves a pair of 4 tokens): a token's
 //     K elements are not contiguous, so A goes through registers. The [pair][token] words are
 //     exactly the A fragment's element pairs, so each register is one 32-bit shared load.
@@ -24,6 +26,7 @@
 
 #include "cuda/implicit_patch.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace patchgemm {
@@ -49,7 +52,7 @@ struct Slot {
 
 template <typename T, int kTileN, int V, bool kPairMajor>
 __global__ void __launch_bounds__(kThreads, 1)
-    implicit_embed_kernel_sm90(Problem p, const T* __restrict__ x, const T* __restrict__ w,
+    implicit_embed_kernel_sm90(Problem p, const T* __restrict__ x, const __grid_constant__ CUtensorMap w_map,
                                const T* __restrict__ bias, bool tokens_out, T* __restrict__ y) {
 #ifdef PATCHGEMM_HAS_WGMMA
   using S = Slot<kTileN, kPairMajor>;
@@ -60,10 +63,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(kWarps % kRunGroups == 0 && kLoadsA >= 1);
   static_assert(!kPairMajor || (V == 2 && kRuns % kWarps == 0));
   extern __shared__ unsigned char smem_raw[];
-  // Slots from a 1024-byte aligned base (the launch adds the slack), then the tables.
+  // Slots from a 1024-byte aligned base (the launch adds the slack), then their barriers, then the
+  // tables.
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
-  int64_t* token_origin = reinterpret_cast<int64_t*>(smem + kStages * S::kBytes);  // [kTileM] (not pair-major)
+  const SlotBarriers<kStages> w_landed{base + kStages * S::kBytes};
+  int64_t* token_origin = reinterpret_cast<int64_t*>(smem + kStages * S::kBytes + kStages * 8);  // [kTileM] (not pair-major)
   int* run_offset = reinterpret_cast<int*>(token_origin + kTileM);  // [k_tiles * kRuns]; -1: past K
 
   const int tiles_n = (p.E + kTileN - 1) / kTileN;
@@ -76,6 +81,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // their results are never stored.
   for (int r = threadIdx.x; r < k_tiles * kRuns; r += kThreads) run_offset[r] = r * V < p.K ? patch_offset(p, r * V) : -1;
   if (!kPairMajor && threadIdx.x < kTileM) token_origin[threadIdx.x] = patch_origin(p, min(m0 + threadIdx.x, p.rows - 1));
+  w_landed.init();
+  if (threadIdx.x == 0) prefetch_tensor_map(w_map);
   __syncthreads();
 
   // A, runs: this thread copies run `run` of every K slice for kLoadsA tokens, kTokenStep apart
@@ -88,8 +95,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A, pair-major: this thread copies pairs warp + 8 i of tokens 4 lane .. 4 lane + 3.
   const T* group_src = x + (kPairMajor ? patch_origin(p, min(m0 + 4 * lane, p.rows - 4)) : 0);
   const uint32_t group_dst = (warp * kPairPitch + 4 * lane) * 4;
-  // B: W's rows e0 .. e0 + kTileN - 1.
-  const SwizzledRowCopies<T, kTileN, kThreads> b_copies(w, p.E, p.ldw, e0);
 
   auto load_slice = [&](int kt, int slot) {
     const uint32_t slot_base = base + slot * S::kBytes;
@@ -106,7 +111,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         cp_async<V * 2>(slot_base + a_dst + i * kTokenStep * 128, a_src[i] + max(offset, 0), offset >= 0);
       }
     }
-    b_copies.copy(slot_base + S::kA, kt * kTileK);
+    // B: W's rows e0 .. e0 + kTileN - 1 (rows past E read zeros).
+    if (threadIdx.x == 0) tma_load(slot_base + S::kA, w_map, w_landed.arm(slot, S::kB), kt * kTileK, e0);
   };
 
   // This warp's rows: warpgroup wg's 64 tokens, 16 per warp.
@@ -118,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
 
-  wgmma_main_loop<kStages, kPairMajor>(k_tiles, load_slice, [&](int slot) {
+  wgmma_main_loop<kStages, kPairMajor>(k_tiles, load_slice, [&](int kt) { w_landed.wait(kt); }, [&](int slot) {
     fence_accumulators(acc);
     const uint32_t slot_base = base + slot * S::kBytes;
     uint32_t af[kTileK / 16][4];
@@ -170,15 +176,20 @@ template <typename T, int kTileN, int V, bool kPairMajor = false>
 bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& w, const std::optional<at::Tensor>& bias,
             bool tokens_out, const at::Tensor& y) {
   const int64_t runs = (p.ldw + kTileK - 1) / kTileK * (kTileK / V);
-  const int64_t smem = 1024 + kStages * Slot<kTileN, kPairMajor>::kBytes + kTileM * 8 + runs * 4;
+  const int64_t smem = 1024 + kStages * Slot<kTileN, kPairMajor>::kBytes + kStages * 8 + kTileM * 8 + runs * 4;
   static_assert(EmbedEpilogue<kTileM, kTileN>::kBytes <= kStages * Slot<kTileN, kPairMajor>::kBytes);
   if (runs > kMaxRuns || smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
+  CUtensorMap w_map;  // W [E, ldw], a kTileN x 64 box per slice
+  const uint64_t dims[2] = {static_cast<uint64_t>(p.ldw), static_cast<uint64_t>(p.E)};
+  const uint64_t strides[1] = {static_cast<uint64_t>(p.ldw) * 2};
+  const uint32_t box[2] = {kTileK, kTileN};
+  if (!encode_tensor_map(w_map, w.const_data_ptr(), 2, dims, strides, box)) return false;
   auto kernel = implicit_embed_kernel_sm90<T, kTileN, V, kPairMajor>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.E + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      p, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(w.const_data_ptr()),
-      bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr, tokens_out, static_cast<T*>(y.data_ptr()));
+      p, static_cast<const T*>(x5.const_data_ptr()), w_map, bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr,
+      tokens_out, static_cast<T*>(y.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }

@@ -223,7 +223,8 @@ bool implicit_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, co
       !runs_aligned(y5, 8) || device->major < 8 || !make_problem(y5, g, C_in, p)) {
     return false;
   }
-  // The rule: implicit_pays (C_in is the thin dimension here), and a full 128-column tile.
+  // The rule: implicit_pays (C_in is the thin dimension here), and a full 128-column tile. (The
+  // wgmma kernel loses to GEMM + scatter at C_in = 768 in the suite: U1 0.229 vs 0.221 ms.)
   if (!always && (K < kTileN || !implicit_pays(C_in, p.rows, *device))) return false;
   if (p.rows == 0) return true;
   const c10::cuda::CUDAGuard guard(y5.device());
@@ -232,13 +233,13 @@ bool implicit_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, co
   if (!xc.is_contiguous() || reinterpret_cast<uintptr_t>(xc.const_data_ptr()) % 16) {
     xc = x.clone(at::MemoryFormat::Contiguous);
   }
+  const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  if (wgmma && implicit_unembed_sm90(p, tokens, xc, w2.contiguous(), b, y5)) return true;
+  if (kw != 2) return false;
   // W^T [K, C_in] with rows padded to 16 bytes (zero columns).
   at::Tensor wt = w2.t().contiguous();
   if (C_in % 8) wt = at::constant_pad_nd(wt, {0, 8 - C_in % 8});
   p.ldw = static_cast<int>(wt.size(1));
-  const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-  if (wgmma && implicit_unembed_sm90(p, tokens, xc, wt, b, y5)) return true;
-  if (kw != 2) return false;
   if (dtype == at::kHalf) {
     launch_for_layout<__half>(tokens, p, xc, wt, b, y5);
   } else {

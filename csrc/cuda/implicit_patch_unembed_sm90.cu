@@ -5,11 +5,15 @@
 // consecutive tokens are adjacent: the epilogue stores 16 bytes = the runs of 8 / kw tokens.
 //
 // A block: 128 tokens x 128 patch columns, two warpgroups of 64 tokens each, two blocks per SM, over
-// wgmma_main_loop's cp.async pipeline of 64-channel slices, every operand a 128B-swizzled tile:
-//   - W^T [K, C_in] (B operand): rows are patch columns, K-major.
+// wgmma_main_loop's pipeline of 64-channel slices. Both operands are plain strided matrices, so
+// each slice arrives by TMA (tma.cuh), issued by one thread, as 128B-swizzled tiles:
+//   - W [C_in, K] (B operand), as the ConvTranspose stores it: rows are channels, each 64 patch
+//     columns of one 8 KB block (N-major).
 //   - x tokens [B*N, C_in] (A): rows are tokens, K-major.
 //   - x channels-first [B, C_in, N] (A): rows are channels, each warpgroup's 64 tokens one 128-byte
-//     row (M-major; 8 tokens of a sample per copy: N % 8 == 0).
+//     row (M-major; N % 64 == 0, so 64 tokens never straddle two samples).
+// Channels past C_in, columns past K and tokens past the end read zeros; the latter two are never
+// stored.
 #include <ATen/ATen.h>
 
 #include "patchify.h"
@@ -22,6 +26,7 @@
 
 #include "cuda/implicit_patch.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace patchgemm {
@@ -39,51 +44,42 @@ constexpr int kSlotA = kTileM * 128, kSlot = kSlotA + kTileN * 128;  // bytes of
 // 16 mod 32 words. Conflict-free either way.
 constexpr int kStagePitch = kTileM + 8;
 
-// p describes y (the volume the patches tile) with p.E = C_in, the reduction, and p.ldw the row
-// length of wt = W^T [K, ldw] (C_in rounded up to 8, zero columns). kRun = p.kw.
+// p describes y (the volume the patches tile) with p.E = C_in, the reduction. kRun = p.kw.
 template <typename T, bool kTokensIn, int kRun>
 __global__ void __launch_bounds__(kThreads, 2)
-    implicit_unembed_kernel_sm90(Problem p, const T* __restrict__ x, const T* __restrict__ wt,
-                                 const T* __restrict__ bias, T* __restrict__ y) {
+    implicit_unembed_kernel_sm90(Problem p, const __grid_constant__ CUtensorMap x_map,
+                                 const __grid_constant__ CUtensorMap w_map, const T* __restrict__ bias,
+                                 T* __restrict__ y) {
 #ifdef PATCHGEMM_HAS_WGMMA
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;  // the launch adds the slack
   unsigned char* smem = smem_raw + (base - raw);
+  const SlotBarriers<kStages> landed{base + kStages * kSlot};
+  landed.init();
+  if (threadIdx.x == 0) prefetch_tensor_map(x_map), prefetch_tensor_map(w_map);
+  __syncthreads();
 
   const int tiles_n = (p.K + kTileN - 1) / kTileN;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x / tiles_n) * kTileM;
   const int col0 = static_cast<int>(blockIdx.x % tiles_n) * kTileN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int k_tiles = (p.ldw + kTileK - 1) / kTileK;
-
-  // A, tokens in: x's rows m0 .. m0 + 127. Channels-first: pieces of 8 tokens (a sample's) at token
-  // a_col of channel rows a_row + 16 i, into warpgroup a_col / 64's M-major tile (8 KB). Tokens
-  // past the end read the last real ones (never stored); channels past C_in read zeros.
-  const SwizzledRowCopies<T, kTileM, kThreads> a_rows(x, kTokensIn ? p.rows : 0, p.E, m0);
-  const int a_col = threadIdx.x % 16 * 8, a_row = threadIdx.x / 16;
-  const T* a_src[4];
-  if constexpr (!kTokensIn) {
-    const int64_t token = min(m0 + a_col, p.rows - 8), b = token / p.tokens;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a_src[i] = x + (b * p.E + min(a_row + 16 * i, p.E - 1)) * p.tokens + (token - b * p.tokens);
-  }
-  const uint32_t a_dst = a_col / 64 * 8192 + swizzle_128b(a_row, a_col % 64 * 2);
-  // B: W^T's rows (patch columns) col0 .. col0 + kTileN - 1.
-  const SwizzledRowCopies<T, kTileN, kThreads> b_copies(wt, p.K, p.ldw, col0);
+  const int k_tiles = (p.E + kTileK - 1) / kTileK;
 
   auto load_slice = [&](int kt, int slot) {
-    const uint32_t slot_base = base + slot * kSlot;
-    const int e0 = kt * kTileK;
+    if (threadIdx.x != 0) return;
+    const uint32_t slot_base = base + slot * kSlot, bar = landed.arm(slot, kSlot);
+    const int c0 = kt * kTileK;
     if constexpr (kTokensIn) {
-      a_rows.copy(slot_base, e0);
+      tma_load(slot_base, x_map, bar, c0, static_cast<int>(m0));
     } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const bool valid = e0 + a_row + 16 * i < p.E;
-        cp_async<16>(slot_base + a_dst + 16 * i * 128, a_src[i] + (valid ? int64_t{e0} * p.tokens : 0), valid);
+      for (int h = 0; h < 2; ++h) {  // a tile past the end re-reads the last 64 tokens (never stored)
+        const int64_t token = min(m0 + 64 * h, p.rows - 64), b = token / p.tokens;
+        tma_load(slot_base + h * 8192, x_map, bar, static_cast<int>(token - b * p.tokens), c0, static_cast<int>(b));
       }
     }
-    b_copies.copy(slot_base + kSlotA, e0);
+#pragma unroll
+    for (int h = 0; h < kTileN / 64; ++h) tma_load(slot_base + kSlotA + h * 8192, w_map, bar, col0 + 64 * h, c0);
   };
 
   const int wg = warp / 4, wq = warp % 4;
@@ -91,7 +87,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
   for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
 
-  wgmma_main_loop<kStages>(k_tiles, load_slice, [&](int slot) {
+  wgmma_main_loop<kStages>(k_tiles, load_slice, [&](int kt) { landed.wait(kt); }, [&](int slot) {
     fence_accumulators(acc);
     const uint32_t slot_base = base + slot * kSlot;
     wgmma_fence();
@@ -99,7 +95,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int t = 0; t < kTileK / 16; ++t) {
       // A: K-major steps 32 bytes along a row; M-major ones 2048 bytes (16 rows of channels).
       const uint32_t a = slot_base + (kTokensIn ? wg * 64 * 128 + 32 * t : wg * 8192 + 2048 * t);
-      wgmma_ss<T, kTileN, !kTokensIn>(acc, smem_descriptor_128b(a), smem_descriptor_128b(slot_base + kSlotA + 32 * t));
+      const uint64_t b = smem_descriptor_128b(slot_base + kSlotA + 2048 * t, 8192);
+      wgmma_ss<T, kTileN, !kTokensIn, true>(acc, smem_descriptor_128b(a), b);
     }
     wgmma_commit();
     fence_accumulators(acc);
@@ -140,36 +137,56 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
+// The tensor maps of x (tokens [rows, C_in] or channels-first [B, C_in, N]) and w [C_in, K], both
+// contiguous; false where TMA cannot read them (16-byte rows) or a coordinate would overflow.
+bool encode_maps(const Problem& p, bool tokens, const at::Tensor& x, const at::Tensor& w, CUtensorMap& x_map,
+                 CUtensorMap& w_map) {
+  const uint64_t C_in = p.E, K = p.K, N = p.tokens, rows = p.rows;
+  if (rows >= (uint64_t{1} << 31) || K % 8 || (tokens ? C_in % 8 : N % 64)) return false;
+  const uint64_t w_dims[2] = {K, C_in}, w_strides[1] = {K * 2};
+  const uint32_t w_box[2] = {64, kTileK};
+  if (!encode_tensor_map(w_map, w.const_data_ptr(), 2, w_dims, w_strides, w_box)) return false;
+  if (tokens) {
+    const uint64_t dims[2] = {C_in, rows}, strides[1] = {C_in * 2};
+    const uint32_t box[2] = {kTileK, kTileM};
+    return encode_tensor_map(x_map, x.const_data_ptr(), 2, dims, strides, box);
+  }
+  const uint64_t dims[3] = {N, C_in, rows / N}, strides[2] = {N * 2, C_in * N * 2};
+  const uint32_t box[3] = {64, kTileK, 1};
+  return encode_tensor_map(x_map, x.const_data_ptr(), 3, dims, strides, box);
+}
+
 template <typename T, bool kTokensIn, int kRun>
-bool launch(const Problem& p, const at::Tensor& x, const at::Tensor& wt, const std::optional<at::Tensor>& bias,
+bool launch(const Problem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
             const at::Tensor& y5) {
-  constexpr int smem = 1024 + kStages * kSlot;
+  constexpr int smem = 1024 + kStages * kSlot + kStages * 8;
   static_assert(kTileN / kRun * kStagePitch * kRun * 2 <= kStages * kSlot);
   if (smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
+  CUtensorMap x_map, w_map;
+  if (!encode_maps(p, kTokensIn, x, w, x_map, w_map)) return false;
   auto kernel = implicit_unembed_kernel_sm90<T, kTokensIn, kRun>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.K + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      p, static_cast<const T*>(x.const_data_ptr()), static_cast<const T*>(wt.const_data_ptr()),
-      bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr, static_cast<T*>(y5.data_ptr()));
+      p, x_map, w_map, bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr, static_cast<T*>(y5.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
 
 template <typename T>
-bool launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x, const at::Tensor& wt,
+bool launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias, const at::Tensor& y5) {
-  if (p.kw == 4) return tokens ? launch<T, true, 4>(p, x, wt, bias, y5) : launch<T, false, 4>(p, x, wt, bias, y5);
-  return tokens ? launch<T, true, 2>(p, x, wt, bias, y5) : launch<T, false, 2>(p, x, wt, bias, y5);
+  if (p.kw == 4) return tokens ? launch<T, true, 4>(p, x, w, bias, y5) : launch<T, false, 4>(p, x, w, bias, y5);
+  return tokens ? launch<T, true, 2>(p, x, w, bias, y5) : launch<T, false, 2>(p, x, w, bias, y5);
 }
 
 }  // namespace
 
-bool implicit_unembed_sm90(const Problem& p, bool tokens, const at::Tensor& x, const at::Tensor& wt,
+bool implicit_unembed_sm90(const Problem& p, bool tokens, const at::Tensor& x, const at::Tensor& w,
                            const std::optional<at::Tensor>& bias, const at::Tensor& y5) {
 #ifdef PATCHGEMM_SM90A
-  return y5.scalar_type() == at::kHalf ? launch_for_layout<__half>(tokens, p, x, wt, bias, y5)
-                                       : launch_for_layout<__nv_bfloat16>(tokens, p, x, wt, bias, y5);
+  return y5.scalar_type() == at::kHalf ? launch_for_layout<__half>(tokens, p, x, w, bias, y5)
+                                       : launch_for_layout<__nv_bfloat16>(tokens, p, x, w, bias, y5);
 #else
   return false;
 #endif

@@ -5,13 +5,16 @@
 // the token ranges and partial sums) does for kw = 2 on mma.sync.
 //
 // A block: 128 patch columns x kTileN (128 or 192) embeddings over a range of tokens (the
-// reduction), two warpgroups of 64 columns each, over wgmma_main_loop's cp.async pipeline of 64-token
+// reduction), two warpgroups of 64 columns each, over wgmma_main_loop's pipeline of 64-token
 // slices, every operand a 128B-swizzled tile read by descriptor:
 //   - patches (A = P^T): a token's 64 columns of a warpgroup are one 128-byte row, copied as 8- or
 //     4-element runs of x: an M-major tile, [token][column].
-//   - grad_y channels-first [B, E, N] (B): rows are embeddings, 64 tokens each, K-major; copied in
-//     pieces of 8 or 4 tokens of one sample (N % 8 or N % 4 == 0).
-//   - grad_y tokens [B*N, E] (B): rows are tokens, each 64 embeddings of one 8 KB block: N-major.
+//   - grad_y channels-first [B, E, N] (B): rows are embeddings, 64 tokens each, K-major; one TMA
+//     copy (tma.cuh) per slice where N % 64 == 0 (a slice's tokens then share a sample), else
+//     cp.async pieces of 8 or 4 tokens of one sample (N % 8 or N % 4 == 0).
+//   - grad_y tokens [B*N, E] (B): rows are tokens, each 64 embeddings of one 8 KB block: N-major;
+//     one TMA copy (tma.cuh) per block, issued by one thread. Tokens past the range read whatever
+//     grad_y holds there: their patches (A) are zeros.
 // The result leaves through shared memory as rows of dW [E, K]: the output dtype where one block
 // covers all tokens, fp32 partial sums otherwise.
 #include <ATen/ATen.h>
@@ -26,6 +29,7 @@
 
 #include "cuda/implicit_patch.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 
 namespace patchgemm {
@@ -76,18 +80,25 @@ struct Slot {
   static constexpr int kA = kTileM * 128, kB = kTileN * 128, kBytes = kA + kB;  // 1024-byte multiples
 };
 
-// kDyPiece: tokens per copy of channels-first grad_y (8 or 4); 0: grad_y is tokens. kRun: elements
-// per copy of x (8 or 4).
+// kDyPiece: tokens per copy of channels-first grad_y (64: a slice's by TMA; 8 or 4 by cp.async); 0:
+// grad_y is tokens (by TMA). kRun: elements per copy of x (8 or 4).
 template <typename T, int kTileN, int kDyPiece, int kRun>
 __global__ void __launch_bounds__(kThreads, 1)
-    implicit_weight_grad_kernel_sm90(Problem p, const T* __restrict__ x, const T* __restrict__ dy, int64_t chunk,
-                                     bool partial, void* __restrict__ out) {
+    implicit_weight_grad_kernel_sm90(Problem p, const T* __restrict__ x, const T* __restrict__ dy,
+                                     const __grid_constant__ CUtensorMap dy_map, int64_t chunk, bool partial,
+                                     void* __restrict__ out) {
 #ifdef PATCHGEMM_HAS_WGMMA
   using S = Slot<kTileN>;
-  constexpr bool kTokensDy = kDyPiece == 0;
+  constexpr bool kTokensDy = kDyPiece == 0, kDyByTma = kDyPiece == 0 || kDyPiece == kTileK;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;  // the launch adds the slack
   unsigned char* smem = smem_raw + (base - raw);
+  const SlotBarriers<kStages> dy_landed{base + kStages * S::kBytes};  // grad_y's TMA copies
+  if constexpr (kDyByTma) {
+    dy_landed.init();
+    if (threadIdx.x == 0) prefetch_tensor_map(dy_map);
+    __syncthreads();
+  }
 
   const int tiles_n = (p.E + kTileN - 1) / kTileN, tiles_m = (p.K + kTileM - 1) / kTileM;
   const int e0 = static_cast<int>(blockIdx.x % tiles_n) * kTileN;
@@ -115,37 +126,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     run_dst[i] = column / 64 * 8192 + swizzle_128b(a_token, column % 64 * 2);
   }
 
-  // B, channels-first: piece b_piece of embedding rows b_row + kRowStep i. Tokens: pieces of 8
-  // embeddings, u = threadIdx.x + kThreads i: token u / kPiecesN, embeddings u % kPiecesN * 8 ...
-  constexpr int kPiecesK = kTokensDy ? 1 : kTileK / kDyPiece;  // pieces per embedding row
-  constexpr int kPiecesN = kTileN / 8;                         // pieces per token row
+  // B, channels-first by cp.async: piece b_piece of embedding rows b_row + kRowStep i.
+  constexpr int kPiecesK = kDyByTma ? 1 : kTileK / kDyPiece;  // pieces per embedding row
   constexpr int kRowStep = kThreads / kPiecesK;
-  constexpr int kCopiesB = kTokensDy ? kTileK * kPiecesN / kThreads : kTileN / kRowStep;
-  static_assert(kCopiesB * kThreads == kTileN * kTileK / (kTokensDy ? 8 : kDyPiece));
+  constexpr int kCopiesB = kDyByTma ? 0 : kTileN / kRowStep;
+  static_assert(kDyByTma || kCopiesB * kThreads * kDyPiece == kTileN * kTileK);
   const int b_piece = threadIdx.x % kPiecesK, b_row = threadIdx.x / kPiecesK;
-  int64_t b_offset[kCopiesB];  // channels-first: row offsets; tokens: offsets from the slice's token
-  uint32_t b_dst[kCopiesB];
-  bool b_valid[kCopiesB];
+  int64_t b_offset[kCopiesB > 0 ? kCopiesB : 1];  // row offsets
+  uint32_t b_dst[kCopiesB > 0 ? kCopiesB : 1];
+  bool b_valid[kCopiesB > 0 ? kCopiesB : 1];
 #pragma unroll
   for (int i = 0; i < kCopiesB; ++i) {
-    if constexpr (kTokensDy) {
-      const int u = threadIdx.x + kThreads * i, token = u / kPiecesN, col = u % kPiecesN * 8;
-      b_valid[i] = e0 + col < p.E;  // E % 8 == 0
-      b_offset[i] = int64_t{token} * p.E + (b_valid[i] ? e0 + col : 0);
-      b_dst[i] = col / 64 * 8192 + swizzle_128b(token, col % 64 * 2);
-    } else {
-      const int row = b_row + kRowStep * i;
-      b_valid[i] = e0 + row < p.E;
-      b_offset[i] = int64_t{b_valid[i] ? e0 + row : 0} * p.tokens;
-      b_dst[i] = swizzle_128b(row, b_piece * kDyPiece * 2);
-    }
+    const int row = b_row + kRowStep * i;
+    b_valid[i] = e0 + row < p.E;
+    b_offset[i] = int64_t{b_valid[i] ? e0 + row : 0} * p.tokens;
+    b_dst[i] = swizzle_128b(row, b_piece * kDyPiece * 2);
   }
 
   // The slices' tokens: this thread's A token and channels-first B piece, stepped kTileK at a time
   // (load_slice runs for slices 0, 1, 2, ... in order).
   const unsigned gd = p.tokens / (p.gh * p.gw);
   const TokenCursor step(p, kTileK);
-  TokenCursor a_at(p, t_begin + a_token), b_at(p, t_begin + b_piece * (kTokensDy ? 0 : kDyPiece));
+  TokenCursor a_at(p, t_begin + a_token), b_at(p, t_begin + b_piece * (kDyByTma ? 0 : kDyPiece));
 
   auto load_slice = [&](int kt, int slot) {
     const uint32_t slot_base = base + slot * S::kBytes;
@@ -160,12 +162,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       a_at.advance(p, step, gd);
     }
     if constexpr (kTokensDy) {
-      const bool full = t0 + kTileK <= t_end;
+      if (threadIdx.x == 0) {
+        const uint32_t bar = dy_landed.arm(slot, S::kB);
 #pragma unroll
-      for (int i = 0; i < kCopiesB; ++i) {
-        const int token = (threadIdx.x + kThreads * i) / kPiecesN;
-        const bool valid = b_valid[i] && (full || t0 + token < t_end);
-        cp_async<16>(slot_base + S::kA + b_dst[i], dy + (valid ? int64_t{t0} * p.E + b_offset[i] : 0), valid);
+        for (int h = 0; h < kTileN / 64; ++h) tma_load(slot_base + S::kA + h * 8192, dy_map, bar, e0 + 64 * h, t0);
+      }
+    } else if constexpr (kDyByTma) {  // the slice's 64 tokens, of one sample
+      if (threadIdx.x == 0) {
+        const int b = t0 / p.tokens;
+        tma_load(slot_base + S::kA, dy_map, dy_landed.arm(slot, S::kB), t0 - b * p.tokens, e0, b);
       }
     } else {  // a piece's tokens share a sample: N % kDyPiece == 0
       const bool valid = t0 + b_piece * kDyPiece < t_end;
@@ -183,7 +188,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
 
-  wgmma_main_loop<kStages>(k_tiles, load_slice, [&](int slot) {
+  auto landed = [&](int kt) {
+    if constexpr (kDyByTma) dy_landed.wait(kt);
+  };
+  wgmma_main_loop<kStages>(k_tiles, load_slice, landed, [&](int slot) {
     fence_accumulators(acc);
     const uint32_t slot_base = base + slot * S::kBytes;
     wgmma_fence();
@@ -232,14 +240,27 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <typename T, int kTileN, int kDyPiece, int kRun>
 bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_t splits, int64_t chunk,
             const at::Tensor& out) {
-  constexpr int smem = 1024 + kStages * Slot<kTileN>::kBytes;
+  constexpr int smem = 1024 + kStages * Slot<kTileN>::kBytes + kStages * 8;
   static_assert(kTileN * kStagePitch * 4 <= kStages * Slot<kTileN>::kBytes);
   if (smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
+  // grad_y's tensor map: tokens [rows, E] in 64 x 64 boxes; channels-first [B, E, N] in boxes of
+  // kTileN embeddings x 64 tokens.
+  CUtensorMap dy_map{};
+  const uint64_t E = p.E, N = p.tokens, rows = p.rows;
+  if constexpr (kDyPiece == 0) {
+    const uint64_t dims[2] = {E, rows}, strides[1] = {E * 2};
+    const uint32_t box[2] = {64, kTileK};
+    if (!encode_tensor_map(dy_map, dy.const_data_ptr(), 2, dims, strides, box)) return false;
+  } else if constexpr (kDyPiece == kTileK) {
+    const uint64_t dims[3] = {N, E, rows / N}, strides[2] = {N * 2, E * N * 2};
+    const uint32_t box[3] = {kTileK, kTileN, 1};
+    if (!encode_tensor_map(dy_map, dy.const_data_ptr(), 3, dims, strides, box)) return false;
+  }
   auto kernel = implicit_weight_grad_kernel_sm90<T, kTileN, kDyPiece, kRun>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t blocks = splits * ((p.K + kTileM - 1) / kTileM) * ((p.E + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      p, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(dy.const_data_ptr()), chunk,
+      p, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(dy.const_data_ptr()), dy_map, chunk,
       out.scalar_type() == at::kFloat, out.data_ptr());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
@@ -249,7 +270,9 @@ template <typename T, int kTileN, int kRun>
 bool launch_for_layout(int dy_piece, const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_t splits,
                        int64_t chunk, const at::Tensor& out) {
   switch (dy_piece) {
-    case 8: return launch<T, kTileN, 8, kRun>(p, x5, dy, splits, chunk, out);
+    case 8:  // a slice's 64 tokens of one sample by TMA where N allows, else pieces of 8
+      return p.tokens % kTileK == 0 && chunk % kTileK == 0 ? launch<T, kTileN, kTileK, kRun>(p, x5, dy, splits, chunk, out)
+                                                          : launch<T, kTileN, 8, kRun>(p, x5, dy, splits, chunk, out);
     case 4: return launch<T, kTileN, 4, kRun>(p, x5, dy, splits, chunk, out);
     default: return launch<T, kTileN, 0, kRun>(p, x5, dy, splits, chunk, out);
   }

@@ -151,45 +151,11 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uin
 #endif
 }
 
-// A K-major operand's copies for the wgmma kernels: rows row0 .. row0 + kRows - 1 of m [rows, ld]
-// (ld a multiple of 8, m 16-byte aligned) in 64-element slices, each into a 128B-swizzled tile of
-// kRows 128-byte rows. Rows past `rows` and columns past ld read zeros (without loads: clamped rows
-// would all hit one line). Thread t copies 16-byte piece t % 8 of rows t / 8 + (kThreads / 8) i.
-template <typename T, int kRows, int kThreads>
-struct SwizzledRowCopies {
-  static constexpr int kCopies = kRows * 8 / kThreads;
-  static_assert(kRows * 8 % kThreads == 0 && kThreads / 8 % 8 == 0);  // one swizzled column per thread
-  const T* src[kCopies];
-  bool valid[kCopies];
-  uint32_t dst;  // from the tile's start
-  int col, ld;
-
-  __device__ __forceinline__ SwizzledRowCopies(const T* m, int64_t rows, int ld_, int64_t row0)
-      : col(threadIdx.x % 8 * 8), ld(ld_) {
-    const int row = threadIdx.x / 8;
-#pragma unroll
-    for (int i = 0; i < kCopies; ++i) {
-      const int64_t r = row0 + row + kThreads / 8 * i;
-      valid[i] = r < rows;
-      src[i] = m + (valid[i] ? r : 0) * ld + col;
-    }
-    dst = swizzle_128b(row, col * 2);
-  }
-
-  // The slice of columns k0 .. k0 + 63 into the tile at shared address `tile` (1024-byte aligned).
-  __device__ __forceinline__ void copy(uint32_t tile, int k0) const {
-    const bool in = k0 + col < ld;
-#pragma unroll
-    for (int i = 0; i < kCopies; ++i) {
-      cp_async<16>(tile + dst + kThreads / 8 * i * 128, src[i] + (in ? k0 : 0), in && valid[i]);
-    }
-  }
-};
-
-// The wgmma kernels' main loop over k_tiles 64-wide K slices: a kStages-deep cp.async pipeline
-// whose copies run kStages - 2 slices ahead. load_slice(k_tile, slot) issues a slice's copies into
-// a shared-memory slot (called for k tiles 0, 1, 2, ... in order); multiply(slot) issues the
-// slice's wgmmas as one committed group (after fence_accumulators and wgmma_fence).
+// The wgmma kernels' main loop over k_tiles 64-wide K slices: a kStages-deep pipeline whose copies
+// (cp.async, TMA) run kStages - 2 slices ahead. load_slice(k_tile, slot) issues a slice's copies
+// into a shared-memory slot (called for k tiles 0, 1, 2, ... in order); landed(k_tile) waits for
+// its TMA copies (tma.cuh: SlotBarriers::wait); multiply(slot) issues the slice's wgmmas as one
+// committed group (after fence_accumulators and wgmma_fence).
 //   - Operands in shared memory: a warpgroup issues slice kt's group, then slice kt + kStages - 2's
 //     copies while the tensor cores run it, then waits for group kt - 1. At the next barrier every
 //     group up to kt - 1 is done, so the slot the copies then refill (kt - 1's) is free.
@@ -197,8 +163,9 @@ struct SwizzledRowCopies {
 //     group (ptxas would serialize the wgmmas), so a warpgroup issues the copies first, then waits
 //     for group kt - 1, then multiplies; the tensor cores work through kt - 1 meanwhile.
 // Returns with every wgmma and copy done and a barrier passed (shared memory may be reused).
-template <int kStages, bool kRegisterA = false, typename LoadSlice, typename Multiply>
-__device__ __forceinline__ void wgmma_main_loop(int k_tiles, LoadSlice&& load_slice, Multiply&& multiply) {
+template <int kStages, bool kRegisterA = false, typename LoadSlice, typename Landed, typename Multiply>
+__device__ __forceinline__ void wgmma_main_loop(int k_tiles, LoadSlice&& load_slice, Landed&& landed,
+                                                Multiply&& multiply) {
   constexpr int kAhead = kStages - 2;
 #pragma unroll
   for (int s = 0; s < kAhead; ++s) {
@@ -207,6 +174,7 @@ __device__ __forceinline__ void wgmma_main_loop(int k_tiles, LoadSlice&& load_sl
   }
   for (int kt = 0; kt < k_tiles; ++kt) {
     cp_async_wait<kAhead - 1>();
+    landed(kt);
     fence_proxy_async();
     __syncthreads();  // slice kt landed for all; every warpgroup is done with slice kt - 2's slot
     if constexpr (!kRegisterA) multiply(kt % kStages);

@@ -1,0 +1,109 @@
+// Hopper's tensor memory accelerator (TMA) for the wgmma kernels. The host encodes a tensor map (a
+// strided view of global memory and the box one copy moves); one thread then lands a whole operand
+// tile in shared memory, in the tensor cores' 128B swizzle, with one instruction, and an mbarrier per
+// pipeline slot says when its bytes have arrived. The cp.async copies it replaces cost every thread a
+// 16-byte copy and its 64-bit address arithmetic each (bench/RESULTS.md, session 9: that arithmetic
+// is what the wgmma kernels stall on).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+#include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace patchgemm {
+namespace cuda {
+
+// Encodes `map` for the 16-bit tensor at `base` with `rank` dimensions, innermost first: sizes
+// `dims`, byte strides of dimensions 1.. `strides` (multiples of 16), and `box` elements per copy
+// (box[0] * 2 <= 128 bytes: one swizzled row). Elements outside the tensor read as zeros. false
+// where the driver refuses it (callers fall back to their cp.async kernels).
+inline bool encode_tensor_map(CUtensorMap& map, const void* base, int rank, const uint64_t* dims,
+                              const uint64_t* strides, const uint32_t* box) {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (!encode || reinterpret_cast<uintptr_t>(base) % 16 || box[0] * 2 > 128) return false;
+  for (int d = 0; d + 1 < rank; ++d) {
+    if (strides[d] % 16) return false;
+  }
+  const uint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, rank, const_cast<void*>(base), dims, strides, box,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ uint64_t tensor_map_address(const CUtensorMap& map) {
+  return reinterpret_cast<uint64_t>(&map);
+}
+
+// Fetches the map's descriptor ahead of the first copy (it otherwise comes in with that copy).
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map_address(map)) : "memory");
+}
+
+// The box at coordinates (c0, c1[, c2]) of `map` into shared memory at `dst` (1024-byte aligned),
+// completing its bytes on the mbarrier at `bar`.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap& map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(tensor_map_address(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap& map, uint32_t bar, int c0, int c1,
+                                         int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst),
+      "l"(tensor_map_address(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// One mbarrier per pipeline slot (8 bytes each, from the shared address `base`). Thread 0 arms the
+// slot for a slice's bytes before issuing its copies; the slice's use of the slot, kt / kSlots, is
+// the phase every thread waits for.
+template <int kSlots>
+struct SlotBarriers {
+  uint32_t base;
+
+  // Thread 0 initializes; a block barrier must follow before any use.
+  __device__ __forceinline__ void init() const {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kSlots; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(base + 8 * s));
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+  }
+
+  // Arms slot `slot` to expect `bytes` and returns its barrier for the copies.
+  __device__ __forceinline__ uint32_t arm(int slot, uint32_t bytes) const {
+    const uint32_t bar = base + 8 * slot;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    return bar;
+  }
+
+  // Waits until slice kt's bytes have landed in its slot.
+  __device__ __forceinline__ void wait(int kt) const {
+    asm volatile(
+        "{\n.reg .pred landed;\nwait_slot:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 landed, [%0], %1;\n"
+        "@!landed bra wait_slot;\n}\n" ::"r"(base + 8 * (kt % kSlots)),
+        "r"((kt / kSlots) & 1)
+        : "memory");
+  }
+};
+#endif
+
+}  // namespace cuda
+}  // namespace patchgemm
