@@ -196,7 +196,7 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
   }
   at::Tensor y = at::empty(cf_shape, x.options());
 #ifdef PATCHGEMM_WITH_CUDA
-  // 16-bit: patches of at most 64 elements take the fused tiny kernel (tiny_patch_gemm.cu), thin
+  // Patches of at most 64 elements take the fused tiny kernel (tiny_patch_gemm.cu), 16-bit thin
   // GEMMs with kw even the implicit GEMM (implicit_patch_gemm.cu, which says where it runs):
   // neither materializes the patch matrix.
   const FusedKernels fused = g_fused_kernels;

@@ -48,8 +48,8 @@ def main():
                     bias_out = torch.randn(shape[1], dtype=dtype, device="cuda")
                     u = patchgemm.patch_unembed(y.detach(), w.detach(), bias_out, in_format=out_format, grid=grid)
                     assert torch.isfinite(u).all()
-    # the fused tiny-patch kernels (K <= 64, 16-bit): full and partial token tiles, any strides
-    for dtype in (torch.bfloat16, torch.float16):
+    # the fused tiny-patch kernels (K <= 64; 16-bit and fp32): full and partial token tiles, any strides
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for shape, kernel, embed in [((2, 4, 16, 16, 16), (2, 2, 2), 32), ((3, 1, 6, 10, 16), (2, 2, 2), 48),
                                      ((2, 2, 512), (8,), 16)]:
             for memory in ("contiguous", "channels_last"):

@@ -419,8 +419,9 @@ def test_gpu_gather_scatter_tilings(dtype, shape, kernel, memory):
         assert_close_to_ref(u, CONV_T[len(kernel)](z.double(), w_t.double(), b_t.double(), stride=kernel), dtype)
 
 
-# Patches of at most 64 elements (16-bit, channels-first output) run the fused kernel of
-# csrc/cuda/tiny_patch_gemm.cu: (x shape, kernel, E), with full and partial token tiles.
+# Patches of at most 64 elements (channels-first output) run the fused kernel of
+# csrc/cuda/tiny_patch_gemm.cu (16-bit on tensor cores, fp32 on FMA units): (x shape, kernel, E),
+# with full and partial token tiles.
 TINY = [((2, 4, 16, 16, 16), (2, 2, 2), 32),  # P3-like: K = 32
         ((3, 1, 6, 10, 16), (2, 2, 2), 48),   # K = 8; 120 tokens: one partial tile per sample
         ((2, 3, 32, 64), (4, 4), 64),         # 2-D, K = 48
@@ -437,7 +438,7 @@ def cuda_kernels_run(fn):
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape,kernel,embed", TINY)
 @pytest.mark.parametrize("memory", ["contiguous", "channels_last", "every_other"])
 @pytest.mark.parametrize("has_bias", [True, False])

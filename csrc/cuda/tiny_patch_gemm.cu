@@ -8,7 +8,9 @@
 // converts in registers, and stages its 16 x 64 outputs in its own shared-memory slice so the
 // stores to y are whole 128-byte rows of 16-byte vectors. The instruction count per output stays
 // near one (a first version with WMMA and fp32 staging was issue-bound at twice the time of the
-// unfused path). fp32 stays on cuBLAS (tensor cores would mean TF32).
+// unfused path). fp32 takes the same structure on FMA units (tensor cores would mean TF32): the tile
+// gathered as P^T [K][token], each warp 8 embeddings x 128 tokens, 4 tokens a lane, so P^T and y
+// move in float4s and W^T's 8 values per k are two broadcast float4s.
 #include <ATen/ATen.h>
 
 #include "patchify.h"
@@ -28,6 +30,7 @@ bool tiny_embed(const at::Tensor&, const at::Tensor&, const std::optional<at::Te
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/mma.cuh"
 
@@ -162,13 +165,84 @@ __global__ void __launch_bounds__(kThreads) tiny_embed_kernel(Volume v, const T*
 #endif
 }
 
+// fp32: y[b, e, t0 + t] = W[e] . P[t] + bias[e] on FMA units. A block's tile of kTileTokens tokens is
+// gathered as P^T [Kp][kTileTokens] (each thread one token and half its K, so a warp's stores are
+// one row); a warp unit is kF32Rows embeddings x kTileTokens tokens, lane l the 4 tokens 4 l ..
+// (float4 loads of P^T and stores of y: whole 512-byte rows per warp), W^T [Kp][E] read as
+// broadcast float4s.
+constexpr int kF32Rows = 8;
+
+__global__ void __launch_bounds__(kThreads) tiny_embed_kernel_f32(Volume v, const float* __restrict__ x,
+                                                                  const float* __restrict__ w, int E,
+                                                                  const float* __restrict__ bias,
+                                                                  float* __restrict__ y) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* Wt = reinterpret_cast<float*>(smem);  // [Kp][E]
+  float* Pt = Wt + v.Kp * E;                   // [Kp][kTileTokens]
+  int64_t* k_off = reinterpret_cast<int64_t*>(Pt + v.Kp * kTileTokens);
+  for (int i = threadIdx.x; i < E * v.Kp; i += kThreads) {
+    const int k = i / E, e = i % E;
+    Wt[i] = k < v.K ? w[e * v.K + k] : 0.f;
+  }
+  for (int k = threadIdx.x; k < v.K; k += kThreads) {
+    const int l = k % v.kw, j = k / v.kw % v.kh, i = k / (v.kw * v.kh) % v.kd, c = k / (v.kw * v.kh * v.kd);
+    k_off[k] = c * v.stride[1] + i * v.stride[2] + j * v.stride[3] + l * v.stride[4];
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t per_sample = (v.tokens + kTileTokens - 1) / kTileTokens, tiles = v.batch * per_sample;
+  constexpr int kLanesPerToken = kThreads / kTileTokens;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t b = tile / per_sample;
+    const int t0 = static_cast<int>(tile % per_sample) * kTileTokens;
+    const int count = min(kTileTokens, v.tokens - t0);
+    __syncthreads();  // W^T and k_off ready; the last tile's units are done with Pt
+    {
+      const int t = threadIdx.x % kTileTokens, n = t0 + t, first = threadIdx.x / kTileTokens;
+      const int nw = n % v.gw, nh = n / v.gw % v.gh, nd = n / v.gw / v.gh;
+      const float* origin = x + b * v.stride[0] + int64_t{nd} * v.kd * v.stride[2] +
+                            int64_t{nh} * v.kh * v.stride[3] + int64_t{nw} * v.kw * v.stride[4];
+      for (int k = first; k < v.Kp; k += kLanesPerToken) {
+        Pt[k * kTileTokens + t] = t < count && k < v.K ? origin[k_off[k]] : 0.f;
+      }
+    }
+    __syncthreads();
+    for (int e0 = warp * kF32Rows; e0 < E; e0 += kWarps * kF32Rows) {
+      float acc[kF32Rows][4] = {};
+      const float* p = Pt + 4 * lane;
+      const float* wk = Wt + e0;
+#pragma unroll 4
+      for (int k = 0; k < v.K; ++k, p += kTileTokens, wk += E) {
+        const float4 pv = *reinterpret_cast<const float4*>(p);
+        const float4 w_lo = *reinterpret_cast<const float4*>(wk), w_hi = *reinterpret_cast<const float4*>(wk + 4);
+        const float we[kF32Rows] = {w_lo.x, w_lo.y, w_lo.z, w_lo.w, w_hi.x, w_hi.y, w_hi.z, w_hi.w};
+#pragma unroll
+        for (int r = 0; r < kF32Rows; ++r) {
+          acc[r][0] = fmaf(we[r], pv.x, acc[r][0]);
+          acc[r][1] = fmaf(we[r], pv.y, acc[r][1]);
+          acc[r][2] = fmaf(we[r], pv.z, acc[r][2]);
+          acc[r][3] = fmaf(we[r], pv.w, acc[r][3]);
+        }
+      }
+      if (4 * lane >= count) continue;  // count % 4 == 0: N % 8 == 0
+#pragma unroll
+      for (int r = 0; r < kF32Rows; ++r) {
+        const float bv = bias ? bias[e0 + r] : 0.f;
+        *reinterpret_cast<float4*>(y + (b * E + e0 + r) * v.tokens + t0 + 4 * lane) =
+            make_float4(acc[r][0] + bv, acc[r][1] + bv, acc[r][2] + bv, acc[r][3] + bv);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
                 const PatchGeometry& g, const at::Tensor& y) {
   const int64_t E = w2.size(0), K = g.patch_size(), N = g.tokens();
-  if ((x5.scalar_type() != at::kHalf && x5.scalar_type() != at::kBFloat16) || g.levels.size() != 1 || K == 0 ||
-      K > kMaxPatch || E % 16 || E > 512 || N % 8 || N > INT_MAX || g.batch * E * N == 0 || !y.is_contiguous() ||
+  const auto dtype = x5.scalar_type();
+  const bool f32 = dtype == at::kFloat;
+  if ((dtype != at::kHalf && dtype != at::kBFloat16 && !f32) || g.levels.size() != 1 || K == 0 || K > kMaxPatch ||
+      E % (f32 ? kF32Rows : 16) || E > 512 || N % 8 || N > INT_MAX || g.batch * E * N == 0 || !y.is_contiguous() ||
       reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 ||
       at::cuda::getDeviceProperties(x5.get_device())->major < 8) {
     return false;
@@ -193,10 +267,17 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
   const c10::cuda::CUDAGuard guard(y.device());
   const at::Tensor w = w2.contiguous();
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  const int64_t smem = (E + kTileTokens) * (v.Kp + 8) * 2 + kWarps * 16 * kStagePitch * 4 + kMaxPatch * 8;
+  const int64_t smem = f32 ? (E + kTileTokens) * v.Kp * 4 + kMaxPatch * 8
+                           : (E + kTileTokens) * (v.Kp + 8) * 2 + kWarps * 16 * kStagePitch * 4 + kMaxPatch * 8;
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = tiny_embed_kernel<T>;
+    constexpr auto kernel = [] {
+      if constexpr (std::is_same_v<T, float>) {
+        return tiny_embed_kernel_f32;
+      } else {
+        return tiny_embed_kernel<T>;
+      }
+    }();
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     int per_sm = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
@@ -209,7 +290,8 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
   };
-  return x5.scalar_type() == at::kHalf ? run(__half{}) : run(__nv_bfloat16{});
+  if (f32) return run(float{});
+  return dtype == at::kHalf ? run(__half{}) : run(__nv_bfloat16{});
 }
 
 }  // namespace cuda
