@@ -6,6 +6,8 @@
 // is what the wgmma kernels stall on).
 #pragma once
 
+// NVIDIA only: the kernels that include this (*_sm90.cu) are compiled out on ROCm.
+#ifndef USE_ROCM
 #include <cuda.h>  // CUtensorMap
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
@@ -107,3 +109,4 @@ struct SlotBarriers {
 
 }  // namespace cuda
 }  // namespace patchgemm
+#endif  // USE_ROCM
