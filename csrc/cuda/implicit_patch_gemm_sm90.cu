@@ -68,7 +68,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
   const SlotBarriers<kStages> w_landed{base + kStages * S::kBytes};
-  int64_t* token_origin = reinterpret_cast<int64_t*>(smem + kStages * S::kBytes + kStages * 8);  // [kTileM] (not pair-major)
+  // [kTileM] (not pair-major)
+  int64_t* token_origin = reinterpret_cast<int64_t*>(smem + kStages * S::kBytes + kStages * 8);
   int* run_offset = reinterpret_cast<int*>(token_origin + kTileM);  // [k_tiles * kRuns]; -1: past K
 
   const int tiles_n = (p.E + kTileN - 1) / kTileN;

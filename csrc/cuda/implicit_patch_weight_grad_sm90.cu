@@ -271,8 +271,9 @@ bool launch_for_layout(int dy_piece, const Problem& p, const at::Tensor& x5, con
                        int64_t chunk, const at::Tensor& out) {
   switch (dy_piece) {
     case 8:  // a slice's 64 tokens of one sample by TMA where N allows, else pieces of 8
-      return p.tokens % kTileK == 0 && chunk % kTileK == 0 ? launch<T, kTileN, kTileK, kRun>(p, x5, dy, splits, chunk, out)
-                                                          : launch<T, kTileN, 8, kRun>(p, x5, dy, splits, chunk, out);
+      return p.tokens % kTileK == 0 && chunk % kTileK == 0
+                 ? launch<T, kTileN, kTileK, kRun>(p, x5, dy, splits, chunk, out)
+                 : launch<T, kTileN, 8, kRun>(p, x5, dy, splits, chunk, out);
     case 4: return launch<T, kTileN, 4, kRun>(p, x5, dy, splits, chunk, out);
     default: return launch<T, kTileN, 0, kRun>(p, x5, dy, splits, chunk, out);
   }

@@ -54,6 +54,22 @@ struct Volume {
   int unit;               // elements per load: 2 (pairs along w) or 1
 };
 
+// Offset in x of the first element of sample b's token n's patch.
+__device__ __forceinline__ int64_t patch_start(const Volume& v, int64_t b, int n) {
+  const int nw = n % v.gw, nh = n / v.gw % v.gh, nd = n / v.gw / v.gh;
+  return b * v.stride[0] + int64_t{nd} * v.kd * v.stride[2] + int64_t{nh} * v.kh * v.stride[3] +
+         int64_t{nw} * v.kw * v.stride[4];
+}
+
+// k_off[k]: the offset of patch element k = (c, i, j, l) from the patch's first element, for every
+// k < K (the block's threads share the work; a barrier must follow).
+__device__ __forceinline__ void fill_element_offsets(int64_t* k_off, const Volume& v) {
+  for (int k = threadIdx.x; k < v.K; k += blockDim.x) {
+    const int l = k % v.kw, j = k / v.kw % v.kh, i = k / (v.kw * v.kh) % v.kd, c = k / (v.kw * v.kh * v.kd);
+    k_off[k] = c * v.stride[1] + i * v.stride[2] + j * v.stride[3] + l * v.stride[4];
+  }
+}
+
 // P[t, 0..Kp) for the tile's tokens (row pitch ldp): thread t % 128 owns token t and walks the
 // patch in units (pairs along w where the layout allows), so a warp reads runs along w.
 template <typename T>
@@ -69,9 +85,7 @@ __device__ __forceinline__ void gather_patches(T* P, int ldp, const T* __restric
     }
     return;
   }
-  const int n = t0 + t, nw = n % v.gw, nh = n / v.gw % v.gh, nd = n / v.gw / v.gh;
-  const T* origin = x + b * v.stride[0] + int64_t{nd} * v.kd * v.stride[2] + int64_t{nh} * v.kh * v.stride[3] +
-                    int64_t{nw} * v.kw * v.stride[4];
+  const T* origin = x + patch_start(v, b, t0 + t);
   if (v.unit == 2) {
     constexpr int kBatch = 8;
     for (int u0 = first; u0 < units; u0 += kLanesPerToken * kBatch) {
@@ -110,10 +124,7 @@ __global__ void __launch_bounds__(kThreads) tiny_embed_kernel(Volume v, const T*
     const int e = i / v.Kp, k = i % v.Kp;
     Ws[e * ldw + k] = k < v.K ? w[e * v.K + k] : zero<T>();
   }
-  for (int k = threadIdx.x; k < v.K; k += kThreads) {
-    const int l = k % v.kw, j = k / v.kw % v.kh, i = k / (v.kw * v.kh) % v.kd, c = k / (v.kw * v.kh * v.kd);
-    k_off[k] = c * v.stride[1] + i * v.stride[2] + j * v.stride[3] + l * v.stride[4];
-  }
+  fill_element_offsets(k_off, v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   uint32_t* my_stage = stage + warp * 16 * kStagePitch;
   const int64_t per_sample = (v.tokens + kTileTokens - 1) / kTileTokens, tiles = v.batch * per_sample;
@@ -184,10 +195,7 @@ __global__ void __launch_bounds__(kThreads) tiny_embed_kernel_f32(Volume v, cons
     const int k = i / E, e = i % E;
     Wt[i] = k < v.K ? w[e * v.K + k] : 0.f;
   }
-  for (int k = threadIdx.x; k < v.K; k += kThreads) {
-    const int l = k % v.kw, j = k / v.kw % v.kh, i = k / (v.kw * v.kh) % v.kd, c = k / (v.kw * v.kh * v.kd);
-    k_off[k] = c * v.stride[1] + i * v.stride[2] + j * v.stride[3] + l * v.stride[4];
-  }
+  fill_element_offsets(k_off, v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t per_sample = (v.tokens + kTileTokens - 1) / kTileTokens, tiles = v.batch * per_sample;
   constexpr int kLanesPerToken = kThreads / kTileTokens;
@@ -197,10 +205,8 @@ __global__ void __launch_bounds__(kThreads) tiny_embed_kernel_f32(Volume v, cons
     const int count = min(kTileTokens, v.tokens - t0);
     __syncthreads();  // W^T and k_off ready; the last tile's units are done with Pt
     {
-      const int t = threadIdx.x % kTileTokens, n = t0 + t, first = threadIdx.x / kTileTokens;
-      const int nw = n % v.gw, nh = n / v.gw % v.gh, nd = n / v.gw / v.gh;
-      const float* origin = x + b * v.stride[0] + int64_t{nd} * v.kd * v.stride[2] +
-                            int64_t{nh} * v.kh * v.stride[3] + int64_t{nw} * v.kw * v.stride[4];
+      const int t = threadIdx.x % kTileTokens, first = threadIdx.x / kTileTokens;
+      const float* origin = x + patch_start(v, b, t0 + t);
       for (int k = first; k < v.Kp; k += kLanesPerToken) {
         Pt[k * kTileTokens + t] = t < count && k < v.K ? origin[k_off[k]] : 0.f;
       }
@@ -283,7 +289,8 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
     if (per_sm == 0) return false;
     const int64_t tiles = g.batch * ((N + kTileTokens - 1) / kTileTokens);
-    const int64_t blocks = std::min<int64_t>(tiles, int64_t{per_sm} * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+    const int64_t blocks =
+        std::min<int64_t>(tiles, int64_t{per_sm} * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
     kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
         v, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(w.const_data_ptr()), static_cast<int>(E),
         bias ? static_cast<const T*>(b.const_data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()));
