@@ -322,13 +322,18 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
     return sum_for_bias_grad(dy, {0, 1});
   };
 #ifdef PATCHGEMM_WITH_CUDA
-  // 16-bit, kw = 2: the implicit GEMM reads the patches from x (implicit_patch_weight_grad.cu, which
-  // says where it runs).
+  // 16-bit, kw = 2: patches of at most 64 elements take the fused kernel (tiny_patch_weight_grad.cu: one
+  // pass over grad_y and x, the bias gradient included); larger ones the implicit GEMM, which reads
+  // the patches from x (implicit_patch_weight_grad.cu, which says where it runs).
   const FusedKernels fused = g_fused_kernels;
   if (!view && x.is_cuda() && fused != FusedKernels::kNever) {
     const bool dy_tokens = tokens || N == 1;  // else dy is [B, E, N] transposed
-    if (const auto grad_w = cuda::implicit_weight_grad(dy_tokens ? dy : dy.transpose(1, 2), dy_tokens, x5, g,
-                                                       embed, fused == FusedKernels::kAlways)) {
+    const at::Tensor dy_arg = dy_tokens ? dy : dy.transpose(1, 2);
+    if (const auto tiny = cuda::tiny_weight_grad(dy_arg, dy_tokens, x5, g, embed, with_bias)) {
+      const auto& [grad_w, grad_b] = *tiny;
+      return {grad_w.view(w_shape), with_bias ? grad_b : at::empty({0}, x.options())};
+    }
+    if (const auto grad_w = cuda::implicit_weight_grad(dy_arg, dy_tokens, x5, g, embed, fused == FusedKernels::kAlways)) {
       return {grad_w->view(w_shape), bias_grad()};
     }
   }

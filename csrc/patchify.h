@@ -10,6 +10,7 @@
 
 #include <array>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace patchgemm {
@@ -70,6 +71,14 @@ bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional
 // in global memory. false where it does not apply (the caller then gathers and runs the GEMM).
 bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
                 const PatchGeometry& g, const at::Tensor& y);
+
+// The fused weight gradient for patches of at most 64 elements, 16-bit dtypes, kw = 2
+// (tiny_patch_weight_grad.cu): (dW [E, K], dbias [E] or undefined) of patch_embed(x5, ...) for grad_y,
+// tokens [B, N, E] or channels-first [B, E, N], E <= 256, reading grad_y and x once. nullopt where
+// it does not apply (the caller then gathers and runs the GEMM).
+std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Tensor& grad_y, bool tokens,
+                                                                   const at::Tensor& x5, const PatchGeometry& g,
+                                                                   int64_t E, bool with_bias);
 
 // The implicit-GEMM embedding for 16-bit dtypes, kw even, w contiguous (implicit_patch_gemm.cu):
 // y = patch_embed(x5, w2 [E, K], bias) as tokens [B, N, E] or channels-first [B, E, N] (contiguous),

@@ -606,8 +606,88 @@ def test_gpu_implicit_weight_grad_kernel(fused_always, implicit_wgmma, dtype, sh
         applies = implicit_wgmma and (embed % 8 == 0 if tokens else n % 4 == 0)
     else:
         applies = kernel[-1] == 2 and (embed % 8 == 0 if tokens else n % 8 == 0)
+        applies = applies and not tiny_weight_grad_applies(xs, kernel, embed, tokens)
+        assert ("tiny_weight_grad_kernel" in ran) == tiny_weight_grad_applies(xs, kernel, embed, tokens), ran
     assert ("implicit_weight_grad_kernel" in ran) == applies, ran
     assert ("implicit_weight_grad_kernel_sm90" in ran) == (applies and kernel[-1] % 4 == 0), ran
+    for g, r, name in zip(out["g"], want, ["grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+
+
+def tiny_weight_grad_applies(x, kernel, embed, tokens):
+    """Whether the weight gradient of patch_embed(x) takes csrc/cuda/tiny_patch_weight_grad.cu: 16-bit,
+    kw = 2, K <= 64, E <= 256 and even, 16-byte pieces of grad_y (tokens: E % 8 == 0; channels-first
+    N % 8 == 0), grid rows of 4k tokens, 16-byte aligned runs of x."""
+    grid = [s // k for s, k in zip(x.shape[2:], kernel)]
+    aligned = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(
+        st % 8 == 0 for st, sz in zip(x.stride()[:-1], x.shape[:-1]) if sz > 1)
+    return (x.dtype in (torch.bfloat16, torch.float16) and kernel[-1] == 2 and x.shape[1] * math.prod(kernel) <= 64
+            and embed <= 256 and embed % 2 == 0 and (embed % 8 == 0 if tokens else math.prod(grid) % 8 == 0)
+            and grid[-1] % 4 == 0 and aligned)
+
+
+# 16-bit patches of at most 64 elements with kw = 2 take the fused weight gradient of
+# csrc/cuda/tiny_patch_weight_grad.cu (with the bias gradient as one more tile): (x shape, kernel, E)
+# covering K = 32 and 64 (one and four 16-row tiles), K = 12 (a partial tile), E = 256 (four 8-wide
+# tiles per warp), E = 200 and 36 (n-tiles past E; 36: channels-first only), N = 120 (a partial
+# last slice per sample), N = 24 (less than one slice), 1-D/2-D/3-D, and one that does not apply
+# (kw = 4: gather + GEMM).
+TINY_DW = [((2, 4, 16, 16, 16), (2, 2, 2), 192),  # P3-like: K = 32
+           ((3, 1, 6, 10, 16), (2, 2, 2), 48),    # K = 8, N = 120
+           ((2, 8, 8, 8, 16), (2, 2, 2), 200),    # K = 64, E = 200
+           ((2, 4, 4, 6, 8), (2, 2, 2), 36),      # N = 24, E = 36
+           ((2, 3, 32, 64), (2, 2), 64),          # 2-D, K = 12
+           ((2, 16, 1024), (2,), 256),            # 1-D, K = 32, E = 256
+           ((2, 4, 8, 16), (4, 4), 64)]           # kw = 4: not this kernel
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,embed", TINY_DW)
+@pytest.mark.parametrize("memory", ["contiguous", "cropped"])
+@pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_tiny_weight_grad_kernel(dtype, shape, kernel, embed, memory, out_format, has_bias):
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=embed, bias=has_bias)
+    xs = cropped(x) if memory == "cropped" else x.clone()
+    params = [w.requires_grad_()] + ([b.requires_grad_()] if has_bias else [])
+    w64 = w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_() if has_bias else None
+    ref = CONV[len(kernel)](x.double(), w64, b64, stride=kernel)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    want = torch.autograd.grad(ref, [w64] + ([b64] if has_bias else []), dy.double())
+    tokens = out_format == "tokens"
+    y = patchgemm.patch_embed(xs, w, b, out_format=out_format)
+    poison_allocator(4 * w.numel() * 64, "cuda")
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, params, conv_tokens(dy) if tokens else dy)))
+    assert ("tiny_weight_grad_kernel" in ran) == tiny_weight_grad_applies(xs, kernel, embed, tokens), ran
+    if kernel == (2, 2, 2) and embed in (192, 48):
+        assert "tiny_weight_grad_kernel" in ran  # the cases the rule is for must not silently fall back
+    for g, r, name in zip(out["g"], want, ["grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_format", ["channels_first", "tokens"])
+def test_gpu_tiny_weight_grad_of_unembed(dtype, in_format):
+    """U2-like: ConvTranspose3d(C_in, 4, 2)'s weight gradient is the tiny kernel with x and grad_y
+    swapped (K = 4 * 2^3 = 32 patch elements of grad_y, E = C_in)."""
+    x = randn(2, 96, 4, 8, 16, dtype=dtype, device="cuda")
+    w = randn(96, 4, 2, 2, 2, dtype=dtype, device="cuda") / math.sqrt(96)
+    b = randn(4, dtype=dtype, device="cuda")
+    tokens = in_format == "tokens"
+    xs = conv_tokens(x).contiguous() if tokens else x
+    w.requires_grad_(), b.requires_grad_()
+    y = patchgemm.patch_unembed(xs, w, b, in_format=in_format, grid=[4, 8, 16] if tokens else None)
+    dy = randn(*y.shape, dtype=dtype, device="cuda")
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, [w, b], dy)))
+    assert "tiny_weight_grad_kernel" in ran, ran
+    w64, b64 = w.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = F.conv_transpose3d(x.double(), w64, b64, stride=2)
+    want = torch.autograd.grad(ref, [w64, b64], dy.double())
     for g, r, name in zip(out["g"], want, ["grad_weight", "grad_bias"]):
         assert_close_to_ref(g, r, dtype, name)
 
