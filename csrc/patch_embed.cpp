@@ -260,13 +260,17 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor y = at::empty(y_shape, x.options());
   const int64_t K = g.patch_size(), align = row_alignment(x);
 #ifdef PATCHGEMM_WITH_CUDA
-  // 16-bit, kw = 2: the implicit GEMM scatters its tiles into y from the epilogue
-  // (implicit_patch_unembed.cu, which says where it runs).
+  // 16-bit, kw even: patches of at most 64 elements take the fused kernel (tiny_patch_unembed.cu: x
+  // read once, y written once); larger ones (kw = 2, or 4 on Hopper) the implicit GEMM, which
+  // scatters its tiles into y from the epilogue (implicit_patch_unembed.cu, which says where it runs).
   const FusedKernels fused = g_fused_kernels;
-  if (x.is_cuda() && fused != FusedKernels::kNever &&
-      cuda::implicit_unembed(tokens ? x : x.reshape({g.batch, in_channels, g.tokens()}), tokens,
-                             weight.reshape({in_channels, K}), bias, g, to_5d(y), fused == FusedKernels::kAlways)) {
-    return y;
+  if (x.is_cuda() && fused != FusedKernels::kNever) {
+    const at::Tensor x_arg = tokens ? x : x.reshape({g.batch, in_channels, g.tokens()});
+    const at::Tensor w2 = weight.reshape({in_channels, K});
+    if (cuda::tiny_unembed(x_arg, tokens, w2, bias, g, to_5d(y)) ||
+        cuda::implicit_unembed(x_arg, tokens, w2, bias, g, to_5d(y), fused == FusedKernels::kAlways)) {
+      return y;
+    }
   }
 #endif
   at::Tensor q = at::empty({g.batch, g.tokens(), (K + align - 1) / align * align}, x.options());

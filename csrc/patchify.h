@@ -80,6 +80,13 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Ten
                                                                    const at::Tensor& x5, const PatchGeometry& g,
                                                                    int64_t E, bool with_bias);
 
+// The fused unembedding for patches of at most 64 elements, 16-bit dtypes, kw even
+// (tiny_patch_unembed.cu): y5 (g's volume, contiguous) = patch_unembed(x, w2 [C_in, K], bias) for x
+// tokens [B, N, C_in] or channels-first [B, C_in, N], C_in <= 256, reading x once and writing y
+// once. false where it does not apply (the caller then runs GEMM -> scatter).
+bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
+                  const PatchGeometry& g, const at::Tensor& y5);
+
 // The implicit-GEMM embedding for 16-bit dtypes, kw even, w contiguous (implicit_patch_gemm.cu):
 // y = patch_embed(x5, w2 [E, K], bias) as tokens [B, N, E] or channels-first [B, E, N] (contiguous),
 // the patches read from x inside the GEMM. false where it does not apply or, unless `always`, where

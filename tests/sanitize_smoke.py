@@ -49,7 +49,7 @@ def main():
                     u = patchgemm.patch_unembed(y.detach(), w.detach(), bias_out, in_format=out_format, grid=grid)
                     assert torch.isfinite(u).all()
     # the fused tiny-patch kernels (K <= 64; 16-bit and fp32): full and partial token tiles, any strides;
-    # the 16-bit weight gradient (kw = 2) of the embedding and of the unembedding
+    # the 16-bit weight gradient (kw = 2) of the embedding and of the unembedding, and the unembedding
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for shape, kernel, embed in [((2, 4, 16, 16, 16), (2, 2, 2), 32), ((3, 1, 6, 10, 16), (2, 2, 2), 48),
                                      ((2, 2, 512), (8,), 16)]:
@@ -66,10 +66,12 @@ def main():
                 u = patchgemm.patch_unembed(y.detach().requires_grad_(), w, bias_out)
                 grads_u = torch.autograd.grad(u, [w], torch.randn_like(u))
                 assert all(torch.isfinite(t).all() for t in (y, *grads, u, *grads_u))
-                if dtype != torch.float32:  # the fused weight gradient with tokens grad_y
+                if dtype != torch.float32:  # the fused weight gradient and unembedding with tokens
                     y = patchgemm.patch_embed(x, w, b, out_format="tokens")
                     grads = torch.autograd.grad(y, [w, b], torch.randn_like(y))
-                    assert all(torch.isfinite(t).all() for t in grads)
+                    grid = [s // k for s, k in zip(shape[2:], kernel)]
+                    u = patchgemm.patch_unembed(y.detach(), w, bias_out, in_format="tokens", grid=grid)
+                    assert all(torch.isfinite(t).all() for t in (*grads, u))
     # the implicit-GEMM embedding (16-bit, kw even; its wgmma and mma.sync kernels on a 9.0 GPU): runs
     # of 2, 4 and 8, partial tiles, padded K; its weight gradient (kw = 2 on mma.sync, kw % 4 = 0 on
     # wgmma, runs of 8 or 4: grad_y in pieces of 8 or 4 tokens (N = 12), over many token ranges (3 x 8 x 40^3), or as

@@ -692,6 +692,51 @@ def test_gpu_tiny_weight_grad_of_unembed(dtype, in_format):
         assert_close_to_ref(g, r, dtype, name)
 
 
+def tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens):
+    """Whether patch_unembed takes csrc/cuda/tiny_patch_unembed.cu: 16-bit, kw even, K <= 64, C_in <= 256,
+    16-byte pieces of x (tokens: C_in % 8 == 0; channels-first: N % 8 == 0)."""
+    return (dtype in (torch.bfloat16, torch.float16) and kernel[-1] % 2 == 0
+            and out_channels * math.prod(kernel) <= 64 and c_in <= 256
+            and (c_in % 8 == 0 if tokens else math.prod(grid) % 8 == 0))
+
+
+# 16-bit unembeddings of patches of at most 64 elements with kw even take the fused kernel of
+# csrc/cuda/tiny_patch_unembed.cu: (x shape [B, C_in, *grid], kernel, C_out) covering K = 32 and 64
+# (two and four n-tiles per warp), C_in = 256 and 40 (a padded reduction), N = 120 and 200 (partial
+# last slices), C_in = 5 (channels-first only), kw = 4, 1-D/2-D/3-D, and one that does not apply
+# (K = 72: GEMM -> scatter or the implicit GEMM).
+TINY_UNEMBED = [((2, 96, 4, 8, 16), (2, 2, 2), 4),   # U2-like: K = 32
+                ((2, 256, 2, 4, 8), (2, 2, 2), 8),   # K = 64, C_in = 256
+                ((3, 40, 3, 5, 8), (2, 2, 2), 6),    # C_in = 40, N = 120, K = 48
+                ((2, 24, 8, 16), (2, 4), 3),         # 2-D, kw = 4, K = 24
+                ((2, 16, 200), (2,), 20),            # 1-D, N = 200, K = 40
+                ((2, 5, 2, 2, 4), (2, 3, 2), 4),     # C_in = 5: channels-first only, K = 48
+                ((2, 32, 4, 4, 8), (2, 2, 2), 9)]    # K = 72: not this kernel
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,out_channels", TINY_UNEMBED)
+@pytest.mark.parametrize("in_format", ["channels_first", "tokens"])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_tiny_unembed_kernel(dtype, shape, kernel, out_channels, in_format, has_bias):
+    c_in, grid = shape[1], list(shape[2:])
+    x = randn(*shape, dtype=dtype, device="cuda")
+    w = randn(c_in, out_channels, *kernel, dtype=dtype, device="cuda") / math.sqrt(c_in)
+    b = randn(out_channels, dtype=dtype, device="cuda") if has_bias else None
+    tokens = in_format == "tokens"
+    xs = conv_tokens(x).contiguous() if tokens else x
+    ref = CONV_T[len(kernel)](x.double(), w.double(), b.double() if has_bias else None, stride=kernel)
+    poison_allocator(2 * math.prod(ref.shape), "cuda")
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(
+        y=patchgemm.patch_unembed(xs, w, b, in_format=in_format, grid=grid if tokens else None)))
+    assert ("tiny_unembed_kernel" in ran) == tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens), ran
+    if kernel == (2, 2, 2) and out_channels <= 8:
+        assert "tiny_unembed_kernel" in ran  # the cases the kernel is for must not silently fall back
+    assert_close_to_ref(out["y"], ref, dtype)
+
+
 # 16-bit unembeddings with kw = 2 (and so patch_embed's input gradients) run the implicit GEMM of
 # csrc/cuda/implicit_patch_unembed.cu (on a 9.0 GPU, its wgmma version, which takes kw = 4 too and
 # reads by TMA: channels-first x with N % 64 == 0, K % 8 == 0; the tests run both): (x shape
@@ -712,7 +757,7 @@ IMPLICIT_UNEMBED = [((2, 192, 4, 8, 8), (2, 2, 2), 192),  # P4's input gradient:
                     ((2, 32, 256), (4,), 48),             # kw = 4, 1-D
                     ((2, 64, 2, 4, 5), (4, 4, 4), 8),     # kw = 4, grid rows of 5 tokens
                     ((3, 64, 2, 4, 8), (4, 4, 4), 24),    # kw = 4, N = 64, 192 tokens: half a last tile
-                    ((2, 32, 8, 16), (2, 2), 5)]          # K = 20: no TMA (rows of 40 bytes)
+                    ((2, 32, 8, 16), (2, 2), 17)]         # K = 68: no TMA (rows of 136 bytes)
 
 
 @needs_gpu
@@ -741,6 +786,7 @@ def test_gpu_implicit_unembed_kernel(fused_always, implicit_wgmma, dtype, shape,
         applies = applies and grid[-1] % 2 == 0
     tma = out_channels * math.prod(kernel) % 8 == 0 and (tokens or math.prod(grid) % 64 == 0)
     wgmma = applies and implicit_wgmma and tma
+    assert not tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens)  # (the fused kernel's cases)
     assert ("implicit_unembed_kernel" in ran) == (wgmma or (applies and kernel[-1] == 2)), ran
     assert ("implicit_unembed_kernel_sm90" in ran) == wgmma, ran
     assert_close_to_ref(out["y"], ref, dtype)

@@ -27,6 +27,19 @@ struct Problem {
   int64_t rows;        // B * tokens
 };
 
+// n / d for 0 <= n < 2^31 by a multiply-high (Granlund and Montgomery), for coordinates that change
+// every pipeline slice: integer division is a long instruction sequence.
+struct FastDiv {
+  uint32_t d, mul, shift;
+  explicit FastDiv(uint32_t divisor) : d(divisor), shift(0) {
+    while ((uint64_t{1} << shift) < d) ++shift;
+    mul = static_cast<uint32_t>((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d) / d + 1);
+  }
+  __device__ __forceinline__ int operator()(int n) const {
+    return static_cast<int>((__umulhi(static_cast<uint32_t>(n), mul) + static_cast<uint32_t>(n)) >> shift);
+  }
+};
+
 // Offset in x of the first element of token `row`'s patch.
 __device__ __forceinline__ int64_t patch_origin(const Problem& p, int64_t row) {
   const int64_t b = row / p.tokens;

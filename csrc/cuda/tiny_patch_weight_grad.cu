@@ -50,19 +50,6 @@ constexpr int kMaxK = 64, kMaxE = 256;  // up to 4 m-tiles of 16 patch columns, 
 constexpr int kPairPitch = kSlice + 8;  // words; = 8 mod 32: conflict-free 64-bit fragment loads
 constexpr int kRowPitch = kSlice + 8;   // elements of a channels-first grad_y row (144 bytes)
 
-// n / d for 0 <= n < 2^31 by a multiply-high (Granlund and Montgomery): the slice and token
-// coordinates change every slice, and integer division is a long instruction sequence.
-struct FastDiv {
-  uint32_t d, mul, shift;
-  explicit FastDiv(uint32_t divisor) : d(divisor), shift(0) {
-    while ((uint64_t{1} << shift) < d) ++shift;
-    mul = static_cast<uint32_t>((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d) / d + 1);
-  }
-  __device__ __forceinline__ int operator()(int n) const {
-    return static_cast<int>((__umulhi(static_cast<uint32_t>(n), mul) + static_cast<uint32_t>(n)) >> shift);
-  }
-};
-
 // A block's tile: kTilesM x 16 patch columns (K padded up) by kTilesN x 64 embeddings (E padded up:
 // warp w owns the n-tiles w, w + 8, ...), both fixed at compile time so the inner loop has no
 // bounds checks (padding rows are zeroed once and never loaded).
