@@ -117,13 +117,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kRunStep = kThreads / kTileK;                // between one thread's runs
   const int a_token = threadIdx.x / kPair % kTileK;
   const int a_run = threadIdx.x / (kPair * kTileK) * kPair + threadIdx.x % kPair;
-  int run_offset[kRunsA];
-  uint32_t run_dst[kRunsA];
+  // Run i's column is (a_run + kRunStep i) kRun, in warpgroup column / 64's tile. Its swizzled
+  // destination is run 0's with a compile-time XOR and step: a_run kRun < kRunStep kRun, which
+  // divides 64, so the terms never carry (as a table the compiler recomputed it every slice).
+  static_assert(64 % (kRunStep * kRun) == 0 && kRunStep * kRun * 2 <= 128);
+  const uint32_t a_dst0 = swizzle_128b(a_token, a_run * kRun * 2);
+  auto run_dst = [&](int i) {
+    return (a_dst0 ^ (2 * kRunStep * kRun * i % 128)) + kRunStep * kRun * i / 64 * 8192;
+  };
+  int run_offset[kRunsA];  // 0 past K, where run_valid's bit i is clear
+  unsigned run_valid = 0;
 #pragma unroll
   for (int i = 0; i < kRunsA; ++i) {
-    const int column = (a_run + kRunStep * i) * kRun;  // in the block: warpgroup column / 64's tile
-    run_offset[i] = col0 + column < p.K ? patch_offset(p, col0 + column) : -1;
-    run_dst[i] = column / 64 * 8192 + swizzle_128b(a_token, column % 64 * 2);
+    const int column = col0 + (a_run + kRunStep * i) * kRun;
+    run_offset[i] = column < p.K ? patch_offset(p, column) : 0;
+    run_valid |= unsigned{column < p.K} << i;
   }
 
   // B, channels-first by cp.async: piece b_piece of embedding rows b_row + kRowStep i.
@@ -157,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const T* origin = x + (valid ? a_at.origin(p) : 0);
 #pragma unroll
       for (int i = 0; i < kRunsA; ++i) {
-        cp_async<kRun * 2>(slot_base + run_dst[i], origin + max(run_offset[i], 0), valid && run_offset[i] >= 0);
+        cp_async<kRun * 2>(slot_base + run_dst(i), origin + run_offset[i], valid && (run_valid >> i & 1));
       }
       a_at.advance(p, step, gd);
     }
