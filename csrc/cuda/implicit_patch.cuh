@@ -1,7 +1,8 @@
 // What the implicit-GEMM patch kernels share (implicit_patch_gemm*.cu: the forward;
-// implicit_patch_weight_grad*.cu: the weight gradient; implicit_patch_unembed*.cu: the transpose):
-// where a token's patch and a patch element sit in x, the host-side checks that x's strides allow
-// reading patches as aligned runs, and the forward kernels' epilogue.
+// implicit_patch_weight_grad*.cu: the weight gradient; implicit_patch_unembed*.cu: the transpose),
+// and with them the tiny-patch weight gradient and transpose (tiny_patch_*.cu): where a token's
+// patch and a patch element sit in x, division-free index arithmetic, the host-side checks that
+// x's strides allow reading patches as aligned runs, and the forward kernels' epilogue.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -37,6 +38,31 @@ struct FastDiv {
   }
   __device__ __forceinline__ int operator()(int n) const {
     return static_cast<int>((__umulhi(static_cast<uint32_t>(n), mul) + static_cast<uint32_t>(n)) >> shift);
+  }
+};
+
+// The tiny-patch kernels' walk over a problem's slices (runs of kSlice tokens of one sample, the
+// last one of a sample possibly short): slices blockIdx.x, + gridDim.x, ... go to one block, so the
+// blocks running at once read neighbouring slices (whole DRAM pages rather than 128 bytes here and
+// there). Steps by mixed-radix addition: no divisions in the loop.
+template <int kSlice>
+struct SliceWalk {
+  int b, s;                        // the current slice: sample b, its slice s (tokens kSlice s ..)
+  int step_b, step_s, per_sample;  // gridDim.x slices as (samples, slices)
+
+  __device__ __forceinline__ explicit SliceWalk(const FastDiv& slices_per_sample) {
+    per_sample = static_cast<int>(slices_per_sample.d);
+    b = slices_per_sample(blockIdx.x), s = static_cast<int>(blockIdx.x) - b * per_sample;
+    step_b = slices_per_sample(gridDim.x), step_s = static_cast<int>(gridDim.x) - step_b * per_sample;
+  }
+  // How many slices of `slices` this block walks.
+  __device__ __forceinline__ static int count(int slices) {
+    return (slices - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
+  }
+  __device__ __forceinline__ int t0() const { return s * kSlice; }
+  __device__ __forceinline__ void next() {
+    s += step_s, b += step_b;
+    if (s >= per_sample) s -= per_sample, ++b;
   }
 };
 

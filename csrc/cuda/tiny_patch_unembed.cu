@@ -4,8 +4,8 @@
 // The GEMM is thin (K outputs per C_in inputs), so GEMM -> scatter moves the patch matrix through
 // HBM twice for nothing; here one kernel reads x once and writes y once.
 //
-// Every block owns round-robin 64-token slices of one sample (as tiny_patch_weight_grad.cu), copied
-// by a 4-stage cp.async pipeline; W^T [K][C_in] stays in shared memory. A slice is one product
+// Every block walks its share of the 64-token slices (SliceWalk, implicit_patch.cuh), copied by a
+// 4-stage cp.async pipeline; W^T [K][C_in] stays in shared memory. A slice is one product
 // Q [64 tokens, K] = X [64, C_in] @ W: 8 warps of mma.sync, warp w the 16 tokens of m-tile w % 4 and
 // half the patch's n-tiles, the whole C_in reduction. x channels-first [c][token] is read by
 // ldmatrix.trans, tokens [token][c] by ldmatrix. An accumulator pair (patch columns 2q, 2q + 1) is
@@ -84,34 +84,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();  // before any copy lands in a slot
 
-  const int k_tiles = (slices - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
-  const int slices_per_sample = static_cast<int>(per_sample.d);
-  int load_b = per_sample(blockIdx.x), load_s = static_cast<int>(blockIdx.x) - load_b * slices_per_sample;
-  int b = load_b, sl = load_s;  // the slice being stored
-  const int step_b = per_sample(gridDim.x), step_s = static_cast<int>(gridDim.x) - step_b * slices_per_sample;
-  auto advance = [&](int& sample, int& slice) {
-    slice += step_s, sample += step_b;
-    if (slice >= slices_per_sample) slice -= slices_per_sample, ++sample;
-  };
+  const int k_tiles = SliceWalk<kSlice>::count(slices);
+  SliceWalk<kSlice> loading(per_sample), storing(per_sample);  // the next slice to load, to store
 
   auto load_slice = [&](int slot) {
-    const int t0 = load_s * kSlice, count = min(kSlice, o.tokens - t0);
+    const int t0 = loading.t0(), count = min(kSlice, o.tokens - t0);
     const uint32_t dst = x_base + slot * s.slot_bytes;
     if constexpr (kTokensX) {  // rows of tokens, 16-byte pieces of 8 channels (C_in % 8 == 0)
       const int pieces = o.C_in / 8;
-      const T* rows = x + (int64_t{load_b} * o.tokens + t0) * o.C_in;
+      const T* rows = x + (int64_t{loading.b} * o.tokens + t0) * o.C_in;
       for (int i = threadIdx.x; i < kSlice * pieces; i += kThreads) {
         const int t = i / pieces, c = i % pieces * 8;
         cp_async<16>(dst + (t * s.x_pitch + c) * 2, t < count ? rows + t * o.C_in + c : x, t < count);
       }
     } else {  // rows of channels, 16-byte pieces of 8 tokens (N % 8 == 0)
       const int t = threadIdx.x % 8 * 8;
-      const T* row = x + (int64_t{load_b} * o.C_in + threadIdx.x / 8) * o.tokens + t0 + t;
+      const T* row = x + (int64_t{loading.b} * o.C_in + threadIdx.x / 8) * o.tokens + t0 + t;
       for (int c = threadIdx.x / 8; c < o.C_in; c += kThreads / 8, row += int64_t{kThreads / 8} * o.tokens) {
         cp_async<16>(dst + (c * kRowPitch + t) * 2, t < count ? row : x, t < count);
       }
     }
-    advance(load_b, load_s);
+    loading.next();
   };
 
   // This warp: tokens 16 mt .. of the slice, n-tiles nt0 .. nt0 + kTilesN - 1 (patch columns 8 n ..).
@@ -169,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // acc[j]: tokens 16 mt + g (c0, c1) and + 8 (c2, c3), patch columns 2q, 2q + 1 of n-tile nt0 + j.
-    const int t0 = sl * kSlice, count = min(kSlice, o.tokens - t0);
+    const int b = storing.b, t0 = storing.t0(), count = min(kSlice, o.tokens - t0);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = 16 * mt + g + 8 * half;
@@ -184,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             pack2<T>(acc[j][2 * half] + col_bias[j], acc[j][2 * half + 1] + col_bias[j]);
       }
     }
-    advance(b, sl);
+    storing.next();
   }
   cp_async_wait<0>();
 #endif

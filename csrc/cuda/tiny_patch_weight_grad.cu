@@ -7,8 +7,8 @@
 // each (gather -> cuBLAS writes and re-reads a patch matrix, re-reads grad_y for the bias, and
 // reduces per sample where grad_y is channels-first).
 //
-// Every block owns a contiguous range of 64-token slices (a slice never straddles two samples) and
-// the whole [E, K] output: 8 warps of mma.sync m16n8k16 over a kStages-deep cp.async pipeline
+// Every block walks its share of the 64-token slices (SliceWalk, implicit_patch.cuh; a slice never
+// straddles two samples) and owns the whole [E, K] output: 8 warps of mma.sync m16n8k16 over a kStages-deep cp.async pipeline
 // (pipelined_main_loop, mma.cuh), each warp the n-tiles w, w + 8, ... of E (balanced across the
 // four schedulers) against every m-tile of K. Operand A = P^T, pair-major as in
 // implicit_patch_weight_grad.cu: with kw = 2 a patch row (c, i, j) of a token is one 32-bit word of
@@ -76,13 +76,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  // Slices go round-robin over the blocks, so the blocks running at once read neighbouring slices
-  // (whole DRAM pages of grad_y's rows rather than 128 bytes here and there). This block's next
-  // slice is (b, s) of sample b; the step between them is (step_b, step_s).
-  const int k_tiles = (slices - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;
-  const int slices_per_sample = static_cast<int>(per_sample.d);
-  int b = per_sample(blockIdx.x), s = static_cast<int>(blockIdx.x) - b * slices_per_sample;
-  const int step_b = per_sample(gridDim.x), step_s = static_cast<int>(gridDim.x) - step_b * slices_per_sample;
+  const int k_tiles = SliceWalk<kSlice>::count(slices);
+  SliceWalk<kSlice> slice(per_sample);  // the next slice to load
 
   // The copies' fixed parts. P^T, pair-major: pairs a_pair + 16 i of tokens 4 a_group ..
   // 4 a_group + 3 (one grid row: gw % 4 == 0).
@@ -95,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int dy_t = threadIdx.x % 8 * 8;  // channels-first: tokens dy_t .. dy_t + 7 of rows threadIdx.x / 8 + 32 i
 
   auto load_slice = [&](int, int slot) {
-    const int t0 = s * kSlice, count = min(kSlice, p.tokens - t0);
+    const int b = slice.b, t0 = slice.t0(), count = min(kSlice, p.tokens - t0);
     const uint32_t a_dst = base + slot * S::kBytes, b_dst = a_dst + S::kBytesA;
     // Tokens past the sample read zeros without loads (0 * garbage could be NaN).
     {
@@ -129,8 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (e < p.E) cp_async<16>(b_dst + (e * kRowPitch + dy_t) * 2, valid ? row + int64_t{32 * i} * p.tokens : dy, valid);
       }
     }
-    s += step_s, b += step_b;
-    if (s >= slices_per_sample) s -= slices_per_sample, ++b;
+    slice.next();
   };
 
   // A fragment of m-tile mi: words [pair mi*8 + g][tokens 2q, 2q + 1] and [.. 2q + 8, 2q + 9]; its
