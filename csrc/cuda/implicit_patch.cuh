@@ -81,6 +81,21 @@ __device__ __forceinline__ int patch_offset(const Problem& p, int k) {
   return static_cast<int>(c * p.stride[1] + i * p.stride[2] + j * p.stride[3] + l);
 }
 
+// patch_offset without divisions, for kernels that take it per store: multiply-high divisions by
+// the patch's kw, kh and kd (built on the host). Also gives element k's channel.
+struct PatchDivs {
+  FastDiv kw, kh, kd;
+  explicit PatchDivs(const Problem& p)
+      : kw(static_cast<uint32_t>(p.kw)), kh(static_cast<uint32_t>(p.kh)), kd(static_cast<uint32_t>(p.kd)) {}
+
+  __device__ __forceinline__ int channel(int k) const { return kd(kh(kw(k))); }
+  __device__ __forceinline__ int offset(const Problem& p, int k) const {
+    const int r = kw(k), rr = kh(r), c = kd(rr);
+    const int l = k - r * p.kw, j = r - rr * p.kh, i = rr - c * p.kd;
+    return static_cast<int>(c * p.stride[1] + i * p.stride[2] + j * p.stride[3] + l);
+  }
+};
+
 // Whether runs of v elements of x5 are v-aligned wherever a patch row starts (the pointer and every
 // stride that moves, in elements).
 inline bool runs_aligned(const at::Tensor& x5, int v) {

@@ -47,7 +47,7 @@ constexpr int kStagePitch = kTileM + 8;
 // p describes y (the volume the patches tile) with p.E = C_in, the reduction. kRun = p.kw.
 template <typename T, bool kTokensIn, int kRun>
 __global__ void __launch_bounds__(kThreads, 2)
-    implicit_unembed_kernel_sm90(Problem p, const __grid_constant__ CUtensorMap x_map,
+    implicit_unembed_kernel_sm90(Problem p, PatchDivs divs, const __grid_constant__ CUtensorMap x_map,
                                  const __grid_constant__ CUtensorMap w_map, const T* __restrict__ bias,
                                  T* __restrict__ y) {
 #ifdef PATCHGEMM_HAS_WGMMA
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
   for (int j = 0; j < kTileN / 8; ++j) {
     const int column = 8 * j + 2 * q, run = column / kRun;
-    const float b = bias ? to_float(bias[min(col0 + column, p.K - 1) / (p.kd * p.kh * p.kw)]) : 0.f;
+    const float b = bias ? to_float(bias[divs.channel(min(col0 + column, p.K - 1))]) : 0.f;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int token = wg * 64 + wq * 16 + g + half * 8;
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int i = 0; i < kTileN / kRun / kRunStep; ++i) {
     const int run = first_run + kRunStep * i;
     if (col0 + kRun * run >= p.K) break;
-    *reinterpret_cast<uint4*>(origin + patch_offset(p, col0 + kRun * run)) =
+    *reinterpret_cast<uint4*>(origin + divs.offset(p, col0 + kRun * run)) =
         *reinterpret_cast<const uint4*>(stage + (run * kStagePitch + kGroup * group) * kWordsPerRun);
   }
 #endif
@@ -168,7 +168,8 @@ bool launch(const Problem& p, const at::Tensor& x, const at::Tensor& w, const st
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.K + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      p, x_map, w_map, bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr, static_cast<T*>(y5.data_ptr()));
+      p, PatchDivs(p), x_map, w_map, bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr,
+      static_cast<T*>(y5.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
