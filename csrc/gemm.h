@@ -20,10 +20,22 @@ void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
 
 // t summed over dims into t's dtype, accumulated in fp32 (fp64 for fp64): a bias gradient. CUDA's
 // reductions accumulate 16-bit sums in fp32 by themselves, in one kernel; CPU half sums do not
-// (~5e-3 off), so there the sum runs in the op-math type and is cast after.
+// (~5e-3 off), so there the sum runs in the op-math type and is cast after. A contiguous
+// channels-first t [B, C, *S] summed over all but C (a transpose's bias) sums its contiguous rows,
+// then over B: ATen's one reduction over dims {0, 2, ...} runs at ~1.2 TB/s on an H100 (U2's
+// 134 MB: 0.11 ms), rows at full bandwidth.
 inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
+  const at::ScalarType acc = at::toOpMathType(t.scalar_type());
+  bool all_but_channels = t.dim() >= 3 && t.is_contiguous() && static_cast<int64_t>(dims.size()) == t.dim() - 1;
+  for (size_t i = 0; i < dims.size() && all_but_channels; ++i) {
+    all_but_channels = dims[i] == (i == 0 ? 0 : static_cast<int64_t>(i) + 1);
+  }
+  if (all_but_channels) {
+    const int64_t rows = t.size(0) * t.size(1);
+    return t.view({t.size(0), t.size(1), rows ? t.numel() / rows : 0}).sum(2, false, acc).sum(0).to(t.scalar_type());
+  }
   if (t.is_cuda()) return t.sum(dims);
-  return t.sum(dims, false, at::toOpMathType(t.scalar_type())).to(t.scalar_type());
+  return t.sum(dims, false, acc).to(t.scalar_type());
 }
 
 // The strided view of a 3-D tensor, as the torch-free planner sees it.

@@ -39,6 +39,12 @@ struct FastDiv {
   __device__ __forceinline__ int operator()(int n) const {
     return static_cast<int>((__umulhi(static_cast<uint32_t>(n), mul) + static_cast<uint32_t>(n)) >> shift);
   }
+  // The quotient; the remainder in `rem`.
+  __device__ __forceinline__ int divmod(int n, int& rem) const {
+    const int q = (*this)(n);
+    rem = n - q * static_cast<int>(d);
+    return q;
+  }
 };
 
 // The tiny-patch kernels' walk over a problem's slices (runs of kSlice tokens of one sample, the
@@ -52,8 +58,8 @@ struct SliceWalk {
 
   __device__ __forceinline__ explicit SliceWalk(const FastDiv& slices_per_sample) {
     per_sample = static_cast<int>(slices_per_sample.d);
-    b = slices_per_sample(blockIdx.x), s = static_cast<int>(blockIdx.x) - b * per_sample;
-    step_b = slices_per_sample(gridDim.x), step_s = static_cast<int>(gridDim.x) - step_b * per_sample;
+    b = slices_per_sample.divmod(blockIdx.x, s);
+    step_b = slices_per_sample.divmod(gridDim.x, step_s);
   }
   // How many slices of `slices` this block walks.
   __device__ __forceinline__ static int count(int slices) {
@@ -90,8 +96,8 @@ struct PatchDivs {
 
   __device__ __forceinline__ int channel(int k) const { return kd(kh(kw(k))); }
   __device__ __forceinline__ int offset(const Problem& p, int k) const {
-    const int r = kw(k), rr = kh(r), c = kd(rr);
-    const int l = k - r * p.kw, j = r - rr * p.kh, i = rr - c * p.kd;
+    int l, j, i;
+    const int c = kd.divmod(kh.divmod(kw.divmod(k, l), j), i);
     return static_cast<int>(c * p.stride[1] + i * p.stride[2] + j * p.stride[3] + l);
   }
 };
@@ -104,6 +110,13 @@ inline bool runs_aligned(const at::Tensor& x5, int v) {
     if (x5.size(d) > 1 && x5.stride(d) % v) return false;
   }
   return true;
+}
+
+// t itself where it is one contiguous, 16-byte aligned block (what the kernels' 16-byte copies and
+// tensor maps read), else such a copy.
+inline at::Tensor contiguous_aligned(const at::Tensor& t) {
+  if (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0) return t;
+  return t.clone(at::MemoryFormat::Contiguous);
 }
 
 // The longest run of x5, 8, 4 or 2 elements, that divides kw and that runs_aligned allows; 0 if

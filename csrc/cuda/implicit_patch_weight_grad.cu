@@ -254,11 +254,7 @@ std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool to
   const int64_t chunk = ((p.rows + splits - 1) / splits + kTileK - 1) / kTileK * kTileK;
   splits = (p.rows + chunk - 1) / chunk;
   TORCH_CHECK(splits * tiles < INT_MAX, "patch_weight_grad: ", splits * tiles, " blocks is too many");
-  // A copy of grad_y (a fraction of x) where it is not one contiguous, aligned block.
-  at::Tensor dy = grad_y;
-  if (!dy.is_contiguous() || reinterpret_cast<uintptr_t>(dy.const_data_ptr()) % 16) {
-    dy = grad_y.clone(at::MemoryFormat::Contiguous);
-  }
+  const at::Tensor dy = contiguous_aligned(grad_y);  // (grad_y is a fraction of x)
   if (wgmma) {
     // One token range: the kernel writes dW itself.
     at::Tensor out = splits == 1 ? at::empty({E, K}, x5.options())

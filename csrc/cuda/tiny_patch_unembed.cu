@@ -167,7 +167,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int half = 0; half < 2; ++half) {
       const int t = 16 * mt + g + 8 * half;
       if (t >= count) continue;
-      const int n = t0 + t, r = gw(n), nd = gh(r), nh = r - nd * static_cast<int>(gh.d), nw = n - r * static_cast<int>(gw.d);
+      int nw, nh;
+      const int nd = gh.divmod(gw.divmod(t0 + t, nw), nh);
       T* origin = y + int64_t{b} * o.C_out * o.volume + int64_t{nd} * o.kd * o.plane + int64_t{nh} * o.kh * o.row +
                   nw * o.kw;
 #pragma unroll
@@ -213,11 +214,7 @@ bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const 
   if (slices >= INT_MAX || N >= INT_MAX) return false;
   const c10::cuda::CUDAGuard guard(y5.device());
   if (slices == 0) return true;  // y is empty
-  // x: [B, N, C_in] or [B, C_in, N], one contiguous, 16-byte aligned block (else one copy).
-  at::Tensor xc = x;
-  if (!xc.is_contiguous() || reinterpret_cast<uintptr_t>(xc.const_data_ptr()) % 16) {
-    xc = x.clone(at::MemoryFormat::Contiguous);
-  }
+  const at::Tensor xc = contiguous_aligned(x);  // [B, N, C_in] or [B, C_in, N]
   const at::Tensor w = w2.contiguous();
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
   Output o;

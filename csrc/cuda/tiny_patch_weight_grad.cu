@@ -94,8 +94,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t a_dst = base + slot * S::kBytes, b_dst = a_dst + S::kBytesA;
     // Tokens past the sample read zeros without loads (0 * garbage could be NaN).
     {
-      const int n = t0 + 4 * a_group, r = gw(n), nd = gh(r);
-      const int nh = r - nd * static_cast<int>(gh.d), nw = n - r * static_cast<int>(gw.d);
+      int nw, nh;
+      const int nd = gh.divmod(gw.divmod(t0 + 4 * a_group, nw), nh);
       const bool token_valid = 4 * a_group < count;
       const T* origin = x + b * p.stride[0] + int64_t{nd} * p.kd * p.stride[2] + int64_t{nh} * p.kh * p.stride[3] +
                         nw * p.kw;
@@ -241,10 +241,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Ten
   if (g.batch * N == 0 || E == 0) {
     return std::make_tuple(at::zeros({E, K}, x5.options()), with_bias ? at::zeros({E}, x5.options()) : at::Tensor());
   }
-  at::Tensor dy = grad_y;
-  if (!dy.is_contiguous() || reinterpret_cast<uintptr_t>(dy.const_data_ptr()) % 16) {
-    dy = grad_y.clone(at::MemoryFormat::Contiguous);
-  }
+  const at::Tensor dy = contiguous_aligned(grad_y);
   const int64_t slices = g.batch * ((N + kSlice - 1) / kSlice);
   if (slices >= INT_MAX) return std::nullopt;
   const int64_t blocks = std::min<int64_t>(slices, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
