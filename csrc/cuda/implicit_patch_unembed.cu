@@ -223,15 +223,17 @@ bool implicit_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, co
       !runs_aligned(y5, 8) || device->major < 8 || !make_problem(y5, g, C_in, p)) {
     return false;
   }
-  // The rule: implicit_pays (C_in is the thin dimension here), and a full 128-column tile. (The
-  // wgmma kernel is only 1.05x GEMM + scatter at C_in = 768 channels-first, 0.74x at 1536.)
-  if (!always && (K < kTileN || !implicit_pays(C_in, p.rows, *device))) return false;
+  // The rule: a full 128-column tile, and on wgmma any C_in (its persistent kernel against GEMM +
+  // scatter, H100: 1.25-2.1x at C_in 192 to 1536, bench/RESULTS.md session 12); the mma.sync kernel
+  // only where implicit_pays (C_in is the thin dimension here).
+  const bool mma_sync_pays = always || implicit_pays(C_in, p.rows, *device);
+  if (!always && (K < kTileN || !(wgmma || mma_sync_pays))) return false;
   if (p.rows == 0) return true;
   const c10::cuda::CUDAGuard guard(y5.device());
   const at::Tensor xc = contiguous_aligned(x);  // (x is a fraction of y)
   const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   if (wgmma && implicit_unembed_sm90(p, tokens, xc, w2.contiguous(), b, y5)) return true;
-  if (kw != 2) return false;
+  if (kw != 2 || !mma_sync_pays) return false;
   // W^T [K, C_in] with rows padded to 16 bytes (zero columns).
   at::Tensor wt = w2.t().contiguous();
   if (C_in % 8) wt = at::constant_pad_nd(wt, {0, 8 - C_in % 8});

@@ -4,9 +4,13 @@
 // forward's implicit_patch_gemm_sm90.cu. A patch row of y is a run of kw elements, and the runs of
 // consecutive tokens are adjacent: the epilogue stores 16 bytes = the runs of 8 / kw tokens.
 //
-// A block: 128 tokens x 128 patch columns, two warpgroups of 64 tokens each, two blocks per SM, over
-// wgmma_main_loop's pipeline of 64-channel slices. Both operands are plain strided matrices, so
-// each slice arrives by TMA (tma.cuh), issued by one thread, as 128B-swizzled tiles:
+// Persistent and warp-specialized, because the GEMM is short (C_in: 3 to 24 slices) and its output
+// large (y is 8x to 64x x): a block per SM walks tiles of 128 tokens x 192 patch columns. One
+// producer thread copies 64-channel slices by TMA (tma.cuh) into a kStages-deep ring of slots,
+// running ahead across tiles, while two consumer warpgroups (64 tokens each) multiply and then
+// store the tile from a stage of their own; so a tile's stores overlap the next tile's copies.
+// (Session 12, bench/RESULTS.md: one tile per block with the pipeline inside it was latency-bound,
+// 35-48% of every throughput.) The operands arrive as 128B-swizzled tiles:
 //   - W [C_in, K] (B operand), as the ConvTranspose stores it: rows are channels, each 64 patch
 //     columns of one 8 KB block (N-major).
 //   - x tokens [B*N, C_in] (A): rows are tokens, K-major.
@@ -22,6 +26,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "cuda/implicit_patch.cuh"
@@ -33,106 +39,151 @@ namespace patchgemm {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;                           // two warpgroups
-constexpr int kTileM = 128;                             // tokens per block, 64 per warpgroup
-constexpr int kTileK = 64;                              // input channels per slice
-constexpr int kStages = 3;  // C_in is short (P4: 3 slices); two blocks per SM overlap one's stores
-                             // with the other's loads
-constexpr int kTileN = 128;  // patch columns per block
+constexpr int kConsumers = 256;            // two warpgroups of 64 tokens
+constexpr int kThreads = kConsumers + 128;  // and the producer's warpgroup (one thread copies)
+constexpr int kTileM = 128;                 // tokens per tile
+constexpr int kTileN = 192;                 // patch columns per tile
+constexpr int kTileK = 64;                  // input channels per slice
+constexpr int kStages = 4;
 constexpr int kSlotA = kTileM * 128, kSlot = kSlotA + kTileN * 128;  // bytes of a pipeline slot
-// Runs of the output stage's [run][token] rows: kw = 2, words = 8 mod 32; kw = 4, 8-byte runs:
-// 16 mod 32 words. Conflict-free either way.
+// The output stage, [run][token] rows of kw / 2 words: kw = 2, pitch = 8 mod 32 words; kw = 4,
+// 16 mod 32. Conflict-free either way.
 constexpr int kStagePitch = kTileM + 8;
+constexpr int kStageBytes = kTileN / 2 * kStagePitch * 4;
+constexpr int kSmemBytes = 1024 + kStages * kSlot + kStageBytes + 2 * kStages * 8;  // + alignment slack
+constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warpgroups (0: __syncthreads)
 
-// p describes y (the volume the patches tile) with p.E = C_in, the reduction. kRun = p.kw.
+// Registers move from the producer's warpgroup, which needs few, to the consumers' accumulators
+// and bias (launch bounds give each thread 168; 128 x 40 + 256 x 232 fit the SM's 64 K).
+template <int kRegisters, bool kIncrease>
+__device__ __forceinline__ void set_max_registers() {
+  if constexpr (kIncrease) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+  }
+}
+
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kConsumerBarrier), "n"(kConsumers) : "memory");
+}
+
+// p describes y (the volume the patches tile) with p.E = C_in, the reduction. kRun = p.kw. Tile t
+// covers tokens 128 (t / tiles_n) .. and columns 192 (t % tiles_n) ..: the blocks running at once
+// share their x rows in L2.
 template <typename T, bool kTokensIn, int kRun>
-__global__ void __launch_bounds__(kThreads, 2)
-    implicit_unembed_kernel_sm90(Problem p, PatchDivs divs, const __grid_constant__ CUtensorMap x_map,
-                                 const __grid_constant__ CUtensorMap w_map, const T* __restrict__ bias,
-                                 T* __restrict__ y) {
+__global__ void __launch_bounds__(kThreads, 1)
+    implicit_unembed_kernel_sm90(Problem p, PatchDivs divs, int tiles_n, int tiles,
+                                 const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                                 const T* __restrict__ bias, T* __restrict__ y) {
 #ifdef PATCHGEMM_HAS_WGMMA
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;  // the launch adds the slack
   unsigned char* smem = smem_raw + (base - raw);
-  const SlotBarriers<kStages> landed{base + kStages * kSlot};
+  uint32_t* stage = reinterpret_cast<uint32_t*>(smem + kStages * kSlot);
+  const SlotBarriers<kStages> landed{base + kStages * kSlot + kStageBytes};
+  const SlotBarriers<kStages> released{landed.base + kStages * 8};
   landed.init();
+  if (threadIdx.x == 0) released.init(2);  // one arrival per consumer warpgroup
   if (threadIdx.x == 0) prefetch_tensor_map(x_map), prefetch_tensor_map(w_map);
   __syncthreads();
-
-  const int tiles_n = (p.K + kTileN - 1) / kTileN;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x / tiles_n) * kTileM;
-  const int col0 = static_cast<int>(blockIdx.x % tiles_n) * kTileN;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k_tiles = (p.E + kTileK - 1) / kTileK;
 
-  auto load_slice = [&](int kt, int slot) {
+  if (threadIdx.x < kThreads - kConsumers) {  // the producer
+    set_max_registers<40, false>();
     if (threadIdx.x != 0) return;
-    const uint32_t slot_base = base + slot * kSlot, bar = landed.arm(slot, kSlot);
-    const int c0 = kt * kTileK;
-    if constexpr (kTokensIn) {
-      tma_load(slot_base, x_map, bar, c0, static_cast<int>(m0));
-    } else {
+    int it = 0;  // slices copied, over all of this block's tiles
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int64_t m0 = static_cast<int64_t>(tile / tiles_n) * kTileM;
+      const int col0 = tile % tiles_n * kTileN;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        released.wait_released(it);
+        const int slot = it % kStages, c0 = kt * kTileK;
+        const uint32_t slot_base = base + slot * kSlot, bar = landed.arm(slot, kSlot);
+        if constexpr (kTokensIn) {
+          tma_load(slot_base, x_map, bar, c0, static_cast<int>(m0));
+        } else {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // a tile past the end re-reads the last 64 tokens (never stored)
-        const int64_t token = min(m0 + 64 * h, p.rows - 64), b = token / p.tokens;
-        tma_load(slot_base + h * 8192, x_map, bar, static_cast<int>(token - b * p.tokens), c0, static_cast<int>(b));
+          for (int h = 0; h < 2; ++h) {  // a tile past the end re-reads the last 64 tokens (never stored)
+            const int64_t token = min(m0 + 64 * h, p.rows - 64), b = token / p.tokens;
+            tma_load(slot_base + h * 8192, x_map, bar, static_cast<int>(token - b * p.tokens), c0,
+                     static_cast<int>(b));
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < kTileN / 64; ++h) tma_load(slot_base + kSlotA + h * 8192, w_map, bar, col0 + 64 * h, c0);
       }
     }
-#pragma unroll
-    for (int h = 0; h < kTileN / 64; ++h) tma_load(slot_base + kSlotA + h * 8192, w_map, bar, col0 + 64 * h, c0);
-  };
-
-  const int wg = warp / 4, wq = warp % 4;
-  float acc[kTileN / 2];
-#pragma unroll
-  for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
-
-  wgmma_main_loop<kStages>(k_tiles, load_slice, [&](int kt) { landed.wait(kt); }, [&](int slot) {
-    fence_accumulators(acc);
-    const uint32_t slot_base = base + slot * kSlot;
-    wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < kTileK / 16; ++t) {
-      // A: K-major steps 32 bytes along a row; M-major ones 2048 bytes (16 rows of channels).
-      const uint32_t a = slot_base + (kTokensIn ? wg * 64 * 128 + 32 * t : wg * 8192 + 2048 * t);
-      const uint64_t b = smem_descriptor_128b(slot_base + kSlotA + 2048 * t, 8192);
-      wgmma_ss<T, kTileN, !kTokensIn, true>(acc, smem_descriptor_128b(a), b);
-    }
-    wgmma_commit();
-    fence_accumulators(acc);
-  });
-  fence_accumulators(acc);  // the pipeline's shared memory becomes the output stage
-
-  // acc[4 j + 2 half + i]: token wg*64 + wq*16 + g + 8 half, column 8 j + 2 q + i: one word of
-  // run (8 j + 2 q) / kRun. The bias is per output channel: column / (kd * kh * kw).
-  constexpr int kWordsPerRun = kRun / 2;
-  uint32_t* stage = reinterpret_cast<uint32_t*>(smem);
-  const int g = lane / 4, q = lane % 4;
-#pragma unroll
-  for (int j = 0; j < kTileN / 8; ++j) {
-    const int column = 8 * j + 2 * q, run = column / kRun;
-    const float b = bias ? to_float(bias[divs.channel(min(col0 + column, p.K - 1))]) : 0.f;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int token = wg * 64 + wq * 16 + g + half * 8;
-      stage[(run * kStagePitch + token) * kWordsPerRun + column % kRun / 2] =
-          pack2<T>(acc[4 * j + 2 * half] + b, acc[4 * j + 2 * half + 1] + b);
-    }
+    return;
   }
-  __syncthreads();
-  // 16-byte stores: this thread's kGroup tokens kGroup * group .. (one patch-grid row: gw % kGroup
-  // == 0) of runs first_run + kRunStep i.
-  constexpr int kGroup = 8 / kRun, kGroups = kTileM / kGroup, kRunStep = kThreads / kGroups;
-  const int group = threadIdx.x % kGroups, first_run = threadIdx.x / kGroups;
-  const int64_t token = m0 + kGroup * group;
-  if (token >= p.rows) return;
-  T* origin = y + patch_origin(p, token);
+
+  set_max_registers<232, true>();
+  const int thread = threadIdx.x - (kThreads - kConsumers);  // among the consumers
+  const int wg = thread / 128, wq = thread / 32 % 4, lane = thread % 32, g = lane / 4, q = lane % 4;
+  int it = 0;  // slices consumed
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t m0 = static_cast<int64_t>(tile / tiles_n) * kTileM;
+    const int col0 = tile % tiles_n * kTileN;
+    // acc[4 j + 2 half + i]: token wg*64 + wq*16 + g + 8 half, column 8 j + 2 q + i. The bias is per
+    // output channel, column / (kd * kh * kw), the same for both columns of a pair (kw is even);
+    // fetched now, used after the GEMM.
+    float bias_of[kTileN / 8];
 #pragma unroll
-  for (int i = 0; i < kTileN / kRun / kRunStep; ++i) {
-    const int run = first_run + kRunStep * i;
-    if (col0 + kRun * run >= p.K) break;
-    *reinterpret_cast<uint4*>(origin + divs.offset(p, col0 + kRun * run)) =
-        *reinterpret_cast<const uint4*>(stage + (run * kStagePitch + kGroup * group) * kWordsPerRun);
+    for (int j = 0; j < kTileN / 8; ++j) {
+      bias_of[j] = bias ? to_float(bias[divs.channel(min(col0 + 8 * j + 2 * q, p.K - 1))]) : 0.f;
+    }
+    float acc[kTileN / 2];
+#pragma unroll
+    for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const uint32_t slot_base = base + it % kStages * kSlot;
+      landed.wait(it);
+      fence_accumulators(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int t = 0; t < kTileK / 16; ++t) {
+        // A: K-major steps 32 bytes along a row; M-major ones 2048 bytes (16 rows of channels).
+        const uint32_t a = slot_base + (kTokensIn ? wg * 64 * 128 + 32 * t : wg * 8192 + 2048 * t);
+        const uint64_t b = smem_descriptor_128b(slot_base + kSlotA + 2048 * t, 8192);
+        wgmma_ss<T, kTileN, !kTokensIn, true>(acc, smem_descriptor_128b(a), b);
+      }
+      wgmma_commit();
+      fence_accumulators(acc);
+      wgmma_wait<1>();  // the previous slice's group is done: its slot goes back to the producer
+      fence_accumulators(acc);
+      if (kt > 0 && thread % 128 == 0) released.arrive((it - 1) % kStages);
+    }
+    wgmma_wait<0>();
+    fence_accumulators(acc);
+    if (thread % 128 == 0) released.arrive((it - 1) % kStages);
+
+    consumers_sync();  // the previous tile's stores have read the stage
+    constexpr int kWordsPerRun = kRun / 2;
+#pragma unroll
+    for (int j = 0; j < kTileN / 8; ++j) {
+      const int column = 8 * j + 2 * q, run = column / kRun;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int token = wg * 64 + wq * 16 + g + half * 8;
+        stage[(run * kStagePitch + token) * kWordsPerRun + column % kRun / 2] =
+            pack2<T>(acc[4 * j + 2 * half] + bias_of[j], acc[4 * j + 2 * half + 1] + bias_of[j]);
+      }
+    }
+    consumers_sync();
+    // 16-byte stores: this thread's kGroup tokens kGroup * group .. (one patch-grid row: gw % kGroup
+    // == 0) of runs first_run + kRunStep i.
+    constexpr int kGroup = 8 / kRun, kGroups = kTileM / kGroup, kRunStep = kConsumers / kGroups;
+    const int group = thread % kGroups, first_run = thread / kGroups;
+    const int64_t token = m0 + kGroup * group;
+    if (token >= p.rows) continue;
+    T* origin = y + patch_origin(p, token);
+#pragma unroll
+    for (int i = 0; i < kTileN / kRun / kRunStep; ++i) {
+      const int run = first_run + kRunStep * i;
+      if (col0 + kRun * run >= p.K) break;
+      *reinterpret_cast<uint4*>(origin + divs.offset(p, col0 + kRun * run)) =
+          *reinterpret_cast<const uint4*>(stage + (run * kStagePitch + kGroup * group) * kWordsPerRun);
+    }
   }
 #endif
 }
@@ -159,17 +210,18 @@ bool encode_maps(const Problem& p, bool tokens, const at::Tensor& x, const at::T
 template <typename T, bool kTokensIn, int kRun>
 bool launch(const Problem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
             const at::Tensor& y5) {
-  constexpr int smem = 1024 + kStages * kSlot + kStages * 8;
-  static_assert(kTileN / kRun * kStagePitch * kRun * 2 <= kStages * kSlot);
-  if (smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
+  static_assert(kTileN / kRun * kStagePitch * kRun * 2 <= kStageBytes);
+  const cudaDeviceProp& device = *at::cuda::getCurrentDeviceProperties();
+  const int64_t tiles_n = (p.K + kTileN - 1) / kTileN, tiles = (p.rows + kTileM - 1) / kTileM * tiles_n;
+  if (kSmemBytes > static_cast<int>(device.sharedMemPerBlockOptin) || tiles > INT_MAX) return false;
   CUtensorMap x_map, w_map;
   if (!encode_maps(p, kTokensIn, x, w, x_map, w_map)) return false;
   auto kernel = implicit_unembed_kernel_sm90<T, kTokensIn, kRun>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.K + kTileN - 1) / kTileN);
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      p, PatchDivs(p), x_map, w_map, bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr,
-      static_cast<T*>(y5.data_ptr()));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const int64_t blocks = std::min<int64_t>(tiles, device.multiProcessorCount);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(
+      p, PatchDivs(p), static_cast<int>(tiles_n), static_cast<int>(tiles), x_map, w_map,
+      bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr, static_cast<T*>(y5.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }

@@ -75,15 +75,18 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap& map, u
 
 // One mbarrier per pipeline slot (8 bytes each, from the shared address `base`). Thread 0 arms the
 // slot for a slice's bytes before issuing its copies; the slice's use of the slot, kt / kSlots, is
-// the phase every thread waits for.
+// the phase every thread waits for. Persistent kernels pair these "landed" barriers with "released"
+// ones that the consumers arrive on (count: the number of consumers) when they are done with a slot.
 template <int kSlots>
 struct SlotBarriers {
   uint32_t base;
 
   // Thread 0 initializes; a block barrier must follow before any use.
-  __device__ __forceinline__ void init() const {
+  __device__ __forceinline__ void init(uint32_t count = 1) const {
     if (threadIdx.x == 0) {
-      for (int s = 0; s < kSlots; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(base + 8 * s));
+      for (int s = 0; s < kSlots; ++s) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(base + 8 * s), "r"(count));
+      }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
   }
@@ -95,7 +98,12 @@ struct SlotBarriers {
     return bar;
   }
 
-  // Waits until slice kt's bytes have landed in its slot.
+  // One consumer's arrival on slot `slot`.
+  __device__ __forceinline__ void arrive(int slot) const {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(base + 8 * slot) : "memory");
+  }
+
+  // Waits until slice kt's bytes have landed in its slot (phase kt / kSlots of the slot completed).
   __device__ __forceinline__ void wait(int kt) const {
     asm volatile(
         "{\n.reg .pred landed;\nwait_slot:\n"
@@ -104,6 +112,11 @@ struct SlotBarriers {
         "r"((kt / kSlots) & 1)
         : "memory");
   }
+
+  // On "released" barriers: waits until slice kt may be copied into its slot, i.e. the consumers
+  // released slice kt - kSlots there. A fresh barrier counts its (parity 1) phase before the first
+  // as completed, so slices 0 .. kSlots - 1 pass at once.
+  __device__ __forceinline__ void wait_released(int kt) const { wait(kt + kSlots); }
 };
 #endif
 
