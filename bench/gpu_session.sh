@@ -19,7 +19,7 @@ step info; python3 -m patchgemm info
 step tests
 python3 -m pytest -q -rs "${OLDPWD}/tests" ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest.log" | tail -25
 step compute-sanitizer
-for tool in memcheck racecheck; do
+for tool in memcheck racecheck synccheck; do
   compute-sanitizer --tool $tool --error-exitcode 1 python3 "${OLDPWD}/tests/sanitize_smoke.py" \
     >"$LOGS/sanitizer-$tool.log" 2>&1; echo "$tool exit $?"; tail -3 "$LOGS/sanitizer-$tool.log"
   tail -20 "$LOGS/sanitizer-$tool.log" >>"$OUT/sanitizer.log"

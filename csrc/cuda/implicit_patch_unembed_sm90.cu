@@ -7,10 +7,12 @@
 // Persistent and warp-specialized, because the GEMM is short (C_in: 3 to 24 slices) and its output
 // large (y is 8x to 64x x): a block per SM walks tiles of 128 tokens x 192 patch columns. One
 // producer thread copies 64-channel slices by TMA (tma.cuh) into a kStages-deep ring of slots,
-// running ahead across tiles, while two consumer warpgroups (64 tokens each) multiply and then
-// store the tile from a stage of their own; so a tile's stores overlap the next tile's copies.
+// running ahead across tiles; two consumer warpgroups (64 tokens each) multiply, put the tile in a
+// stage in shared memory and go on to the next tile, while the producer's other three warps store
+// the stage to y. So the tensor cores, the copies in and the stores out all overlap.
 // (Session 12, bench/RESULTS.md: one tile per block with the pipeline inside it was latency-bound,
-// 35-48% of every throughput.) The operands arrive as 128B-swizzled tiles:
+// 35-48% of every throughput; consumers that stored their own tiles left the tensor cores idle
+// meanwhile.) The operands arrive as 128B-swizzled tiles:
 //   - W [C_in, K] (B operand), as the ConvTranspose stores it: rows are channels, each 64 patch
 //     columns of one 8 KB block (N-major).
 //   - x tokens [B*N, C_in] (A): rows are tokens, K-major.
@@ -39,8 +41,9 @@ namespace patchgemm {
 namespace cuda {
 namespace {
 
-constexpr int kConsumers = 256;            // two warpgroups of 64 tokens
-constexpr int kThreads = kConsumers + 128;  // and the producer's warpgroup (one thread copies)
+constexpr int kConsumers = 256;             // two warpgroups of 64 tokens
+constexpr int kThreads = kConsumers + 128;  // and the producer's: thread 0 copies, warps 1-3 store
+constexpr int kStorers = 96;
 constexpr int kTileM = 128;                 // tokens per tile
 constexpr int kTileN = 192;                 // patch columns per tile
 constexpr int kTileK = 64;                  // input channels per slice
@@ -50,11 +53,11 @@ constexpr int kSlotA = kTileM * 128, kSlot = kSlotA + kTileN * 128;  // bytes of
 // 16 mod 32. Conflict-free either way.
 constexpr int kStagePitch = kTileM + 8;
 constexpr int kStageBytes = kTileN / 2 * kStagePitch * 4;
-constexpr int kSmemBytes = 1024 + kStages * kSlot + kStageBytes + 2 * kStages * 8;  // + alignment slack
-constexpr int kConsumerBarrier = 1;  // named barrier of the consumer warpgroups (0: __syncthreads)
-
+// The storers' tables of a tile's runs: their offsets in y from a token's patch (at most 96; two).
+constexpr int kTableBytes = 2 * kTileN / 2 * 4;
+constexpr int kSmemBytes = 1024 + kStages * kSlot + kStageBytes + 2 * kStages * 8 + 16 + kTableBytes;  // + alignment
 // Registers move from the producer's warpgroup, which needs few, to the consumers' accumulators
-// and bias (launch bounds give each thread 168; 128 x 40 + 256 x 232 fit the SM's 64 K).
+// and bias (launch bounds give each thread 168; 128 x 56 + 256 x 224 fit the SM's 64 K).
 template <int kRegisters, bool kIncrease>
 __device__ __forceinline__ void set_max_registers() {
   if constexpr (kIncrease) {
@@ -62,10 +65,6 @@ __device__ __forceinline__ void set_max_registers() {
   } else {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
   }
-}
-
-__device__ __forceinline__ void consumers_sync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kConsumerBarrier), "n"(kConsumers) : "memory");
 }
 
 // p describes y (the volume the patches tile) with p.E = C_in, the reduction. kRun = p.kw. Tile t
@@ -83,14 +82,75 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t* stage = reinterpret_cast<uint32_t*>(smem + kStages * kSlot);
   const SlotBarriers<kStages> landed{base + kStages * kSlot + kStageBytes};
   const SlotBarriers<kStages> released{landed.base + kStages * 8};
+  // The stage's handoff, per tile: every consumer arrives on stage_full when it has put its part,
+  // every storer on stage_free when it has read its part (mbarriers: release and acquire, and
+  // no whole-warp counting as named barriers do).
+  const SlotBarriers<1> stage_full{released.base + kStages * 8}, stage_free{stage_full.base + 8};
+  int* run_offset = reinterpret_cast<int*>(smem + kStages * kSlot + kStageBytes + 2 * kStages * 8 + 16);
   landed.init();
   if (threadIdx.x == 0) released.init(2);  // one arrival per consumer warpgroup
+  stage_full.init(kConsumers);
+  stage_free.init(kStorers);
   if (threadIdx.x == 0) prefetch_tensor_map(x_map), prefetch_tensor_map(w_map);
   __syncthreads();
   const int k_tiles = (p.E + kTileK - 1) / kTileK;
 
-  if (threadIdx.x < kThreads - kConsumers) {  // the producer
-    set_max_registers<40, false>();
+  // 16-byte stores: kGroup tokens (one patch-grid row: gw % kGroup == 0) of one run.
+  constexpr int kWordsPerRun = kRun / 2, kGroup = 8 / kRun, kGroups = kTileM / kGroup, kRuns = kTileN / kRun;
+  if (threadIdx.x < kThreads - kConsumers) {
+    set_max_registers<56, false>();
+    if (threadIdx.x >= 32) {  // the storers
+      // Lane l of storer warp w stores the token groups l (and l + 32 where kw = 4), runs w, w + 3, ...:
+      // a warp's 16-byte stores are 32 consecutive groups of one run, and a thread's origins stay in
+      // registers.
+      constexpr int kGroupsPerLane = kGroups / 32, kStorerWarps = kStorers / 32;
+      static_assert(kGroups % 32 == 0 && kStorers % 32 == 0);
+      const int lane = threadIdx.x % 32, first_run = threadIdx.x / 32 - 1;
+      // A tile's run offsets, in two tables: the next tile's is written while other storers may still
+      // read this one's. Each storer writes its part before it arrives on stage_free, which the
+      // consumers wait for before they fill the stage: so the table is whole when stage_full says go.
+      auto write_table = [&](int tile, int* table) {
+        const int col0 = tile % tiles_n * kTileN;
+        for (int run = threadIdx.x - 32; run < kRuns; run += kStorers) {
+          const int col = col0 + kRun * run;
+          table[run] = col < p.K ? divs.offset(p, col) : -1;  // -1: past K (the last runs)
+        }
+      };
+      int64_t origin[kGroupsPerLane];  // of this thread's token groups; -1: past the end
+      auto find_origins = [&](int tile) {
+        const int64_t m0 = static_cast<int64_t>(tile / tiles_n) * kTileM;
+#pragma unroll
+        for (int h = 0; h < kGroupsPerLane; ++h) {
+          const int64_t token = m0 + kGroup * (lane + 32 * h);
+          origin[h] = token < p.rows ? patch_origin(p, token) : -1;
+        }
+      };
+      write_table(blockIdx.x, run_offset);
+      stage_free.arrive(0);  // phase 0: the first table is written; phase n + 1: tile n is stored
+      find_origins(blockIdx.x);
+      for (int tile = blockIdx.x, n = 0; tile < tiles; tile += gridDim.x, ++n) {
+        const int* table = run_offset + n % 2 * kRuns;
+        stage_full.wait(n);
+#pragma unroll
+        for (int h = 0; h < kGroupsPerLane; ++h) {
+          const uint32_t* from = stage + kGroup * (lane + 32 * h) * kWordsPerRun;
+#pragma unroll 4
+          for (int run = first_run; run < kRuns; run += kStorerWarps) {
+            const int offset = table[run];
+            if (offset < 0) break;  // (the same for the whole warp)
+            if (origin[h] >= 0) {
+              *reinterpret_cast<uint4*>(y + origin[h] + offset) =
+                  *reinterpret_cast<const uint4*>(from + run * kStagePitch * kWordsPerRun);
+            }
+          }
+        }
+        const int next = tile + static_cast<int>(gridDim.x);
+        if (next < tiles) write_table(next, run_offset + (n + 1) % 2 * kRuns);
+        stage_free.arrive(0);
+        if (next < tiles) find_origins(next);
+      }
+      return;
+    }
     if (threadIdx.x != 0) return;
     int it = 0;  // slices copied, over all of this block's tiles
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -117,12 +177,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  set_max_registers<232, true>();
+  set_max_registers<224, true>();
   const int thread = threadIdx.x - (kThreads - kConsumers);  // among the consumers
   const int wg = thread / 128, wq = thread / 32 % 4, lane = thread % 32, g = lane / 4, q = lane % 4;
   int it = 0;  // slices consumed
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t m0 = static_cast<int64_t>(tile / tiles_n) * kTileM;
+  for (int tile = blockIdx.x, n = 0; tile < tiles; tile += gridDim.x, ++n) {
     const int col0 = tile % tiles_n * kTileN;
     // acc[4 j + 2 half + i]: token wg*64 + wq*16 + g + 8 half, column 8 j + 2 q + i. The bias is per
     // output channel, column / (kd * kh * kw), the same for both columns of a pair (kw is even);
@@ -157,8 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_accumulators(acc);
     if (thread % 128 == 0) released.arrive((it - 1) % kStages);
 
-    consumers_sync();  // the previous tile's stores have read the stage
-    constexpr int kWordsPerRun = kRun / 2;
+    stage_free.wait(n);  // the storers have read the previous tile (and written this one's table)
 #pragma unroll
     for (int j = 0; j < kTileN / 8; ++j) {
       const int column = 8 * j + 2 * q, run = column / kRun;
@@ -169,21 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             pack2<T>(acc[4 * j + 2 * half] + bias_of[j], acc[4 * j + 2 * half + 1] + bias_of[j]);
       }
     }
-    consumers_sync();
-    // 16-byte stores: this thread's kGroup tokens kGroup * group .. (one patch-grid row: gw % kGroup
-    // == 0) of runs first_run + kRunStep i.
-    constexpr int kGroup = 8 / kRun, kGroups = kTileM / kGroup, kRunStep = kConsumers / kGroups;
-    const int group = thread % kGroups, first_run = thread / kGroups;
-    const int64_t token = m0 + kGroup * group;
-    if (token >= p.rows) continue;
-    T* origin = y + patch_origin(p, token);
-#pragma unroll
-    for (int i = 0; i < kTileN / kRun / kRunStep; ++i) {
-      const int run = first_run + kRunStep * i;
-      if (col0 + kRun * run >= p.K) break;
-      *reinterpret_cast<uint4*>(origin + divs.offset(p, col0 + kRun * run)) =
-          *reinterpret_cast<const uint4*>(stage + (run * kStagePitch + kGroup * group) * kWordsPerRun);
-    }
+    stage_full.arrive(0);
   }
 #endif
 }
