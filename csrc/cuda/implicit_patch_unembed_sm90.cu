@@ -53,9 +53,13 @@ constexpr int kSlotA = kTileM * 128, kSlot = kSlotA + kTileN * 128;  // bytes of
 // 16 mod 32. Conflict-free either way.
 constexpr int kStagePitch = kTileM + 8;
 constexpr int kStageBytes = kTileN / 2 * kStagePitch * 4;
-// The storers' tables of a tile's runs: their offsets in y from a token's patch (at most 96; two).
-constexpr int kTableBytes = 2 * kTileN / 2 * 4;
-constexpr int kSmemBytes = 1024 + kStages * kSlot + kStageBytes + 2 * kStages * 8 + 16 + kTableBytes;  // + alignment
+// Shared memory from a 1024-byte aligned base (the launch adds the slack): the slots, the stage, the
+// mbarriers (landed and released per slot, then stage_full and stage_free), and the storers' two
+// tables of a tile's run offsets (at most kTileN / 2 runs each).
+constexpr int kStageOffset = kStages * kSlot;
+constexpr int kBarrierOffset = kStageOffset + kStageBytes;
+constexpr int kTableOffset = kBarrierOffset + (2 * kStages + 2) * 8;
+constexpr int kSmemBytes = 1024 + kTableOffset + 2 * (kTileN / 2) * 4;
 // Registers move from the producer's warpgroup, which needs few, to the consumers' accumulators
 // and bias (launch bounds give each thread 168; 128 x 56 + 256 x 224 fit the SM's 64 K).
 template <int kRegisters, bool kIncrease>
@@ -77,18 +81,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                                  const T* __restrict__ bias, T* __restrict__ y) {
 #ifdef PATCHGEMM_HAS_WGMMA
   extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;  // the launch adds the slack
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw);
-  uint32_t* stage = reinterpret_cast<uint32_t*>(smem + kStages * kSlot);
-  const SlotBarriers<kStages> landed{base + kStages * kSlot + kStageBytes};
+  uint32_t* stage = reinterpret_cast<uint32_t*>(smem + kStageOffset);
+  const SlotBarriers<kStages> landed{base + kBarrierOffset};
   const SlotBarriers<kStages> released{landed.base + kStages * 8};
   // The stage's handoff, per tile: every consumer arrives on stage_full when it has put its part,
   // every storer on stage_free when it has read its part (mbarriers: release and acquire, and
   // no whole-warp counting as named barriers do).
   const SlotBarriers<1> stage_full{released.base + kStages * 8}, stage_free{stage_full.base + 8};
-  int* run_offset = reinterpret_cast<int*>(smem + kStages * kSlot + kStageBytes + 2 * kStages * 8 + 16);
+  int* run_offset = reinterpret_cast<int*>(smem + kTableOffset);
   landed.init();
-  if (threadIdx.x == 0) released.init(2);  // one arrival per consumer warpgroup
+  released.init(2);  // one arrival per consumer warpgroup
   stage_full.init(kConsumers);
   stage_free.init(kStorers);
   if (threadIdx.x == 0) prefetch_tensor_map(x_map), prefetch_tensor_map(w_map);
