@@ -555,6 +555,42 @@ def test_gpu_implicit_patch_embed_kernel(fused_always, implicit_wgmma, dtype, sh
     assert_close_to_ref(out["g"][0], want_z, dtype, "grad_z")
 
 
+# Tokens out from contiguous x with patch rows of 16 to 128 bytes (kw = 8, 16, 32, 64) run the
+# forward with the patches by TMA on a 9.0 GPU (implicit_patch_gemm_rows_sm90.cu): (x shape, kernel,
+# E) covering each kw, 1-D/2-D/3-D, tiles of whole grid rows that cross samples, grid rows that
+# limit a tile to 102-120 tokens, a last tile past the grid, partial embedding tiles (E = 96, 200,
+# 320), more tiles than SMs (several per block), and an odd slice count (K / 64 = 3).
+IMPLICIT_ROWS = [((4, 3, 224, 224), (16, 16), 200),  # ViT-B/16-like: 9 grid rows (126 tokens) a tile
+                 ((3, 3, 48, 80), (16, 16), 96),     # 5-patch rows: one 20-row tile
+                 ((2, 4, 32, 64), (8, 8), 64),       # kw = 8
+                 ((2, 5, 64, 96), (4, 32), 320),     # kw = 32; K = 640
+                 ((2, 3, 4, 256), (2, 64), 64),      # kw = 64: one image row a slice
+                 ((2, 3, 4, 32, 48), (2, 16, 16), 128),  # 3-D video patches: K = 1536
+                 ((2, 3, 128), (64,), 48),           # 1-D: K = 192
+                 ((2, 3, 32, 384), (16, 16), 256),   # 24-patch grid rows: 5 a tile
+                 ((2, 3, 16, 272), (8, 16), 64),     # 17-patch grid rows: 6 a tile (its boxes' 20 KB)
+                 ((40, 3, 224, 224), (16, 16), 768)]  # 189 tiles: several per block
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,embed", IMPLICIT_ROWS)
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_implicit_rows_patch_embed_kernel(fused_always, dtype, shape, kernel, embed, has_bias):
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=embed, bias=has_bias)
+    conv = CONV[len(kernel)]
+    ref = conv(x.double(), w.double(), b.double() if has_bias else None, stride=kernel)
+    poison_allocator(2 * math.prod(ref.shape), "cuda")
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(y=patchgemm.patch_embed(x, w, b, out_format="tokens")))
+    assert ("implicit_embed_kernel_sm90_rows" in ran) == wgmma_built(), ran
+    assert_close_to_ref(out["y"], conv_tokens(ref), dtype, "tokens")
+    # channels-first output and non-contiguous x keep the other kernels
+    ran = cuda_kernels_run(lambda: out.update(y=patchgemm.patch_embed(x, w, b)))
+    assert "implicit_embed_kernel_sm90_rows" not in ran, ran
+    assert_close_to_ref(out["y"], ref, dtype, "channels_first")
+
+
 # 16-bit weight gradients run an implicit GEMM: kw = 2 the mma.sync one of
 # csrc/cuda/implicit_patch_weight_grad.cu, kw % 4 == 0 on a 9.0 GPU the wgmma one of
 # implicit_patch_weight_grad_sm90.cu (the tests run with it on and off). (x shape, kernel, E) covering

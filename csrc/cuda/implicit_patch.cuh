@@ -244,6 +244,14 @@ bool wgmma_kernels_run_on(const cudaDeviceProp& device);
 bool implicit_embed_sm90(const Problem& p, int run, bool pair_major, const at::Tensor& x5, const at::Tensor& w,
                          const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y);
 
+// The forward on Hopper's wgmma with the patches by TMA, whole patch-grid rows per copy
+// (implicit_patch_gemm_rows_sm90.cu), tokens out, for a problem implicit_embed has checked and set
+// up. false where it does not apply: kw other than 8, 16, 32, 64; kh not a multiple of 64 / kw; x
+// not contiguous; E % 8; grid rows wider than 128 patches; shared memory; or, unless `always`, tiles
+// that would leave a quarter of their MMA rows idle.
+bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
+                              const std::optional<at::Tensor>& bias, const at::Tensor& y, bool always);
+
 // The weight gradient on Hopper's wgmma (implicit_patch_weight_grad_sm90.cu), runs of `run` (8: kw %
 // 8 == 0; 4: kw % 4 == 0), for a problem implicit_weight_grad has checked and set up: grad_y dy contiguous and 16-byte
 // aligned, channels-first [B, E, N] copied dy_piece (8 or 4) tokens at a time, or tokens [B*N, E]

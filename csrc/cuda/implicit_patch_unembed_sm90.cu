@@ -60,16 +60,6 @@ constexpr int kStageOffset = kStages * kSlot;
 constexpr int kBarrierOffset = kStageOffset + kStageBytes;
 constexpr int kTableOffset = kBarrierOffset + (2 * kStages + 2) * 8;
 constexpr int kSmemBytes = 1024 + kTableOffset + 2 * (kTileN / 2) * 4;
-// Registers move from the producer's warpgroup, which needs few, to the consumers' accumulators
-// and bias (launch bounds give each thread 168; 128 x 56 + 256 x 224 fit the SM's 64 K).
-template <int kRegisters, bool kIncrease>
-__device__ __forceinline__ void set_max_registers() {
-  if constexpr (kIncrease) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-  } else {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
-  }
-}
 
 // p describes y (the volume the patches tile) with p.E = C_in, the reduction. kRun = p.kw. Tile t
 // covers tokens 128 (t / tiles_n) .. and columns 192 (t % tiles_n) ..: the blocks running at once
@@ -101,6 +91,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // 16-byte stores: kGroup tokens (one patch-grid row: gw % kGroup == 0) of one run.
   constexpr int kWordsPerRun = kRun / 2, kGroup = 8 / kRun, kGroups = kTileM / kGroup, kRuns = kTileN / kRun;
+  // Registers move from the producer's warpgroup, which needs few, to the consumers' accumulators
+  // and bias (launch bounds give each thread 168; 128 x 56 + 256 x 224 fit the SM's 64 K).
   if (threadIdx.x < kThreads - kConsumers) {
     set_max_registers<56, false>();
     if (threadIdx.x >= 32) {  // the storers

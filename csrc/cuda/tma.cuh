@@ -19,10 +19,13 @@ namespace cuda {
 
 // Encodes `map` for the 16-bit tensor at `base` with `rank` dimensions, innermost first: sizes
 // `dims`, byte strides of dimensions 1.. `strides` (multiples of 16), and `box` elements per copy
-// (box[0] * 2 <= 128 bytes: one swizzled row). Elements outside the tensor read as zeros. false
-// where the driver refuses it (callers fall back to their cp.async kernels).
+// (box[0] * 2 <= 128 bytes: one swizzled row), landing in shared memory in `swizzle` (the tensor
+// cores' 128B mode; the 32B and 64B modes, or none, for boxes of 32-, 64- or 16-byte rows). Elements
+// outside the tensor read as zeros (and are not written by stores). false where the driver refuses
+// it (callers fall back to their cp.async kernels).
 inline bool encode_tensor_map(CUtensorMap& map, const void* base, int rank, const uint64_t* dims,
-                              const uint64_t* strides, const uint32_t* box) {
+                              const uint64_t* strides, const uint32_t* box,
+                              CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   static const auto encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
@@ -40,7 +43,7 @@ inline bool encode_tensor_map(CUtensorMap& map, const void* base, int rank, cons
   }
   const uint32_t element_strides[5] = {1, 1, 1, 1, 1};
   return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, rank, const_cast<void*>(base), dims, strides, box,
-                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -72,6 +75,25 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap& map, u
       "l"(tensor_map_address(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 }
+
+// The shared-memory tile at `src` (1024-byte aligned) to the box at coordinates (c0, c1) of `map`,
+// in this thread's bulk group (parts outside the tensor are not written).
+__device__ __forceinline__ void tma_store(const CUtensorMap& map, uint32_t src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   tensor_map_address(map)),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Waits until this thread's committed stores have read their shared memory (which may then change).
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
+// Waits until this thread's committed stores are done (written to global memory).
+__device__ __forceinline__ void tma_store_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // One mbarrier per pipeline slot (8 bytes each, from the shared address `base`). Thread 0 arms the
 // slot for a slice's bytes before issuing its copies; the slice's use of the slot, kt / kSlots, is

@@ -71,7 +71,7 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The accumulators of an m64n128 (m64n192) tile as in-out operands %0..%63 (%95), and their list
+// The accumulators of an m64n128 (m64n192, m64n256) tile as in-out operands %0..%63 (%95, %127), and their list
 // in PTX.
 #define PATCHGEMM_WGMMA_ACC128(d) \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -88,6 +88,12 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
   "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
   "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
   "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+#define PATCHGEMM_WGMMA_ACC256(d) \
+  PATCHGEMM_WGMMA_ACC192(d), \
+  "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+  "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+  "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 #define PATCHGEMM_WGMMA_D0_63 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
@@ -98,6 +104,12 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
   "{" PATCHGEMM_WGMMA_D0_63 ", " \
   "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
   "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
+#define PATCHGEMM_WGMMA_D256 \
+  "{" PATCHGEMM_WGMMA_D0_63 ", " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 
 
 #define PATCHGEMM_WGMMA_RS(N, AB, A_OPS, DESC, ONE)                                                    \
@@ -117,10 +129,14 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
 // fragment) @ b (descriptor of an N x 16 K-major tile).
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
-  static_assert(N == 128 || N == 192, "wgmma_rs: N = 128 or 192");
+  static_assert(N == 128 || N == 192 || N == 256, "wgmma_rs: N = 128, 192 or 256");
 #ifdef PATCHGEMM_HAS_WGMMA
   constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
-  if constexpr (N == 128 && bf16) {
+  if constexpr (N == 256 && bf16) {
+    PATCHGEMM_WGMMA_RS(256, "bf16", "{%128, %129, %130, %131}", "%132", "%133");
+  } else if constexpr (N == 256) {
+    PATCHGEMM_WGMMA_RS(256, "f16", "{%128, %129, %130, %131}", "%132", "%133");
+  } else if constexpr (N == 128 && bf16) {
     PATCHGEMM_WGMMA_RS(128, "bf16", "{%64, %65, %66, %67}", "%68", "%69");
   } else if constexpr (N == 128) {
     PATCHGEMM_WGMMA_RS(128, "f16", "{%64, %65, %66, %67}", "%68", "%69");
@@ -147,6 +163,28 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uin
     PATCHGEMM_WGMMA_SS(192, "bf16", "%96, %97", "%98", "%99", "%100");
   } else {
     PATCHGEMM_WGMMA_SS(192, "f16", "%96, %97", "%98", "%99", "%100");
+  }
+#endif
+}
+
+// Synchronizes the `threads` threads (whole warps) that use named barrier `id` (0 is __syncthreads's).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void st_shared(uint32_t address, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(v) : "memory");
+}
+
+// Sets this warpgroup's registers per thread (setmaxnreg): warp-specialized kernels move them from
+// the producer's warpgroup, which needs few, to the consumers' accumulators.
+template <int kRegisters, bool kIncrease>
+__device__ __forceinline__ void set_max_registers() {
+#ifdef PATCHGEMM_HAS_WGMMA
+  if constexpr (kIncrease) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
   }
 #endif
 }

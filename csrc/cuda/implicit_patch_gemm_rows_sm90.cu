@@ -1,0 +1,279 @@
+// Implicit-GEMM patch embedding on Hopper (sm_90a) for wide patch rows, tokens out: the GEMM of
+// implicit_patch_gemm_sm90.cu with the patches copied by TMA, a whole patch-grid row per copy.
+//
+// Where a patch row is 16, 32, 64 or 128 bytes (kw = 8, 16, 32, 64 16-bit elements: ViT's 16 x 16
+// patches) and x is contiguous channels-first, the patches' part of one 64-wide K slice for a row of
+// the patch grid is one box of the 3-D view x[B*C*D*H image rows][gw][kw]: kh_box = 64 / kw image
+// rows of gw patch rows each. TMA lands it with one copy, in the swizzle of its kw * 2-byte rows
+// (the box is pw = gw rounded up to 8 patches wide; the rest reads zeros). (The cp.async forward
+// spends its time on the copies' address arithmetic, bench/RESULTS.md sessions 9-10: ViT-B/16 at
+// 305 TFLOP/s. Copies of whole image rows, unswizzled, ran 1.4x slower than these boxes.)
+//
+// A tile's tokens are R whole grid rows (R * gw <= 128: 126 of ViT-B/16's 14-patch rows), so each
+// MMA row reads a fixed place in one of the tile's R boxes. Those rows do not form the uniform 8-row
+// groups a wgmma descriptor describes, so A goes through registers: ldmatrix from per-lane row
+// addresses, one x4 per 16-wide K step.
+//
+// Persistent and warp-specialized as the unembedding (implicit_patch_unembed_sm90.cu): a block per
+// SM walks tiles of R grid rows x 256 embeddings. One producer thread copies each slice (R boxes of
+// x, one 256 x 64 box of W [E, K]) into a kStages-deep ring; two consumer warpgroups (64 MMA rows
+// each) multiply with wgmma m64n256k16, stage the tile (bias added) in shared memory, and one thread
+// stores it to y [B*N, E] by TMA, while the producer already copies the next tile's slices.
+#include <ATen/ATen.h>
+
+#include "patchify.h"
+
+#ifndef USE_ROCM
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "cuda/implicit_patch.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/tma.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace patchgemm {
+namespace cuda {
+namespace {
+
+constexpr int kConsumers = 256;             // two warpgroups of 64 MMA rows
+constexpr int kThreads = kConsumers + 128;  // and the producer's warpgroup (thread 0 copies)
+constexpr int kTileM = 128;                 // MMA rows; the tile's R * gw tokens are the first
+constexpr int kTileN = 256;                 // embeddings per tile
+constexpr int kTileK = 64;                  // K per slice: kh_box image rows of kw
+constexpr int kMaxBoxes = 32;               // x copies per slice: grid rows per tile
+constexpr int kMaxBoxRows = 160;            // R x pw: at most 20 KB of x per slice
+// 3 slots of 48-52 KB and the 64 KB output stage fill shared memory. (Tiles 192 wide, with 4 slots:
+// ViT-B/16 1.2x slower; the x and W bytes a slice moves per FLOP bound this kernel, not latency.)
+constexpr int kStages = 3;
+constexpr int kSlotW = kTileN * kTileK * 2;
+// The output stage: 64-embedding column blocks of 128 rows x 128 bytes (128B swizzle), one TMA
+// store each.
+constexpr int kStageBlock = kTileM * 128, kStageBytes = kTileN / 64 * kStageBlock;
+
+struct Geometry {
+  int C, D, H;             // x [B, C, D, H, W], contiguous
+  int kd, kh, kw, kh_box;  // the patch; image rows per K slice
+  int gd, gh, gw, pw;      // patch grid; patches per box (gw rounded up to 8)
+  uint32_t swizzle_mask;   // the 16-byte chunk bits that the box's swizzle flips: (kw * 2 / 16 - 1) << 4
+  int grid_rows;           // B * gd * gh
+  int rows_per_tile;       // R
+  int k_tiles, E, tiles_n, tiles;
+  int slot;                // bytes of a slot: W's 256 x 64 tile, then x's boxes
+};
+
+// Image row (of x viewed as [B*C*D*H, W]) of grid row `r`'s patches' first row in channel 0.
+__device__ __forceinline__ int grid_row_origin(const Geometry& g, int r) {
+  const int gh = r % g.gh, rest = r / g.gh, gd = rest % g.gd, b = rest / g.gd;
+  return (b * g.C * g.D + gd * g.kd) * g.H + gh * g.kh;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    implicit_embed_kernel_sm90_rows(Geometry g, const __grid_constant__ CUtensorMap x_map,
+                                    const __grid_constant__ CUtensorMap w_map,
+                                    const __grid_constant__ CUtensorMap y_map, const T* __restrict__ bias) {
+#ifdef PATCHGEMM_HAS_WGMMA
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
+  const uint32_t stage = base + kStages * g.slot;
+  const SlotBarriers<kStages> landed{stage + kStageBytes};
+  const SlotBarriers<kStages> released{landed.base + kStages * 8};
+  landed.init();
+  released.init(2);  // one arrival per consumer warpgroup
+  if (threadIdx.x == 0) prefetch_tensor_map(x_map), prefetch_tensor_map(w_map), prefetch_tensor_map(y_map);
+  __syncthreads();
+  const int box_bytes = g.pw * 128;  // grid row s's box, [kh_box][pw][kw], from s * box_bytes
+
+  if (threadIdx.x < kThreads - kConsumers) {
+    set_max_registers<40, false>();
+    if (threadIdx.x != 0) return;
+    int it = 0;  // slices copied, over all of this block's tiles
+    for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
+      const int row0 = tile / g.tiles_n * g.rows_per_tile, e0 = tile % g.tiles_n * kTileN;
+      int origin[kMaxBoxes];  // a tile past the last grid row re-reads it (never stored)
+      for (int s = 0; s < g.rows_per_tile; ++s) origin[s] = grid_row_origin(g, min(row0 + s, g.grid_rows - 1));
+      // Slice kt's image rows from the origins: (channel c, patch depth i, row block jb), jb fastest.
+      int offset = 0, jb = 0, i = 0;
+      for (int kt = 0; kt < g.k_tiles; ++kt, ++it) {
+        released.wait_released(it);
+        const int slot = it % kStages;
+        const uint32_t slot_base = base + slot * g.slot, bar = landed.arm(slot, g.slot);
+        tma_load(slot_base, w_map, bar, kt * kTileK, e0);
+        for (int s = 0; s < g.rows_per_tile; ++s) {
+          tma_load(slot_base + kSlotW + s * box_bytes, x_map, bar, 0, 0, origin[s] + offset);
+        }
+        offset += g.kh_box;
+        if (++jb * g.kh_box == g.kh) {
+          jb = 0, offset += g.H - g.kh;
+          if (++i == g.kd) i = 0, offset += (g.D - g.kd) * g.H;
+        }
+      }
+    }
+    return;
+  }
+
+  set_max_registers<232, true>();
+  const int thread = threadIdx.x - (kThreads - kConsumers);  // among the consumers
+  const int wg = thread / 128, wq = thread / 32 % 4, lane = thread % 32, gq = lane / 4, q = lane % 4;
+  const int tokens_per_tile = g.rows_per_tile * g.gw;
+  // ldmatrix rows: this lane's MMA row (its warp's 16 rows, lanes 16-31 the upper 8 K of each step),
+  // as grid row s, patch p of the tile; at K step t, element kk of the slice is row kk / kw,
+  // element kk % kw of box s. Rows past the tile's tokens read token 0 (their results are never
+  // stored).
+  uint32_t a_offset[kTileK / 16];
+  {
+    const int m = wg * 64 + wq * 16 + lane % 16, token = m < tokens_per_tile ? m : 0;
+    const int s = token / g.gw, p = token % g.gw;
+#pragma unroll
+    for (int t = 0; t < kTileK / 16; ++t) {
+      const int kk = 16 * t + 8 * (lane / 16);
+      const uint32_t offset = kSlotW + s * box_bytes + ((kk / g.kw * g.pw + p) * g.kw + kk % g.kw) * 2;
+      a_offset[t] = offset ^ (offset >> 3 & g.swizzle_mask);  // boxes start 1024-byte aligned
+    }
+  }
+  float acc[kTileN / 2];
+  uint32_t a_even[kTileK / 16][4], a_odd[kTileK / 16][4];
+  int it = 0;  // slices consumed
+  // One slice: A into registers (while the previous slice's group runs), its wgmmas as one group,
+  // then that previous group's slot goes back to the producer. Alternate register sets keep the
+  // registers of the group in flight untouched.
+  auto multiply = [&](uint32_t(&af)[kTileK / 16][4], bool first) {
+    const uint32_t slot_base = base + it % kStages * g.slot;
+    landed.wait(it);
+#pragma unroll
+    for (int t = 0; t < kTileK / 16; ++t) ldmatrix_x4(af[t], slot_base + a_offset[t]);
+    fence_accumulators(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < kTileK / 16; ++t) {
+      wgmma_rs<T, kTileN>(acc, af[t], smem_descriptor_128b(slot_base + 32 * t));
+    }
+    wgmma_commit();
+    fence_accumulators(acc);
+    wgmma_wait<1>();
+    fence_accumulators(acc);
+    if (!first && thread % 128 == 0) released.arrive((it - 1) % kStages);
+    ++it;
+  };
+
+  for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
+    const int row0 = tile / g.tiles_n * g.rows_per_tile, e0 = tile % g.tiles_n * kTileN;
+#pragma unroll
+    for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
+    int kt = 0;
+    for (; kt + 1 < g.k_tiles; kt += 2) {
+      multiply(a_even, kt == 0);
+      multiply(a_odd, false);
+    }
+    if (kt < g.k_tiles) multiply(a_even, kt == 0);
+    wgmma_wait<0>();
+    fence_accumulators(acc);
+    if (thread % 128 == 0) released.arrive((it - 1) % kStages);
+
+    // The stage is free once the previous tile's stores have read it.
+    if (thread == 0) tma_store_wait_read();
+    named_barrier_sync(1, kConsumers);
+    // acc[4 j + 2 half + i]: MMA row wg*64 + wq*16 + gq + 8 half, embedding 8 j + 2 q + i.
+#pragma unroll
+    for (int j = 0; j < kTileN / 8; ++j) {
+      const int e = e0 + 8 * j + 2 * q;
+      float bias_lo = 0.f, bias_hi = 0.f;
+      if (bias && e < g.E) bias_lo = to_float(bias[e]), bias_hi = to_float(bias[e + 1]);  // E % 8 == 0
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = wg * 64 + wq * 16 + gq + 8 * half;
+        const uint32_t to = stage + j / 8 * kStageBlock + swizzle_128b(m, (j % 8) * 16 + 4 * q);
+        st_shared(to, pack2<T>(acc[4 * j + 2 * half] + bias_lo, acc[4 * j + 2 * half + 1] + bias_hi));
+      }
+    }
+    fence_proxy_async();  // the stage's writes, visible to the TMA stores
+    named_barrier_sync(1, kConsumers);
+    if (thread == 0) {
+      const int token0 = row0 * g.gw;  // rows past the tensor are not written
+#pragma unroll
+      for (int b = 0; b < kTileN / 64; ++b) {
+        if (e0 + 64 * b < g.E) tma_store(y_map, stage + b * kStageBlock, e0 + 64 * b, token0);
+      }
+      tma_store_commit();
+    }
+  }
+  if (thread == 0) tma_store_wait();
+#endif
+}
+
+template <typename T>
+bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+            const at::Tensor& y) {
+  const int64_t rows = static_cast<int64_t>(g.grid_rows) / (g.gd * g.gh) * g.C * g.D * g.H;
+  const int64_t tokens = static_cast<int64_t>(g.grid_rows) * g.gw;
+  if (rows >= INT_MAX || tokens >= INT_MAX) return false;
+  const int smem = 1024 + kStages * g.slot + kStageBytes + 2 * kStages * 8;
+  if (smem > static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin)) return false;
+  static const CUtensorMapSwizzle swizzles[] = {CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_SWIZZLE_32B,
+                                                CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_SWIZZLE_128B};
+  CUtensorMap x_map, w_map, y_map;  // x as [B*C*D*H image rows][gw][kw]
+  const uint64_t x_dims[3] = {static_cast<uint64_t>(g.kw), static_cast<uint64_t>(g.gw), static_cast<uint64_t>(rows)};
+  const uint64_t x_strides[2] = {static_cast<uint64_t>(g.kw) * 2, static_cast<uint64_t>(g.gw) * g.kw * 2};
+  const uint32_t x_box[3] = {static_cast<uint32_t>(g.kw), static_cast<uint32_t>(g.pw), static_cast<uint32_t>(g.kh_box)};
+  const int swizzle = g.kw == 8 ? 0 : g.kw == 16 ? 1 : g.kw == 32 ? 2 : 3;
+  const uint64_t K = static_cast<uint64_t>(g.k_tiles) * kTileK, E = g.E;
+  const uint64_t w_dims[2] = {K, E}, w_strides[1] = {K * 2};
+  const uint32_t w_box[2] = {kTileK, kTileN};
+  const uint64_t y_dims[2] = {E, static_cast<uint64_t>(tokens)}, y_strides[1] = {E * 2};
+  const uint32_t y_box[2] = {64, static_cast<uint32_t>(g.rows_per_tile * g.gw)};
+  if (!encode_tensor_map(x_map, x5.const_data_ptr(), 3, x_dims, x_strides, x_box, swizzles[swizzle]) ||
+      !encode_tensor_map(w_map, w.const_data_ptr(), 2, w_dims, w_strides, w_box) ||
+      !encode_tensor_map(y_map, y.data_ptr(), 2, y_dims, y_strides, y_box)) {
+    return false;
+  }
+  auto kernel = implicit_embed_kernel_sm90_rows<T>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int blocks = std::min(g.tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  kernel<<<blocks, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+      g, x_map, w_map, y_map, bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+}  // namespace
+
+bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
+                              const std::optional<at::Tensor>& bias, const at::Tensor& y, bool always) {
+#ifdef PATCHGEMM_SM90A
+  Geometry g;
+  g.kd = p.kd, g.kh = p.kh, g.kw = p.kw;
+  if ((g.kw != 8 && g.kw != 16 && g.kw != 32 && g.kw != 64) || g.kh % (kTileK / g.kw) || p.K % kTileK ||
+      p.E % 8 || p.gw > kTileM || !x5.is_contiguous() || reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % 16) {
+    return false;
+  }
+  g.kh_box = kTileK / g.kw;
+  g.C = static_cast<int>(x5.size(1)), g.D = static_cast<int>(x5.size(2)), g.H = static_cast<int>(x5.size(3));
+  g.gw = p.gw, g.gh = p.gh, g.gd = p.tokens / (p.gh * p.gw);
+  g.pw = (g.gw + 7) / 8 * 8;
+  if (p.rows / g.gw >= INT_MAX) return false;
+  g.grid_rows = static_cast<int>(p.rows / g.gw);
+  g.rows_per_tile = std::min({kTileM / g.gw, kMaxBoxRows / g.pw, kMaxBoxes});
+  // Tiles of fewer tokens leave MMA rows idle: only when told to (the tests), below 3 / 4 of them.
+  if (!always && g.rows_per_tile * g.gw < kTileM * 3 / 4) return false;
+  g.k_tiles = p.K / kTileK;
+  g.E = p.E;
+  g.tiles_n = (p.E + kTileN - 1) / kTileN;
+  const int64_t tiles = (g.grid_rows + static_cast<int64_t>(g.rows_per_tile) - 1) / g.rows_per_tile * g.tiles_n;
+  if (tiles >= INT_MAX) return false;
+  g.tiles = static_cast<int>(tiles);
+  g.swizzle_mask = static_cast<uint32_t>(g.kw * 2 / 16 - 1) << 4;
+  g.slot = kSlotW + g.rows_per_tile * g.pw * 128;  // a multiple of 1024: pw % 8 == 0
+  return y.scalar_type() == at::kHalf ? launch<__half>(g, x5, w, bias, y) : launch<__nv_bfloat16>(g, x5, w, bias, y);
+#else
+  return false;
+#endif
+}
+
+}  // namespace cuda
+}  // namespace patchgemm
+#endif  // USE_ROCM
