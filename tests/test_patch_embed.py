@@ -419,6 +419,41 @@ def test_gpu_gather_scatter_tilings(dtype, shape, kernel, memory):
         assert_close_to_ref(u, CONV_T[len(kernel)](z.double(), w_t.double(), b_t.double(), stride=kernel), dtype)
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype,shape,kernel", [(torch.bfloat16, (3, 3, 64, 96), (16, 16)),   # ViT-like, K = 768
+                                                (torch.float16, (2, 5, 4, 8, 24), (2, 2, 8)),  # 3-D, 16-byte rows
+                                                (torch.float32, (2, 3, 8, 24), (2, 8)),        # 32-byte rows
+                                                (torch.float64, (2, 3, 6, 10), (3, 2))])       # K = 18: padded rows
+@pytest.mark.parametrize("memory", ["contiguous", "cropped"])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_gather_wide_rows(dtype, shape, kernel, memory, has_bias):
+    """Patch rows of whole 16-byte vectors gather without a tile (csrc/cuda/patchify.cu,
+    gather_wide_rows), the ones column for the bias gradient included."""
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=24, bias=has_bias)
+    xs = (cropped(x) if memory == "cropped" else x.clone()).requires_grad_()
+    w.requires_grad_()
+    params = [xs, w] + ([b.requires_grad_()] if has_bias else [])
+    x64, w64 = x.double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_() if has_bias else None
+    ref = CONV[len(kernel)](x64, w64, b64, stride=kernel)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    want = torch.autograd.grad(ref, [x64, w64] + ([b64] if has_bias else []), dy.double())
+    old = ops._set_fused_patch_kernels("never")
+    try:
+        out = {}
+
+        def step():
+            out["y"] = patchgemm.patch_embed(xs, w, b)
+            out["g"] = torch.autograd.grad(out["y"], params, dy)
+
+        assert "gather_wide_rows" in cuda_kernels_run(step)
+    finally:
+        ops._set_fused_patch_kernels(old)
+    assert_close_to_ref(out["y"], ref, dtype)
+    for g, r, name in zip(out["g"], want, ["grad_x", "grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+
+
 # Patches of at most 64 elements (channels-first output) run the fused kernel of
 # csrc/cuda/tiny_patch_gemm.cu (16-bit on tensor cores, fp32 on FMA units): (x shape, kernel, E),
 # with full and partial token tiles.
