@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(kThreads)
 // matrix, 77 MB each way: 0.050 ms tiled, 0.033 ms here; bench/RESULTS.md session 13.)
 struct WideRows {
   int64_t stride[4];             // of x [B, C, D, H] in vectors
-  int C, kd, kh, kw;             // the patch; kw in vectors
+  int kd, kh, kw;                // the patch; kw in vectors
   int tokens, gw, gh, K, row_vectors;  // K in vectors; row_vectors: P's row (ld) in vectors
   uint64_t one_bits;             // the padding's first element (1 for a ones column, else 0)
 };
@@ -528,7 +528,7 @@ bool gather_wide(const at::Tensor& x5, const PatchGeometry& g, bool ones_column,
     if (stride_or_zero(x5, d) % per_vector) return false;
     w.stride[d] = stride_or_zero(x5, d) / per_vector;
   }
-  w.C = static_cast<int>(g.channels), w.kd = static_cast<int>(g.kernel[0]), w.kh = static_cast<int>(g.kernel[1]);
+  w.kd = static_cast<int>(g.kernel[0]), w.kh = static_cast<int>(g.kernel[1]);
   w.kw = static_cast<int>(g.kernel[2] / per_vector);
   w.tokens = static_cast<int>(g.tokens()), w.gw = static_cast<int>(g.grid[2]), w.gh = static_cast<int>(g.grid[1]);
   w.K = static_cast<int>(g.patch_size() / per_vector);
