@@ -597,7 +597,9 @@ def test_gpu_implicit_patch_embed_kernel(fused_always, implicit_wgmma, dtype, sh
 # 320), more tiles than SMs (several per block), and an odd slice count (K / 64 = 3).
 IMPLICIT_ROWS = [((4, 3, 224, 224), (16, 16), 200),  # ViT-B/16-like: 9 grid rows (126 tokens) a tile
                  ((3, 3, 48, 80), (16, 16), 96),     # 5-patch rows: one 20-row tile
-                 ((2, 4, 32, 64), (8, 8), 64),       # kw = 8
+                 ((2, 4, 32, 64), (8, 8), 64),       # kw = 8: boxes of whole image rows
+                 ((2, 3, 16, 40), (8, 8), 64),       # kw = 8, 5-patch rows (640-byte boxes)
+                 ((2, 3, 16, 320), (8, 8), 64),      # kw = 8, rows past 256 elements: patch boxes
                  ((2, 5, 64, 96), (4, 32), 320),     # kw = 32; K = 640
                  ((2, 3, 4, 256), (2, 64), 64),      # kw = 64: one image row a slice
                  ((2, 3, 4, 32, 48), (2, 16, 16), 128),  # 3-D video patches: K = 1536

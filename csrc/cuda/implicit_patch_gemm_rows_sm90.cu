@@ -5,9 +5,11 @@
 // patches) and x is contiguous channels-first, the patches' part of one 64-wide K slice for a row of
 // the patch grid is one box of the 3-D view x[B*C*D*H image rows][gw][kw]: kh_box = 64 / kw image
 // rows of gw patch rows each. TMA lands it with one copy, in the swizzle of its kw * 2-byte rows
-// (the box is pw = gw rounded up to 8 patches wide; the rest reads zeros). (The cp.async forward
-// spends its time on the copies' address arithmetic, bench/RESULTS.md sessions 9-10: ViT-B/16 at
-// 305 TFLOP/s. Copies of whole image rows, unswizzled, ran 1.4x slower than these boxes.)
+// (the box is pw = gw rounded up to 8 patches wide; the rest reads zeros). For kw = 8, whose
+// 16-byte rows TMA moves slowly, the box is instead kh_box whole image rows (up to 256 elements):
+// the same [kh_box][gw][kw] layout, unswizzled, with pw = gw. (The cp.async forward spends its time
+// on the copies' address arithmetic, bench/RESULTS.md sessions 9-10: ViT-B/16 at 305 TFLOP/s.
+// Whole image rows ran 1.35x faster than patch boxes for kw = 8, 1.3-1.5x slower for kw = 16.)
 //
 // A tile's tokens are R whole grid rows (R * gw <= 128: 126 of ViT-B/16's 14-patch rows), so each
 // MMA row reads a fixed place in one of the tile's R boxes. Those rows do not form the uniform 8-row
@@ -58,12 +60,13 @@ constexpr int kStageBlock = kTileM * 128, kStageBytes = kTileN / 64 * kStageBloc
 struct Geometry {
   int C, D, H;             // x [B, C, D, H, W], contiguous
   int kd, kh, kw, kh_box;  // the patch; image rows per K slice
-  int gd, gh, gw, pw;      // patch grid; patches per box (gw rounded up to 8)
+  int gd, gh, gw, pw;      // patch grid; patches per box (gw rounded up to 8, or gw for whole rows)
+  bool whole_rows;         // kw = 8 and W <= 256: boxes of whole image rows
   uint32_t swizzle_mask;   // the 16-byte chunk bits that the box's swizzle flips: (kw * 2 / 16 - 1) << 4
   int grid_rows;           // B * gd * gh
   int rows_per_tile;       // R
   int k_tiles, E, tiles_n, tiles;
-  int slot;                // bytes of a slot: W's 256 x 64 tile, then x's boxes
+  int slot, copied;        // bytes of a slot (W's 256 x 64 tile, then x's boxes) and copied into it
 };
 
 // Image row (of x viewed as [B*C*D*H, W]) of grid row `r`'s patches' first row in channel 0.
@@ -102,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < g.k_tiles; ++kt, ++it) {
         released.wait_released(it);
         const int slot = it % kStages;
-        const uint32_t slot_base = base + slot * g.slot, bar = landed.arm(slot, g.slot);
+        const uint32_t slot_base = base + slot * g.slot, bar = landed.arm(slot, g.copied);
         tma_load(slot_base, w_map, bar, kt * kTileK, e0);
         for (int s = 0; s < g.rows_per_tile; ++s) {
           tma_load(slot_base + kSlotW + s * box_bytes, x_map, bar, 0, 0, origin[s] + offset);
@@ -221,12 +224,17 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
   const uint64_t x_strides[2] = {static_cast<uint64_t>(g.kw) * 2, static_cast<uint64_t>(g.gw) * g.kw * 2};
   const uint32_t x_box[3] = {static_cast<uint32_t>(g.kw), static_cast<uint32_t>(g.pw), static_cast<uint32_t>(g.kh_box)};
   const int swizzle = g.kw == 8 ? 0 : g.kw == 16 ? 1 : g.kw == 32 ? 2 : 3;
+  // Whole rows: x as [image rows][1][W], a box of kh_box rows; the same coordinates (0, 0, row).
+  const uint64_t row_dims[3] = {x_dims[1] * g.kw, 1, x_dims[2]}, row_strides[2] = {x_strides[1], x_strides[1]};
+  const uint32_t row_box[3] = {static_cast<uint32_t>(g.gw * g.kw), 1, static_cast<uint32_t>(g.kh_box)};
   const uint64_t K = static_cast<uint64_t>(g.k_tiles) * kTileK, E = g.E;
   const uint64_t w_dims[2] = {K, E}, w_strides[1] = {K * 2};
   const uint32_t w_box[2] = {kTileK, kTileN};
   const uint64_t y_dims[2] = {E, static_cast<uint64_t>(tokens)}, y_strides[1] = {E * 2};
   const uint32_t y_box[2] = {64, static_cast<uint32_t>(g.rows_per_tile * g.gw)};
-  if (!encode_tensor_map(x_map, x5.const_data_ptr(), 3, x_dims, x_strides, x_box, swizzles[swizzle]) ||
+  if (!(g.whole_rows ? encode_tensor_map(x_map, x5.const_data_ptr(), 3, row_dims, row_strides, row_box,
+                                       CU_TENSOR_MAP_SWIZZLE_NONE)
+                    : encode_tensor_map(x_map, x5.const_data_ptr(), 3, x_dims, x_strides, x_box, swizzles[swizzle])) ||
       !encode_tensor_map(w_map, w.const_data_ptr(), 2, w_dims, w_strides, w_box) ||
       !encode_tensor_map(y_map, y.data_ptr(), 2, y_dims, y_strides, y_box)) {
     return false;
@@ -254,7 +262,8 @@ bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::
   g.kh_box = kTileK / g.kw;
   g.C = static_cast<int>(x5.size(1)), g.D = static_cast<int>(x5.size(2)), g.H = static_cast<int>(x5.size(3));
   g.gw = p.gw, g.gh = p.gh, g.gd = p.tokens / (p.gh * p.gw);
-  g.pw = (g.gw + 7) / 8 * 8;
+  g.whole_rows = g.kw == 8 && g.gw * g.kw <= 256;
+  g.pw = g.whole_rows ? g.gw : (g.gw + 7) / 8 * 8;
   if (p.rows / g.gw >= INT_MAX) return false;
   g.grid_rows = static_cast<int>(p.rows / g.gw);
   g.rows_per_tile = std::min({kTileM / g.gw, kMaxBoxRows / g.pw, kMaxBoxes});
@@ -267,7 +276,8 @@ bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::
   if (tiles >= INT_MAX) return false;
   g.tiles = static_cast<int>(tiles);
   g.swizzle_mask = static_cast<uint32_t>(g.kw * 2 / 16 - 1) << 4;
-  g.slot = kSlotW + g.rows_per_tile * g.pw * 128;  // a multiple of 1024: pw % 8 == 0
+  g.copied = kSlotW + g.rows_per_tile * g.pw * 128;
+  g.slot = (g.copied + 1023) / 1024 * 1024;
   return y.scalar_type() == at::kHalf ? launch<__half>(g, x5, w, bias, y) : launch<__nv_bfloat16>(g, x5, w, bias, y);
 #else
   return false;

@@ -19,8 +19,8 @@ namespace cuda {
 
 // Encodes `map` for the 16-bit tensor at `base` with `rank` dimensions, innermost first: sizes
 // `dims`, byte strides of dimensions 1.. `strides` (multiples of 16), and `box` elements per copy
-// (box[0] * 2 <= 128 bytes: one swizzled row), landing in shared memory in `swizzle` (the tensor
-// cores' 128B mode; the 32B and 64B modes, or none, for boxes of 32-, 64- or 16-byte rows). Elements
+// (box[0] * 2 <= 128 bytes: one swizzled row; unswizzled, up to 256 elements), landing in shared
+// memory in `swizzle` (the tensor cores' 128B mode; 32B or 64B for boxes of such rows). Elements
 // outside the tensor read as zeros (and are not written by stores). false where the driver refuses
 // it (callers fall back to their cp.async kernels).
 inline bool encode_tensor_map(CUtensorMap& map, const void* base, int rank, const uint64_t* dims,
@@ -37,7 +37,9 @@ inline bool encode_tensor_map(CUtensorMap& map, const void* base, int rank, cons
     }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
-  if (!encode || reinterpret_cast<uintptr_t>(base) % 16 || box[0] * 2 > 128) return false;
+  if (!encode || reinterpret_cast<uintptr_t>(base) % 16 || box[0] * 2 > (swizzle == CU_TENSOR_MAP_SWIZZLE_NONE ? 512 : 128)) {
+    return false;
+  }
   for (int d = 0; d + 1 < rank; ++d) {
     if (strides[d] % 16) return false;
   }
