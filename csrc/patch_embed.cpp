@@ -337,8 +337,10 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
       const auto& [grad_w, grad_b] = *tiny;
       return {grad_w.view(w_shape), with_bias ? grad_b : at::empty({0}, x.options())};
     }
-    if (const auto grad_w = cuda::implicit_weight_grad(dy_arg, dy_tokens, x5, g, embed, fused == FusedKernels::kAlways)) {
-      return {grad_w->view(w_shape), bias_grad()};
+    if (const auto grads = cuda::implicit_weight_grad(dy_arg, dy_tokens, x5, g, embed, with_bias,
+                                                      fused == FusedKernels::kAlways)) {
+      const auto& [grad_w, grad_b] = *grads;
+      return {grad_w.view(w_shape), grad_b.defined() ? grad_b : bias_grad()};
     }
   }
 #endif

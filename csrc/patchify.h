@@ -96,11 +96,13 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
 
 // The implicit-GEMM weight gradient for 16-bit dtypes, kw = 2 (implicit_patch_weight_grad.cu; on
 // Hopper kw % 4 == 0 too):
-// dW [E, K] of patch_embed(x5, ...) for grad_y, tokens [B, N, E] or channels-first [B, E, N], the
-// patches read from x inside the GEMM. nullopt where it does not apply or, unless `always`, where
-// gather + cuBLAS is faster.
-std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tensor& x5,
-                                               const PatchGeometry& g, int64_t E, bool always);
+// (dW [E, K], dbias [E]) of patch_embed(x5, ...) for grad_y, tokens [B, N, E] or channels-first
+// [B, E, N], the patches read from x inside the GEMM. dbias is undefined unless with_bias and the
+// kernel computed it (the caller then sums grad_y). nullopt where it does not apply or, unless
+// `always`, where gather + cuBLAS is faster.
+std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at::Tensor& grad_y, bool tokens,
+                                                                       const at::Tensor& x5, const PatchGeometry& g,
+                                                                       int64_t E, bool with_bias, bool always);
 
 // The implicit-GEMM unembedding for 16-bit dtypes, kw = 2 (implicit_patch_unembed.cu; on Hopper
 // kw = 4 too): y5 (g's

@@ -628,6 +628,57 @@ def test_gpu_implicit_rows_patch_embed_kernel(fused_always, dtype, shape, kernel
     assert_close_to_ref(out["y"], ref, dtype, "channels_first")
 
 
+# Tokens weight gradients with patch rows of 32-128 bytes read the patches by TMA on a 9.0 GPU
+# (implicit_patch_weight_grad_rows_sm90.cu), the bias gradient included: (x shape, kernel, E) with
+# 14-, 5-, 6-, 4- and 24-patch grid rows (6, 14, 12, 17 and 4 boxes a slice; 3 and 4 slots), several token
+# ranges ending in a partial slice, embedding tiles with boxes past E, 1 to 6 column tiles.
+IMPLICIT_ROWS_DW = [((16, 3, 224, 224), (16, 16), 200),   # ViT-like: 3136 tokens in 6 ranges
+                    ((3, 3, 48, 80), (16, 16), 96),        # 5-patch rows, 45 tokens
+                    ((2, 5, 64, 192), (4, 32), 320),       # kw = 32, K = 640: two embedding tiles
+                    ((2, 3, 4, 256), (2, 64), 64),         # kw = 64, 4-patch rows
+                    ((2, 3, 4, 32, 96), (2, 16, 16), 136),  # 3-D video patches, K = 1536
+                    ((2, 3, 32, 384), (16, 16), 256),      # 24-patch rows
+                    ((1, 3, 16, 224), (16, 16), 64),       # 14 tokens
+                    ((40, 3, 224, 224), (16, 16), 768)]    # P1-like: 18 tiles, 7 ranges
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,embed", IMPLICIT_ROWS_DW)
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_implicit_rows_weight_grad_kernel(fused_always, dtype, shape, kernel, embed, has_bias):
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=embed, bias=has_bias)
+    params = [w.requires_grad_()] + ([b.requires_grad_()] if has_bias else [])
+    w64 = w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_() if has_bias else None
+    ref = CONV[len(kernel)](x.double(), w64, b64, stride=kernel)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    want = torch.autograd.grad(ref, [w64] + ([b64] if has_bias else []), dy.double())
+    y = patchgemm.patch_embed(x, w, b, out_format="tokens")
+    poison_allocator(4 * w.numel() * 64, "cuda")
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, params, conv_tokens(dy))))
+    assert ("implicit_weight_grad_kernel_sm90_rows" in ran) == wgmma_built(), ran
+    for g, r, name in zip(out["g"], want, ["grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+
+
+@needs_gpu
+def test_gpu_implicit_rows_weight_grad_of_unembed(fused_always):
+    """The transpose's weight gradient with tokens x is the same kernel, x and grad_y swapped."""
+    z = randn(6, 4 * 14, 96, dtype=torch.bfloat16, device="cuda")  # tokens of a 4 x 14 grid
+    w = (randn(96, 3, 16, 16, dtype=torch.bfloat16, device="cuda") / 40).requires_grad_()
+    u = patchgemm.patch_unembed(z, w, in_format="tokens", grid=(4, 14))
+    du = randn(*u.shape, dtype=torch.bfloat16, device="cuda")
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(dw=torch.autograd.grad(u, [w], du)[0]))
+    assert ("implicit_weight_grad_kernel_sm90_rows" in ran) == wgmma_built(), ran
+    w64 = w.detach().double().requires_grad_()
+    ref = F.conv_transpose2d(z.double().transpose(1, 2).reshape(6, 96, 4, 14), w64, stride=16)
+    (want,) = torch.autograd.grad(ref, [w64], du.double())
+    assert_close_to_ref(out["dw"], want, torch.bfloat16, "grad_weight")
+
+
 # 16-bit weight gradients run an implicit GEMM: kw = 2 the mma.sync one of
 # csrc/cuda/implicit_patch_weight_grad.cu, kw % 4 == 0 on a 9.0 GPU the wgmma one of
 # implicit_patch_weight_grad_sm90.cu (the tests run with it on and off). (x shape, kernel, E) covering

@@ -260,6 +260,17 @@ bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::
 bool implicit_weight_grad_sm90(const Problem& p, int run, int dy_piece, const at::Tensor& x5, const at::Tensor& dy,
                                int64_t splits, int64_t chunk, const at::Tensor& out);
 
+// The weight gradient on Hopper's wgmma with the patches by TMA (implicit_patch_weight_grad_rows_sm90.cu)
+// for tokens grad_y dy [B*N, E], a problem implicit_weight_grad has checked and set up: (dW [E, K],
+// dbias [E] where with_bias, else undefined). nullopt where it does not apply: kw other than 16, 32,
+// 64; kh not a multiple of 128 / kw; x or dy not contiguous and 16-byte aligned; E % 8; grid rows
+// wider than 128 patches or too short for a slice's boxes to fit 3 slots; no tokens; or, unless
+// `always`, where its rule expects gather + cuBLAS to be faster.
+std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90(const Problem& p,
+                                                                                const at::Tensor& x5,
+                                                                                const at::Tensor& dy,
+                                                                                bool with_bias, bool always);
+
 // The unembedding on Hopper's wgmma (implicit_patch_unembed_sm90.cu), for a problem implicit_unembed
 // has checked and set up (its p, x contiguous, w [C_in, K] contiguous). false where it cannot run:
 // shared memory, or x and w not readable by TMA (channels-first needs N % 64 == 0; K % 8 == 0).

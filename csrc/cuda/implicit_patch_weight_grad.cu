@@ -27,8 +27,8 @@
 #ifdef USE_ROCM
 namespace patchgemm::cuda {
 // NVIDIA PTX (mma.sync, ldmatrix, cp.async): ROCm builds take the gather -> GEMM path.
-std::optional<at::Tensor> implicit_weight_grad(const at::Tensor&, bool, const at::Tensor&, const PatchGeometry&,
-                                               int64_t, bool) {
+std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at::Tensor&, bool, const at::Tensor&,
+                                                                       const PatchGeometry&, int64_t, bool, bool) {
   return std::nullopt;
 }
 }  // namespace patchgemm::cuda
@@ -217,8 +217,9 @@ void launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x5, cons
 
 }  // namespace
 
-std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool tokens, const at::Tensor& x5,
-                                               const PatchGeometry& g, int64_t E, bool always) {
+std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at::Tensor& grad_y, bool tokens,
+                                                                       const at::Tensor& x5, const PatchGeometry& g,
+                                                                       int64_t E, bool with_bias, bool always) {
   const int64_t K = g.patch_size(), N = g.tokens(), kw = g.kernel[2];
   const auto dtype = x5.scalar_type();
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(x5.get_device());
@@ -238,6 +239,13 @@ std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool to
             : kw != 2 || g.grid[2] % 4 || !runs_aligned(x5, 8)) {
     return std::nullopt;
   }
+  // Tokens grad_y with patch rows of 32-128 bytes: the patches by TMA, the bias gradient included.
+  if (wgmma && tokens && p.rows > 0) {
+    const c10::cuda::CUDAGuard guard(x5.device());
+    if (auto grads = implicit_weight_grad_rows_sm90(p, x5, contiguous_aligned(grad_y), with_bias, always)) {
+      return grads;
+    }
+  }
   // The rule: a full 128-column tile (U2's weight gradient, K = 32, runs at 0.45x gather + cuBLAS:
   // three quarters of each tile idle), and the kernel's own rule.
   if (!always && (K < kTileM || !(wgmma ? implicit_wgmma_weight_grad_pays(tokens, E)
@@ -245,7 +253,7 @@ std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool to
     return std::nullopt;
   }
   const c10::cuda::CUDAGuard guard(x5.device());
-  if (p.rows == 0) return at::zeros({E, K}, x5.options());
+  if (p.rows == 0) return std::make_tuple(at::zeros({E, K}, x5.options()), at::Tensor());
   // Token ranges: enough for a block per SM (one fits an SM), each at least 4 slices long.
   const int64_t kTileN = E % 192 == 0 ? 192 : 128;  // as the forward
   const int64_t tiles = (K + kTileM - 1) / kTileM * ((E + kTileN - 1) / kTileN);
@@ -260,7 +268,7 @@ std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool to
     at::Tensor out = splits == 1 ? at::empty({E, K}, x5.options())
                                  : at::empty({splits, E, K}, x5.options().dtype(at::kFloat));
     if (!implicit_weight_grad_sm90(p, run, dy_piece, x5, dy, splits, chunk, out)) return std::nullopt;
-    return splits == 1 ? out : out.sum(0).to(dtype);
+    return std::make_tuple(splits == 1 ? out : out.sum(0).to(dtype), at::Tensor());
   }
   at::Tensor partial = at::empty({splits, E, K}, x5.options().dtype(at::kFloat));
   if (dtype == at::kHalf) {
@@ -270,7 +278,7 @@ std::optional<at::Tensor> implicit_weight_grad(const at::Tensor& grad_y, bool to
     E % 192 == 0 ? launch_for_layout<__nv_bfloat16, 192>(tokens, p, x5, dy, splits, chunk, partial)
                  : launch_for_layout<__nv_bfloat16, 128>(tokens, p, x5, dy, splits, chunk, partial);
   }
-  return (splits == 1 ? partial.select(0, 0) : partial.sum(0)).to(dtype);
+  return std::make_tuple((splits == 1 ? partial.select(0, 0) : partial.sum(0)).to(dtype), at::Tensor());
 }
 
 }  // namespace cuda

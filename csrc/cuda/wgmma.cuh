@@ -112,12 +112,12 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 
 
-#define PATCHGEMM_WGMMA_RS(N, AB, A_OPS, DESC, ONE)                                                    \
+#define PATCHGEMM_WGMMA_RS(N, AB, A_OPS, DESC, ONE, TRANS_B)                                           \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ONE ", 0;\n"                                        \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." AB "." AB " " PATCHGEMM_WGMMA_D##N    \
-               ", " A_OPS ", " DESC ", p, 1, 1, 0;\n}\n"                                               \
+               ", " A_OPS ", " DESC ", p, 1, 1, " TRANS_B ";\n}\n"                                     \
                : PATCHGEMM_WGMMA_ACC##N(d)                                                             \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(kMajorN ? 1 : 0))
 #define PATCHGEMM_WGMMA_SS(N, AB, DESCS, ONE, TRANS_A, TRANS_B)                                        \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ONE ", 0;\n"                                        \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." AB "." AB " " PATCHGEMM_WGMMA_D##N    \
@@ -126,24 +126,24 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
                : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kMajorM ? 1 : 0), "n"(kMajorN ? 1 : 0))
 
 // d (64 x N per warpgroup, fp32) += a (64 x 16, registers: each warp's 16 rows as mma.sync's A
-// fragment) @ b (descriptor of an N x 16 K-major tile).
-template <typename T, int N>
+// fragment) @ b (descriptor of an N x 16 tile, K-major or, with kMajorN, N-major).
+template <typename T, int N, bool kMajorN = false>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
   static_assert(N == 128 || N == 192 || N == 256, "wgmma_rs: N = 128, 192 or 256");
 #ifdef PATCHGEMM_HAS_WGMMA
   constexpr bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   if constexpr (N == 256 && bf16) {
-    PATCHGEMM_WGMMA_RS(256, "bf16", "{%128, %129, %130, %131}", "%132", "%133");
+    PATCHGEMM_WGMMA_RS(256, "bf16", "{%128, %129, %130, %131}", "%132", "%133", "%134");
   } else if constexpr (N == 256) {
-    PATCHGEMM_WGMMA_RS(256, "f16", "{%128, %129, %130, %131}", "%132", "%133");
+    PATCHGEMM_WGMMA_RS(256, "f16", "{%128, %129, %130, %131}", "%132", "%133", "%134");
   } else if constexpr (N == 128 && bf16) {
-    PATCHGEMM_WGMMA_RS(128, "bf16", "{%64, %65, %66, %67}", "%68", "%69");
+    PATCHGEMM_WGMMA_RS(128, "bf16", "{%64, %65, %66, %67}", "%68", "%69", "%70");
   } else if constexpr (N == 128) {
-    PATCHGEMM_WGMMA_RS(128, "f16", "{%64, %65, %66, %67}", "%68", "%69");
+    PATCHGEMM_WGMMA_RS(128, "f16", "{%64, %65, %66, %67}", "%68", "%69", "%70");
   } else if constexpr (bf16) {
-    PATCHGEMM_WGMMA_RS(192, "bf16", "{%96, %97, %98, %99}", "%100", "%101");
+    PATCHGEMM_WGMMA_RS(192, "bf16", "{%96, %97, %98, %99}", "%100", "%101", "%102");
   } else {
-    PATCHGEMM_WGMMA_RS(192, "f16", "{%96, %97, %98, %99}", "%100", "%101");
+    PATCHGEMM_WGMMA_RS(192, "f16", "{%96, %97, %98, %99}", "%100", "%101", "%102");
   }
 #endif
 }

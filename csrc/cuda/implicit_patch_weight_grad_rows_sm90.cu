@@ -1,0 +1,374 @@
+// Implicit-GEMM weight gradient on Hopper (sm_90a) with the patches by TMA, tokens grad_y:
+//   dW^T [K, E] = P^T [K, B*N] @ grad_y [B*N, E]
+// for patch rows of 32, 64 or 128 bytes (kw = 16, 32, 64 16-bit elements: ViT's 16 x 16), read as
+// the forward of implicit_patch_gemm_rows_sm90.cu reads them. (The cp.async weight gradient of
+// implicit_patch_weight_grad_sm90.cu loses to gather + cuBLAS there: 0.89x on ViT-B/16.)
+//
+// A block: 128 patch columns (kh_box = 128 / kw image rows of one channel and patch depth, all kw)
+// x 256 embeddings over a range of tokens, the reduction (ranges as implicit_patch_weight_grad.cu
+// explains), in slices of 64 tokens. A slice's grad_y is four 64 x 64 boxes of grad_y [B*N, E]
+// (N-major, 128B swizzle); its patches are one box per patch-grid row its tokens touch, of x viewed
+// as [B*C*D*H image rows][gw][kw]: kh_box image rows of pw = gw rounded up to 8 patch rows, in the
+// swizzle of their kw * 2-byte rows. A slice's tokens sit in those boxes where no descriptor can
+// describe them, so A goes through registers: one ldmatrix.trans x4 per 16 tokens, each lane
+// addressing one token's half patch row (8 columns).
+//
+// Warp-specialized as the forward: one producer thread fills a ring of slots; two consumer
+// warpgroups (64 patch columns each) multiply with wgmma m64n256k16 (A from registers, B N-major)
+// and release each slot once their next slice's wgmmas are issued. Where the bias gradient is asked
+// for, two more warps of the producer's warpgroup sum grad_y rows from shared memory, the blocks of
+// the column tiles (which read the same grad_y) a share each: no extra pass over grad_y.
+// Blocks write fp32 partial sums (dW [E, K]; dbias [E], two per block); one small kernel adds them
+// in a fixed order (deterministic) into the output dtype.
+#include <ATen/ATen.h>
+
+#include "patchify.h"
+
+#ifndef USE_ROCM
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "cuda/implicit_patch.cuh"
+#include "cuda/mma.cuh"
+#include "cuda/tma.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace patchgemm {
+namespace cuda {
+namespace {
+
+constexpr int kConsumers = 256;             // two warpgroups of 64 patch columns
+constexpr int kThreads = kConsumers + 128;  // and the producer's warpgroup (thread 0 copies)
+constexpr int kTileM = 128;                 // patch columns per block
+constexpr int kTileN = 256;                 // embeddings per block
+constexpr int kSlice = 64;                  // tokens per slice
+constexpr int kDyBox = kSlice * 128;        // a 64-embedding box of a slice's grad_y
+constexpr int kSlotDy = kTileN / 64 * kDyBox;  // a slice's grad_y: four boxes
+
+struct Geometry {
+  int C, D, H;            // x [B, C, D, H, W], contiguous
+  int kd, kh, kw, kh_box;  // the patch; image rows per 128 columns
+  int gd, gh, gw, pw;      // patch grid; patches per box (gw rounded up to 8)
+  uint32_t gw_magic;       // u / gw = u * gw_magic >> 16 for the u < 64 + gw taken here
+  uint32_t swizzle_mask;   // the 16-byte chunk bits the boxes' swizzle flips: (kw * 2 / 16 - 1) << 4
+  int grid_rows;           // B * gd * gh
+  int tokens;              // B * N
+  int K, E, tiles_m, tiles_n;
+  int chunk;               // tokens per range, a multiple of kSlice
+  int box_bytes, slot;     // one grid row's box; a slot (grad_y, then up to slot - kSlotDy of boxes)
+  bool with_bias;
+};
+
+// A patch-grid row r = (b, d, h) and the image row (of x viewed as [B*C*D*H, W]) where its patches
+// start in channel 0, stepped row by row without divisions: the producer thread's per-slice work
+// (divisions per box left it the bottleneck).
+struct GridRowCursor {
+  int r, d, h, origin;
+
+  __device__ __forceinline__ GridRowCursor(const Geometry& g, int row) : r(row) {
+    h = row % g.gh;
+    const int rest = row / g.gh;
+    d = rest % g.gd;
+    origin = (rest / g.gd * g.C * g.D + d * g.kd) * g.H + h * g.kh;
+  }
+  __device__ __forceinline__ void next(const Geometry& g) {
+    ++r, origin += g.kh;
+    if (++h == g.gh) {
+      h = 0, origin += g.kd * g.H - g.gh * g.kh;
+      if (++d == g.gd) d = 0, origin += (g.C * g.D - g.gd * g.kd) * g.H;
+    }
+  }
+};
+
+template <typename T, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    implicit_weight_grad_kernel_sm90_rows(Geometry g, const __grid_constant__ CUtensorMap x_map,
+                                          const __grid_constant__ CUtensorMap dy_map, float* __restrict__ dw_partial,
+                                          float* __restrict__ db_partial) {
+#ifdef PATCHGEMM_HAS_WGMMA
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
+  const int tile_n = static_cast<int>(blockIdx.x) % g.tiles_n, tile_m = static_cast<int>(blockIdx.x) / g.tiles_n % g.tiles_m;
+  const int split = static_cast<int>(blockIdx.x) / g.tiles_n / g.tiles_m;
+  const int e0 = tile_n * kTileN, col0 = tile_m * kTileM;
+  const int t_begin = split * g.chunk, t_end = min(t_begin + g.chunk, g.tokens);
+  const int slices = (t_end - t_begin + kSlice - 1) / kSlice;
+
+  const SlotBarriers<kStages> landed{base + kStages * g.slot};
+  const SlotBarriers<kStages> released{landed.base + kStages * 8};
+  landed.init();
+  released.init(g.with_bias ? 4 : 2);  // the consumer warpgroups, and the bias warps
+  if (threadIdx.x == 0) prefetch_tensor_map(x_map), prefetch_tensor_map(dy_map);
+  __syncthreads();
+
+  if (threadIdx.x < kThreads - kConsumers) {
+    set_max_registers<40, false>();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+      // The block's columns, from a grid row's origin: image rows j0 .. j0 + kh_box - 1 of channel
+      // c, patch depth i.
+      const int row_blocks = g.kh / g.kh_box, ci = tile_m / row_blocks;
+      const int row_offset = (ci / g.kd * g.D + ci % g.kd) * g.H + tile_m % row_blocks * g.kh_box;
+      const int last_origin = GridRowCursor(g, g.grid_rows - 1).origin + row_offset;
+      const int dy_boxes = min(kTileN, g.E - e0 + 63) / 64;  // boxes past E are not copied (never stored)
+      // The slice's first grid row, and its first token's place u0 in it.
+      GridRowCursor first(g, t_begin / g.gw);
+      int u0 = t_begin - first.r * g.gw;
+      for (int s = 0; s < slices; ++s) {
+        const int boxes = (u0 + kSlice + g.gw - 1) / g.gw;
+        released.wait_released(s);
+        const uint32_t slot_base = base + s % kStages * g.slot;
+        const uint32_t bar = landed.arm(s % kStages, dy_boxes * kDyBox + boxes * g.box_bytes);
+        for (int h = 0; h < dy_boxes; ++h) tma_load(slot_base + h * kDyBox, dy_map, bar, e0 + 64 * h, t_begin + s * kSlice);
+        // Grid rows past the last (the tokens past the end of the last slice) re-read it: finite
+        // patches against grad_y's zeros there.
+        GridRowCursor row = first;
+        for (int i = 0; i < boxes; ++i, row.next(g)) {
+          tma_load(slot_base + kSlotDy + i * g.box_bytes, x_map, bar, 0, 0,
+                   row.r < g.grid_rows ? row.origin + row_offset : last_origin);
+        }
+        for (u0 += kSlice; u0 >= g.gw; u0 -= g.gw) first.next(g);
+      }
+    } else if (g.with_bias && (warp == 1 || warp == 2)) {
+      // The blocks of all column tiles read the same grad_y slices: each sums its share of their
+      // rows, tile_m + tiles_m (2 i + warp - 1). Lane: embeddings 8 lane .. 8 lane + 7 of the tile
+      // (box lane / 8, 16-byte chunk lane % 8).
+      const int row0 = tile_m + g.tiles_m * (warp - 1), row_step = 2 * g.tiles_m;
+      float sum[8] = {};
+      for (int s = 0; s < slices; ++s) {
+        landed.wait(s);
+        const uint32_t box = base + s % kStages * g.slot + lane / 8 * kDyBox;
+#pragma unroll 2
+        for (int r = row0; r < kSlice; r += row_step) {
+          uint4 v;
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                       : "r"(box + swizzle_128b(r, lane % 8 * 16)));
+          const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sum[i] += to_float(e[i]);
+        }
+        __syncwarp();
+        if (lane == 0) released.arrive(s % kStages);
+      }
+      const int e = e0 + 8 * lane;
+      if (e < g.E) {  // E % 8 == 0
+        float* out = db_partial + ((int64_t{split} * g.tiles_m + tile_m) * 2 + warp - 1) * g.E + e;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = sum[i];
+      }
+    }
+    return;
+  }
+
+  set_max_registers<232, true>();
+  const int thread = threadIdx.x - (kThreads - kConsumers);  // among the consumers
+  const int wg = thread / 128, wq = thread / 32 % 4, lane = thread % 32, gq = lane / 4, q = lane % 4;
+  // ldmatrix.trans rows: this lane's token of each 16-token step, 8 (lane / 16) + lane % 8, and its 8
+  // patch columns, the warp's 16 from wg * 64 + wq * 16, the upper 8 for odd lane / 8: image row
+  // kh_row of the box, elements kw_col .. kw_col + 7 of its patch row.
+  const int token_lane = 8 * (lane / 16) + lane % 8;
+  const int m_lane = wg * 64 + wq * 16 + lane / 8 % 2 * 8, kh_row = m_lane / g.kw, kw_col = m_lane % g.kw;
+  const uint32_t lane_offset = kSlotDy + (kh_row * g.pw * g.kw + kw_col) * 2;
+  int u0 = t_begin % g.gw;                   // the slice's first token's place in its grid row
+  const int u_step = kSlice % g.gw;
+  float acc[kTileN / 2];
+#pragma unroll
+  for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
+  uint32_t a_even[kSlice / 16][4], a_odd[kSlice / 16][4];
+  int it = 0;  // slices consumed
+  // One slice: A into registers (while the previous slice's group runs), its wgmmas as one group,
+  // then the previous slice's slot goes back to the producer; alternate register sets keep the
+  // in-flight group's registers untouched (as the forward).
+  auto multiply = [&](uint32_t(&af)[kSlice / 16][4]) {
+    const uint32_t slot_base = base + it % kStages * g.slot;
+    uint32_t a_offset[kSlice / 16];
+#pragma unroll
+    for (int t = 0; t < kSlice / 16; ++t) {
+      const uint32_t u = static_cast<uint32_t>(u0 + 16 * t + token_lane), row = u * g.gw_magic >> 16;
+      const uint32_t offset = lane_offset + row * g.box_bytes + (u - row * g.gw) * g.kw * 2;
+      a_offset[t] = offset ^ (offset >> 3 & g.swizzle_mask);  // boxes start 1024-byte aligned
+    }
+    u0 += u_step;
+    if (u0 >= g.gw) u0 -= g.gw;
+    landed.wait(it);
+#pragma unroll
+    for (int t = 0; t < kSlice / 16; ++t) ldmatrix_x4_trans(af[t], slot_base + a_offset[t]);
+    fence_accumulators(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < kSlice / 16; ++t) {
+      wgmma_rs<T, kTileN, true>(acc, af[t], smem_descriptor_128b(slot_base + 2048 * t, kDyBox));
+    }
+    wgmma_commit();
+    fence_accumulators(acc);
+    wgmma_wait<1>();
+    fence_accumulators(acc);
+    if (it > 0 && thread % 128 == 0) released.arrive((it - 1) % kStages);
+    ++it;
+  };
+  int s = 0;
+  for (; s + 1 < slices; s += 2) multiply(a_even), multiply(a_odd);
+  if (s < slices) multiply(a_even);
+  wgmma_wait<0>();
+  fence_accumulators(acc);
+
+  // acc[4 j + 2 half + i]: column col0 + wg*64 + wq*16 + gq + 8 half, embedding e0 + 8 j + 2 q + i.
+  // A warp's stores cover 32-byte pieces of 4 rows of dW.
+  float* out = dw_partial + int64_t{split} * g.E * g.K + col0 + wg * 64 + wq * 16 + gq;
+#pragma unroll
+  for (int j = 0; j < kTileN / 8; ++j) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int e = e0 + 8 * j + 2 * q + i;
+      if (e < g.E) {
+        out[int64_t{e} * g.K] = acc[4 * j + i];
+        out[int64_t{e} * g.K + 8] = acc[4 * j + 2 + i];
+      }
+    }
+  }
+#endif
+}
+
+// dW [E, K] and dbias [E] in T: the blocks' partial sums added over the ranges in a fixed order,
+// in vectors of 4. The first dw_blocks blocks take dW's, a thread per vector over its few ranges;
+// the rest dbias's, a warp per vector over its many (two per block: splits x tiles_m x 2).
+template <typename T>
+__global__ void sum_ranges_kernel(const float4* __restrict__ dw_partial, int64_t dw_vectors, int dw_ranges,
+                                  int64_t dw_blocks, const float4* __restrict__ db_partial, int db_vectors,
+                                  int db_ranges, uint2* __restrict__ dw, uint2* __restrict__ db) {
+  float4 sum = {0.f, 0.f, 0.f, 0.f};
+  auto add = [&](const float4& v) { sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w; };
+  if (blockIdx.x < dw_blocks) {
+    const int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+    if (v >= dw_vectors) return;
+    for (int r = 0; r < dw_ranges; ++r) add(dw_partial[r * dw_vectors + v]);
+    dw[v] = {pack2<T>(sum.x, sum.y), pack2<T>(sum.z, sum.w)};
+    return;
+  }
+  const int v = static_cast<int>((blockIdx.x - dw_blocks) * (blockDim.x / 32) + threadIdx.x / 32), lane = threadIdx.x % 32;
+  if (v >= db_vectors) return;
+  for (int r = lane; r < db_ranges; r += 32) add(db_partial[int64_t{r} * db_vectors + v]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    sum.x += __shfl_xor_sync(0xffffffffu, sum.x, offset), sum.y += __shfl_xor_sync(0xffffffffu, sum.y, offset);
+    sum.z += __shfl_xor_sync(0xffffffffu, sum.z, offset), sum.w += __shfl_xor_sync(0xffffffffu, sum.w, offset);
+  }
+  if (lane == 0) db[v] = {pack2<T>(sum.x, sum.y), pack2<T>(sum.z, sum.w)};
+}
+
+template <typename T, int kStages>
+void launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& dy, int splits, const CUtensorMap& x_map,
+            const CUtensorMap& dy_map, const at::Tensor& dw, const at::Tensor& db) {
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor dw_partial = at::empty({splits, g.E, g.K}, x5.options().dtype(at::kFloat));
+  const int db_ranges = g.with_bias ? splits * g.tiles_m * 2 : 0;
+  const at::Tensor db_partial = at::empty({db_ranges, g.E}, x5.options().dtype(at::kFloat));
+  const int smem = 1024 + kStages * g.slot + 2 * kStages * 8;
+  auto kernel = implicit_weight_grad_kernel_sm90_rows<T, kStages>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<splits * g.tiles_m * g.tiles_n, kThreads, smem, stream>>>(g, x_map, dy_map, dw_partial.data_ptr<float>(),
+                                                                     db_partial.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t dw_vectors = dw.numel() / 4, dw_blocks = (dw_vectors + 255) / 256;
+  const int db_vectors = g.with_bias ? g.E / 4 : 0;
+  sum_ranges_kernel<T><<<static_cast<unsigned>(dw_blocks + (db_vectors + 7) / 8), 256, 0, stream>>>(
+      reinterpret_cast<const float4*>(dw_partial.const_data_ptr<float>()), dw_vectors, splits, dw_blocks,
+      reinterpret_cast<const float4*>(db_partial.const_data_ptr<float>()), db_vectors, db_ranges,
+      static_cast<uint2*>(dw.data_ptr()), g.with_bias ? static_cast<uint2*>(db.data_ptr()) : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_for_stages(int stages, const Geometry& g, const at::Tensor& x5, const at::Tensor& dy, int splits,
+                       const CUtensorMap& x_map, const CUtensorMap& dy_map, const at::Tensor& dw, const at::Tensor& db) {
+  switch (stages) {
+    case 5: return launch<T, 5>(g, x5, dy, splits, x_map, dy_map, dw, db);
+    case 4: return launch<T, 4>(g, x5, dy, splits, x_map, dy_map, dw, db);
+    default: return launch<T, 3>(g, x5, dy, splits, x_map, dy_map, dw, db);
+  }
+}
+
+}  // namespace
+
+std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90(const Problem& p,
+                                                                                const at::Tensor& x5,
+                                                                                const at::Tensor& dy,
+                                                                                bool with_bias, bool always) {
+#ifdef PATCHGEMM_SM90A
+  Geometry g;
+  g.kd = p.kd, g.kh = p.kh, g.kw = p.kw;
+  if ((g.kw != 16 && g.kw != 32 && g.kw != 64) || g.kh % (kTileM / g.kw) || p.E % 8 || p.gw > 128 ||
+      !x5.is_contiguous() || reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % 16 || !dy.is_contiguous() ||
+      reinterpret_cast<uintptr_t>(dy.const_data_ptr()) % 16 || p.rows == 0) {
+    return std::nullopt;
+  }
+  // Image rows and the past-the-end grid row's origin as ints.
+  if (x5.numel() / x5.size(4) >= INT_MAX / 2 || p.rows >= INT_MAX / 2) return std::nullopt;
+  g.kh_box = kTileM / g.kw;
+  g.C = static_cast<int>(x5.size(1)), g.D = static_cast<int>(x5.size(2)), g.H = static_cast<int>(x5.size(3));
+  g.gw = p.gw, g.gh = p.gh, g.gd = p.tokens / (p.gh * p.gw);
+  g.pw = (g.gw + 7) / 8 * 8;
+  g.gw_magic = 65536 / g.gw + 1;  // exact for u < 2^16 / gw (u < 64 + gw <= 192 < 512)
+  g.swizzle_mask = static_cast<uint32_t>(g.kw * 2 / 16 - 1) << 4;
+  g.grid_rows = static_cast<int>(p.rows / g.gw);
+  g.tokens = static_cast<int>(p.rows);
+  g.K = p.K, g.E = p.E;
+  g.tiles_m = p.K / kTileM, g.tiles_n = (p.E + kTileN - 1) / kTileN;
+  g.box_bytes = g.pw * 256;  // kh_box x pw x kw 16-bit elements
+  const int max_boxes = (g.gw - 1 + kSlice - 1) / g.gw + 1;  // grid rows 64 tokens touch
+  g.slot = kSlotDy + max_boxes * g.box_bytes;
+  g.with_bias = with_bias;
+  const cudaDeviceProp* device = at::cuda::getCurrentDeviceProperties();
+  // As many slots as fit, up to 5 (3 at least).
+  const int optin = static_cast<int>(device->sharedMemPerBlockOptin);
+  int stages = 5;
+  while (stages >= 3 && 1024 + stages * (g.slot + 16) > optin) --stages;
+  if (stages < 3) return std::nullopt;
+  // Token ranges: a block per SM, each range at least 8 slices.
+  const int64_t tiles = int64_t{g.tiles_m} * g.tiles_n, slices = (p.rows + kSlice - 1) / kSlice;
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>(device->multiProcessorCount / tiles, slices / 8));
+  g.chunk = static_cast<int>((slices + splits - 1) / splits * kSlice);
+  splits = (p.rows + g.chunk - 1) / g.chunk;
+  if (splits * tiles >= INT_MAX) return std::nullopt;
+  // The rule (H200, bench/RESULTS.md session 14): blocks for 3/4 of the SMs (ViT-B/16 at batch 8,
+  // 54 blocks: 1.1x slower than gather + cuBLAS) and at most 6 boxes a slice (grid rows of 13+
+  // patches; 8-patch rows, 9 boxes: 1.06x slower).
+  if (!always && (splits * tiles * 4 < device->multiProcessorCount * 3 || max_boxes > 6)) return std::nullopt;
+
+  static const CUtensorMapSwizzle swizzles[] = {CU_TENSOR_MAP_SWIZZLE_32B, CU_TENSOR_MAP_SWIZZLE_64B,
+                                                CU_TENSOR_MAP_SWIZZLE_128B};
+  CUtensorMap x_map, dy_map;  // x as [B*C*D*H image rows][gw][kw]; grad_y as [B*N][E]
+  const uint64_t x_dims[3] = {static_cast<uint64_t>(g.kw), static_cast<uint64_t>(g.gw),
+                              static_cast<uint64_t>(x5.numel() / x5.size(4))};
+  const uint64_t x_strides[2] = {static_cast<uint64_t>(g.kw) * 2, static_cast<uint64_t>(g.gw) * g.kw * 2};
+  const uint32_t x_box[3] = {static_cast<uint32_t>(g.kw), static_cast<uint32_t>(g.pw), static_cast<uint32_t>(g.kh_box)};
+  const uint64_t dy_dims[2] = {static_cast<uint64_t>(g.E), static_cast<uint64_t>(g.tokens)};
+  const uint64_t dy_strides[1] = {static_cast<uint64_t>(g.E) * 2};
+  const uint32_t dy_box[2] = {64, kSlice};
+  if (!encode_tensor_map(x_map, x5.const_data_ptr(), 3, x_dims, x_strides, x_box,
+                         swizzles[g.kw == 16 ? 0 : g.kw == 32 ? 1 : 2]) ||
+      !encode_tensor_map(dy_map, dy.const_data_ptr(), 2, dy_dims, dy_strides, dy_box)) {
+    return std::nullopt;
+  }
+  const at::Tensor dw = at::empty({p.E, p.K}, x5.options());
+  const at::Tensor db = with_bias ? at::empty({p.E}, x5.options()) : at::Tensor();
+  const int n = static_cast<int>(splits);
+  if (x5.scalar_type() == at::kHalf) {
+    launch_for_stages<__half>(stages, g, x5, dy, n, x_map, dy_map, dw, db);
+  } else {
+    launch_for_stages<__nv_bfloat16>(stages, g, x5, dy, n, x_map, dy_map, dw, db);
+  }
+  return std::make_tuple(dw, db);
+#else
+  return std::nullopt;
+#endif
+}
+
+}  // namespace cuda
+}  // namespace patchgemm
+#endif  // USE_ROCM
