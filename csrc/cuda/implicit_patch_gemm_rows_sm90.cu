@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <typename T>
 bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const std::optional<at::Tensor>& bias,
             const at::Tensor& y) {
-  const int64_t rows = static_cast<int64_t>(g.grid_rows) / (g.gd * g.gh) * g.C * g.D * g.H;
+  const int64_t rows = x5.numel() / x5.size(4);  // image rows, B*C*D*H
   const int64_t tokens = static_cast<int64_t>(g.grid_rows) * g.gw;
   if (rows >= INT_MAX || tokens >= INT_MAX) return false;
   const int smem = 1024 + kStages * g.slot + kStageBytes + 2 * kStages * 8;
