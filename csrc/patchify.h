@@ -95,7 +95,7 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
                     const PatchGeometry& g, const at::Tensor& y, bool tokens_out, bool always);
 
 // The implicit-GEMM weight gradient for 16-bit dtypes, kw = 2 (implicit_patch_weight_grad.cu; on
-// Hopper kw % 4 == 0 too):
+// Hopper kw % 4 == 0 too, and the bias gradient with it):
 // (dW [E, K], dbias [E]) of patch_embed(x5, ...) for grad_y, tokens [B, N, E] or channels-first
 // [B, E, N], the patches read from x inside the GEMM. dbias is undefined unless with_bias and the
 // kernel computed it (the caller then sums grad_y). nullopt where it does not apply or, unless

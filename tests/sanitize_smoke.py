@@ -73,9 +73,10 @@ def main():
                     u = patchgemm.patch_unembed(y.detach(), w, bias_out, in_format="tokens", grid=grid)
                     assert all(torch.isfinite(t).all() for t in (*grads, u))
     # the implicit-GEMM embedding (16-bit, kw even; its wgmma and mma.sync kernels on a 9.0 GPU): runs
-    # of 2, 4 and 8, partial tiles, padded K; its weight gradient (kw = 2 on mma.sync, kw % 4 = 0 on
-    # wgmma, runs of 8 or 4: grad_y in pieces of 8 or 4 tokens (N = 12), over many token ranges (3 x 8 x 40^3), or as
-    # one range writing dW itself (K = 3072)); and with kw = 2 (kw = 4 on wgmma) the unembedding (its
+    # of 2, 4 and 8, partial tiles, padded K; its weight gradient (kw = 2 on mma.sync; on wgmma kw = 2
+    # pairs and kw % 4 = 0 runs of 8 or 4, with the bias gradient: grad_y in pieces of 8 or 4 tokens (N =
+    # 12), over many token ranges (3 x 8 x 40^3), or as one range writing dW itself (K = 3072)); and with
+    # kw = 2 (kw = 4 on wgmma) the unembedding (its
     # input gradient; with a bias below), over more tiles than SMs (its wgmma kernel is persistent);
     # tokens out with patch rows of 16-128 bytes by TMA (ViT-B/16-like over more tiles than SMs), and
     # their weight gradients with the patches by TMA (kw = 16, 32, 64; several token ranges; 3 and 4 slots)
@@ -100,6 +101,10 @@ def main():
                 u = patchgemm.patch_unembed(y.detach(), w.detach(), torch.randn(shape[1], dtype=dtype, device="cuda"),
                                             in_format=out_format, grid=grid)
                 assert all(torch.isfinite(t).all() for t in (y, *grads, u))
+        x = torch.randn(2, 32, 4, 8, 8, dtype=dtype, device="cuda")  # a weight gradient without bias
+        w = torch.randn(192, 32, 2, 2, 2, dtype=dtype, device="cuda", requires_grad=True)
+        y = patchgemm.patch_embed(x, w)
+        assert torch.isfinite(torch.autograd.grad(y, [w], torch.randn_like(y))[0]).all()
     ops._set_implicit_wgmma(True)
     ops._set_fused_patch_kernels(old)
     # fused instance norm + GELU: both layouts, vector and one-element paths, several chunks

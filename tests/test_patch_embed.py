@@ -679,9 +679,9 @@ def test_gpu_implicit_rows_weight_grad_of_unembed(fused_always):
     assert_close_to_ref(out["dw"], want, torch.bfloat16, "grad_weight")
 
 
-# 16-bit weight gradients run an implicit GEMM: kw = 2 the mma.sync one of
-# csrc/cuda/implicit_patch_weight_grad.cu, kw % 4 == 0 on a 9.0 GPU the wgmma one of
-# implicit_patch_weight_grad_sm90.cu (the tests run with it on and off). (x shape, kernel, E) covering
+# 16-bit weight gradients run an implicit GEMM: on a 9.0 GPU the wgmma one of
+# implicit_patch_weight_grad_sm90.cu (kw % 4 == 0, and kw = 2 in pairs), else for kw = 2 the mma.sync
+# one of csrc/cuda/implicit_patch_weight_grad.cu (the tests run with wgmma on and off). (x shape, kernel, E) covering
 # one and two 128-column tiles (partial ones: K = 192, 432), 128- and 192-wide embedding tiles
 # (partial: E = 200), E not a multiple of 8 (channels-first grad_y only), N not a multiple of 8 (tokens
 # grad_y only, but for wgmma's 4-token pieces where N % 4 == 0), 1-D/2-D/3-D, many token ranges (a
@@ -726,16 +726,49 @@ def test_gpu_implicit_weight_grad_kernel(fused_always, implicit_wgmma, dtype, sh
     out = {}
     ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, [w, b], conv_tokens(dy) if tokens else dy)))
     n = math.prod(ref.shape[2:])
+    # (every kw = 2 shape here has K % 4 == 0 and grid rows of 4k patches: the pairs' conditions)
     if kernel[-1] % 4 == 0:
         applies = implicit_wgmma and (embed % 8 == 0 if tokens else n % 4 == 0)
     else:
-        applies = kernel[-1] == 2 and (embed % 8 == 0 if tokens else n % 8 == 0)
+        applies = kernel[-1] == 2 and (embed % 8 == 0 if tokens else n % (4 if implicit_wgmma else 8) == 0)
         applies = applies and not tiny_weight_grad_applies(xs, kernel, embed, tokens)
         assert ("tiny_weight_grad_kernel" in ran) == tiny_weight_grad_applies(xs, kernel, embed, tokens), ran
     assert ("implicit_weight_grad_kernel" in ran) == applies, ran
-    assert ("implicit_weight_grad_kernel_sm90" in ran) == (applies and kernel[-1] % 4 == 0), ran
+    assert ("implicit_weight_grad_kernel_sm90" in ran) == (applies and implicit_wgmma), ran
     for g, r, name in zip(out["g"], want, ["grad_weight", "grad_bias"]):
         assert_close_to_ref(g, r, dtype, name)
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape,kernel,embed,out_format", [
+    ((2, 192, 8, 16, 16), (2, 2, 2), 192, "channels_first"),  # pairs, 12 column tiles
+    ((2, 192, 8, 16, 16), (2, 2, 2), 192, "tokens"),
+    ((3, 16, 20, 40, 40), (2, 2, 2), 64, "channels_first"),   # pairs, many ranges
+    ((3, 16, 20, 40, 40), (2, 2, 2), 64, "tokens"),
+    ((2, 24, 8, 8, 8), (4, 4, 4), 200, "channels_first"),     # runs of 4, E past the tile
+    ((2, 24, 8, 8, 8), (4, 4, 4), 200, "tokens"),
+    ((2, 16, 8, 32, 64), (2, 8, 8), 36, "channels_first")])   # runs of 8, E % 8 != 0 (channels-first only)
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_wgmma_weight_grad_bias(fused_always, shape, kernel, embed, out_format, has_bias):
+    """The wgmma weight gradient sums the bias gradient from its grad_y tiles (E % 4 == 0), each slice
+    by one column tile's block, and sum_token_ranges adds the blocks' sums: values against float64."""
+    tokens = out_format == "tokens"
+    if not wgmma_built():
+        pytest.skip("needs the sm_90a build on a 9.0 GPU")
+    x, w, b = make(shape, kernel, torch.bfloat16, "cuda", embed=embed, bias=has_bias)
+    params = [w.requires_grad_()] + ([b.requires_grad_()] if has_bias else [])
+    params64 = [t.detach().double().requires_grad_() for t in params]
+    ref = CONV[len(kernel)](x.double(), params64[0], params64[1] if has_bias else None, stride=kernel)
+    dy = randn(*ref.shape, dtype=torch.bfloat16, device="cuda")
+    want = torch.autograd.grad(ref, params64, dy.double())
+    y = patchgemm.patch_embed(x, w, b, out_format=out_format)
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, params, conv_tokens(dy) if tokens else dy)))
+    assert "implicit_weight_grad_kernel_sm90" in ran, ran
+    # the bias gradient from the kernel's tiles: no reduction of grad_y after it
+    assert not (has_bias and "reduce_kernel" in ran), ran
+    for g, r, name in zip(out["g"], want, ["grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, torch.bfloat16, name)
 
 
 def tiny_weight_grad_applies(x, kernel, embed, tokens):
@@ -929,8 +962,8 @@ def test_gpu_implicit_unembed_kernel(fused_always, implicit_wgmma, dtype, shape,
 @pytest.mark.parametrize("embed,expected", [(64, True), (384, False)])
 def test_gpu_implicit_rule(embed, expected):
     """By default the implicit GEMMs (forward, input and weight gradients) take thin GEMMs (E <= 256) with a
-    token tile per SM; wider ones gather and run cuBLAS, except the forward and the input gradient where
-    their wgmma kernels run (any E). Both give the conv's result."""
+    token tile per SM; wider ones gather and run cuBLAS, except where their wgmma kernels run (any E
+    with channels-first grad_y). Both give the conv's result."""
     x, w, b = make((1, 32, 64, 64, 64), (2, 2, 2), torch.bfloat16, "cuda", embed=embed)
     x.requires_grad_(), w.requires_grad_()
     out = {}
@@ -942,7 +975,7 @@ def test_gpu_implicit_rule(embed, expected):
     dy = randn(1, embed, 32, 32, 32, dtype=torch.bfloat16, device="cuda")
     ran = cuda_kernels_run(step)
     assert ("implicit_embed_kernel" in ran) == (expected or wgmma_built()), ran
-    assert ("implicit_weight_grad_kernel" in ran) == expected, ran
+    assert ("implicit_weight_grad_kernel" in ran) == (expected or wgmma_built()), ran
     assert ("implicit_unembed_kernel" in ran) == (expected or wgmma_built()), ran
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = F.conv3d(x64, w64, b.double(), stride=2)
@@ -959,19 +992,21 @@ def test_gpu_implicit_rule(embed, expected):
 
 @needs_gpu
 @pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
-def test_gpu_implicit_wgmma_weight_grad_rule(out_format):
-    """By default the Hopper weight gradient (kw % 4 == 0) takes channels-first grad_y at any E, and
-    tokens grad_y only up to E = 256; the rest gathers and runs cuBLAS. Both give the conv's result."""
-    x, w, b = make((1, 32, 32, 32, 32), (4, 4, 4), torch.bfloat16, "cuda", embed=384)
+@pytest.mark.parametrize("k", [4, 2])
+def test_gpu_implicit_wgmma_weight_grad_rule(out_format, k):
+    """By default the Hopper weight gradient takes channels-first grad_y at any E, and tokens grad_y
+    only up to E = 256 (runs, kw % 4 == 0) or 512 (kw = 2 pairs); the rest gathers and runs cuBLAS.
+    Both give the conv's result."""
+    x, w, b = make((1, 32, 32, 32, 32), (k, k, k), torch.bfloat16, "cuda", embed=384)
     w.requires_grad_()
     tokens = out_format == "tokens"
     w64 = w.detach().double().requires_grad_()
-    ref = F.conv3d(x.double(), w64, stride=4)
+    ref = F.conv3d(x.double(), w64, stride=k)
     dy = randn(*ref.shape, dtype=torch.bfloat16, device="cuda")
     y = patchgemm.patch_embed(x, w, b, out_format=out_format)
     out = {}
     ran = cuda_kernels_run(lambda: out.update(dw=torch.autograd.grad(y, [w], conv_tokens(dy) if tokens else dy)[0]))
-    assert ("implicit_weight_grad_kernel_sm90" in ran) == (wgmma_built() and not tokens), ran
+    assert ("implicit_weight_grad_kernel_sm90" in ran) == (wgmma_built() and (not tokens or k == 2)), ran
     (want,) = torch.autograd.grad(ref, [w64], dy.double())
     assert_close_to_ref(out["dw"], want, torch.bfloat16, "grad_weight")
 

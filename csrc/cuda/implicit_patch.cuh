@@ -72,6 +72,29 @@ struct SliceWalk {
   }
 };
 
+// The patch-row kernels' (*_rows_sm90.cu) walk over patch-grid rows: row r = (b, d, h) and the image
+// row (of contiguous x viewed as [B*C*D*H, W]) where its patches start in channel 0, stepped row by
+// row without divisions, the producer thread's per-slice work (divisions per box left it the
+// bottleneck). Geometry: the kernel's, with x's C, D, H, the patch's kd, kh and the grid's gd, gh.
+template <typename Geometry>
+struct GridRowCursor {
+  int r, d, h, origin;
+
+  __device__ __forceinline__ GridRowCursor(const Geometry& g, int row) : r(row) {
+    h = row % g.gh;
+    const int rest = row / g.gh;
+    d = rest % g.gd;
+    origin = (rest / g.gd * g.C * g.D + d * g.kd) * g.H + h * g.kh;
+  }
+  __device__ __forceinline__ void next(const Geometry& g) {
+    ++r, origin += g.kh;
+    if (++h == g.gh) {
+      h = 0, origin += g.kd * g.H - g.gh * g.kh;
+      if (++d == g.gd) d = 0, origin += (g.C * g.D - g.gd * g.kd) * g.H;
+    }
+  }
+};
+
 // Offset in x of the first element of token `row`'s patch.
 __device__ __forceinline__ int64_t patch_origin(const Problem& p, int64_t row) {
   const int64_t b = row / p.tokens;
@@ -229,11 +252,14 @@ struct EmbedEpilogue {
 // 2048 blocks: 1.0-3x), but for 4-byte runs copied one token at a time (ViT-L/14's kw = 14: 0.8x).
 inline bool implicit_wgmma_pays(int run, bool pair_major) { return run >= 4 || pair_major; }
 
-// The weight gradient's rule where its wgmma kernel runs (H100, bench/RESULTS.md): against gather +
+// The weight gradient's rule where its wgmma kernel runs (bench/RESULTS.md): against gather +
 // cuBLAS it wins wherever grad_y is channels-first (which cuBLAS needs copied into tokens order:
-// 1.06-1.85x), but with tokens grad_y only for thin GEMMs (E = 192: 1.8x; 768: 0.7-1.07x; 1536:
-// 0.85x).
-inline bool implicit_wgmma_weight_grad_pays(bool tokens, int64_t E) { return !tokens || E <= 256; }
+// 1.06-1.85x on the H100; kw = 2 pairs 2.2-4.7x on the H200), but with tokens grad_y only for thinner
+// GEMMs: runs up to E = 256 (E = 192: 1.8x; 768: 0.7-1.07x; 1536: 0.85x), pairs (which gather 4
+// bytes per patch element) up to E = 512 (384: 2.0x, 512: 1.5x, 768: 1.03x, 1024: 0.92x).
+inline bool implicit_wgmma_weight_grad_pays(bool tokens, bool pairs, int64_t E) {
+  return !tokens || E <= (pairs ? 512 : 256);
+}
 
 // Whether the wgmma kernels (*_sm90.cu) run here: built for sm_90a and a 9.0 device.
 bool wgmma_kernels_run_on(const cudaDeviceProp& device);
@@ -253,12 +279,21 @@ bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::
                               const std::optional<at::Tensor>& bias, const at::Tensor& y, bool always);
 
 // The weight gradient on Hopper's wgmma (implicit_patch_weight_grad_sm90.cu), runs of `run` (8: kw %
-// 8 == 0; 4: kw % 4 == 0), for a problem implicit_weight_grad has checked and set up: grad_y dy contiguous and 16-byte
-// aligned, channels-first [B, E, N] copied dy_piece (8 or 4) tokens at a time, or tokens [B*N, E]
-// (dy_piece 0); `out` the fp32 partial sums [splits, E, K], or dW [E, K] itself where splits = 1.
-// false where it cannot run: shared memory.
+// 8 == 0; 4: kw % 4 == 0; 2: kw = 2 in pairs of 4 tokens, grid rows of 4k patches, K % 4 == 0), for
+// a problem implicit_weight_grad has checked and set up: grad_y dy contiguous and 16-byte aligned,
+// channels-first [B, E, N] copied dy_piece (8 or 4) tokens at a time, or tokens [B*N, E] (dy_piece
+// 0); `out` the fp32 partial sums [splits, E, K], or dW [E, K] itself where splits = 1; db_partial
+// (fp32 [splits * K / 128 rounded up, E]) the bias gradient's partial sums, or undefined. false
+// where it cannot run: shared memory.
 bool implicit_weight_grad_sm90(const Problem& p, int run, int dy_piece, const at::Tensor& x5, const at::Tensor& dy,
-                               int64_t splits, int64_t chunk, const at::Tensor& out);
+                               int64_t splits, int64_t chunk, const at::Tensor& out, const at::Tensor& db_partial);
+
+// dW [E, K] and, where db is defined, dbias [E] (16-bit): the weight-gradient kernels' fp32 partial
+// sums over their token ranges, dw_partial [ranges, E, K] (undefined where a kernel wrote dW itself)
+// and db_partial [db_ranges, E], added in a fixed order (sum_token_ranges.cu). E * K and E are
+// multiples of 4.
+void sum_token_ranges(const at::Tensor& dw_partial, const at::Tensor& db_partial, const at::Tensor& dw,
+                      const at::Tensor& db);
 
 // The weight gradient on Hopper's wgmma with the patches by TMA (implicit_patch_weight_grad_rows_sm90.cu)
 // for tokens grad_y dy [B*N, E], a problem implicit_weight_grad has checked and set up: (dW [E, K],

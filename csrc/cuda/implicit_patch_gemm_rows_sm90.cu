@@ -69,12 +69,6 @@ struct Geometry {
   int slot, copied;        // bytes of a slot (W's 256 x 64 tile, then x's boxes) and copied into it
 };
 
-// Image row (of x viewed as [B*C*D*H, W]) of grid row `r`'s patches' first row in channel 0.
-__device__ __forceinline__ int grid_row_origin(const Geometry& g, int r) {
-  const int gh = r % g.gh, rest = r / g.gh, gd = rest % g.gd, b = rest / g.gd;
-  return (b * g.C * g.D + gd * g.kd) * g.H + gh * g.kh;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     implicit_embed_kernel_sm90_rows(Geometry g, const __grid_constant__ CUtensorMap x_map,
@@ -99,7 +93,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
       const int row0 = tile / g.tiles_n * g.rows_per_tile, e0 = tile % g.tiles_n * kTileN;
       int origin[kMaxBoxes];  // a tile past the last grid row re-reads it (never stored)
-      for (int s = 0; s < g.rows_per_tile; ++s) origin[s] = grid_row_origin(g, min(row0 + s, g.grid_rows - 1));
+      GridRowCursor row(g, min(row0, g.grid_rows - 1));
+      for (int s = 0; s < g.rows_per_tile; ++s) {
+        origin[s] = row.origin;
+        if (row.r + 1 < g.grid_rows) row.next(g);
+      }
       // Slice kt's image rows from the origins: (channel c, patch depth i, row block jb), jb fastest.
       int offset = 0, jb = 0, i = 0;
       for (int kt = 0; kt < g.k_tiles; ++kt, ++it) {
@@ -217,15 +215,10 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
   if (rows >= INT_MAX || tokens >= INT_MAX) return false;
   const int smem = 1024 + kStages * g.slot + kStageBytes + 2 * kStages * 8;
   if (smem > static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin)) return false;
-  static const CUtensorMapSwizzle swizzles[] = {CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_SWIZZLE_32B,
-                                                CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_SWIZZLE_128B};
   CUtensorMap x_map, w_map, y_map;  // x as [B*C*D*H image rows][gw][kw]
-  const uint64_t x_dims[3] = {static_cast<uint64_t>(g.kw), static_cast<uint64_t>(g.gw), static_cast<uint64_t>(rows)};
-  const uint64_t x_strides[2] = {static_cast<uint64_t>(g.kw) * 2, static_cast<uint64_t>(g.gw) * g.kw * 2};
-  const uint32_t x_box[3] = {static_cast<uint32_t>(g.kw), static_cast<uint32_t>(g.pw), static_cast<uint32_t>(g.kh_box)};
-  const int swizzle = g.kw == 8 ? 0 : g.kw == 16 ? 1 : g.kw == 32 ? 2 : 3;
   // Whole rows: x as [image rows][1][W], a box of kh_box rows; the same coordinates (0, 0, row).
-  const uint64_t row_dims[3] = {x_dims[1] * g.kw, 1, x_dims[2]}, row_strides[2] = {x_strides[1], x_strides[1]};
+  const uint64_t row_bytes = static_cast<uint64_t>(g.gw) * g.kw * 2;
+  const uint64_t row_dims[3] = {row_bytes / 2, 1, static_cast<uint64_t>(rows)}, row_strides[2] = {row_bytes, row_bytes};
   const uint32_t row_box[3] = {static_cast<uint32_t>(g.gw * g.kw), 1, static_cast<uint32_t>(g.kh_box)};
   const uint64_t K = static_cast<uint64_t>(g.k_tiles) * kTileK, E = g.E;
   const uint64_t w_dims[2] = {K, E}, w_strides[1] = {K * 2};
@@ -234,7 +227,7 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
   const uint32_t y_box[2] = {64, static_cast<uint32_t>(g.rows_per_tile * g.gw)};
   if (!(g.whole_rows ? encode_tensor_map(x_map, x5.const_data_ptr(), 3, row_dims, row_strides, row_box,
                                        CU_TENSOR_MAP_SWIZZLE_NONE)
-                    : encode_tensor_map(x_map, x5.const_data_ptr(), 3, x_dims, x_strides, x_box, swizzles[swizzle])) ||
+                    : encode_patch_box_map(x_map, x5.const_data_ptr(), rows, g.kw, g.gw, g.pw, g.kh_box)) ||
       !encode_tensor_map(w_map, w.const_data_ptr(), 2, w_dims, w_strides, w_box) ||
       !encode_tensor_map(y_map, y.data_ptr(), 2, y_dims, y_strides, y_box)) {
     return false;

@@ -2,8 +2,9 @@
 //   dW [E, K] = grad_y^T [E, B*N] @ P [B*N, K]
 // with P read straight from x inside the GEMM's main loop. (The gather it replaces writes and
 // re-reads a patch matrix as large as x: with the scatter, most of P4's backward.) The host side,
-// implicit_weight_grad, also runs the Hopper kernel for kw % 4 == 0
-// (implicit_patch_weight_grad_sm90.cu).
+// implicit_weight_grad, runs the Hopper kernels instead where they apply: kw % 4 == 0, and kw = 2
+// as this kernel's pairs (implicit_patch_weight_grad_sm90.cu); tokens grad_y with kw = 16, 32, 64
+// (implicit_patch_weight_grad_rows_sm90.cu).
 //
 // The block computes dW^T [K, E] = P^T @ grad_y for 128 patch columns x kTileN (128 or 192)
 // embeddings over a range of tokens, the reduction dimension. The output is small and the reduction
@@ -228,31 +229,29 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at:
       K < 16 || E < 32 || x5.stride(4) != 1 || device->major < 8 || !make_problem(x5, g, E, p)) {
     return std::nullopt;
   }
-  // Two kernels: on Hopper's wgmma, runs of 8 or 4 (kw % 4 == 0, token indices in 32 bits); on mma.sync,
-  // kw = 2 pair-major. grad_y moves in 16-byte pieces of 8 embeddings (tokens) or pieces of 8 (4 on
-  // wgmma) tokens of a sample (channels-first).
-  const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device) && kw % 4 == 0;
+  // Two kernels: on Hopper's wgmma, runs of 8 or 4 (kw % 4 == 0) or kw = 2 pairs with K % 4 == 0
+  // (token indices in 32 bits); elsewhere mma.sync, kw = 2 pairs. Pairs: one 16-byte copy per pair
+  // of 4 tokens (grid rows of 4k patches). grad_y moves in 16-byte pieces of 8 embeddings (tokens)
+  // or pieces of 8 (4 on wgmma) tokens of a sample (channels-first).
+  const bool pairs = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
+  const int run = pairs ? 2 : widest_run(x5, kw);
+  const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device) && p.rows < INT_MAX &&
+                     (run >= 4 || (pairs && K % 4 == 0));
   const int dy_piece = tokens ? 0 : N % 8 == 0 ? 8 : N % 4 == 0 && wgmma ? 4 : -1;
-  if ((tokens && E % 8) || dy_piece < 0) return std::nullopt;
-  const int run = widest_run(x5, kw);  // wgmma: 8 or 4
-  if (wgmma ? run < 4 || p.rows >= INT_MAX
-            : kw != 2 || g.grid[2] % 4 || !runs_aligned(x5, 8)) {
-    return std::nullopt;
-  }
+  if ((tokens && E % 8) || dy_piece < 0 || !(wgmma || pairs)) return std::nullopt;
+  const c10::cuda::CUDAGuard guard(x5.device());
+  at::Tensor dy;  // grad_y copied at most once, and only for a kernel that runs (it is a fraction of x)
   // Tokens grad_y with patch rows of 32-128 bytes: the patches by TMA, the bias gradient included.
   if (wgmma && tokens && p.rows > 0) {
-    const c10::cuda::CUDAGuard guard(x5.device());
-    if (auto grads = implicit_weight_grad_rows_sm90(p, x5, contiguous_aligned(grad_y), with_bias, always)) {
-      return grads;
-    }
+    dy = contiguous_aligned(grad_y);
+    if (auto grads = implicit_weight_grad_rows_sm90(p, x5, dy, with_bias, always)) return grads;
   }
   // The rule: a full 128-column tile (U2's weight gradient, K = 32, runs at 0.45x gather + cuBLAS:
   // three quarters of each tile idle), and the kernel's own rule.
-  if (!always && (K < kTileM || !(wgmma ? implicit_wgmma_weight_grad_pays(tokens, E)
+  if (!always && (K < kTileM || !(wgmma ? implicit_wgmma_weight_grad_pays(tokens, run == 2, E)
                                         : implicit_pays(E, p.rows, *device)))) {
     return std::nullopt;
   }
-  const c10::cuda::CUDAGuard guard(x5.device());
   if (p.rows == 0) return std::make_tuple(at::zeros({E, K}, x5.options()), at::Tensor());
   // Token ranges: enough for a block per SM (one fits an SM), each at least 4 slices long.
   const int64_t kTileN = E % 192 == 0 ? 192 : 128;  // as the forward
@@ -262,13 +261,20 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at:
   const int64_t chunk = ((p.rows + splits - 1) / splits + kTileK - 1) / kTileK * kTileK;
   splits = (p.rows + chunk - 1) / chunk;
   TORCH_CHECK(splits * tiles < INT_MAX, "patch_weight_grad: ", splits * tiles, " blocks is too many");
-  const at::Tensor dy = contiguous_aligned(grad_y);  // (grad_y is a fraction of x)
+  if (!dy.defined()) dy = contiguous_aligned(grad_y);
   if (wgmma) {
-    // One token range: the kernel writes dW itself.
-    at::Tensor out = splits == 1 ? at::empty({E, K}, x5.options())
-                                 : at::empty({splits, E, K}, x5.options().dtype(at::kFloat));
-    if (!implicit_weight_grad_sm90(p, run, dy_piece, x5, dy, splits, chunk, out)) return std::nullopt;
-    return std::make_tuple(splits == 1 ? out : out.sum(0).to(dtype), at::Tensor());
+    // One token range: the kernel writes dW itself; more: fp32 partial sums (and the bias gradient's,
+    // where E % 4 == 0), which sum_token_ranges adds.
+    const auto fp32 = x5.options().dtype(at::kFloat);
+    const bool fused_bias = with_bias && E % 4 == 0;
+    const at::Tensor dw = at::empty({E, K}, x5.options()), db = fused_bias ? at::empty({E}, x5.options()) : at::Tensor();
+    const at::Tensor dw_partial = splits > 1 ? at::empty({splits, E, K}, fp32) : at::Tensor();
+    const at::Tensor db_partial = fused_bias ? at::empty({splits * ((K + kTileM - 1) / kTileM), E}, fp32) : at::Tensor();
+    if (!implicit_weight_grad_sm90(p, run, dy_piece, x5, dy, splits, chunk, splits > 1 ? dw_partial : dw, db_partial)) {
+      return std::nullopt;
+    }
+    sum_token_ranges(dw_partial, db_partial, dw, db);
+    return std::make_tuple(dw, db);
   }
   at::Tensor partial = at::empty({splits, E, K}, x5.options().dtype(at::kFloat));
   if (dtype == at::kHalf) {

@@ -18,7 +18,7 @@
 // and release each slot once their next slice's wgmmas are issued. Where the bias gradient is asked
 // for, two more warps of the producer's warpgroup sum grad_y rows from shared memory, the blocks of
 // the column tiles (which read the same grad_y) a share each: no extra pass over grad_y.
-// Blocks write fp32 partial sums (dW [E, K]; dbias [E], two per block); one small kernel adds them
+// Blocks write fp32 partial sums (dW [E, K]; dbias [E], two per block); sum_token_ranges.cu adds them
 // in a fixed order (deterministic) into the output dtype.
 #include <ATen/ATen.h>
 
@@ -61,27 +61,6 @@ struct Geometry {
   int chunk;               // tokens per range, a multiple of kSlice
   int box_bytes, slot;     // one grid row's box; a slot (grad_y, then up to slot - kSlotDy of boxes)
   bool with_bias;
-};
-
-// A patch-grid row r = (b, d, h) and the image row (of x viewed as [B*C*D*H, W]) where its patches
-// start in channel 0, stepped row by row without divisions: the producer thread's per-slice work
-// (divisions per box left it the bottleneck).
-struct GridRowCursor {
-  int r, d, h, origin;
-
-  __device__ __forceinline__ GridRowCursor(const Geometry& g, int row) : r(row) {
-    h = row % g.gh;
-    const int rest = row / g.gh;
-    d = rest % g.gd;
-    origin = (rest / g.gd * g.C * g.D + d * g.kd) * g.H + h * g.kh;
-  }
-  __device__ __forceinline__ void next(const Geometry& g) {
-    ++r, origin += g.kh;
-    if (++h == g.gh) {
-      h = 0, origin += g.kd * g.H - g.gh * g.kh;
-      if (++d == g.gd) d = 0, origin += (g.C * g.D - g.gd * g.kd) * g.H;
-    }
-  }
 };
 
 template <typename T, int kStages>
@@ -234,33 +213,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// dW [E, K] and dbias [E] in T: the blocks' partial sums added over the ranges in a fixed order,
-// in vectors of 4. The first dw_blocks blocks take dW's, a thread per vector over its few ranges;
-// the rest dbias's, a warp per vector over its many (two per block: splits x tiles_m x 2).
-template <typename T>
-__global__ void sum_ranges_kernel(const float4* __restrict__ dw_partial, int64_t dw_vectors, int dw_ranges,
-                                  int64_t dw_blocks, const float4* __restrict__ db_partial, int db_vectors,
-                                  int db_ranges, uint2* __restrict__ dw, uint2* __restrict__ db) {
-  float4 sum = {0.f, 0.f, 0.f, 0.f};
-  auto add = [&](const float4& v) { sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w; };
-  if (blockIdx.x < dw_blocks) {
-    const int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-    if (v >= dw_vectors) return;
-    for (int r = 0; r < dw_ranges; ++r) add(dw_partial[r * dw_vectors + v]);
-    dw[v] = {pack2<T>(sum.x, sum.y), pack2<T>(sum.z, sum.w)};
-    return;
-  }
-  const int v = static_cast<int>((blockIdx.x - dw_blocks) * (blockDim.x / 32) + threadIdx.x / 32), lane = threadIdx.x % 32;
-  if (v >= db_vectors) return;
-  for (int r = lane; r < db_ranges; r += 32) add(db_partial[int64_t{r} * db_vectors + v]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    sum.x += __shfl_xor_sync(0xffffffffu, sum.x, offset), sum.y += __shfl_xor_sync(0xffffffffu, sum.y, offset);
-    sum.z += __shfl_xor_sync(0xffffffffu, sum.z, offset), sum.w += __shfl_xor_sync(0xffffffffu, sum.w, offset);
-  }
-  if (lane == 0) db[v] = {pack2<T>(sum.x, sum.y), pack2<T>(sum.z, sum.w)};
-}
-
 template <typename T, int kStages>
 void launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& dy, int splits, const CUtensorMap& x_map,
             const CUtensorMap& dy_map, const at::Tensor& dw, const at::Tensor& db) {
@@ -274,13 +226,7 @@ void launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& dy, int s
   kernel<<<splits * g.tiles_m * g.tiles_n, kThreads, smem, stream>>>(g, x_map, dy_map, dw_partial.data_ptr<float>(),
                                                                      db_partial.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int64_t dw_vectors = dw.numel() / 4, dw_blocks = (dw_vectors + 255) / 256;
-  const int db_vectors = g.with_bias ? g.E / 4 : 0;
-  sum_ranges_kernel<T><<<static_cast<unsigned>(dw_blocks + (db_vectors + 7) / 8), 256, 0, stream>>>(
-      reinterpret_cast<const float4*>(dw_partial.const_data_ptr<float>()), dw_vectors, splits, dw_blocks,
-      reinterpret_cast<const float4*>(db_partial.const_data_ptr<float>()), db_vectors, db_ranges,
-      static_cast<uint2*>(dw.data_ptr()), g.with_bias ? static_cast<uint2*>(db.data_ptr()) : nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  sum_token_ranges(dw_partial, db_partial, dw, db);
 }
 
 template <typename T>
@@ -340,18 +286,11 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90
   // patches; 8-patch rows, 9 boxes: 1.06x slower).
   if (!always && (splits * tiles * 4 < device->multiProcessorCount * 3 || max_boxes > 6)) return std::nullopt;
 
-  static const CUtensorMapSwizzle swizzles[] = {CU_TENSOR_MAP_SWIZZLE_32B, CU_TENSOR_MAP_SWIZZLE_64B,
-                                                CU_TENSOR_MAP_SWIZZLE_128B};
   CUtensorMap x_map, dy_map;  // x as [B*C*D*H image rows][gw][kw]; grad_y as [B*N][E]
-  const uint64_t x_dims[3] = {static_cast<uint64_t>(g.kw), static_cast<uint64_t>(g.gw),
-                              static_cast<uint64_t>(x5.numel() / x5.size(4))};
-  const uint64_t x_strides[2] = {static_cast<uint64_t>(g.kw) * 2, static_cast<uint64_t>(g.gw) * g.kw * 2};
-  const uint32_t x_box[3] = {static_cast<uint32_t>(g.kw), static_cast<uint32_t>(g.pw), static_cast<uint32_t>(g.kh_box)};
   const uint64_t dy_dims[2] = {static_cast<uint64_t>(g.E), static_cast<uint64_t>(g.tokens)};
   const uint64_t dy_strides[1] = {static_cast<uint64_t>(g.E) * 2};
   const uint32_t dy_box[2] = {64, kSlice};
-  if (!encode_tensor_map(x_map, x5.const_data_ptr(), 3, x_dims, x_strides, x_box,
-                         swizzles[g.kw == 16 ? 0 : g.kw == 32 ? 1 : 2]) ||
+  if (!encode_patch_box_map(x_map, x5.const_data_ptr(), x5.numel() / x5.size(4), g.kw, g.gw, g.pw, g.kh_box) ||
       !encode_tensor_map(dy_map, dy.const_data_ptr(), 2, dy_dims, dy_strides, dy_box)) {
     return std::nullopt;
   }

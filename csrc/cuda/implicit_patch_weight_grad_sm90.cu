@@ -1,14 +1,18 @@
 // Implicit-GEMM weight gradient of the patch embedding on Hopper (sm_90a), patch rows in runs of 8
-// or 4 elements (kw % 8 == 0: ViT's 16; kw % 4 == 0: P5's and U1's kw = 4):
+// or 4 elements (kw % 8 == 0: ViT's 16; kw % 4 == 0: P5's and U1's kw = 4) or in pairs (kw = 2: P4):
 //   dW^T [K, E] = P^T [K, B*N] @ grad_y [B*N, E]
 // with P read straight from x inside the main loop, as implicit_patch_weight_grad.cu (which explains
-// the token ranges and partial sums) does for kw = 2 on mma.sync.
+// the token ranges and partial sums) does on mma.sync.
 //
 // A block: 128 patch columns x kTileN (128 or 192) embeddings over a range of tokens (the
 // reduction), two warpgroups of 64 columns each, over wgmma_main_loop's pipeline of 64-token
 // slices, every operand a 128B-swizzled tile read by descriptor:
 //   - patches (A = P^T): a token's 64 columns of a warpgroup are one 128-byte row, copied as 8- or
 //     4-element runs of x: an M-major tile, [token][column].
+//   - patches, kw = 2: pair-major words [pair][token] as implicit_patch_weight_grad.cu copies them
+//     (one 16-byte copy per pair of 4 tokens; 4-byte runs into an M-major tile ran at 0.6x). No
+//     descriptor describes that, so A goes through registers, each a byte permute of one 64-bit
+//     load, and the accumulator rows g and g + 8 of a warp are a pair's two columns.
 //   - grad_y channels-first [B, E, N] (B): rows are embeddings, 64 tokens each, K-major; one TMA
 //     copy (tma.cuh) per slice where N % 64 == 0 (a slice's tokens then share a sample), else
 //     cp.async pieces of 8 or 4 tokens of one sample (N % 8 or N % 4 == 0).
@@ -16,7 +20,9 @@
 //     one TMA copy (tma.cuh) per block, issued by one thread. Tokens past the range read whatever
 //     grad_y holds there: their patches (A) are zeros.
 // The result leaves through shared memory as rows of dW [E, K]: the output dtype where one block
-// covers all tokens, fp32 partial sums otherwise.
+// covers all tokens, fp32 partial sums otherwise. The bias gradient, where asked for, is summed from
+// the grad_y tiles in shared memory, each slice by one of the column tiles' blocks (which all read
+// it), into fp32 partial sums per block; sum_token_ranges.cu adds the partial sums.
 #include <ATen/ATen.h>
 
 #include "patchify.h"
@@ -41,6 +47,7 @@ constexpr int kTileM = 128;  // patch columns per block, 64 per warpgroup
 constexpr int kTileK = 64;   // tokens per slice
 constexpr int kStages = 5;
 constexpr int kStagePitch = kTileM + 4;  // floats of an output stage row: conflict-free, 16-byte rows
+constexpr int kPairPitch = kTileK + 8;   // words of a pair-major row: = 8 mod 32, conflict-free 64-bit loads
 
 // A token's place, (sample, patch-grid depth, row, column), moved along by mixed-radix addition:
 // the main loop steps tokens without divisions.
@@ -75,20 +82,24 @@ struct TokenCursor {
   }
 };
 
-template <int kTileN>
+template <int kTileN, bool kPairs>
 struct Slot {
-  static constexpr int kA = kTileM * 128, kB = kTileN * 128, kBytes = kA + kB;  // 1024-byte multiples
+  static constexpr int kA = kPairs ? kTileM / 2 * kPairPitch * 4 : kTileM * 128, kB = kTileN * 128;
+  static constexpr int kBytes = kA + kB;
+  static_assert(kA % 1024 == 0 && kB % 1024 == 0);  // the swizzle's alignment
 };
 
 // kDyPiece: tokens per copy of channels-first grad_y (64: a slice's by TMA; 8 or 4 by cp.async); 0:
-// grad_y is tokens (by TMA). kRun: elements per copy of x (8 or 4).
+// grad_y is tokens (by TMA). kRun: elements per copy of x (8 or 4; 2: pairs). db_partial: the bias
+// gradient's partial sums [splits * tiles_m, E], or null.
 template <typename T, int kTileN, int kDyPiece, int kRun>
 __global__ void __launch_bounds__(kThreads, 1)
     implicit_weight_grad_kernel_sm90(Problem p, const T* __restrict__ x, const T* __restrict__ dy,
                                      const __grid_constant__ CUtensorMap dy_map, int64_t chunk, bool partial,
-                                     void* __restrict__ out) {
+                                     void* __restrict__ out, float* __restrict__ db_partial) {
 #ifdef PATCHGEMM_HAS_WGMMA
-  using S = Slot<kTileN>;
+  constexpr bool kPairs = kRun == 2;
+  using S = Slot<kTileN, kPairs>;
   constexpr bool kTokensDy = kDyPiece == 0, kDyByTma = kDyPiece == 0 || kDyPiece == kTileK;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;  // the launch adds the slack
@@ -102,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tiles_n = (p.E + kTileN - 1) / kTileN, tiles_m = (p.K + kTileM - 1) / kTileM;
   const int e0 = static_cast<int>(blockIdx.x % tiles_n) * kTileN;
-  const int col0 = static_cast<int>(blockIdx.x / tiles_n % tiles_m) * kTileM;
+  const int tile_m = static_cast<int>(blockIdx.x / tiles_n % tiles_m), col0 = tile_m * kTileM;
   const int64_t split = blockIdx.x / tiles_n / tiles_m;
   // Token indices fit in 32 bits (checked on the host).
   const int t_begin = static_cast<int>(split * chunk), t_end = static_cast<int>(min(split * chunk + chunk, p.rows));
@@ -115,7 +126,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kPair = kRun == 8 ? 2 : 1;
   constexpr int kRunsA = kTileM / kRun * kTileK / kThreads;  // A copies per thread and slice
   constexpr int kRunStep = kThreads / kTileK;                // between one thread's runs
-  const int a_token = threadIdx.x / kPair % kTileK;
+  // Pairs: this thread copies pairs a_pair + 16 i of tokens a_token .. a_token + 3 (the range's
+  // ends are multiples of 4 tokens: grid rows are, checked on the host).
+  constexpr int kPairCopies = kTileM / 2 * kTileK / 4 / kThreads;
+  const int a_pair = threadIdx.x / 16;
+  const int a_token = kPairs ? threadIdx.x % 16 * 4 : threadIdx.x / kPair % kTileK;
   const int a_run = threadIdx.x / (kPair * kTileK) * kPair + threadIdx.x % kPair;
   // Run i's column is (a_run + kRunStep i) kRun, in warpgroup column / 64's tile. Its swizzled
   // destination is run 0's with a compile-time XOR and step: a_run kRun < kRunStep kRun, which
@@ -125,11 +140,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto run_dst = [&](int i) {
     return (a_dst0 ^ (2 * kRunStep * kRun * i % 128)) + kRunStep * kRun * i / 64 * 8192;
   };
-  int run_offset[kRunsA];  // 0 past K, where run_valid's bit i is clear
+  constexpr int kCopiesA = kPairs ? kPairCopies : kRunsA;
+  int run_offset[kCopiesA];  // 0 past K, where run_valid's bit i is clear
   unsigned run_valid = 0;
 #pragma unroll
-  for (int i = 0; i < kRunsA; ++i) {
-    const int column = col0 + (a_run + kRunStep * i) * kRun;
+  for (int i = 0; i < kCopiesA; ++i) {
+    const int column = kPairs ? col0 + 2 * (a_pair + 16 * i) : col0 + (a_run + kRunStep * i) * kRun;
     run_offset[i] = column < p.K ? patch_offset(p, column) : 0;
     run_valid |= unsigned{column < p.K} << i;
   }
@@ -164,8 +180,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool valid = t0 + a_token < t_end;
       const T* origin = x + (valid ? a_at.origin(p) : 0);
 #pragma unroll
-      for (int i = 0; i < kRunsA; ++i) {
-        cp_async<kRun * 2>(slot_base + run_dst(i), origin + run_offset[i], valid && (run_valid >> i & 1));
+      for (int i = 0; i < kCopiesA; ++i) {
+        if constexpr (kPairs) {
+          cp_async<16>(slot_base + ((a_pair + 16 * i) * kPairPitch + a_token) * 4, origin + run_offset[i],
+                       valid && (run_valid >> i & 1));
+        } else {
+          cp_async<kRun * 2>(slot_base + run_dst(i), origin + run_offset[i], valid && (run_valid >> i & 1));
+        }
       }
       a_at.advance(p, step, gd);
     }
@@ -199,34 +220,86 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto landed = [&](int kt) {
     if constexpr (kDyByTma) dy_landed.wait(kt);
   };
-  wgmma_main_loop<kStages>(k_tiles, load_slice, landed, [&](int slot) {
+  const int g = lane / 4, q = lane % 4;
+  // Pairs: this lane's A words, pair wg*32 + wq*8 + g (the warp's rows g and g + 8), tokens 2q ...
+  const unsigned char* a_words = smem + ((wg * 32 + wq * 8 + g) * kPairPitch + 2 * q) * 4;
+  // The bias gradient: slices s with s % tiles_m == tile_m (global slice indices), summed by
+  // threads of whole embeddings: channels-first, thread e one 128-byte row (its chunks in a rotated
+  // order: conflict-free); tokens, thread e / 2 two columns of the 64-embedding boxes.
+  float bias_sum[2] = {0.f, 0.f};
+  const bool bias_thread = db_partial != nullptr && static_cast<int>(threadIdx.x) < (kTokensDy ? kTileN / 2 : kTileN);
+  int bias_slice = t_begin / kTileK % tiles_m;  // slice kt's index mod tiles_m (t_begin % kTileK == 0)
+  auto add_bias = [&](int slot) {
+    const unsigned char* tile = smem + slot * S::kBytes + S::kA;
+    if constexpr (kTokensDy) {
+      const unsigned char* box = tile + threadIdx.x / 32 * 8192;
+#pragma unroll 8
+      for (int r = 0; r < kTileK; ++r) {
+        const T* e = reinterpret_cast<const T*>(box + swizzle_128b(r, threadIdx.x % 32 * 4));
+        bias_sum[0] += to_float(e[0]), bias_sum[1] += to_float(e[1]);
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const uint4 v = *reinterpret_cast<const uint4*>(tile + threadIdx.x * 128 + (c + threadIdx.x) % 8 * 16);
+        const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) bias_sum[0] += to_float(e[i]);
+      }
+    }
+  };
+  wgmma_main_loop<kStages, kPairs>(k_tiles, load_slice, landed, [&](int slot) {
     fence_accumulators(acc);
     const uint32_t slot_base = base + slot * S::kBytes;
+    uint32_t af[kTileK / 16][4];
+    if constexpr (kPairs) {
+#pragma unroll
+      for (int t = 0; t < kTileK / 16; ++t) {
+        const unsigned char* a = a_words + slot * S::kBytes + 16 * t * 4;
+        const uint2 lo = *reinterpret_cast<const uint2*>(a), hi = *reinterpret_cast<const uint2*>(a + 8 * 4);
+        af[t][0] = __byte_perm(lo.x, lo.y, 0x5410);  // row g: column 2p of tokens 2q, 2q + 1
+        af[t][1] = __byte_perm(lo.x, lo.y, 0x7632);  // row g + 8: column 2p + 1
+        af[t][2] = __byte_perm(hi.x, hi.y, 0x5410);  // tokens 2q + 8, 2q + 9
+        af[t][3] = __byte_perm(hi.x, hi.y, 0x7632);
+      }
+    }
     wgmma_fence();
 #pragma unroll
     for (int t = 0; t < kTileK / 16; ++t) {  // 16 tokens: 16 rows of the M-major (N-major) tiles
-      const uint64_t desc_a = smem_descriptor_128b(slot_base + wg * 8192 + 2048 * t);
       const uint64_t desc_b = kTokensDy ? smem_descriptor_128b(slot_base + S::kA + 2048 * t, 8192)
                                         : smem_descriptor_128b(slot_base + S::kA + 32 * t);
-      wgmma_ss<T, kTileN, true, kTokensDy>(acc, desc_a, desc_b);
+      if constexpr (kPairs) {
+        wgmma_rs<T, kTileN, kTokensDy>(acc, af[t], desc_b);
+      } else {
+        wgmma_ss<T, kTileN, true, kTokensDy>(acc, smem_descriptor_128b(slot_base + wg * 8192 + 2048 * t), desc_b);
+      }
     }
     wgmma_commit();
     fence_accumulators(acc);
+    if (bias_thread && bias_slice == tile_m) add_bias(slot);  // while the tensor cores run
+    if (++bias_slice == tiles_m) bias_slice = 0;
   });
   fence_accumulators(acc);  // the pipeline's shared memory becomes the output stage
+  if (bias_thread) {
+    float* db = db_partial + (split * tiles_m + tile_m) * p.E;
+#pragma unroll
+    for (int i = 0; i < (kTokensDy ? 2 : 1); ++i) {
+      const int e = e0 + (kTokensDy ? 2 * static_cast<int>(threadIdx.x) + i : static_cast<int>(threadIdx.x));
+      if (e < p.E) db[e] = bias_sum[i];
+    }
+  }
 
-  // acc[4 j + 2 half + i]: column wg*64 + wq*16 + g + 8 half, embedding 8 j + 2 q + i. Staged as
-  // [embedding][column] fp32, then written as rows of dW [E, K] (4 columns per store: K % 4 == 0).
+  // acc[4 j + 2 half + i]: column wg*64 + wq*16 + g + 8 half (pairs: + 2 g + half), embedding 8 j +
+  // 2 q + i. Staged as [embedding][column] fp32, then written as rows of dW [E, K] (4 columns per
+  // store: K % 4 == 0).
   float* stage = reinterpret_cast<float*>(smem);
-  const int g = lane / 4, q = lane % 4;
 #pragma unroll
   for (int j = 0; j < kTileN / 8; ++j) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+      const int column = wg * 64 + wq * 16 + (kPairs ? 2 * g + half : g + 8 * half);
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        stage[(8 * j + 2 * q + i) * kStagePitch + wg * 64 + wq * 16 + g + 8 * half] = acc[4 * j + 2 * half + i];
-      }
+      for (int i = 0; i < 2; ++i) stage[(8 * j + 2 * q + i) * kStagePitch + column] = acc[4 * j + 2 * half + i];
     }
   }
   __syncthreads();
@@ -247,9 +320,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <typename T, int kTileN, int kDyPiece, int kRun>
 bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_t splits, int64_t chunk,
-            const at::Tensor& out) {
-  constexpr int smem = 1024 + kStages * Slot<kTileN>::kBytes + kStages * 8;
-  static_assert(kTileN * kStagePitch * 4 <= kStages * Slot<kTileN>::kBytes);
+            const at::Tensor& out, const at::Tensor& db_partial) {
+  using S = Slot<kTileN, kRun == 2>;
+  constexpr int smem = 1024 + kStages * S::kBytes + kStages * 8;
+  static_assert(kTileN * kStagePitch * 4 <= kStages * S::kBytes);
   if (smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
   // grad_y's tensor map: tokens [rows, E] in 64 x 64 boxes; channels-first [B, E, N] in boxes of
   // kTileN embeddings x 64 tokens.
@@ -269,43 +343,46 @@ bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_
   const int64_t blocks = splits * ((p.K + kTileM - 1) / kTileM) * ((p.E + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       p, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(dy.const_data_ptr()), dy_map, chunk,
-      out.scalar_type() == at::kFloat, out.data_ptr());
+      out.scalar_type() == at::kFloat, out.data_ptr(), db_partial.defined() ? db_partial.data_ptr<float>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
 
 template <typename T, int kTileN, int kRun>
 bool launch_for_layout(int dy_piece, const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_t splits,
-                       int64_t chunk, const at::Tensor& out) {
+                       int64_t chunk, const at::Tensor& out, const at::Tensor& db_partial) {
   switch (dy_piece) {
     case 8:  // a slice's 64 tokens of one sample by TMA where N allows, else pieces of 8
       return p.tokens % kTileK == 0 && chunk % kTileK == 0
-                 ? launch<T, kTileN, kTileK, kRun>(p, x5, dy, splits, chunk, out)
-                 : launch<T, kTileN, 8, kRun>(p, x5, dy, splits, chunk, out);
-    case 4: return launch<T, kTileN, 4, kRun>(p, x5, dy, splits, chunk, out);
-    default: return launch<T, kTileN, 0, kRun>(p, x5, dy, splits, chunk, out);
+                 ? launch<T, kTileN, kTileK, kRun>(p, x5, dy, splits, chunk, out, db_partial)
+                 : launch<T, kTileN, 8, kRun>(p, x5, dy, splits, chunk, out, db_partial);
+    case 4: return launch<T, kTileN, 4, kRun>(p, x5, dy, splits, chunk, out, db_partial);
+    default: return launch<T, kTileN, 0, kRun>(p, x5, dy, splits, chunk, out, db_partial);
   }
 }
 
 template <typename T, int kTileN>
 bool launch_for_run(int run, int dy_piece, const Problem& p, const at::Tensor& x5, const at::Tensor& dy,
-                    int64_t splits, int64_t chunk, const at::Tensor& out) {
-  return run == 8 ? launch_for_layout<T, kTileN, 8>(dy_piece, p, x5, dy, splits, chunk, out)
-                  : launch_for_layout<T, kTileN, 4>(dy_piece, p, x5, dy, splits, chunk, out);
+                    int64_t splits, int64_t chunk, const at::Tensor& out, const at::Tensor& db_partial) {
+  switch (run) {
+    case 8: return launch_for_layout<T, kTileN, 8>(dy_piece, p, x5, dy, splits, chunk, out, db_partial);
+    case 4: return launch_for_layout<T, kTileN, 4>(dy_piece, p, x5, dy, splits, chunk, out, db_partial);
+    default: return launch_for_layout<T, kTileN, 2>(dy_piece, p, x5, dy, splits, chunk, out, db_partial);
+  }
 }
 
 }  // namespace
 
 bool implicit_weight_grad_sm90(const Problem& p, int run, int dy_piece, const at::Tensor& x5, const at::Tensor& dy,
-                               int64_t splits, int64_t chunk, const at::Tensor& out) {
+                               int64_t splits, int64_t chunk, const at::Tensor& out, const at::Tensor& db_partial) {
 #ifdef PATCHGEMM_SM90A
   const bool wide = p.E % 192 == 0;
   if (x5.scalar_type() == at::kHalf) {
-    return wide ? launch_for_run<__half, 192>(run, dy_piece, p, x5, dy, splits, chunk, out)
-                : launch_for_run<__half, 128>(run, dy_piece, p, x5, dy, splits, chunk, out);
+    return wide ? launch_for_run<__half, 192>(run, dy_piece, p, x5, dy, splits, chunk, out, db_partial)
+                : launch_for_run<__half, 128>(run, dy_piece, p, x5, dy, splits, chunk, out, db_partial);
   }
-  return wide ? launch_for_run<__nv_bfloat16, 192>(run, dy_piece, p, x5, dy, splits, chunk, out)
-              : launch_for_run<__nv_bfloat16, 128>(run, dy_piece, p, x5, dy, splits, chunk, out);
+  return wide ? launch_for_run<__nv_bfloat16, 192>(run, dy_piece, p, x5, dy, splits, chunk, out, db_partial)
+              : launch_for_run<__nv_bfloat16, 128>(run, dy_piece, p, x5, dy, splits, chunk, out, db_partial);
 #else
   return false;
 #endif

@@ -49,6 +49,21 @@ inline bool encode_tensor_map(CUtensorMap& map, const void* base, int rank, cons
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The patch-row kernels' map of contiguous x [.., W = gw * kw] as [image_rows][gw][kw]: a box is
+// kh_box image rows of pw patch rows (pw >= gw: the ones past gw read as zeros), landing in the
+// swizzle of its kw * 2-byte rows (kw = 16, 32, 64; kw = 8's 16-byte rows unswizzled).
+inline bool encode_patch_box_map(CUtensorMap& map, const void* x, uint64_t image_rows, int kw, int gw, int pw,
+                                 int kh_box) {
+  const CUtensorMapSwizzle swizzle = kw == 16   ? CU_TENSOR_MAP_SWIZZLE_32B
+                                     : kw == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                     : kw == 64 ? CU_TENSOR_MAP_SWIZZLE_128B
+                                                : CU_TENSOR_MAP_SWIZZLE_NONE;
+  const uint64_t dims[3] = {static_cast<uint64_t>(kw), static_cast<uint64_t>(gw), image_rows};
+  const uint64_t strides[2] = {static_cast<uint64_t>(kw) * 2, static_cast<uint64_t>(gw) * kw * 2};
+  const uint32_t box[3] = {static_cast<uint32_t>(kw), static_cast<uint32_t>(pw), static_cast<uint32_t>(kh_box)};
+  return encode_tensor_map(map, x, 3, dims, strides, box, swizzle);
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ uint64_t tensor_map_address(const CUtensorMap& map) {
   return reinterpret_cast<uint64_t>(&map);
