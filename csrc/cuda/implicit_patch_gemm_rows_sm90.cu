@@ -33,6 +33,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "cuda/dependent_launch.cuh"
 #include "cuda/implicit_patch.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/tma.cuh"
@@ -84,6 +85,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   released.init(2);  // one arrival per consumer warpgroup
   if (threadIdx.x == 0) prefetch_tensor_map(x_map), prefetch_tensor_map(w_map), prefetch_tensor_map(y_map);
   __syncthreads();
+  wait_for_prior_kernels();  // launched dependent (dependent_launch.cuh); a block per SM at most
+  allow_dependents();
   const int box_bytes = g.pw * 128;  // grid row s's box, [kh_box][pw][kw], from s * box_bytes
 
   if (threadIdx.x < kThreads - kConsumers) {
@@ -235,9 +238,8 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
   auto kernel = implicit_embed_kernel_sm90_rows<T>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int blocks = std::min(g.tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  kernel<<<blocks, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      g, x_map, w_map, y_map, bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_dependent(kernel, blocks, kThreads, smem, at::cuda::getCurrentCUDAStream(), g, x_map, w_map, y_map,
+                   bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr);
   return true;
 }
 

@@ -32,6 +32,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "cuda/dependent_launch.cuh"
 #include "cuda/implicit_patch.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/tma.cuh"
@@ -83,6 +84,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   released.init(g.with_bias ? 4 : 2);  // the consumer warpgroups, and the bias warps
   if (threadIdx.x == 0) prefetch_tensor_map(x_map), prefetch_tensor_map(dy_map);
   __syncthreads();
+  wait_for_prior_kernels();  // launched dependent (dependent_launch.cuh); a block per SM at most
+  allow_dependents();
 
   if (threadIdx.x < kThreads - kConsumers) {
     set_max_registers<40, false>();
@@ -223,9 +226,8 @@ void launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& dy, int s
   const int smem = 1024 + kStages * g.slot + 2 * kStages * 8;
   auto kernel = implicit_weight_grad_kernel_sm90_rows<T, kStages>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<splits * g.tiles_m * g.tiles_n, kThreads, smem, stream>>>(g, x_map, dy_map, dw_partial.data_ptr<float>(),
-                                                                     db_partial.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_dependent(kernel, splits * g.tiles_m * g.tiles_n, kThreads, smem, stream, g, x_map, dy_map,
+                   dw_partial.data_ptr<float>(), db_partial.data_ptr<float>());
   sum_token_ranges(dw_partial, db_partial, dw, db);
 }
 

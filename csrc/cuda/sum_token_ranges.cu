@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "cuda/dependent_launch.cuh"
 #include "cuda/implicit_patch.cuh"
 #include "cuda/mma.cuh"
 
@@ -21,6 +22,7 @@ template <typename T>
 __global__ void sum_token_ranges_kernel(const float4* __restrict__ dw_partial, int64_t dw_vectors, int dw_ranges,
                                         int64_t dw_blocks, const float4* __restrict__ db_partial, int db_vectors,
                                         int db_ranges, uint2* __restrict__ dw, uint2* __restrict__ db) {
+  wait_for_prior_kernels();  // launched dependent (dependent_launch.cuh): the partial sums' kernel
   float4 sum = {0.f, 0.f, 0.f, 0.f};
   auto add = [&](const float4& v) { sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w; };
   if (blockIdx.x < dw_blocks) {
@@ -55,7 +57,8 @@ void sum_token_ranges(const at::Tensor& dw_partial, const at::Tensor& db_partial
   const auto stream = at::cuda::getCurrentCUDAStream();
   auto run = [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    sum_token_ranges_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+    launch_dependent(
+        sum_token_ranges_kernel<T>, static_cast<unsigned>(blocks), 256, 0, stream,
         with_dw ? reinterpret_cast<const float4*>(dw_partial.const_data_ptr<float>()) : nullptr, dw_vectors,
         with_dw ? static_cast<int>(dw_partial.size(0)) : 0, dw_blocks,
         with_db ? reinterpret_cast<const float4*>(db_partial.const_data_ptr<float>()) : nullptr, db_vectors,
@@ -63,7 +66,6 @@ void sum_token_ranges(const at::Tensor& dw_partial, const at::Tensor& db_partial
         with_db ? static_cast<uint2*>(db.data_ptr()) : nullptr);
   };
   dw.scalar_type() == at::kHalf ? run(static_cast<__half*>(nullptr)) : run(static_cast<__nv_bfloat16*>(nullptr));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace cuda
