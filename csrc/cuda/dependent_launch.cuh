@@ -8,6 +8,9 @@
 // exiting. Without the launch attribute both calls do nothing.
 #pragma once
 
+// NVIDIA only: the kernels that include this (the *_sm90.cu kernels and sum_token_ranges.cu) are
+// compiled out on ROCm.
+#ifndef USE_ROCM
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
@@ -43,3 +46,4 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t s
 
 }  // namespace cuda
 }  // namespace patchgemm
+#endif  // USE_ROCM
