@@ -225,7 +225,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const unsigned char* a_words = smem + ((wg * 32 + wq * 8 + g) * kPairPitch + 2 * q) * 4;
   // The bias gradient: slices s with s % tiles_m == tile_m (global slice indices), summed by
   // threads of whole embeddings: channels-first, thread e one 128-byte row (its chunks in a rotated
-  // order: conflict-free); tokens, thread e / 2 two columns of the 64-embedding boxes.
+  // order: conflict-free); tokens, thread e / 2 two columns of the 64-embedding boxes. All of a
+  // slice's grad_y counts: ranges are whole slices, and past the last token the copies read zeros.
   float bias_sum[2] = {0.f, 0.f};
   const bool bias_thread = db_partial != nullptr && static_cast<int>(threadIdx.x) < (kTokensDy ? kTileN / 2 : kTileN);
   int bias_slice = t_begin / kTileK % tiles_m;  // slice kt's index mod tiles_m (t_begin % kTileK == 0)
