@@ -23,7 +23,8 @@ void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
 // (~5e-3 off), so there the sum runs in the op-math type and is cast after. A contiguous
 // channels-first t [B, C, *S] summed over all but C (a transpose's bias) sums its contiguous rows,
 // then over B: ATen's one reduction over dims {0, 2, ...} runs at ~1.2 TB/s on an H100 (U2's
-// 134 MB: 0.11 ms), rows at full bandwidth.
+// 134 MB: 0.11 ms), rows at full bandwidth. Few long rows (U2's 32 of 2M elements: 2.7 TB/s on the
+// H200) are cut into f pieces each first, for 2048 rows or more.
 inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
   const at::ScalarType acc = at::toOpMathType(t.scalar_type());
   bool all_but_channels = t.dim() >= 3 && t.is_contiguous() && static_cast<int64_t>(dims.size()) == t.dim() - 1;
@@ -31,8 +32,10 @@ inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
     all_but_channels = dims[i] == (i == 0 ? 0 : static_cast<int64_t>(i) + 1);
   }
   if (all_but_channels) {
-    const int64_t rows = t.size(0) * t.size(1);
-    return t.view({t.size(0), t.size(1), rows ? t.numel() / rows : 0}).sum(2, false, acc).sum(0).to(t.scalar_type());
+    const int64_t rows = t.size(0) * t.size(1), n = rows ? t.numel() / rows : 0;
+    int64_t f = 1;
+    while (rows * f < 2048 && n % (2 * f) == 0 && n / (2 * f) >= 8192) f *= 2;
+    return t.view({t.size(0), t.size(1), f, n / f}).sum(3, false, acc).sum(at::IntArrayRef{0, 2}).to(t.scalar_type());
   }
   if (t.is_cuda()) return t.sum(dims);
   return t.sum(dims, false, acc).to(t.scalar_type());
