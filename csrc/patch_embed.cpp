@@ -323,8 +323,11 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
       const at::ScalarType acc = at::toOpMathType(x.scalar_type());
       return dy.reshape({g.batch * N / f, f * embed}).sum(0, false, acc).view({f, embed}).sum(0).to(x.scalar_type());
     }
-    // Channels-first: its contiguous rows (P4's 100 MB: 97 us through the transposed view, H200).
-    if (!tokens && N > 1) return sum_for_bias_grad(grad_y.reshape({g.batch, embed, N}), {0, 2});
+    // Channels-first: its contiguous rows (P4's 100 MB: 97 us through the transposed view, H200);
+    // other strides through the view (a reshape would copy grad_y to sum it).
+    if (!tokens && N > 1 && grad_y.is_contiguous()) {
+      return sum_for_bias_grad(grad_y.view({g.batch, embed, N}), {0, 2});
+    }
     return sum_for_bias_grad(dy, {0, 1});
   };
 #ifdef PATCHGEMM_WITH_CUDA

@@ -248,7 +248,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at:
   }
   // The rule: a full 128-column tile (U2's weight gradient, K = 32, runs at 0.45x gather + cuBLAS:
   // three quarters of each tile idle), and the kernel's own rule.
-  if (!always && (K < kTileM || !(wgmma ? implicit_wgmma_weight_grad_pays(tokens, run == 2, E)
+  if (!always && (K < kTileM || !(wgmma ? implicit_wgmma_weight_grad_pays(tokens, pairs, E)
                                         : implicit_pays(E, p.rows, *device)))) {
     return std::nullopt;
   }
