@@ -3,13 +3,13 @@
 //
 // Where a patch row is 16, 32, 64 or 128 bytes (kw = 8, 16, 32, 64 16-bit elements: ViT's 16 x 16
 // patches) and x is contiguous channels-first, the patches' part of one 64-wide K slice for a row of
-// the patch grid is one box of the 3-D view x[B*C*D*H image rows][gw][kw]: kh_box = 64 / kw image
-// rows of gw patch rows each. TMA lands it with one copy, in the swizzle of its kw * 2-byte rows
-// (the box is pw = gw rounded up to 8 patches wide; the rest reads zeros). For kw = 8, whose
-// 16-byte rows TMA moves slowly, the box is instead kh_box whole image rows (up to 256 elements):
-// the same [kh_box][gw][kw] layout, unswizzled, with pw = gw. (The cp.async forward spends its time
-// on the copies' address arithmetic, bench/RESULTS.md sessions 9-10: ViT-B/16 at 305 TFLOP/s.
-// Whole image rows ran 1.35x faster than patch boxes for kw = 8, 1.3-1.5x slower for kw = 16.)
+// the patch grid is one box of x: kh_box = 64 / kw image rows of pw patch rows (gw rounded up to 8;
+// the rest reads zeros), landing as [kh_box][pw][kw] (tma.cuh: encode_patch_box_map, whose box rows
+// hold up to 128 bytes of neighbouring patches: ViT-B/16's forward 1.05x, kw = 8 1.5x faster than
+// one patch row per box row). Where kw = 8 and gw is odd (16-byte box rows), the box is instead
+// kh_box whole image rows (up to 256 elements), unswizzled, with pw = gw. (The cp.async forward
+// spends its time on the copies' address arithmetic, bench/RESULTS.md sessions 9-10: ViT-B/16 at
+// 305 TFLOP/s.)
 //
 // A tile's tokens are R whole grid rows (R * gw <= 128: 126 of ViT-B/16's 14-patch rows), so each
 // MMA row reads a fixed place in one of the tile's R boxes. Those rows do not form the uniform 8-row
@@ -62,8 +62,8 @@ struct Geometry {
   int C, D, H;             // x [B, C, D, H, W], contiguous
   int kd, kh, kw, kh_box;  // the patch; image rows per K slice
   int gd, gh, gw, pw;      // patch grid; patches per box (gw rounded up to 8, or gw for whole rows)
-  bool whole_rows;         // kw = 8 and W <= 256: boxes of whole image rows
-  uint32_t swizzle_mask;   // the 16-byte chunk bits that the box's swizzle flips: (kw * 2 / 16 - 1) << 4
+  bool whole_rows;         // kw = 8, gw odd and W <= 256: boxes of whole image rows
+  uint32_t swizzle_mask;   // the 16-byte chunk bits that the boxes' swizzle flips (patch_box_swizzle_mask)
   int grid_rows;           // B * gd * gh
   int rows_per_tile;       // R
   int k_tiles, E, tiles_n, tiles;
@@ -257,7 +257,7 @@ bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::
   g.kh_box = kTileK / g.kw;
   g.C = static_cast<int>(x5.size(1)), g.D = static_cast<int>(x5.size(2)), g.H = static_cast<int>(x5.size(3));
   g.gw = p.gw, g.gh = p.gh, g.gd = p.tokens / (p.gh * p.gw);
-  g.whole_rows = g.kw == 8 && g.gw * g.kw <= 256;
+  g.whole_rows = g.kw == 8 && patches_per_box_row(g.kw, g.gw) == 1 && g.gw * g.kw <= 256;
   g.pw = g.whole_rows ? g.gw : (g.gw + 7) / 8 * 8;
   if (p.rows / g.gw >= INT_MAX) return false;
   g.grid_rows = static_cast<int>(p.rows / g.gw);
@@ -270,7 +270,7 @@ bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::
   const int64_t tiles = (g.grid_rows + static_cast<int64_t>(g.rows_per_tile) - 1) / g.rows_per_tile * g.tiles_n;
   if (tiles >= INT_MAX) return false;
   g.tiles = static_cast<int>(tiles);
-  g.swizzle_mask = static_cast<uint32_t>(g.kw * 2 / 16 - 1) << 4;
+  g.swizzle_mask = g.whole_rows ? 0 : patch_box_swizzle_mask(g.kw, g.gw);  // whole rows: unswizzled
   g.copied = kSlotW + g.rows_per_tile * g.pw * 128;
   g.slot = (g.copied + 1023) / 1024 * 1024;
   return y.scalar_type() == at::kHalf ? launch<__half>(g, x5, w, bias, y) : launch<__nv_bfloat16>(g, x5, w, bias, y);

@@ -49,18 +49,33 @@ inline bool encode_tensor_map(CUtensorMap& map, const void* base, int rank, cons
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The patch-row kernels' map of contiguous x [.., W = gw * kw] as [image_rows][gw][kw]: a box is
-// kh_box image rows of pw patch rows (pw >= gw: the ones past gw read as zeros), landing in the
-// swizzle of its kw * 2-byte rows (kw = 16, 32, 64; kw = 8's 16-byte rows unswizzled).
+// The patch-row kernels' boxes of contiguous x [.., W = gw * kw]: a box is kh_box image rows of pw
+// patch rows (pw >= gw, a multiple of 8: the ones past gw read as zeros). Neighbouring patches' rows
+// of an image row are contiguous, so a box row holds as many of them as fit in 128 bytes and divide
+// gw (ViT-B/16's 14-patch rows: pairs of 16-element rows). TMA moves short box rows slowly; the
+// layout in shared memory is [kh_box][pw][kw] all the same, in the swizzle of the box row's bytes.
+inline int patches_per_box_row(int kw, int gw) {
+  int f = 128 / (kw * 2);
+  while (gw % f) f /= 2;
+  return f;
+}
+
+// The 16-byte chunk bits that the boxes' swizzle flips with address bits 7 and up.
+inline uint32_t patch_box_swizzle_mask(int kw, int gw) {
+  return static_cast<uint32_t>(kw * 2 * patches_per_box_row(kw, gw) / 16 - 1) << 4;
+}
+
+// x viewed as [image_rows][gw / f][kw * f], f = patches_per_box_row.
 inline bool encode_patch_box_map(CUtensorMap& map, const void* x, uint64_t image_rows, int kw, int gw, int pw,
                                  int kh_box) {
-  const CUtensorMapSwizzle swizzle = kw == 16   ? CU_TENSOR_MAP_SWIZZLE_32B
-                                     : kw == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
-                                     : kw == 64 ? CU_TENSOR_MAP_SWIZZLE_128B
-                                                : CU_TENSOR_MAP_SWIZZLE_NONE;
-  const uint64_t dims[3] = {static_cast<uint64_t>(kw), static_cast<uint64_t>(gw), image_rows};
-  const uint64_t strides[2] = {static_cast<uint64_t>(kw) * 2, static_cast<uint64_t>(gw) * kw * 2};
-  const uint32_t box[3] = {static_cast<uint32_t>(kw), static_cast<uint32_t>(pw), static_cast<uint32_t>(kh_box)};
+  const int f = patches_per_box_row(kw, gw), row = kw * f;
+  const CUtensorMapSwizzle swizzle = row == 16   ? CU_TENSOR_MAP_SWIZZLE_32B
+                                     : row == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                     : row == 64 ? CU_TENSOR_MAP_SWIZZLE_128B
+                                                 : CU_TENSOR_MAP_SWIZZLE_NONE;
+  const uint64_t dims[3] = {static_cast<uint64_t>(row), static_cast<uint64_t>(gw / f), image_rows};
+  const uint64_t strides[2] = {static_cast<uint64_t>(row) * 2, static_cast<uint64_t>(gw) * kw * 2};
+  const uint32_t box[3] = {static_cast<uint32_t>(row), static_cast<uint32_t>(pw / f), static_cast<uint32_t>(kh_box)};
   return encode_tensor_map(map, x, 3, dims, strides, box, swizzle);
 }
 
