@@ -628,6 +628,37 @@ def test_gpu_implicit_rows_patch_embed_kernel(fused_always, dtype, shape, kernel
     assert_close_to_ref(out["y"], ref, dtype, "channels_first")
 
 
+# kw = 2 with channels-first output reads each K slice's patches as one TMA box on a 9.0 GPU
+# (implicit_patch_gemm_pairs_sm90.cu): (x shape, kernel, E) covering 32-, 16- and 8-patch grid rows
+# (128-, 64- and 32-byte box rows), 3-D and 2-D patches, kd * kh of 4 and 2 (8 and 16 channels a
+# slice; K > 64, past the tiny kernel), an odd slice count (K / 64 = 3), E past the tile (200: two 128-wide tiles; 64, 96: one
+# partial) and more tiles than SMs.
+IMPLICIT_PAIRS = [((6, 16, 8, 64, 64), (2, 2, 2), 192),   # P4-like: 192 tiles, 192-wide
+                  ((3, 24, 4, 32, 32), (2, 2, 2), 200),   # 16-patch grid rows; 3 slices
+                  ((2, 32, 32, 16), (2, 2), 64),          # 8-patch grid rows: 16 a tile
+                  ((2, 32, 64, 64), (2, 2), 96),
+                  ((2, 32, 4, 64, 64), (1, 2, 2), 128),   # kd = 1: 16 channels a slice
+                  ((2, 32, 8, 32, 64), (2, 1, 2), 64)]    # kh = 1
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,embed", IMPLICIT_PAIRS)
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_implicit_pairs_patch_embed_kernel(fused_always, dtype, shape, kernel, embed, has_bias):
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=embed, bias=has_bias)
+    ref = CONV[len(kernel)](x.double(), w.double(), b.double() if has_bias else None, stride=kernel)
+    poison_allocator(2 * math.prod(ref.shape), "cuda")
+    out = {}
+    ran = cuda_kernels_run(lambda: out.update(y=patchgemm.patch_embed(x, w, b)))
+    assert ("implicit_embed_kernel_sm90_pairs" in ran) == wgmma_built(), ran
+    assert_close_to_ref(out["y"], ref, dtype, "channels_first")
+    # tokens output keeps the cp.async kernel
+    ran = cuda_kernels_run(lambda: out.update(y=patchgemm.patch_embed(x, w, b, out_format="tokens")))
+    assert "implicit_embed_kernel_sm90_pairs" not in ran, ran
+    assert_close_to_ref(out["y"], conv_tokens(ref), dtype, "tokens")
+
+
 # Tokens weight gradients with patch rows of 32-128 bytes read the patches by TMA on a 9.0 GPU
 # (implicit_patch_weight_grad_rows_sm90.cu), the bias gradient included: (x shape, kernel, E) with
 # 14-, 5-, 6-, 4- and 24-patch grid rows (6, 14, 12, 17 and 4 boxes a slice; 3 and 4 slots), several token

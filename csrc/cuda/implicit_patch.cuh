@@ -278,6 +278,14 @@ bool implicit_embed_sm90(const Problem& p, int run, bool pair_major, const at::T
 bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
                               const std::optional<at::Tensor>& bias, const at::Tensor& y, bool always);
 
+// The forward on Hopper's wgmma for kw = 2 with a K slice's patches by one TMA box
+// (implicit_patch_gemm_pairs_sm90.cu), channels-first out y [B, E, N], for a problem implicit_embed
+// has checked and set up. false where it does not apply: gw other than 8, 16, 32; gh not a
+// multiple of 128 / gw; kd * kh not dividing 32, or C not a multiple of 32 / (kd * kh); E % 8; x not
+// contiguous; shared memory.
+bool implicit_embed_pairs_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
+                               const std::optional<at::Tensor>& bias, const at::Tensor& y);
+
 // The weight gradient on Hopper's wgmma (implicit_patch_weight_grad_sm90.cu), runs of `run` (8: kw %
 // 8 == 0; 4: kw % 4 == 0; 2: kw = 2 in pairs of 4 tokens, grid rows of 4k patches, K % 4 == 0), for
 // a problem implicit_weight_grad has checked and set up: grad_y dy contiguous and 16-byte aligned,

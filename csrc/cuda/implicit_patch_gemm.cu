@@ -241,6 +241,7 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
   p.ldw = static_cast<int>(w.size(1));
   const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   if (wgmma && tokens_out && implicit_embed_rows_sm90(p, x5, w, b, y, always)) return true;
+  if (wgmma && !tokens_out && implicit_embed_pairs_sm90(p, x5, w, b, y)) return true;
   if (wgmma && implicit_embed_sm90(p, run, pair_major, x5, w, b, tokens_out, y)) return true;
   // 192-wide tiles where E is a multiple (ViT-B's 768, the hMLP stems' 192): fewer W re-reads per
   // token and no idle columns; 128 otherwise.
