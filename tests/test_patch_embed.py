@@ -948,7 +948,12 @@ IMPLICIT_UNEMBED = [((2, 192, 4, 8, 8), (2, 2, 2), 192),  # P4's input gradient:
                     ((2, 64, 2, 4, 5), (4, 4, 4), 8),     # kw = 4, grid rows of 5 tokens
                     ((3, 64, 2, 4, 8), (4, 4, 4), 24),    # kw = 4, N = 64, 192 tokens: half a last tile
                     ((2, 32, 8, 16), (2, 2), 17),         # K = 68: no TMA (rows of 136 bytes)
-                    ((2, 200, 16, 16, 16), (2, 2, 2), 96)]  # 256 tiles: several per SM; C_in = 200
+                    ((2, 200, 16, 16, 16), (2, 2, 2), 96),  # 256 tiles: several per SM; C_in = 200
+                    # y's tiles as pair boxes by TMA (kw = 2; 8-, 16-, 32-patch grid rows; 192 columns)
+                    ((4, 64, 8, 32, 32), (2, 2, 2), 24),   # 32-patch rows, 256 tiles
+                    ((2, 64, 2, 16, 16), (2, 2, 2), 48),   # 16-patch rows, two column tiles
+                    ((3, 96, 16, 8), (2, 2), 48),          # 2-D, 8-patch rows
+                    ((2, 64, 4, 32, 32), (1, 2, 2), 48)]   # kd = 1
 
 
 @needs_gpu
@@ -980,6 +985,11 @@ def test_gpu_implicit_unembed_kernel(fused_always, implicit_wgmma, dtype, shape,
     assert not tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens)  # (the fused kernel's cases)
     assert ("implicit_unembed_kernel" in ran) == (wgmma or (applies and kernel[-1] == 2)), ran
     assert ("implicit_unembed_kernel_sm90" in ran) == wgmma, ran
+    gh, gw = ([1] + grid)[-2:]
+    kd_kh = math.prod(kernel[:-1])
+    pair_boxes = (kernel[-1] == 2 and gw in (8, 16, 32) and gh % (128 // gw) == 0 and
+                  out_channels * math.prod(kernel) % 192 == 0 and 192 % (2 * kd_kh) == 0)
+    assert ("2, true>" in ran) == (wgmma and pair_boxes), ran
     assert_close_to_ref(out["y"], ref, dtype)
     dy = randn(*ref.shape, dtype=dtype, device="cuda")
     want = torch.autograd.grad(ref, [x64, w64] + ([b64] if has_bias else []), dy.double())

@@ -95,6 +95,32 @@ struct GridRowCursor {
   }
 };
 
+// The kw = 2 pair-box kernels' tiles (implicit_patch_gemm_pairs_sm90.cu; the unembedding's TMA
+// stores): 128 tokens = 128 / gw whole patch-grid rows of one depth plane of one sample, gw = 8, 16
+// or 32 and gh a multiple of 128 / gw (pair_tiles_fit).
+struct PairTiles {
+  int per_sample, plane, gw;  // N / 128; gh * gw tokens per depth plane
+
+  // Tile m's sample b, first token n0 (of N), depth plane z and first grid row y0.
+  struct Origin {
+    int b, n0, z, y0;
+  };
+  __device__ __forceinline__ Origin origin(int m) const {
+    Origin o;
+    o.b = m / per_sample;
+    o.n0 = (m - o.b * per_sample) * 128;
+    o.z = o.n0 / plane;
+    o.y0 = (o.n0 - o.z * plane) / gw;
+    return o;
+  }
+};
+
+inline bool pair_tiles_fit(const Problem& p) {
+  return p.kw == 2 && (p.gw == 8 || p.gw == 16 || p.gw == 32) && p.gh % (128 / p.gw) == 0;
+}
+
+inline PairTiles pair_tiles(const Problem& p) { return {p.tokens / 128, p.gh * p.gw, p.gw}; }
+
 // Offset in x of the first element of token `row`'s patch.
 __device__ __forceinline__ int64_t patch_origin(const Problem& p, int64_t row) {
   const int64_t b = row / p.tokens;

@@ -61,23 +61,9 @@ struct Layout {
 };
 
 struct Geometry {
-  int C, cs;                 // channels; channels per K slice
-  int kd, gh, gw;            // patch depth; patch grid rows and columns
-  int tiles_per_sample;      // N / 128
-  int plane;                 // gh * gw: tokens per depth plane
+  PairTiles tiles_m;  // where a tile's tokens are
+  int C, cs, kd, kh;  // channels; channels per K slice; the patch's depth and height
   int k_tiles, E, tiles_n, tiles;
-  uint32_t swizzle_mask;     // the 16-byte chunk bits the x box's swizzle flips
-};
-
-// Where tile m's tokens are: sample b, first token n0 (of N), first grid row y0 of depth plane z.
-struct TileOrigin {
-  int b, n0, y0, z;
-  __device__ TileOrigin(const Geometry& g, int m) {
-    b = m / g.tiles_per_sample;
-    n0 = (m - b * g.tiles_per_sample) * kTileM;
-    z = n0 / g.plane;
-    y0 = (n0 - z * g.plane) / g.gw;
-  }
 };
 
 template <typename T, int kTileN>
@@ -104,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x != 0) return;
     int it = 0;  // slices copied, over all of this block's tiles
     for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
-      const TileOrigin o(g, tile / g.tiles_n);
+      const PairTiles::Origin o = g.tiles_m.origin(tile / g.tiles_n);
       const int e0 = tile % g.tiles_n * kTileN, d0 = o.z * g.kd, bc0 = o.b * g.C;
       for (int kt = 0; kt < g.k_tiles; ++kt, ++it) {
         released.wait_released(it);
@@ -127,10 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int t = 0; t < kTileK / 16; ++t) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t offset = L::kSlotW + (8 * t + q + 4 * h) * kTileM * 4 + token * 4;
-      a_offset[t][h] = offset ^ (offset >> 3 & g.swizzle_mask);  // slots start 1024-byte aligned
-    }
+    for (int h = 0; h < 2; ++h) a_offset[t][h] = L::kSlotW + pair_box_offset(8 * t + q + 4 * h, token, g.tiles_m.gw);
   }
   float acc[kTileN / 2];
   uint32_t a_even[kTileK / 16][4], a_odd[kTileK / 16][4];
@@ -161,7 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
-    const TileOrigin o(g, tile / g.tiles_n);
+    const PairTiles::Origin o = g.tiles_m.origin(tile / g.tiles_n);
     const int e0 = tile % g.tiles_n * kTileN;
 #pragma unroll
     for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
@@ -207,24 +190,16 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
             const at::Tensor& y) {
   using L = Layout<kTileN>;
   if (L::kBytes > static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin)) return false;
-  const uint64_t D = x5.size(2), H = x5.size(3), W = x5.size(4), kh = H / g.gh, N = g.tiles_per_sample * kTileM;
+  const uint64_t N = static_cast<uint64_t>(g.tiles_m.per_sample) * kTileM;
   CUtensorMap x_map, w_map, y_map;
-  // x as [B*C][D][kh][gh][W] (innermost last), a box of one slice; its rows of W = 2 gw elements
-  // are 32, 64 or 128 bytes, swizzled as such.
-  const uint64_t x_dims[5] = {W, static_cast<uint64_t>(g.gh), kh, D, static_cast<uint64_t>(x5.size(0) * g.C)};
-  const uint64_t x_strides[4] = {kh * W * 2, W * 2, H * W * 2, D * H * W * 2};
-  const uint32_t x_box[5] = {static_cast<uint32_t>(W), static_cast<uint32_t>(kTileM / g.gw), static_cast<uint32_t>(kh),
-                             static_cast<uint32_t>(g.kd), static_cast<uint32_t>(g.cs)};
-  const CUtensorMapSwizzle x_swizzle = W == 16 ? CU_TENSOR_MAP_SWIZZLE_32B
-                                       : W == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
-                                                 : CU_TENSOR_MAP_SWIZZLE_128B;
   const uint64_t K = static_cast<uint64_t>(g.k_tiles) * kTileK, E = g.E;
   const uint64_t w_dims[2] = {K, E}, w_strides[1] = {K * 2};
   const uint32_t w_box[2] = {kTileK, kTileN};
   // y as [B][E][N], a box of 64 tokens x kTileN embeddings (the stage's halves).
   const uint64_t y_dims[3] = {N, E, static_cast<uint64_t>(x5.size(0))}, y_strides[2] = {N * 2, E * N * 2};
   const uint32_t y_box[3] = {64, kTileN, 1};
-  if (!encode_tensor_map(x_map, x5.const_data_ptr(), 5, x_dims, x_strides, x_box, x_swizzle) ||
+  if (!encode_pair_box_map(x_map, x5.const_data_ptr(), x5.size(0) * g.C, x5.size(2), x5.size(3), x5.size(4), g.kd,
+                           g.kh, g.cs) ||
       !encode_tensor_map(w_map, w.const_data_ptr(), 2, w_dims, w_strides, w_box) ||
       !encode_tensor_map(y_map, y.data_ptr(), 3, y_dims, y_strides, y_box)) {
     return false;
@@ -242,16 +217,15 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
 bool implicit_embed_pairs_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
                                const std::optional<at::Tensor>& bias, const at::Tensor& y) {
 #ifdef PATCHGEMM_SM90A
-  if (p.kw != 2 || (p.gw != 8 && p.gw != 16 && p.gw != 32) || p.gh % (kTileM / p.gw) || 32 % (p.kd * p.kh) ||
-      p.E % 8 || !x5.is_contiguous() || reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % 16) {
+  if (!pair_tiles_fit(p) || 32 % (p.kd * p.kh) || p.E % 8 || !x5.is_contiguous() ||
+      reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % 16) {
     return false;
   }
   Geometry g;
   g.C = static_cast<int>(x5.size(1)), g.cs = 32 / (p.kd * p.kh);
   if (g.C % g.cs || p.ldw != p.K) return false;  // whole slices of channels (K % 64 == 0)
-  g.kd = p.kd, g.gh = p.gh, g.gw = p.gw;
-  g.plane = p.gh * p.gw;
-  g.tiles_per_sample = p.tokens / kTileM;  // gh % R == 0: a multiple of 128 tokens
+  g.tiles_m = pair_tiles(p);
+  g.kd = p.kd, g.kh = p.kh;
   g.k_tiles = p.K / kTileK;
   g.E = p.E;
   const bool wide = p.E % 192 == 0;  // 192-wide tiles where E is a multiple (the stems' 192), 128 otherwise
@@ -259,7 +233,6 @@ bool implicit_embed_pairs_sm90(const Problem& p, const at::Tensor& x5, const at:
   const int64_t tiles = p.rows / kTileM * g.tiles_n;
   if (tiles >= INT_MAX || x5.size(0) * g.C >= INT_MAX) return false;
   g.tiles = static_cast<int>(tiles);
-  g.swizzle_mask = static_cast<uint32_t>(4 * p.gw / 16 - 1) << 4;
   if (y.scalar_type() == at::kHalf) {
     return wide ? launch<__half, 192>(g, x5, w, bias, y) : launch<__half, 128>(g, x5, w, bias, y);
   }

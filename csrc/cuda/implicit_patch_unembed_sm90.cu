@@ -20,6 +20,9 @@
 //     row (M-major; N % 64 == 0, so 64 tokens never straddle two samples).
 // Channels past C_in, columns past K and tokens past the end read zeros; the latter two are never
 // stored.
+// Where kw = 2 and the tiles are whole grid rows (tma.cuh: encode_pair_box_map; 192 columns of whole
+// channels), the stage is instead a pair box [pair][token] that one consumer thread stores to y by
+// TMA, and the storer warps idle (P4's input gradient: 465 -> 345 us on the H200).
 #include <ATen/ATen.h>
 
 #include "patchify.h"
@@ -64,11 +67,18 @@ constexpr int kSmemBytes = 1024 + kTableOffset + 2 * (kTileN / 2) * 4;
 // p describes y (the volume the patches tile) with p.E = C_in, the reduction. kRun = p.kw. Tile t
 // covers tokens 128 (t / tiles_n) .. and columns 192 (t % tiles_n) ..: the blocks running at once
 // share their x rows in L2.
-template <typename T, bool kTokensIn, int kRun>
+// Where y's tiles are pair boxes (kBoxStore): where a tile goes, y's channels and a channel's columns.
+struct BoxStore {
+  PairTiles tiles_m;
+  int channels, columns;
+};
+
+template <typename T, bool kTokensIn, int kRun, bool kBoxStore>
 __global__ void __launch_bounds__(kThreads, 1)
     implicit_unembed_kernel_sm90(Problem p, PatchDivs divs, int tiles_n, int tiles,
                                  const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
-                                 const T* __restrict__ bias, T* __restrict__ y) {
+                                 const T* __restrict__ bias, T* __restrict__ y, BoxStore box,
+                                 const __grid_constant__ CUtensorMap y_map) {
 #ifdef PATCHGEMM_HAS_WGMMA
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
@@ -96,6 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < kThreads - kConsumers) {
     set_max_registers<56, false>();
     if (threadIdx.x >= 32) {  // the storers
+      if constexpr (kBoxStore) return;
       // Lane l of storer warp w stores the token groups l (and l + 32 where kw = 4), runs w, w + 3, ...:
       // a warp's 16-byte stores are 32 consecutive groups of one run, and a thread's origins stay in
       // registers.
@@ -212,6 +223,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_accumulators(acc);
     if (thread % 128 == 0) released.arrive((it - 1) % kStages);
 
+    if constexpr (kBoxStore) {
+      // [pair 4 j + q][token], a word per pair; one thread stores the box once all have put theirs
+      // (and the previous tile's box has been read).
+      if (thread == 0) tma_store_wait_read();
+      named_barrier_sync(1, kConsumers);
+#pragma unroll
+      for (int j = 0; j < kTileN / 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int token = wg * 64 + wq * 16 + g + half * 8;
+          st_shared(base + kStageOffset + pair_box_offset(4 * j + q, token, box.tiles_m.gw),
+                    pack2<T>(acc[4 * j + 2 * half] + bias_of[j], acc[4 * j + 2 * half + 1] + bias_of[j]));
+        }
+      }
+      fence_proxy_async();  // the stage's writes, visible to the TMA store
+      named_barrier_sync(1, kConsumers);
+      if (thread == 0) {
+        const PairTiles::Origin o = box.tiles_m.origin(tile / tiles_n);
+        tma_store(y_map, base + kStageOffset, 0, o.y0, 0, o.z * p.kd, o.b * box.channels + col0 / box.columns);
+        tma_store_commit();
+      }
+      continue;
+    }
     stage_free.wait(n);  // the storers have read the previous tile (and written this one's table)
 #pragma unroll
     for (int j = 0; j < kTileN / 8; ++j) {
@@ -225,6 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     stage_full.arrive(0);
   }
+  if (kBoxStore && thread == 0) tma_store_wait();
 #endif
 }
 
@@ -247,30 +282,54 @@ bool encode_maps(const Problem& p, bool tokens, const at::Tensor& x, const at::T
   return encode_tensor_map(x_map, x.const_data_ptr(), 3, dims, strides, box);
 }
 
-template <typename T, bool kTokensIn, int kRun>
+template <typename T, bool kTokensIn, int kRun, bool kBoxStore>
 bool launch(const Problem& p, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-            const at::Tensor& y5) {
-  static_assert(kTileN / kRun * kStagePitch * kRun * 2 <= kStageBytes);
+            const at::Tensor& y5, const BoxStore& box, const CUtensorMap& y_map) {
+  static_assert(kTileN / kRun * kStagePitch * kRun * 2 <= kStageBytes && kTileM * kTileN * 2 <= kStageBytes);
   const cudaDeviceProp& device = *at::cuda::getCurrentDeviceProperties();
   const int64_t tiles_n = (p.K + kTileN - 1) / kTileN, tiles = (p.rows + kTileM - 1) / kTileM * tiles_n;
   if (kSmemBytes > static_cast<int>(device.sharedMemPerBlockOptin) || tiles > INT_MAX) return false;
   CUtensorMap x_map, w_map;
   if (!encode_maps(p, kTokensIn, x, w, x_map, w_map)) return false;
-  auto kernel = implicit_unembed_kernel_sm90<T, kTokensIn, kRun>;
+  auto kernel = implicit_unembed_kernel_sm90<T, kTokensIn, kRun, kBoxStore>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const int64_t blocks = std::min<int64_t>(tiles, device.multiProcessorCount);
   kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(
       p, PatchDivs(p), static_cast<int>(tiles_n), static_cast<int>(tiles), x_map, w_map,
-      bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr, static_cast<T*>(y5.data_ptr()));
+      bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr, static_cast<T*>(y5.data_ptr()), box, y_map);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
+}
+
+// y's tiles as pair boxes: kw = 2, whole grid rows per tile, 192 columns of whole channels, y
+// contiguous; the map of y5 in `y_map`.
+bool box_store_fits(const Problem& p, const at::Tensor& y5, BoxStore& box, CUtensorMap& y_map) {
+  box.columns = 2 * p.kd * p.kh;
+  if (!pair_tiles_fit(p) || p.K % kTileN || kTileN % box.columns || !y5.is_contiguous() ||
+      reinterpret_cast<uintptr_t>(y5.data_ptr()) % 16 || y5.size(0) * y5.size(1) >= INT_MAX) {
+    return false;
+  }
+  box.tiles_m = pair_tiles(p);
+  box.channels = static_cast<int>(y5.size(1));
+  return encode_pair_box_map(y_map, y5.data_ptr(), y5.size(0) * y5.size(1), y5.size(2), y5.size(3), y5.size(4), p.kd,
+                             p.kh, kTileN / box.columns);
 }
 
 template <typename T>
 bool launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias, const at::Tensor& y5) {
-  if (p.kw == 4) return tokens ? launch<T, true, 4>(p, x, w, bias, y5) : launch<T, false, 4>(p, x, w, bias, y5);
-  return tokens ? launch<T, true, 2>(p, x, w, bias, y5) : launch<T, false, 2>(p, x, w, bias, y5);
+  BoxStore box{};
+  CUtensorMap y_map{};
+  if (p.kw == 4) {
+    return tokens ? launch<T, true, 4, false>(p, x, w, bias, y5, box, y_map)
+                  : launch<T, false, 4, false>(p, x, w, bias, y5, box, y_map);
+  }
+  if (box_store_fits(p, y5, box, y_map)) {
+    return tokens ? launch<T, true, 2, true>(p, x, w, bias, y5, box, y_map)
+                  : launch<T, false, 2, true>(p, x, w, bias, y5, box, y_map);
+  }
+  return tokens ? launch<T, true, 2, false>(p, x, w, bias, y5, box, y_map)
+                : launch<T, false, 2, false>(p, x, w, bias, y5, box, y_map);
 }
 
 }  // namespace

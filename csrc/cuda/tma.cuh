@@ -79,6 +79,29 @@ inline bool encode_patch_box_map(CUtensorMap& map, const void* x, uint64_t image
   return encode_tensor_map(map, x, 3, dims, strides, box, swizzle);
 }
 
+// The kw = 2 pair-box kernels' map of contiguous t [B, C, D, H, W = 2 gw] (x of the forward, y of
+// the unembedding; implicit_patch_gemm_pairs_sm90.cu explains): t as the 5-D [B*C][D][kh][gh][W]
+// (innermost last; the grid-row dimension outside the row-in-patch one), a box [cs][kd][kh][128 /
+// gw][W] = [pair (c, i, j)][token] 32-bit words for 128 tokens, in the swizzle of its 4 gw-byte rows.
+inline bool encode_pair_box_map(CUtensorMap& map, const void* t, uint64_t planes, uint64_t D, uint64_t H, uint64_t W,
+                                int kd, int kh, int cs) {
+  const uint64_t gw = W / 2;
+  const uint64_t dims[5] = {W, H / kh, static_cast<uint64_t>(kh), D, planes};  // planes: B * C
+  const uint64_t strides[4] = {kh * W * 2, W * 2, H * W * 2, D * H * W * 2};
+  const uint32_t box[5] = {static_cast<uint32_t>(W), static_cast<uint32_t>(128 / gw), static_cast<uint32_t>(kh),
+                           static_cast<uint32_t>(kd), static_cast<uint32_t>(cs)};
+  const CUtensorMapSwizzle swizzle = gw == 8 ? CU_TENSOR_MAP_SWIZZLE_32B
+                                     : gw == 16 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                : CU_TENSOR_MAP_SWIZZLE_128B;
+  return encode_tensor_map(map, t, 5, dims, strides, box, swizzle);
+}
+
+// The byte offset of word (pair, token) in a pair box (above), swizzled (the box 1024-byte aligned).
+__host__ __device__ __forceinline__ uint32_t pair_box_offset(int pair, int token, int gw) {
+  const uint32_t offset = (pair * 128 + token) * 4, mask = static_cast<uint32_t>(gw / 4 - 1) << 4;
+  return offset ^ (offset >> 3 & mask);
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ uint64_t tensor_map_address(const CUtensorMap& map) {
   return reinterpret_cast<uint64_t>(&map);
@@ -130,6 +153,14 @@ __device__ __forceinline__ void tma_store(const CUtensorMap& map, uint32_t src, 
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
                    tensor_map_address(map)),
                "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+
+__device__ __forceinline__ void tma_store(const CUtensorMap& map, uint32_t src, int c0, int c1, int c2, int c3,
+                                          int c4) {
+  asm volatile("cp.async.bulk.tensor.5d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5, %6}], [%1];\n" ::"l"(
+                   tensor_map_address(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
                : "memory");
 }
 
