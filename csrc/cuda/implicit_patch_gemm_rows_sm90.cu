@@ -143,41 +143,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[kTileN / 2];
   uint32_t a_even[kTileK / 16][4], a_odd[kTileK / 16][4];
   int it = 0;  // slices consumed
-  // One slice: A into registers (while the previous slice's group runs), its wgmmas as one group,
-  // then that previous group's slot goes back to the producer. Alternate register sets keep the
-  // registers of the group in flight untouched.
-  auto multiply = [&](uint32_t(&af)[kTileK / 16][4], bool first) {
-    const uint32_t slot_base = base + it % kStages * g.slot;
-    landed.wait(it);
-#pragma unroll
-    for (int t = 0; t < kTileK / 16; ++t) ldmatrix_x4(af[t], slot_base + a_offset[t]);
-    fence_accumulators(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < kTileK / 16; ++t) {
-      wgmma_rs<T, kTileN>(acc, af[t], smem_descriptor_128b(slot_base + 32 * t));
-    }
-    wgmma_commit();
-    fence_accumulators(acc);
-    wgmma_wait<1>();
-    fence_accumulators(acc);
-    if (!first && thread % 128 == 0) released.arrive((it - 1) % kStages);
-    ++it;
-  };
-
   for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {
     const int row0 = tile / g.tiles_n * g.rows_per_tile, e0 = tile % g.tiles_n * kTileN;
 #pragma unroll
     for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
-    int kt = 0;
-    for (; kt + 1 < g.k_tiles; kt += 2) {
-      multiply(a_even, kt == 0);
-      multiply(a_odd, false);
-    }
-    if (kt < g.k_tiles) multiply(a_even, kt == 0);
-    wgmma_wait<0>();
-    fence_accumulators(acc);
-    if (thread % 128 == 0) released.arrive((it - 1) % kStages);
+    register_a_tile<kStages>(
+        acc, a_even, a_odd, g.k_tiles, it, base, g.slot, landed, released, thread % 128 == 0,
+        [&](uint32_t(&af)[kTileK / 16][4], uint32_t slot) {
+#pragma unroll
+          for (int t = 0; t < kTileK / 16; ++t) ldmatrix_x4(af[t], slot + a_offset[t]);
+        },
+        [&](const uint32_t(&af)[kTileK / 16][4], uint32_t slot) {
+#pragma unroll
+          for (int t = 0; t < kTileK / 16; ++t) wgmma_rs<T, kTileN>(acc, af[t], smem_descriptor_128b(slot + 32 * t));
+        });
 
     // The stage is free once the previous tile's stores have read it.
     if (thread == 0) tma_store_wait_read();

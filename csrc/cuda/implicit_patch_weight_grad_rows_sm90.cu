@@ -161,14 +161,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[kTileN / 2];
 #pragma unroll
   for (int i = 0; i < kTileN / 2; ++i) acc[i] = 0.f;
-  uint32_t a_even[kSlice / 16][4], a_odd[kSlice / 16][4];
-  int it = 0;  // slices consumed
-  // One slice: A into registers (while the previous slice's group runs), its wgmmas as one group,
-  // then the previous slice's slot goes back to the producer; alternate register sets keep the
-  // in-flight group's registers untouched (as the forward).
-  auto multiply = [&](uint32_t(&af)[kSlice / 16][4]) {
-    const uint32_t slot_base = base + it % kStages * g.slot;
-    uint32_t a_offset[kSlice / 16];
+  // ldmatrix.trans addresses of the next slice (its tokens from u0 on), found while the slice before
+  // is loaded.
+  uint32_t a_offset[kSlice / 16];
+  auto find_offsets = [&] {
 #pragma unroll
     for (int t = 0; t < kSlice / 16; ++t) {
       const uint32_t u = static_cast<uint32_t>(u0 + 16 * t + token_lane), row = u * g.gw_magic >> 16;
@@ -177,27 +173,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     u0 += u_step;
     if (u0 >= g.gw) u0 -= g.gw;
-    landed.wait(it);
-#pragma unroll
-    for (int t = 0; t < kSlice / 16; ++t) ldmatrix_x4_trans(af[t], slot_base + a_offset[t]);
-    fence_accumulators(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < kSlice / 16; ++t) {
-      wgmma_rs<T, kTileN, true>(acc, af[t], smem_descriptor_128b(slot_base + 2048 * t, kDyBox));
-    }
-    wgmma_commit();
-    fence_accumulators(acc);
-    wgmma_wait<1>();
-    fence_accumulators(acc);
-    if (it > 0 && thread % 128 == 0) released.arrive((it - 1) % kStages);
-    ++it;
   };
-  int s = 0;
-  for (; s + 1 < slices; s += 2) multiply(a_even), multiply(a_odd);
-  if (s < slices) multiply(a_even);
-  wgmma_wait<0>();
-  fence_accumulators(acc);
+  find_offsets();
+  uint32_t a_even[kSlice / 16][4], a_odd[kSlice / 16][4];
+  int it = 0;  // slices consumed
+  register_a_tile<kStages>(
+      acc, a_even, a_odd, slices, it, base, g.slot, landed, released, thread % 128 == 0,
+      [&](uint32_t(&af)[kSlice / 16][4], uint32_t slot) {
+#pragma unroll
+        for (int t = 0; t < kSlice / 16; ++t) ldmatrix_x4_trans(af[t], slot + a_offset[t]);
+        find_offsets();
+      },
+      [&](const uint32_t(&af)[kSlice / 16][4], uint32_t slot) {
+#pragma unroll
+        for (int t = 0; t < kSlice / 16; ++t) {
+          wgmma_rs<T, kTileN, true>(acc, af[t], smem_descriptor_128b(slot + 2048 * t, kDyBox));
+        }
+      });
 
   // acc[4 j + 2 half + i]: column col0 + wg*64 + wq*16 + gq + 8 half, embedding e0 + 8 j + 2 q + i.
   // A warp's stores cover 32-byte pieces of 4 rows of dW.

@@ -97,7 +97,7 @@ inline bool encode_pair_box_map(CUtensorMap& map, const void* t, uint64_t planes
 }
 
 // The byte offset of word (pair, token) in a pair box (above), swizzled (the box 1024-byte aligned).
-__host__ __device__ __forceinline__ uint32_t pair_box_offset(int pair, int token, int gw) {
+__device__ __forceinline__ uint32_t pair_box_offset(int pair, int token, int gw) {
   const uint32_t offset = (pair * 128 + token) * 4, mask = static_cast<uint32_t>(gw / 4 - 1) << 4;
   return offset ^ (offset >> 3 & mask);
 }

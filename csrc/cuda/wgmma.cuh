@@ -195,6 +195,41 @@ __device__ __forceinline__ void set_max_registers() {
 #endif
 }
 
+// The K loop of one tile for a consumer warpgroup whose A goes through registers, in the persistent
+// TMA kernels (implicit_patch_gemm_rows_sm90.cu, implicit_patch_gemm_pairs_sm90.cu,
+// implicit_patch_weight_grad_rows_sm90.cu). Per slice: wait until it has landed in its slot (base +
+// it % kStages * slot_bytes), load its A fragments (load_a(af, slot)), issue its wgmmas as one group
+// (issue(af, slot)), then wait for the previous slice's group and give that slot back to the
+// producer (`releaser`: one thread per warpgroup). Two register sets alternate, so the registers of
+// the group in flight never change under it (ptxas would serialize the wgmmas). Returns with every
+// group done and every slot given back; `it` counts the slices consumed over the block's tiles.
+template <int kStages, int R, int kSteps, typename Barriers, typename LoadA, typename Issue>
+__device__ __forceinline__ void register_a_tile(float (&acc)[R], uint32_t (&a_even)[kSteps][4],
+                                                uint32_t (&a_odd)[kSteps][4], int slices, int& it, uint32_t base,
+                                                uint32_t slot_bytes, const Barriers& landed, const Barriers& released,
+                                                bool releaser, LoadA&& load_a, Issue&& issue) {
+  auto slice = [&](uint32_t(&af)[kSteps][4], bool first) {
+    const uint32_t slot = base + it % kStages * slot_bytes;
+    landed.wait(it);
+    load_a(af, slot);
+    fence_accumulators(acc);
+    wgmma_fence();
+    issue(af, slot);
+    wgmma_commit();
+    fence_accumulators(acc);
+    wgmma_wait<1>();
+    fence_accumulators(acc);
+    if (!first && releaser) released.arrive((it - 1) % kStages);
+    ++it;
+  };
+  int s = 0;
+  for (; s + 1 < slices; s += 2) slice(a_even, s == 0), slice(a_odd, false);
+  if (s < slices) slice(a_even, s == 0);
+  wgmma_wait<0>();
+  fence_accumulators(acc);
+  if (slices > 0 && releaser) released.arrive((it - 1) % kStages);
+}
+
 // The wgmma kernels' main loop over k_tiles 64-wide K slices: a kStages-deep pipeline whose copies
 // (cp.async, TMA) run kStages - 2 slices ahead. load_slice(k_tile, slot) issues a slice's copies
 // into a shared-memory slot (called for k tiles 0, 1, 2, ... in order); landed(k_tile) waits for
