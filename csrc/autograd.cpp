@@ -8,7 +8,8 @@
 //
 //   grouped_linear  dx = grouped_linear_grad_input, dW = grouped_linear_grad_weight, db = sum
 //   patch_embed     dx = patch_unembed with the same weight, (dW, db) = patch_weight_grad
-//   patch_unembed   dx = patch_embed with the same weight, dW = patch_weight_grad (roles swapped)
+//   patch_unembed   dx = patch_embed with the same weight, (dW, db) = patch_weight_grad (roles
+//                   swapped, transposed = true)
 //   instance_norm_act  instance_norm_act_backward, from x and the per-channel statistics
 // The patch matrix is never saved: patch_weight_grad recomputes it from x, an input of the op
 // (saving an input costs no memory); nor is the normalized activation: the norm's backward
@@ -33,7 +34,7 @@ using Patch = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTen
                          c10::IntArrayRef);
 using PatchWeightGrad = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                            c10::IntArrayRef, bool,
-                                                           c10::IntArrayRef, bool);
+                                                           c10::IntArrayRef, bool, bool);
 using GradInput = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
 
 template <typename Signature>
@@ -174,7 +175,7 @@ struct PatchEmbed : Function<PatchEmbed> {
     const bool needs_b = needs_bias_grad(ctx);
     if (ctx->needs_input_grad(kWeight) || needs_b) {
       std::tie(grad_w, grad_b) =
-          patch_weight_grad_op().call(grad_y, c.x, c.kernel, c.tokens, c.levels, needs_b);
+          patch_weight_grad_op().call(grad_y, c.x, c.kernel, c.tokens, c.levels, needs_b, false);
     }
     return {grad_x, ctx->needs_input_grad(kWeight) ? grad_w : at::Tensor(),
             needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor()};
@@ -196,16 +197,17 @@ struct PatchUnembed : Function<PatchUnembed> {
     if (ctx->needs_input_grad(kX)) {
       grad_x = patch_embed_op().call(grad_y, c.weight, std::nullopt, c.tokens, c.levels);
     }
+    const bool needs_b = needs_bias_grad(ctx);
     if (ctx->needs_input_grad(kWeight)) {
-      grad_w = std::get<0>(
-          patch_weight_grad_op().call(c.x, grad_y, c.kernel, c.tokens, c.levels, false));
-    }
-    if (needs_bias_grad(ctx)) {
+      // The bias gradient in the same pass over grad_y where a kernel can (tiny_patch_weight_grad.cu).
+      std::tie(grad_w, grad_b) =
+          patch_weight_grad_op().call(c.x, grad_y, c.kernel, c.tokens, c.levels, needs_b, true);
+    } else if (needs_b) {
       std::vector<int64_t> dims{0};
       for (int64_t d = 2; d < grad_y.dim(); ++d) dims.push_back(d);
       grad_b = sum_for_bias_grad(grad_y, dims);
     }
-    return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor()};
+    return {grad_x, grad_w, needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

@@ -286,7 +286,8 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
 
 std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, const at::Tensor& x,
                                                      c10::IntArrayRef kernel, bool tokens,
-                                                     c10::IntArrayRef levels, bool with_bias) {
+                                                     c10::IntArrayRef levels, bool with_bias,
+                                                     bool transposed) {
   constexpr const char* op = "patch_weight_grad";
   TORCH_CHECK(!kernel.empty() && kernel.size() <= 3, op, ": kernel_size must have 1 to 3 entries, got ", kernel);
   for (int64_t k : kernel) TORCH_CHECK(k >= 1, op, ": kernel sizes must be >= 1, got ", kernel);
@@ -317,6 +318,7 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   // nn.Linear's bias gradient does (the fold: 0.2 MB).
   auto bias_grad = [&] {
     if (!with_bias) return at::empty({0}, x.options());
+    if (transposed) return sum_for_bias_grad(x5, {0, 2, 3, 4});  // patch_unembed's: x per channel
     if (dy.is_contiguous() && embed < 1024) {
       int64_t f = 32;
       while (f > 1 && (g.batch * N) % f) f /= 2;
@@ -338,18 +340,21 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   if (!view && x.is_cuda() && fused != FusedKernels::kNever) {
     const bool dy_tokens = tokens || N == 1;  // else dy is [B, E, N] transposed
     const at::Tensor dy_arg = dy_tokens ? dy : dy.transpose(1, 2);
-    if (const auto tiny = cuda::tiny_weight_grad(dy_arg, dy_tokens, x5, g, embed, with_bias)) {
+    const auto tiny_bias = !with_bias ? cuda::BiasGrad::kNone
+                           : transposed ? cuda::BiasGrad::kUnembed
+                                        : cuda::BiasGrad::kEmbed;
+    if (const auto tiny = cuda::tiny_weight_grad(dy_arg, dy_tokens, x5, g, embed, tiny_bias)) {
       const auto& [grad_w, grad_b] = *tiny;
       return {grad_w.view(w_shape), with_bias ? grad_b : at::empty({0}, x.options())};
     }
-    if (const auto grads = cuda::implicit_weight_grad(dy_arg, dy_tokens, x5, g, embed, with_bias,
+    if (const auto grads = cuda::implicit_weight_grad(dy_arg, dy_tokens, x5, g, embed, with_bias && !transposed,
                                                       fused == FusedKernels::kAlways)) {
       const auto& [grad_w, grad_b] = *grads;
       return {grad_w.view(w_shape), grad_b.defined() ? grad_b : bias_grad()};
     }
   }
 #endif
-  const bool ones_column = with_bias && !view;  // the bias gradient comes out of the GEMM
+  const bool ones_column = with_bias && !transposed && !view;  // the bias gradient comes out of the GEMM
   const at::Tensor p = view ? *view : patchify(x5, g, ones_column);
   at::Tensor dw = at::empty({1, embed, p.size(2)}, x.options());  // [dW | dbias | (padding)]
   if (g.batch == 1 || dy.stride(0) == N * dy.stride(1)) {

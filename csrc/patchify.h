@@ -72,13 +72,18 @@ bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional
 bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
                 const PatchGeometry& g, const at::Tensor& y);
 
+// Which bias gradient a weight gradient adds: none, patch_embed's (grad_y summed per embedding), or
+// patch_unembed's, whose weight gradient this is with x and grad_y in swapped roles (x summed per
+// channel).
+enum class BiasGrad { kNone, kEmbed, kUnembed };
+
 // The fused weight gradient for patches of at most 64 elements, 16-bit dtypes, kw = 2
-// (tiny_patch_weight_grad.cu): (dW [E, K], dbias [E] or undefined) of patch_embed(x5, ...) for grad_y,
+// (tiny_patch_weight_grad.cu): (dW [E, K], dbias or undefined) of patch_embed(x5, ...) for grad_y,
 // tokens [B, N, E] or channels-first [B, E, N], E <= 256, reading grad_y and x once. nullopt where
 // it does not apply (the caller then gathers and runs the GEMM).
 std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Tensor& grad_y, bool tokens,
                                                                    const at::Tensor& x5, const PatchGeometry& g,
-                                                                   int64_t E, bool with_bias);
+                                                                   int64_t E, BiasGrad bias);
 
 // The fused unembedding for patches of at most 64 elements, 16-bit dtypes, kw even
 // (tiny_patch_unembed.cu): y5 (g's volume, contiguous) = patch_unembed(x, w2 [C_in, K], bias) for x

@@ -41,10 +41,11 @@ TORCH_LIBRARY(patchgemm, m) {
   // [C_out]; y = conv_transpose(x, weight, bias, stride=k), [B, C_out, *(grid * k)], contiguous.
   m.def("patch_unembed(Tensor x, Tensor weight, Tensor? bias, bool tokens, int[] levels) -> Tensor");
   // (grad_weight [E, C, *k], grad_bias [E] or [0]) of patch_embed from grad_y (its output format)
-  // and x; also patch_unembed's grad_weight, with (x, grad_y) in these roles swapped.
+  // and x. `transposed`: patch_unembed's, with (x, grad_y) in these roles swapped, grad_bias then
+  // [C] (x summed per channel).
   m.def(
       "patch_weight_grad(Tensor grad_y, Tensor x, int[] kernel_size, bool tokens, int[] levels, "
-      "bool with_bias) -> (Tensor, Tensor)");
+      "bool with_bias, bool transposed=False) -> (Tensor, Tensor)");
 
   // Instance norm (statistics per sample and channel over the spatial dims or tokens), then the
   // affine weight/bias and GELU when `gelu`: x is channels-first [B, C, *spatial] or (tokens)

@@ -74,10 +74,10 @@ def _(x, weight, bias, tokens, levels):
 
 
 @torch.library.register_fake("patchgemm::patch_weight_grad")
-def _(grad_y, x, kernel_size, tokens, levels, with_bias):
+def _(grad_y, x, kernel_size, tokens, levels, with_bias, transposed=False):
     embed = grad_y.shape[-1] if tokens else grad_y.shape[1]
     return (x.new_empty((embed, x.shape[1], *kernel_size)),
-            x.new_empty((embed,) if with_bias else (0,)))
+            x.new_empty(((x.shape[1] if transposed else embed),) if with_bias else (0,)))
 
 
 # ---- instance norm + activation: fake kernels -----------------------------------------------------

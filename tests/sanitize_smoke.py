@@ -49,7 +49,8 @@ def main():
                     u = patchgemm.patch_unembed(y.detach(), w.detach(), bias_out, in_format=out_format, grid=grid)
                     assert torch.isfinite(u).all()
     # the fused tiny-patch kernels (K <= 64; 16-bit and fp32): full and partial token tiles, any strides;
-    # the 16-bit weight gradient (kw = 2) of the embedding and of the unembedding, and the unembedding
+    # the 16-bit weight gradient (kw = 2) of the embedding and of the unembedding (with its bias
+    # gradient), and the unembedding
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for shape, kernel, embed in [((2, 4, 16, 16, 16), (2, 2, 2), 32), ((3, 1, 6, 10, 16), (2, 2, 2), 48),
                                      ((2, 2, 512), (8,), 16)]:
@@ -62,9 +63,9 @@ def main():
                 b = torch.randn(embed, dtype=dtype, device="cuda", requires_grad=True)
                 y = patchgemm.patch_embed(x, w, b)
                 grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
-                bias_out = torch.randn(shape[1], dtype=dtype, device="cuda")
+                bias_out = torch.randn(shape[1], dtype=dtype, device="cuda", requires_grad=True)
                 u = patchgemm.patch_unembed(y.detach().requires_grad_(), w, bias_out)
-                grads_u = torch.autograd.grad(u, [w], torch.randn_like(u))
+                grads_u = torch.autograd.grad(u, [w, bias_out], torch.randn_like(u))
                 assert all(torch.isfinite(t).all() for t in (y, *grads, u, *grads_u))
                 if dtype != torch.float32:  # the fused weight gradient and unembedding with tokens
                     y = patchgemm.patch_embed(x, w, b, out_format="tokens")

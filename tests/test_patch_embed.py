@@ -179,6 +179,9 @@ def test_opcheck(device):
         torch.library.opcheck(ops.patch_weight_grad, (y, x, [2, 3], tokens, [], True))
     xt = randn(2, 4, 2, 2, device=device, requires_grad=True)
     torch.library.opcheck(ops.patch_unembed, (xt, w, b[:3], False, []))
+    # patch_unembed's weight and bias gradients (transposed: the roles of x and grad_y swapped).
+    dy = randn(2, 3, 4, 6, device=device)
+    torch.library.opcheck(ops.patch_weight_grad, (xt.detach(), dy, [2, 3], False, [], True, True))
     torch.library.opcheck(ops.patch_unembed, (conv_tokens(xt).detach().requires_grad_(), w, b[:3], True, [2, 2]))
     torch.library.opcheck(ops.patch_embed, (randn(2, 3, 8, 12, device=device), w, b, True, [2, 2, 2, 2]))
 
@@ -856,28 +859,47 @@ def test_gpu_tiny_weight_grad_kernel(dtype, shape, kernel, embed, memory, out_fo
         assert_close_to_ref(g, r, dtype, name)
 
 
+# ConvTranspose's weight gradient is the tiny kernel's with x and grad_y swapped, its bias gradient
+# (grad_y summed per channel) an n-tile of ones in the same pass: (x shape [B, C_in, *grid], kernel,
+# C_out) covering K = 32 (U2-like) and 64 (four m-tiles of sums), C_out = 3 (a padded row of bias
+# partial sums), N = 120, 2-D and 1-D.
+TINY_DW_UNEMBED = [((2, 96, 4, 8, 16), (2, 2, 2), 4),  # U2-like: K = 32
+                   ((2, 64, 2, 4, 8), (2, 2, 2), 8),   # K = 64
+                   ((2, 40, 3, 5, 8), (2, 2, 2), 3),   # K = 24, N = 120
+                   ((2, 32, 8, 16), (2, 2), 5),        # 2-D, K = 20
+                   ((2, 48, 64), (2,), 16)]            # 1-D, K = 32
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,out_channels", TINY_DW_UNEMBED)
 @pytest.mark.parametrize("in_format", ["channels_first", "tokens"])
-def test_gpu_tiny_weight_grad_of_unembed(dtype, in_format):
-    """U2-like: ConvTranspose3d(C_in, 4, 2)'s weight gradient is the tiny kernel with x and grad_y
-    swapped (K = 4 * 2^3 = 32 patch elements of grad_y, E = C_in)."""
-    x = randn(2, 96, 4, 8, 16, dtype=dtype, device="cuda")
-    w = randn(96, 4, 2, 2, 2, dtype=dtype, device="cuda") / math.sqrt(96)
-    b = randn(4, dtype=dtype, device="cuda")
+@pytest.mark.parametrize("grads", ["weight_bias", "weight", "bias"])
+def test_gpu_tiny_weight_grad_of_unembed(dtype, shape, kernel, out_channels, in_format, grads):
+    c_in, grid = shape[1], list(shape[2:])
+    x = randn(*shape, dtype=dtype, device="cuda")
+    w = randn(c_in, out_channels, *kernel, dtype=dtype, device="cuda") / math.sqrt(c_in)
+    b = randn(out_channels, dtype=dtype, device="cuda")
     tokens = in_format == "tokens"
     xs = conv_tokens(x).contiguous() if tokens else x
-    w.requires_grad_(), b.requires_grad_()
-    y = patchgemm.patch_unembed(xs, w, b, in_format=in_format, grid=[4, 8, 16] if tokens else None)
+    params = ([w.requires_grad_()] if "weight" in grads else []) + ([b.requires_grad_()] if "bias" in grads else [])
+    y = patchgemm.patch_unembed(xs, w, b, in_format=in_format, grid=grid if tokens else None)
     dy = randn(*y.shape, dtype=dtype, device="cuda")
+    poison_allocator(4 * w.numel() * 64, "cuda")
     out = {}
-    ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, [w, b], dy)))
-    assert "tiny_weight_grad_kernel" in ran, ran
+    ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, params, dy)))
+    fused = "weight" in grads and tiny_weight_grad_applies(dy, kernel, c_in, tokens)
+    assert ("tiny_weight_grad_kernel" in ran) == fused, ran
+    if shape[2:] == (4, 8, 16) and "weight" in grads:
+        assert fused  # the U2-like case must not silently fall back
+    if fused and "bias" in grads:
+        assert "reduce_kernel" not in ran, ran  # the bias gradient came out of the same pass
     w64, b64 = w.detach().double().requires_grad_(), b.detach().double().requires_grad_()
-    ref = F.conv_transpose3d(x.double(), w64, b64, stride=2)
-    want = torch.autograd.grad(ref, [w64, b64], dy.double())
-    for g, r, name in zip(out["g"], want, ["grad_weight", "grad_bias"]):
-        assert_close_to_ref(g, r, dtype, name)
+    ref = CONV_T[len(kernel)](x.double(), w64, b64, stride=kernel)
+    want = torch.autograd.grad(ref, ([w64] if "weight" in grads else []) + ([b64] if "bias" in grads else []),
+                               dy.double())
+    for g, r in zip(out["g"], want):
+        assert_close_to_ref(g, r, dtype, f"grad of {list(r.shape)}")
 
 
 def tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens):

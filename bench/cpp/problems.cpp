@@ -293,10 +293,10 @@ std::vector<Problem> patch_problems(const PatchSpec& s, at::ScalarType dtype, at
     const auto op = c10::Dispatcher::singleton()
                         .findSchemaOrThrow("patchgemm::patch_weight_grad", "")
                         .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, c10::IntArrayRef,
-                                                                  bool, c10::IntArrayRef, bool)>();
+                                                                  bool, c10::IntArrayRef, bool, bool)>();
     const std::vector<int64_t> zeros(s.kernel.size(), 0), ones(s.kernel.size(), 1);
     return {
-        [=](int64_t i) { const Layer& l = pick(sets, i); op.call(l.x, l.w, s.kernel, false, {}, true); },
+        [=](int64_t i) { const Layer& l = pick(sets, i); op.call(l.x, l.w, s.kernel, false, {}, true, false); },
         [=](int64_t i) {  // l.x = grad_y, l.w = x, l.b = the weight (for its shape)
           const Layer& l = pick(sets, i);
           at::convolution_backward(l.x, l.w, l.b, std::vector<int64_t>{s.embed}, s.kernel, zeros, ones, false,

@@ -5,7 +5,9 @@
 // HBM twice for nothing; here one kernel reads x once and writes y once.
 //
 // Every block walks its share of the 64-token slices (SliceWalk, implicit_patch.cuh), copied by a
-// 4-stage cp.async pipeline; W^T [K][C_in] stays in shared memory. A slice is one product
+// 2-stage cp.async pipeline; W^T [K][C_in] stays in shared memory. Two blocks share an SM, so their
+// barriers and store phases interleave (U2, H200: 312 us with one block of 4 stages per SM, 249 with
+// two of 2 stages). A slice is one product
 // Q [64 tokens, K] = X [64, C_in] @ W: 8 warps of mma.sync, warp w the 16 tokens of m-tile w % 4 and
 // half the patch's n-tiles, the whole C_in reduction. x channels-first [c][token] is read by
 // ldmatrix.trans, tokens [token][c] by ldmatrix. An accumulator pair (patch columns 2q, 2q + 1) is
@@ -40,7 +42,7 @@ namespace {
 
 constexpr int kThreads = 256;  // 8 warps: 4 m-tiles of tokens x 2 halves of the patch columns
 constexpr int kSlice = 64;             // tokens per pipeline stage: 4 m-tiles
-constexpr int kStages = 4;
+constexpr int kStages = 2;
 constexpr int kMaxK = 64, kMaxC = 256;  // patch columns (8 n-tiles), input channels
 constexpr int kRowPitch = kSlice + 8;   // elements of a channels-first x row (144 bytes)
 
@@ -50,22 +52,23 @@ struct Output {
   int64_t plane, row, volume;  // H * W, W, D * H * W
 };
 
-// Shared memory: W^T [Kp][Cp + 8], then kStages slots of x (Cp = C_in rounded up to 16, Kp = 8
-// n-tiles per warp pair).
+// Shared memory: W^T [Kp][Cp + 8], then kStages slots of x (Cp = C_in rounded up to 16, Kp = 16
+// columns per n-tile of a warp: 32 or 64).
 struct Layout {
-  int cp, w_pitch, x_pitch, w_bytes, slot_bytes;
-  Layout(int C_in, bool tokens) {
+  int cp, kp, w_pitch, x_pitch, w_bytes, slot_bytes;
+  Layout(int C_in, bool tokens, int tiles_n) {
     cp = (C_in + 15) / 16 * 16;
+    kp = 16 * tiles_n;
     w_pitch = cp + 8;  // an odd count of 16 bytes: conflict-free ldmatrix
     x_pitch = tokens ? cp + 8 : kRowPitch;
-    w_bytes = kMaxK * w_pitch * 2;
+    w_bytes = kp * w_pitch * 2;
     slot_bytes = (tokens ? kSlice : cp) * x_pitch * 2;
   }
 };
 
 // kTilesN: n-tiles (8 patch columns) per warp, 2 (K <= 32) or 4 (K <= 64).
 template <typename T, bool kTokensX, int kTilesN>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, 2)
     tiny_unembed_kernel(Output o, Layout s, FastDiv per_sample, FastDiv gw, FastDiv gh, int slices,
                         const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
                         T* __restrict__ y) {
@@ -75,7 +78,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   // W^T, zero past K and C_in; x's slots zero where no copy ever lands (channels past C_in).
   T* wt = reinterpret_cast<T*>(smem);
-  for (int i = threadIdx.x; i < kMaxK * s.cp; i += kThreads) {
+  for (int i = threadIdx.x; i < s.kp * s.cp; i += kThreads) {
     const int k = i / s.cp, c = i % s.cp;
     wt[k * s.w_pitch + c] = k < o.K && c < o.C_in ? w[int64_t{c} * o.K + k] : zero<T>();
   }
@@ -185,12 +188,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <typename T, bool kTokensX>
-void launch(int tiles_n, const Output& o, const Layout& s, int slices, int64_t blocks, const at::Tensor& x,
-            const at::Tensor& w, const at::Tensor* bias, const at::Tensor& y, const PatchGeometry& g) {
+void launch(int tiles_n, const Output& o, const Layout& s, int slices, const at::Tensor& x, const at::Tensor& w,
+            const at::Tensor* bias, const at::Tensor& y, const PatchGeometry& g) {
   // (Two tile shapes: K <= 32 and K <= 64.)
   auto kernel = tiles_n == 2 ? tiny_unembed_kernel<T, kTokensX, 2> : tiny_unembed_kernel<T, kTokensX, 4>;
   const int smem = s.w_bytes + kStages * s.slot_bytes;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  // Two blocks per SM (where they fit): U2 was 249 us with two, 254 with three (the most that fit).
+  const int64_t blocks = std::min<int64_t>(
+      slices, int64_t{std::clamp(per_sm, 1, 2)} * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       o, s, FastDiv(static_cast<uint32_t>((g.tokens() + kSlice - 1) / kSlice)), FastDiv(static_cast<uint32_t>(g.grid[2])),
       FastDiv(static_cast<uint32_t>(g.grid[1])), slices, static_cast<const T*>(x.const_data_ptr()),
@@ -228,16 +236,15 @@ bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const 
   o.row = g.size[2];
   o.plane = g.size[1] * g.size[2];
   o.volume = g.size[0] * o.plane;
-  const Layout s(o.C_in, tokens);
-  const int64_t blocks = std::min<int64_t>(slices, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   const int tiles_n = K <= 32 ? 2 : 4;
+  const Layout s(o.C_in, tokens, tiles_n);
   const at::Tensor* bp = bias ? &b : nullptr;
   if (dtype == at::kHalf) {
-    tokens ? launch<__half, true>(tiles_n, o, s, static_cast<int>(slices), blocks, xc, w, bp, y5, g)
-           : launch<__half, false>(tiles_n, o, s, static_cast<int>(slices), blocks, xc, w, bp, y5, g);
+    tokens ? launch<__half, true>(tiles_n, o, s, static_cast<int>(slices), xc, w, bp, y5, g)
+           : launch<__half, false>(tiles_n, o, s, static_cast<int>(slices), xc, w, bp, y5, g);
   } else {
-    tokens ? launch<__nv_bfloat16, true>(tiles_n, o, s, static_cast<int>(slices), blocks, xc, w, bp, y5, g)
-           : launch<__nv_bfloat16, false>(tiles_n, o, s, static_cast<int>(slices), blocks, xc, w, bp, y5, g);
+    tokens ? launch<__nv_bfloat16, true>(tiles_n, o, s, static_cast<int>(slices), xc, w, bp, y5, g)
+           : launch<__nv_bfloat16, false>(tiles_n, o, s, static_cast<int>(slices), xc, w, bp, y5, g);
   }
   return true;
 }

@@ -1,7 +1,8 @@
 // Fused weight gradient for patches of at most 64 elements, 16-bit, kw = 2 (the backward of P3's
 // Conv3d(4, E, 2) and of U2's ConvTranspose3d(192, 4, 2), whose weight gradient is this one with
 // the roles of x and grad_y swapped):
-//   dW [E, K] = grad_y^T [E, B*N] @ P [B*N, K],  dbias [E] = grad_y^T @ 1.
+//   dW [E, K] = grad_y^T [E, B*N] @ P [B*N, K],  dbias [E] = grad_y^T @ 1
+// (or, for the transpose, its bias gradient: P^T @ 1 summed per channel of x).
 // The output is a few thousand numbers and the reduction runs over millions of tokens, so the GEMM
 // is pure data movement: grad_y alone is E / K times larger than x. One pass reads grad_y and x once
 // each (gather -> cuBLAS writes and re-reads a patch matrix, re-reads grad_y for the bias, and
@@ -13,9 +14,12 @@
 // four schedulers) against every m-tile of K. Operand A = P^T, pair-major as in
 // implicit_patch_weight_grad.cu: with kw = 2 a patch row (c, i, j) of a token is one 32-bit word of
 // x, and 4 consecutive tokens' words are 16 contiguous bytes. Operand B = grad_y, [e][token] in
-// shared memory (channels-first, ldmatrix) or [token][e] (tokens, ldmatrix.trans). The bias
-// gradient is one more m-tile whose A is all ones (every row of the product is then grad_y's column
-// sum). Each block writes fp32 partial sums; one sum over the blocks finishes (deterministic).
+// shared memory (channels-first, ldmatrix) or [token][e] (tokens, ldmatrix.trans). The embedding's
+// bias gradient is one more m-tile whose A is all ones (every row of the product is then grad_y's
+// column sum); the unembedding's (U2: 39 us of a separate pass over its 134 MB grad_y, H200) one
+// more n-tile whose B is all ones, taken by warps 0 .. kTilesM - 1 (rows of P^T's sums, added per
+// channel at the end). Each block writes fp32 partial sums; sum_token_ranges.cu adds them over the
+// blocks in a fixed order (deterministic).
 #include <ATen/ATen.h>
 
 #include "patchify.h"
@@ -24,7 +28,7 @@
 namespace patchgemm::cuda {
 // NVIDIA PTX (mma.sync, ldmatrix, cp.async): ROCm builds take the gather -> GEMM path.
 std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Tensor&, bool, const at::Tensor&,
-                                                                   const PatchGeometry&, int64_t, bool) {
+                                                                   const PatchGeometry&, int64_t, BiasGrad) {
   return std::nullopt;
 }
 }  // namespace patchgemm::cuda
@@ -61,10 +65,11 @@ struct Tile {
   static constexpr int kBytes = kBytesA + (kTokensDy ? kSlice : kRowsE) * kDyPitch * 2;
 };
 
-template <typename T, bool kTokensDy, int kTilesM, int kTilesN>
+template <typename T, bool kTokensDy, int kTilesM, int kTilesN, BiasGrad kBias>
 __global__ void __launch_bounds__(kThreads, 1)
     tiny_weight_grad_kernel(Problem p, FastDiv per_sample, FastDiv gw, FastDiv gh, int slices, const T* __restrict__ x,
-                            const T* __restrict__ dy, float* __restrict__ partial) {
+                            const T* __restrict__ dy, float* __restrict__ dw_partial, int db_pitch,
+                            float* __restrict__ db_partial) {
 #if __CUDA_ARCH__ >= 800
   using S = Tile<kTokensDy, kTilesM, kTilesN>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -156,23 +161,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
-  // The bias gradient: an m-tile of ones (every row of its product is grad_y's column sum).
+  // The bias gradients: an m-tile (embedding) or n-tile (unembedding) of ones.
   const uint32_t one = pack2<T>(1.f, 1.f);
-  const uint32_t ones[4] = {one, one, one, one};
-  float acc[kTilesM][kTilesN][4] = {}, acc_bias[kTilesN][4] = {};
+  const uint32_t ones[4] = {one, one, one, one}, ones_b[2] = {one, one};
+  float acc[kTilesM][kTilesN][4] = {}, acc_bias[kTilesN][4] = {}, acc_sums[4] = {};
   pipelined_main_loop<kStages, kSlice>(k_tiles, load_slice, load_fragments, [&](int buf) {
 #pragma unroll
     for (int j = 0; j < kTilesN; ++j) {
 #pragma unroll
       for (int mi = 0; mi < kTilesM; ++mi) mma_16816<T>(acc[mi][j], af[buf][mi], bf[buf][j]);
-      mma_16816<T>(acc_bias[j], ones, bf[buf][j]);
+      if constexpr (kBias == BiasGrad::kEmbed) mma_16816<T>(acc_bias[j], ones, bf[buf][j]);
+    }
+    if constexpr (kBias == BiasGrad::kUnembed) {
+#pragma unroll
+      for (int mi = 0; mi < kTilesM; ++mi) {
+        if (mi == warp) mma_16816<T>(acc_sums, af[buf][mi], ones_b);
+      }
     }
   });
 
   // acc[mi][j]: patch columns 2 pair (c0, c1) and 2 pair + 1 (c2, c3), pair = mi*8 + g, embeddings
-  // 2q (c0, c2) and 2q + 1 (c1, c3) of n-tile j. partial[block][e][0..K) holds dW, [e][K] dbias.
-  const int ld = p.K + 2;
-  float* out = partial + int64_t{blockIdx.x} * p.E * ld;
+  // 2q (c0, c2) and 2q + 1 (c1, c3) of n-tile j. dw_partial[block] is dW [E][K].
+  float* out = dw_partial + int64_t{blockIdx.x} * p.E * p.K;
+  float* bias_out = db_partial + int64_t{blockIdx.x} * db_pitch;
 #pragma unroll
   for (int j = 0; j < kTilesN; ++j) {
     const int e = (warp + j * kWarps) * 8 + 2 * q;
@@ -181,12 +192,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int mi = 0; mi < kTilesM; ++mi) {
       const int column = 2 * (mi * 8 + g);
       if (column >= p.K) continue;
-      *reinterpret_cast<float2*>(out + int64_t{e} * ld + column) = {acc[mi][j][0], acc[mi][j][2]};
-      *reinterpret_cast<float2*>(out + int64_t{e + 1} * ld + column) = {acc[mi][j][1], acc[mi][j][3]};
+      *reinterpret_cast<float2*>(out + int64_t{e} * p.K + column) = {acc[mi][j][0], acc[mi][j][2]};
+      *reinterpret_cast<float2*>(out + int64_t{e + 1} * p.K + column) = {acc[mi][j][1], acc[mi][j][3]};
     }
-    if (g == 0) {
-      out[int64_t{e} * ld + p.K] = acc_bias[j][0];
-      out[int64_t{e + 1} * ld + p.K] = acc_bias[j][1];
+    if (kBias == BiasGrad::kEmbed && g == 0) *reinterpret_cast<float2*>(bias_out + e) = {acc_bias[j][0], acc_bias[j][1]};
+  }
+  if constexpr (kBias == BiasGrad::kUnembed) {
+    // acc_sums of warp mi: P^T's row sums, patch columns 2 (mi*8 + g) (c0) and + 1 (c2), through
+    // shared memory (the pipeline is done with it) to one thread per channel of x.
+    float* column_sums = reinterpret_cast<float*>(smem);
+    __syncthreads();
+    if (warp < kTilesM && q == 0 && 2 * (warp * 8 + g) < p.K) {
+      *reinterpret_cast<float2*>(column_sums + 2 * (warp * 8 + g)) = {acc_sums[0], acc_sums[2]};
+    }
+    __syncthreads();
+    const int volume = p.kd * p.kh * p.kw;
+    if (threadIdx.x < p.K / volume) {
+      float sum = 0.f;
+      for (int k = threadIdx.x * volume; k < (threadIdx.x + 1) * volume; ++k) sum += column_sums[k];
+      bias_out[threadIdx.x] = sum;
     }
   }
 #endif
@@ -199,34 +223,48 @@ struct Launch {
   int64_t blocks;
   const void* x;
   const void* dy;
-  float* partial;
+  float* dw_partial;
+  int db_pitch;
+  float* db_partial;
 };
 
-template <typename T, bool kTokensDy, int kTilesM, int kTilesN>
+template <typename T, bool kTokensDy, int kTilesM, int kTilesN, BiasGrad kBias>
 void launch(const Launch& a) {
-  auto kernel = tiny_weight_grad_kernel<T, kTokensDy, kTilesM, kTilesN>;
+  auto kernel = tiny_weight_grad_kernel<T, kTokensDy, kTilesM, kTilesN, kBias>;
   constexpr int smem = kStages * Tile<kTokensDy, kTilesM, kTilesN>::kBytes;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<static_cast<unsigned>(a.blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      a.p, a.per_sample, a.gw, a.gh, a.slices, static_cast<const T*>(a.x), static_cast<const T*>(a.dy), a.partial);
+      a.p, a.per_sample, a.gw, a.gh, a.slices, static_cast<const T*>(a.x), static_cast<const T*>(a.dy), a.dw_partial,
+      a.db_pitch, a.db_partial);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The tile shapes built: 2 or 4 m-tiles (K <= 32, 64), 2 to 4 n-tiles per warp (E <= 128, 192, 256).
-template <typename T, bool kTokensDy>
+template <typename T, bool kTokensDy, BiasGrad kBias>
 void launch_for_tile(int tiles_m, int tiles_n, const Launch& a) {
   if (tiles_m == 2) {
-    tiles_n == 2 ? launch<T, kTokensDy, 2, 2>(a) : tiles_n == 3 ? launch<T, kTokensDy, 2, 3>(a) : launch<T, kTokensDy, 2, 4>(a);
+    tiles_n == 2   ? launch<T, kTokensDy, 2, 2, kBias>(a)
+    : tiles_n == 3 ? launch<T, kTokensDy, 2, 3, kBias>(a)
+                   : launch<T, kTokensDy, 2, 4, kBias>(a);
   } else {
-    tiles_n == 2 ? launch<T, kTokensDy, 4, 2>(a) : tiles_n == 3 ? launch<T, kTokensDy, 4, 3>(a) : launch<T, kTokensDy, 4, 4>(a);
+    tiles_n == 2   ? launch<T, kTokensDy, 4, 2, kBias>(a)
+    : tiles_n == 3 ? launch<T, kTokensDy, 4, 3, kBias>(a)
+                   : launch<T, kTokensDy, 4, 4, kBias>(a);
   }
+}
+
+template <typename T, bool kTokensDy>
+void launch_for_bias(BiasGrad bias, int tiles_m, int tiles_n, const Launch& a) {
+  bias == BiasGrad::kNone    ? launch_for_tile<T, kTokensDy, BiasGrad::kNone>(tiles_m, tiles_n, a)
+  : bias == BiasGrad::kEmbed ? launch_for_tile<T, kTokensDy, BiasGrad::kEmbed>(tiles_m, tiles_n, a)
+                             : launch_for_tile<T, kTokensDy, BiasGrad::kUnembed>(tiles_m, tiles_n, a);
 }
 
 }  // namespace
 
 std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Tensor& grad_y, bool tokens,
                                                                    const at::Tensor& x5, const PatchGeometry& g,
-                                                                   int64_t E, bool with_bias) {
+                                                                   int64_t E, BiasGrad bias) {
   const int64_t K = g.patch_size(), N = g.tokens();
   const auto dtype = x5.scalar_type();
   Problem p;
@@ -238,28 +276,35 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Ten
     return std::nullopt;
   }
   const c10::cuda::CUDAGuard guard(x5.device());
+  const int64_t bias_size = bias == BiasGrad::kEmbed ? E : bias == BiasGrad::kUnembed ? g.channels : 0;
   if (g.batch * N == 0 || E == 0) {
-    return std::make_tuple(at::zeros({E, K}, x5.options()), with_bias ? at::zeros({E}, x5.options()) : at::Tensor());
+    return std::make_tuple(at::zeros({E, K}, x5.options()),
+                           bias == BiasGrad::kNone ? at::Tensor() : at::zeros({bias_size}, x5.options()));
   }
   const at::Tensor dy = contiguous_aligned(grad_y);
   const int64_t slices = g.batch * ((N + kSlice - 1) / kSlice);
   if (slices >= INT_MAX) return std::nullopt;
   const int64_t blocks = std::min<int64_t>(slices, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  at::Tensor partial = at::empty({blocks, E, K + 2}, x5.options().dtype(at::kFloat));
+  // fp32 partial sums per block, rows of whole float4s for sum_token_ranges (E * K % 4 == 0: both even).
+  const int64_t db_pitch = (bias_size + 3) / 4 * 4;
+  const auto f32 = x5.options().dtype(at::kFloat);
+  const at::Tensor dw_partial = at::empty({blocks, E * K}, f32), db_partial = at::empty({blocks, db_pitch}, f32);
   const int tiles_m = K <= 32 ? 2 : 4, tiles_n = E <= 128 ? 2 : E <= 192 ? 3 : 4;
   const Launch a{p, FastDiv(static_cast<uint32_t>((N + kSlice - 1) / kSlice)), FastDiv(static_cast<uint32_t>(g.grid[2])),
                  FastDiv(static_cast<uint32_t>(g.grid[1])), static_cast<int>(slices), blocks, x5.const_data_ptr(),
-                 dy.const_data_ptr(), partial.data_ptr<float>()};
+                 dy.const_data_ptr(), dw_partial.data_ptr<float>(), static_cast<int>(db_pitch),
+                 db_partial.data_ptr<float>()};
   if (dtype == at::kHalf) {
-    tokens ? launch_for_tile<__half, true>(tiles_m, tiles_n, a) : launch_for_tile<__half, false>(tiles_m, tiles_n, a);
+    tokens ? launch_for_bias<__half, true>(bias, tiles_m, tiles_n, a)
+           : launch_for_bias<__half, false>(bias, tiles_m, tiles_n, a);
   } else {
-    tokens ? launch_for_tile<__nv_bfloat16, true>(tiles_m, tiles_n, a)
-           : launch_for_tile<__nv_bfloat16, false>(tiles_m, tiles_n, a);
+    tokens ? launch_for_bias<__nv_bfloat16, true>(bias, tiles_m, tiles_n, a)
+           : launch_for_bias<__nv_bfloat16, false>(bias, tiles_m, tiles_n, a);
   }
-  const at::Tensor sum = partial.sum(0);
-  at::Tensor grad_w = sum.narrow(1, 0, K).to(dtype);
-  at::Tensor grad_b = with_bias ? sum.select(1, K).to(dtype) : at::Tensor();
-  return std::make_tuple(grad_w, grad_b);
+  const at::Tensor grad_w = at::empty({E, K}, x5.options());
+  const at::Tensor grad_b = bias == BiasGrad::kNone ? at::Tensor() : at::empty({db_pitch}, x5.options());
+  sum_token_ranges(dw_partial, db_partial, grad_w, grad_b);
+  return std::make_tuple(grad_w, grad_b.defined() ? grad_b.narrow(0, 0, bias_size) : grad_b);
 }
 
 }  // namespace cuda
