@@ -820,13 +820,14 @@ def tiny_weight_grad_applies(x, kernel, embed, tokens):
 # 16-bit patches of at most 64 elements with kw = 2 take the fused weight gradient of
 # csrc/cuda/tiny_patch_weight_grad.cu (with the bias gradient as one more tile): (x shape, kernel, E)
 # covering K = 32 and 64 (one and four 16-row tiles), K = 12 (a partial tile), E = 256 (four 8-wide
-# tiles per warp), E = 200 and 36 (n-tiles past E; 36: channels-first only), N = 120 (a partial
+# tiles per warp), E = 200, 36 and 6 (n-tiles past E; 36, 6: channels-first only), N = 120 (a partial
 # last slice per sample), N = 24 (less than one slice), 1-D/2-D/3-D, and one that does not apply
 # (kw = 4: gather + GEMM).
 TINY_DW = [((2, 4, 16, 16, 16), (2, 2, 2), 192),  # P3-like: K = 32
            ((3, 1, 6, 10, 16), (2, 2, 2), 48),    # K = 8, N = 120
            ((2, 8, 8, 8, 16), (2, 2, 2), 200),    # K = 64, E = 200
            ((2, 4, 4, 6, 8), (2, 2, 2), 36),      # N = 24, E = 36
+           ((2, 2, 4, 8, 8), (2, 2, 2), 6),       # E = 6: a padded row of bias partial sums
            ((2, 3, 32, 64), (2, 2), 64),          # 2-D, K = 12
            ((2, 16, 1024), (2,), 256),            # 1-D, K = 32, E = 256
            ((2, 4, 8, 16), (4, 4), 64)]           # kw = 4: not this kernel

@@ -285,10 +285,12 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Ten
   const int64_t slices = g.batch * ((N + kSlice - 1) / kSlice);
   if (slices >= INT_MAX) return std::nullopt;
   const int64_t blocks = std::min<int64_t>(slices, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  // fp32 partial sums per block, rows of whole float4s for sum_token_ranges (E * K % 4 == 0: both even).
+  // fp32 partial sums per block, rows of whole float4s for sum_token_ranges (E * K % 4 == 0: both even;
+  // the bias rows' padding is zero, summed and dropped).
   const int64_t db_pitch = (bias_size + 3) / 4 * 4;
   const auto f32 = x5.options().dtype(at::kFloat);
-  const at::Tensor dw_partial = at::empty({blocks, E * K}, f32), db_partial = at::empty({blocks, db_pitch}, f32);
+  const at::Tensor dw_partial = at::empty({blocks, E * K}, f32);
+  const at::Tensor db_partial = db_pitch > bias_size ? at::zeros({blocks, db_pitch}, f32) : at::empty({blocks, db_pitch}, f32);
   const int tiles_m = K <= 32 ? 2 : 4, tiles_n = E <= 128 ? 2 : E <= 192 ? 3 : 4;
   const Launch a{p, FastDiv(static_cast<uint32_t>((N + kSlice - 1) / kSlice)), FastDiv(static_cast<uint32_t>(g.grid[2])),
                  FastDiv(static_cast<uint32_t>(g.grid[1])), static_cast<int>(slices), blocks, x5.const_data_ptr(),
