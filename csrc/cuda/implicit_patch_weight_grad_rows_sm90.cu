@@ -13,7 +13,7 @@
 // sit in those boxes where no descriptor can describe them, so A goes through registers: one
 // ldmatrix.trans x4 per 16 tokens, each lane addressing one token's half patch row (8 columns).
 //
-// Warp-specialized as the forward: one producer thread fills a ring of slots; two consumer
+// Warp-specialized as the forward: one producer warp fills a ring of slots; two consumer
 // warpgroups (64 patch columns each) multiply with wgmma m64n256k16 (A from registers, B N-major)
 // and release each slot once their next slice's wgmmas are issued. Where the bias gradient is asked
 // for, two more warps of the producer's warpgroup sum grad_y rows from shared memory, the blocks of
@@ -90,7 +90,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < kThreads - kConsumers) {
     set_max_registers<40, false>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (threadIdx.x == 0) {
+    if (warp == 0) {
+      // The producer warp: lane i copies grad_y's box i and the slice's grid row i's box of x (one
+      // warp instruction for each kind, not one thread issuing them in turn: the forward's 1.14x).
       // The block's columns, from a grid row's origin: image rows j0 .. j0 + kh_box - 1 of channel
       // c, patch depth i.
       const int row_blocks = g.kh / g.kh_box, ci = tile_m / row_blocks;
@@ -98,22 +100,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int last_origin = GridRowCursor(g, g.grid_rows - 1).origin + row_offset;
       const int dy_boxes = min(kTileN, g.E - e0 + 63) / 64;  // boxes past E are not copied (never stored)
       // The slice's first grid row, and its first token's place u0 in it.
-      GridRowCursor first(g, t_begin / g.gw);
-      int u0 = t_begin - first.r * g.gw;
+      int first = t_begin / g.gw, u0 = t_begin - first * g.gw;
       for (int s = 0; s < slices; ++s) {
         const int boxes = (u0 + kSlice + g.gw - 1) / g.gw;
         released.wait_released(s);
-        const uint32_t slot_base = base + s % kStages * g.slot;
-        const uint32_t bar = landed.arm(s % kStages, dy_boxes * kDyBox + boxes * g.box_bytes);
-        for (int h = 0; h < dy_boxes; ++h) tma_load(slot_base + h * kDyBox, dy_map, bar, e0 + 64 * h, t_begin + s * kSlice);
+        const uint32_t slot_base = base + s % kStages * g.slot, bar = landed.base + 8 * (s % kStages);
+        if (lane == 0) landed.arm(s % kStages, dy_boxes * kDyBox + boxes * g.box_bytes);
+        __syncwarp();
+        if (lane < dy_boxes) tma_load(slot_base + lane * kDyBox, dy_map, bar, e0 + 64 * lane, t_begin + s * kSlice);
         // Grid rows past the last (the tokens past the end of the last slice) re-read it: finite
         // patches against grad_y's zeros there.
-        GridRowCursor row = first;
-        for (int i = 0; i < boxes; ++i, row.next(g)) {
-          tma_load(slot_base + kSlotDy + i * g.box_bytes, x_map, bar, 0, 0,
-                   row.r < g.grid_rows ? row.origin + row_offset : last_origin);
+        if (lane < boxes) {
+          const int r = first + lane;
+          tma_load(slot_base + kSlotDy + lane * g.box_bytes, x_map, bar, 0, 0,
+                   r < g.grid_rows ? GridRowCursor(g, r).origin + row_offset : last_origin);
         }
-        for (u0 += kSlice; u0 >= g.gw; u0 -= g.gw) first.next(g);
+        u0 += kSlice;
+        first += u0 / g.gw, u0 %= g.gw;
       }
     } else if (g.with_bias && (warp == 1 || warp == 2)) {
       // The blocks of all column tiles read the same grad_y slices: each sums its share of their
@@ -261,6 +264,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90
   g.tiles_m = p.K / kTileM, g.tiles_n = (p.E + kTileN - 1) / kTileN;
   g.box_bytes = g.pw * 256;  // kh_box x pw x kw 16-bit elements
   const int max_boxes = (g.gw - 1 + kSlice - 1) / g.gw + 1;  // grid rows 64 tokens touch
+  if (max_boxes > 32) return std::nullopt;  // a producer lane each (3 slots of them never fit anyway)
   g.slot = kSlotDy + max_boxes * g.box_bytes;
   g.with_bias = with_bias;
   const cudaDeviceProp* device = at::cuda::getCurrentDeviceProperties();
