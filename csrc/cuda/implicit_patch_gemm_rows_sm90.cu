@@ -19,9 +19,9 @@
 // Persistent and warp-specialized as the unembedding (implicit_patch_unembed_sm90.cu): a block per
 // SM walks tiles of R grid rows x 256 embeddings. One producer warp copies each slice (R boxes of
 // x, one 256 x 64 box of W [E, K]) into a kStages-deep ring; two consumer warpgroups (64 MMA rows
-// each) multiply with wgmma m64n256k16; each stages its 64 rows (bias added) in shared memory and
-// one of its threads stores them to y [B*N, E] by TMA, while the producer already copies the next
-// tile's slices.
+// each) multiply with wgmma m64n256k16; each stages its 64 rows (bias added) in shared memory, a
+// 64-embedding block at a time, and one of its threads stores them to y [B*N, E] by TMA, while the
+// producer already copies the next tile's slices.
 #include <ATen/ATen.h>
 
 #include "patchify.h"
@@ -51,13 +51,13 @@ constexpr int kTileN = 256;                 // embeddings per tile
 constexpr int kTileK = 64;                  // K per slice: kh_box image rows of kw
 constexpr int kMaxBoxes = 32;               // x copies per slice: grid rows per tile
 constexpr int kMaxBoxRows = 160;            // R x pw: at most 20 KB of x per slice
-// 3 slots of 48-52 KB and the 64 KB output stage fill shared memory. (Tiles 192 wide, with 4 slots:
-// ViT-B/16 1.2x slower; the x and W bytes a slice moves per FLOP bound this kernel, not latency.)
-constexpr int kStages = 3;
+// 4 slots of 48-52 KB and the output stage fill shared memory. (3 slots and a stage for the whole
+// tile: ViT-B/16 1.08x slower.)
+constexpr int kStages = 4;
 constexpr int kSlotW = kTileN * kTileK * 2;
-// The output stage: 64-embedding column blocks of 128 rows x 128 bytes (128B swizzle), one TMA
-// store each.
-constexpr int kStageBlock = kTileM * 128, kStageBytes = kTileN / 64 * kStageBlock;
+// The output stage: a block of 64 rows x 64 embeddings (128 bytes, 128B swizzle) per consumer
+// warpgroup, which stages and stores its rows' 4 blocks in turn.
+constexpr int kStageBlock = 64 * 128, kStageBytes = 2 * kStageBlock;
 
 struct Geometry {
   int C, D, H;             // x [B, C, D, H, W], contiguous
@@ -160,36 +160,39 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int t = 0; t < kTileK / 16; ++t) wgmma_rs<T, kTileN>(acc, af[t], smem_descriptor_128b(slot + 32 * t));
         });
 
-    // The stage is free once the previous tile's stores have read it.
     // Each warpgroup stages and stores its own 64 rows, with no barrier across the two: one's
-    // epilogue overlaps the other's MMAs (ViT-B/16 1.02x).
+    // epilogue overlaps the other's MMAs (ViT-B/16 1.02x). acc[4 j + 2 half + i]: MMA row wg*64 +
+    // wq*16 + gq + 8 half, embedding 8 j + 2 q + i.
     const bool storer = thread % 128 == 0;
-    if (storer) tma_store_wait_read();  // this warpgroup's previous stores have read its stage rows
-    named_barrier_sync(1 + wg, 128);
-    // acc[4 j + 2 half + i]: MMA row wg*64 + wq*16 + gq + 8 half, embedding 8 j + 2 q + i.
+    const uint32_t my_stage = stage + wg * kStageBlock;
 #pragma unroll
-    for (int j = 0; j < kTileN / 8; ++j) {
-      const int e = e0 + 8 * j + 2 * q;
-      float bias_lo = 0.f, bias_hi = 0.f;
-      if (bias && e < g.E) bias_lo = to_float(bias[e]), bias_hi = to_float(bias[e + 1]);  // E % 8 == 0
+    for (int b = 0; b < kTileN / 64; ++b) {
+      // The bias values first: each shared store's "memory" clobber would hold a later load.
+      float bias_lo[8], bias_hi[8];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int m = wg * 64 + wq * 16 + gq + 8 * half;
-        const uint32_t to = stage + j / 8 * kStageBlock + swizzle_128b(m, (j % 8) * 16 + 4 * q);
-        st_shared(to, pack2<T>(acc[4 * j + 2 * half] + bias_lo, acc[4 * j + 2 * half + 1] + bias_hi));
+      for (int jj = 0; jj < 8; ++jj) {
+        const int e = e0 + 64 * b + 8 * jj + 2 * q;
+        const bool real = bias && e < g.E;  // E % 8 == 0: e + 1 too
+        bias_lo[jj] = real ? to_float(bias[e]) : 0.f, bias_hi[jj] = real ? to_float(bias[e + 1]) : 0.f;
       }
-    }
-    fence_proxy_async();  // the stage's writes, visible to the TMA stores
-    named_barrier_sync(1 + wg, 128);
-    if (storer && wg * 64 < tokens_per_tile) {
-      const int token0 = row0 * g.gw + wg * 64;  // rows past the tensor are not written
+      if (storer) tma_store_wait_read();  // the stage is free once the previous block's store read it
+      named_barrier_sync(1 + wg, 128);
 #pragma unroll
-      for (int b = 0; b < kTileN / 64; ++b) {
-        if (e0 + 64 * b < g.E) {
-          tma_store(wg == 0 ? y_lo : y_hi, stage + b * kStageBlock + wg * kStageBlock / 2, e0 + 64 * b, token0);
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = 8 * b + jj;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t to = my_stage + swizzle_128b(wq * 16 + gq + 8 * half, jj * 16 + 4 * q);
+          st_shared(to, pack2<T>(acc[4 * j + 2 * half] + bias_lo[jj], acc[4 * j + 2 * half + 1] + bias_hi[jj]));
         }
       }
-      tma_store_commit();
+      fence_proxy_async();  // the stage's writes, visible to the TMA store
+      named_barrier_sync(1 + wg, 128);
+      // Rows past the tensor are not written.
+      if (storer && wg * 64 < tokens_per_tile && e0 + 64 * b < g.E) {
+        tma_store(wg == 0 ? y_lo : y_hi, my_stage, e0 + 64 * b, row0 * g.gw + wg * 64);
+        tma_store_commit();
+      }
     }
   }
   if (thread % 128 == 0) tma_store_wait();
