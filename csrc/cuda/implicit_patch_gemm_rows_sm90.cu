@@ -49,7 +49,7 @@ constexpr int kThreads = kConsumers + 128;  // and the producer's warpgroup (war
 constexpr int kTileM = 128;                 // MMA rows; the tile's R * gw tokens are the first
 constexpr int kTileN = 256;                 // embeddings per tile
 constexpr int kTileK = 64;                  // K per slice: kh_box image rows of kw
-constexpr int kMaxBoxes = 32;               // x copies per slice: grid rows per tile
+constexpr int kMaxBoxes = 32;               // x copies per slice (grid rows per tile): a producer lane each
 constexpr int kMaxBoxRows = 160;            // R x pw: at most 20 KB of x per slice
 // 4 slots of 48-52 KB and the output stage fill shared memory. (3 slots and a stage for the whole
 // tile: ViT-B/16 1.08x slower.)
