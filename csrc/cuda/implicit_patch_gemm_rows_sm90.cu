@@ -98,7 +98,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x >= 32) return;
     // The producer warp: lane s copies grid row s's box of each slice, lane 0 also W's, so one warp
     // instruction issues all R box copies. (One thread issuing them one by one, their origins in a
-    // local array, was what the pipeline waited on: ViT-B/16's forward 66 -> 58 us, H200.)
+    // local array, was what the pipeline waited on: ViT-B/16's forward 66 -> 58 us, H200.) A copy
+    // may complete before lane 0 arms the slot: its bytes only take the barrier's transaction count
+    // below zero for a moment, and the phase waits for lane 0's arrival as well.
     const int lane = threadIdx.x;
     int it = 0;  // slices copied, over all of this block's tiles
     for (int tile = blockIdx.x; tile < g.tiles; tile += gridDim.x) {

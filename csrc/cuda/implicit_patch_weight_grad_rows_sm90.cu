@@ -43,7 +43,7 @@ namespace cuda {
 namespace {
 
 constexpr int kConsumers = 256;             // two warpgroups of 64 patch columns
-constexpr int kThreads = kConsumers + 128;  // and the producer's warpgroup (thread 0 copies)
+constexpr int kThreads = kConsumers + 128;  // and the producer's warpgroup (warp 0 copies)
 constexpr int kTileM = 128;                 // patch columns per block
 constexpr int kTileN = 256;                 // embeddings per block
 constexpr int kSlice = 64;                  // tokens per slice
