@@ -631,6 +631,22 @@ def test_gpu_implicit_rows_patch_embed_kernel(fused_always, dtype, shape, kernel
     assert_close_to_ref(out["y"], ref, dtype, "channels_first")
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_implicit_rows_patch_embed_bias_view(fused_always, dtype):
+    # The patch-row kernel copies the bias 4 bytes at a time; a bias view that starts mid-pair
+    # takes another kernel, with the same result.
+    x, w, _ = make((3, 3, 64, 96), (16, 16), dtype, "cuda", embed=64)
+    for offset, rows_kernel in ((2, True), (1, False)):
+        b = randn(64 + offset, dtype=dtype, device="cuda")[offset:]
+        ref = conv_tokens(F.conv2d(x.double(), w.double(), b.double(), stride=(16, 16)))
+        poison_allocator(2 * ref.numel(), "cuda")
+        out = {}
+        ran = cuda_kernels_run(lambda: out.update(y=patchgemm.patch_embed(x, w, b, out_format="tokens")))
+        assert ("implicit_embed_kernel_sm90_rows" in ran) == (rows_kernel and wgmma_built()), ran
+        assert_close_to_ref(out["y"], ref, dtype, "tokens")
+
+
 # kw = 2 with channels-first output reads each K slice's patches as one TMA box on a 9.0 GPU
 # (implicit_patch_gemm_pairs_sm90.cu): (x shape, kernel, E) covering 32-, 16- and 8-patch grid rows
 # (128-, 64- and 32-byte box rows), 3-D and 2-D patches, kd * kh of 4 and 2 (8 and 16 channels a

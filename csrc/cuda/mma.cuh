@@ -119,6 +119,17 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// pack2's inverse: the two 16-bit values of v (lo in the low half) as floats.
+template <typename T>
+__device__ __forceinline__ void unpack2(uint32_t v, float& lo, float& hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xffff0000u);
+  } else {
+    lo = __half2float(__ushort_as_half(static_cast<unsigned short>(v & 0xffffu)));
+    hi = __half2float(__ushort_as_half(static_cast<unsigned short>(v >> 16)));
+  }
+}
+
 // (torch builds with __CUDA_NO_HALF_CONVERSIONS__: no implicit float <-> 16-bit conversions.)
 template <typename T>
 __device__ __forceinline__ T zero() {

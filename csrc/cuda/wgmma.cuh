@@ -176,6 +176,12 @@ __device__ __forceinline__ void st_shared(uint32_t address, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ uint32_t ld_shared(uint32_t address) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(address) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ uint2 ld_shared_v2(uint32_t address) {
   uint2 v;
   asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(address) : "memory");
