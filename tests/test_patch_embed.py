@@ -595,12 +595,14 @@ def test_gpu_implicit_patch_embed_kernel(fused_always, implicit_wgmma, dtype, sh
 
 # Tokens out from contiguous x with patch rows of 16 to 128 bytes (kw = 8, 16, 32, 64) run the
 # forward with the patches by TMA on a 9.0 GPU (implicit_patch_gemm_rows_sm90.cu): (x shape, kernel,
-# E) covering each kw, 1-D/2-D/3-D, tiles of whole grid rows that cross samples, grid rows that
-# limit a tile to 102-120 tokens, a last tile past the grid, partial embedding tiles (E = 96, 200,
-# 320), more tiles than SMs (several per block), and an odd slice count (K / 64 = 3).
-IMPLICIT_ROWS = [((4, 3, 224, 224), (16, 16), 200),  # ViT-B/16-like: 9 grid rows (126 tokens) a tile
+# E) covering each kw, 1-D/2-D/3-D, boxes of patches and of whole image rows (kw = 8 with odd gw,
+# kw = 16; up to 256 elements), one and two output stage blocks, tiles of whole grid rows that
+# cross samples, grid rows that limit a tile to 102-120 tokens, a last tile past the grid, partial
+# embedding tiles (E = 96, 200, 320), more tiles than SMs (several per block), and an odd slice
+# count (K / 64 = 3).
+IMPLICIT_ROWS = [((4, 3, 224, 224), (16, 16), 200),  # ViT-B/16-like: 9 grid rows (126 tokens) a tile, whole-row boxes
                  ((3, 3, 48, 80), (16, 16), 96),     # 5-patch rows: one 20-row tile
-                 ((2, 4, 32, 64), (8, 8), 64),       # kw = 8: boxes of whole image rows
+                 ((2, 4, 32, 64), (8, 8), 64),       # kw = 8, 8-patch rows: 128-byte box rows
                  ((2, 3, 16, 40), (8, 8), 64),       # kw = 8, 5-patch rows (640-byte boxes)
                  ((2, 3, 16, 320), (8, 8), 64),      # kw = 8, rows past 256 elements: patch boxes
                  ((2, 5, 64, 96), (4, 32), 320),     # kw = 32; K = 640
@@ -608,7 +610,7 @@ IMPLICIT_ROWS = [((4, 3, 224, 224), (16, 16), 200),  # ViT-B/16-like: 9 grid row
                  ((2, 3, 4, 32, 48), (2, 16, 16), 128),  # 3-D video patches: K = 1536
                  ((2, 3, 128), (64,), 48),           # 1-D: K = 192
                  ((2, 3, 32, 384), (16, 16), 256),   # 24-patch grid rows: 5 a tile
-                 ((2, 3, 16, 272), (8, 16), 64),     # 17-patch grid rows: 6 a tile (its boxes' 20 KB)
+                 ((2, 3, 16, 272), (8, 16), 64),     # 17-patch rows: 6 a tile (20 KB boxes: one stage block)
                  ((40, 3, 224, 224), (16, 16), 768)]  # 189 tiles: several per block
 
 

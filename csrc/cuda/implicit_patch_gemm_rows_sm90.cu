@@ -6,10 +6,12 @@
 // the patch grid is one box of x: kh_box = 64 / kw image rows of pw patch rows (gw rounded up to 8;
 // the rest reads zeros), landing as [kh_box][pw][kw] (tma.cuh: encode_patch_box_map, whose box rows
 // hold up to 128 bytes of neighbouring patches: ViT-B/16's forward 1.05x, kw = 8 1.5x faster than
-// one patch row per box row). Where kw = 8 and gw is odd (16-byte box rows), the box is instead
-// kh_box whole image rows (up to 256 elements), unswizzled, with pw = gw. (The cp.async forward
-// spends its time on the copies' address arithmetic, bench/RESULTS.md sessions 9-10: ViT-B/16 at
-// 305 TFLOP/s.)
+// one patch row per box row). Where kw = 16, or kw = 8 and gw is odd (16-byte box rows), and an
+// image row is at most 256 elements, the box is instead kh_box whole image rows, unswizzled, with pw
+// = gw (kw = 16: 4 rows of up to 512 bytes instead of 32 of 64; ViT-B/16 1.02x despite ldmatrix's
+// 2-way bank conflicts on 32-byte patch rows, and smaller slots leave room for a second output stage
+// block, below). (The cp.async forward spends its time on the copies' address arithmetic,
+// bench/RESULTS.md sessions 9-10: ViT-B/16 at 305 TFLOP/s.)
 //
 // A tile's tokens are R whole grid rows (R * gw <= 128: 126 of ViT-B/16's 14-patch rows), so each
 // MMA row reads a fixed place in one of the tile's R boxes. Those rows do not form the uniform 8-row
@@ -21,8 +23,10 @@
 // x, one 256 x 64 box of W [E, K]) into a kStages-deep ring; two consumer warpgroups (64 MMA rows
 // each) multiply with wgmma m64n256k16; each stages its 64 rows (bias added) in shared memory, a
 // 64-embedding block at a time, and one of its threads stores them to y [B*N, E] by TMA, while the
-// producer already copies the next tile's slices. The tile's bias values are copied to shared
-// memory when its MMAs start, so the epilogue does not wait on global loads.
+// producer already copies the next tile's slices. Where shared memory allows, each warpgroup has two
+// stage blocks, so staging a block waits only for the store of the one before the last (ViT-B/16
+// 1.03x). The tile's bias values are copied to shared memory when its MMAs start, so the epilogue
+// does not wait on global loads.
 #include <ATen/ATen.h>
 
 #include "patchify.h"
@@ -52,20 +56,20 @@ constexpr int kTileN = 256;                 // embeddings per tile
 constexpr int kTileK = 64;                  // K per slice: kh_box image rows of kw
 constexpr int kMaxBoxes = 32;               // x copies per slice (grid rows per tile): a producer lane each
 constexpr int kMaxBoxRows = 160;            // R x pw: at most 20 KB of x per slice
-// 4 slots of 48-52 KB and the output stage fill shared memory. (3 slots and a stage for the whole
-// tile: ViT-B/16 1.08x slower.)
+// 4 slots of 48-52 KB and the output stage fill shared memory (ViT-B/16's 48 KB slots leave room for
+// 2 stage blocks per warpgroup). (3 slots and a stage for the whole tile: ViT-B/16 1.08x slower.)
 constexpr int kStages = 4;
 constexpr int kSlotW = kTileN * kTileK * 2;
-// The output stage: a block of 64 rows x 64 embeddings (128 bytes, 128B swizzle) per consumer
-// warpgroup, which stages and stores its rows' 4 blocks in turn.
-constexpr int kStageBlock = 64 * 128, kStageBytes = 2 * kStageBlock;
+// The output stage: one or two blocks of 64 rows x 64 embeddings (128 bytes, 128B swizzle) per
+// consumer warpgroup, which stages and stores its rows' 4 blocks in turn.
+constexpr int kStageBlock = 64 * 128;
 constexpr int kBiasBytes = kTileN * 2;  // a tile's bias values (a copy per consumer warpgroup)
 
 struct Geometry {
   int C, D, H;             // x [B, C, D, H, W], contiguous
   int kd, kh, kw, kh_box;  // the patch; image rows per K slice
   int gd, gh, gw, pw;      // patch grid; patches per box (gw rounded up to 8, or gw for whole rows)
-  bool whole_rows;         // kw = 8, gw odd and W <= 256: boxes of whole image rows
+  bool whole_rows;         // kw = 16 or (kw = 8, gw odd), and W <= 256: boxes of whole image rows
   uint32_t swizzle_mask;   // the 16-byte chunk bits that the boxes' swizzle flips (patch_box_swizzle_mask)
   int grid_rows;           // B * gd * gh
   int rows_per_tile;       // R
@@ -73,7 +77,8 @@ struct Geometry {
   int slot, copied;        // bytes of a slot (W's 256 x 64 tile, then x's boxes) and copied into it
 };
 
-template <typename T>
+// kStageBlocks: output stage blocks per consumer warpgroup, 2 where shared memory allows, or 1.
+template <typename T, int kStageBlocks>
 __global__ void __launch_bounds__(kThreads, 1)
     implicit_embed_kernel_sm90_rows(Geometry g, const __grid_constant__ CUtensorMap x_map,
                                     const __grid_constant__ CUtensorMap w_map,
@@ -83,7 +88,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
   const uint32_t stage = base + kStages * g.slot;
-  const SlotBarriers<kStages> landed{stage + kStageBytes};
+  const SlotBarriers<kStages> landed{stage + 2 * kStageBlocks * kStageBlock};
   const SlotBarriers<kStages> released{landed.base + kStages * 8};
   const uint32_t bias_stage = released.base + kStages * 8;
   landed.init();
@@ -130,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   set_max_registers<232, true>();
   const int thread = threadIdx.x - (kThreads - kConsumers);  // among the consumers
-  const int wg = thread / 128, wq = thread / 32 % 4, lane = thread % 32, gq = lane / 4, q = lane % 4;
+  const int wg = thread / 128, wq = thread / 32 % 4, lane = thread % 32, q = lane % 4;
   const int tokens_per_tile = g.rows_per_tile * g.gw;
   // ldmatrix rows: this lane's MMA row (its warp's 16 rows, lanes 16-31 the upper 8 K of each step),
   // as grid row s, patch p of the tile; at K step t, element kk of the slice is row kk / kw,
@@ -176,12 +181,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // Each warpgroup stages and stores its own 64 rows, with no barrier across the two: one's
     // epilogue overlaps the other's MMAs (ViT-B/16 1.02x). acc[4 j + 2 half + i]: MMA row wg*64 +
-    // wq*16 + gq + 8 half, embedding 8 j + 2 q + i.
+    // wq*16 + lane / 4 + 8 half, embedding 8 j + 2 q + i.
     const bool storer = thread % 128 == 0;
-    const uint32_t my_stage = stage + wg * kStageBlock;
+    const uint32_t my_stage = stage + wg * kStageBlocks * kStageBlock;
 #pragma unroll
     for (int b = 0; b < kTileN / 64; ++b) {
-      if (storer) tma_store_wait_read();  // the stage is free once the previous block's store read it
+      // Block b's stage is free once the store that last used it has read it.
+      if (storer) tma_store_wait_read<kStageBlocks - 1>();
+      const uint32_t block_stage = my_stage + b % kStageBlocks * kStageBlock;
       if (b == 0 && bias) cp_async_wait<0>();  // this thread's bias pair (the barrier: everyone's)
       named_barrier_sync(1 + wg, 128);
       float bias_lo[8] = {}, bias_hi[8] = {};
@@ -189,20 +196,24 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) unpack2<T>(ld_shared(my_bias + (64 * b + 8 * jj + 2 * q) * 2), bias_lo[jj], bias_hi[jj]);
       }
+      // Four 8 x 8 matrices per stmatrix: rows +0 and +8 of embeddings 8 jj and 8 (jj + 1); lane l
+      // gives row l % 8 of matrix l / 8. (One 4-byte store per pair: ViT-B/16 1.01x.)
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = 8 * b + jj;
+      for (int jj = 0; jj < 8; jj += 2) {
+        uint32_t v[4];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const uint32_t to = my_stage + swizzle_128b(wq * 16 + gq + 8 * half, jj * 16 + 4 * q);
-          st_shared(to, pack2<T>(acc[4 * j + 2 * half] + bias_lo[jj], acc[4 * j + 2 * half + 1] + bias_hi[jj]));
+        for (int m = 0; m < 4; ++m) {
+          const int j = 8 * b + jj + m / 2, half = m % 2;
+          v[m] = pack2<T>(acc[4 * j + 2 * half] + bias_lo[jj + m / 2], acc[4 * j + 2 * half + 1] + bias_hi[jj + m / 2]);
         }
+        const int mi = lane / 8;
+        stmatrix_x4(block_stage + swizzle_128b(wq * 16 + 8 * (mi % 2) + lane % 8, (jj + mi / 2) * 16), v);
       }
       fence_proxy_async();  // the stage's writes, visible to the TMA store
       named_barrier_sync(1 + wg, 128);
       // Rows past the tensor are not written.
       if (storer && wg * 64 < tokens_per_tile && e0 + 64 * b < g.E) {
-        tma_store(wg == 0 ? y_lo : y_hi, my_stage, e0 + 64 * b, row0 * g.gw + wg * 64);
+        tma_store(wg == 0 ? y_lo : y_hi, block_stage, e0 + 64 * b, row0 * g.gw + wg * 64);
         tma_store_commit();
       }
     }
@@ -219,8 +230,12 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
   if (rows >= INT_MAX || tokens >= INT_MAX) return false;
   // The bias is copied 4 bytes at a time: a view that starts mid-pair takes another kernel.
   if (bias && reinterpret_cast<uintptr_t>(bias->const_data_ptr()) % 4) return false;
-  const int smem = 1024 + kStages * g.slot + kStageBytes + 2 * kStages * 8 + 2 * kBiasBytes;
-  if (smem > static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin)) return false;
+  const int most = static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  const auto smem_for = [&](int stage_blocks) {
+    return 1024 + kStages * g.slot + 2 * stage_blocks * kStageBlock + 2 * kStages * 8 + 2 * kBiasBytes;
+  };
+  const int stage_blocks = smem_for(2) <= most ? 2 : 1, smem = smem_for(stage_blocks);
+  if (smem > most) return false;
   CUtensorMap x_map, w_map, y_lo, y_hi;  // x as [B*C*D*H image rows][gw][kw]
   // Whole rows: x as [image rows][1][W], a box of kh_box rows; the same coordinates (0, 0, row).
   const uint64_t row_bytes = static_cast<uint64_t>(g.gw) * g.kw * 2;
@@ -242,7 +257,7 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
       !encode_tensor_map(y_hi, y.data_ptr(), 2, y_dims, y_strides, hi_box)) {
     return false;
   }
-  auto kernel = implicit_embed_kernel_sm90_rows<T>;
+  auto kernel = stage_blocks == 2 ? implicit_embed_kernel_sm90_rows<T, 2> : implicit_embed_kernel_sm90_rows<T, 1>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int blocks = std::min(g.tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   launch_dependent(kernel, blocks, kThreads, smem, at::cuda::getCurrentCUDAStream(), g, x_map, w_map, y_lo, y_hi,
@@ -264,7 +279,7 @@ bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::
   g.kh_box = kTileK / g.kw;
   g.C = static_cast<int>(x5.size(1)), g.D = static_cast<int>(x5.size(2)), g.H = static_cast<int>(x5.size(3));
   g.gw = p.gw, g.gh = p.gh, g.gd = p.tokens / (p.gh * p.gw);
-  g.whole_rows = g.kw == 8 && patches_per_box_row(g.kw, g.gw) == 1 && g.gw * g.kw <= 256;
+  g.whole_rows = (g.kw == 16 || (g.kw == 8 && patches_per_box_row(g.kw, g.gw) == 1)) && g.gw * g.kw <= 256;
   g.pw = g.whole_rows ? g.gw : (g.gw + 7) / 8 * 8;
   if (p.rows / g.gw >= INT_MAX) return false;
   g.grid_rows = static_cast<int>(p.rows / g.gw);

@@ -166,9 +166,11 @@ __device__ __forceinline__ void tma_store(const CUtensorMap& map, uint32_t src, 
 
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
-// Waits until this thread's committed stores have read their shared memory (which may then change).
+// Waits until all but the last kPending of this thread's committed stores have read their shared
+// memory (which may then change).
+template <int kPending = 0>
 __device__ __forceinline__ void tma_store_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Waits until this thread's committed stores are done (written to global memory).

@@ -176,6 +176,16 @@ __device__ __forceinline__ void st_shared(uint32_t address, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(v) : "memory");
 }
 
+// stmatrix: four 8 x 8 matrices of 16-bit pairs (register i: matrix i, as mma's C fragment) to the
+// rows whose addresses lanes 8i .. 8i + 7 give.
+__device__ __forceinline__ void stmatrix_x4(uint32_t address, const uint32_t (&r)[4]) {
+#ifdef PATCHGEMM_HAS_WGMMA
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t ld_shared(uint32_t address) {
   uint32_t v;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(address) : "memory");
