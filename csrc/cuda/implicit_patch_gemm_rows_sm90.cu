@@ -9,9 +9,8 @@
 // one patch row per box row). Where kw = 16, or kw = 8 and gw is odd (16-byte box rows), and an
 // image row is at most 256 elements, the box is instead kh_box whole image rows, unswizzled, with pw
 // = gw (kw = 16: 4 rows of up to 512 bytes instead of 32 of 64; ViT-B/16 1.02x despite ldmatrix's
-// 2-way bank conflicts on 32-byte patch rows, and smaller slots leave room for a second output stage
-// block, below). (The cp.async forward spends its time on the copies' address arithmetic,
-// bench/RESULTS.md sessions 9-10: ViT-B/16 at 305 TFLOP/s.)
+// 2-way bank conflicts on 32-byte patch rows). (The cp.async forward spends its time on the copies'
+// address arithmetic, bench/RESULTS.md sessions 9-10: ViT-B/16 at 305 TFLOP/s.)
 //
 // A tile's tokens are R whole grid rows (R * gw <= 128: 126 of ViT-B/16's 14-patch rows), so each
 // MMA row reads a fixed place in one of the tile's R boxes. Those rows do not form the uniform 8-row
@@ -197,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int jj = 0; jj < 8; ++jj) unpack2<T>(ld_shared(my_bias + (64 * b + 8 * jj + 2 * q) * 2), bias_lo[jj], bias_hi[jj]);
       }
       // Four 8 x 8 matrices per stmatrix: rows +0 and +8 of embeddings 8 jj and 8 (jj + 1); lane l
-      // gives row l % 8 of matrix l / 8. (One 4-byte store per pair: ViT-B/16 1.01x.)
+      // gives row l % 8 of matrix l / 8. (A 4-byte store per pair instead: ViT-B/16 1.01x slower.)
 #pragma unroll
       for (int jj = 0; jj < 8; jj += 2) {
         uint32_t v[4];
