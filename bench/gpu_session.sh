@@ -17,7 +17,10 @@ grep -E "warning|error" "$LOGS/build.log" | grep -v "^ *WARNING: Running pip" | 
 cd /tmp  # import the installed package, not the source tree
 step info; python3 -m patchgemm info
 step tests
-python3 -m pytest -q -rs "${OLDPWD}/tests" ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest.log" | tail -25
+python3 -m pytest -q -rs "${OLDPWD}/tests" --ignore="${OLDPWD}/tests/test_fuzz.py" ${1:+-k "$1"} 2>&1 \
+  | tee "$OUT/pytest.log" | tail -25
+step "fuzz (PATCHGEMM_FUZZ_SEED=${PATCHGEMM_FUZZ_SEED:-default})"
+python3 -m pytest -q -s "${OLDPWD}/tests/test_fuzz.py" 2>&1 | tee "$OUT/fuzz.log" | grep -E "problems in|passed|failed|Error" | tail -12
 step compute-sanitizer
 for tool in memcheck racecheck synccheck; do
   compute-sanitizer --tool $tool --error-exitcode 1 python3 "${OLDPWD}/tests/sanitize_smoke.py" \

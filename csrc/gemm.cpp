@@ -30,7 +30,11 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
   const at::Tensor b = verdict.b_ok ? b_in : b_in.contiguous();
 
   const GemmProblem problem{a.size(0), matrix_view(a), matrix_view(b), matrix_view(c)};
-  const BlasPlan plan = plan_blas_calls(problem, blas_int_limit());
+  SplitKGuard guard;
+#ifdef PATCHGEMM_WITH_CUDA
+  if (c.is_cuda()) guard = cuda::split_k_guard(c);
+#endif
+  const BlasPlan plan = plan_blas_calls(problem, blas_int_limit(), guard);
   TORCH_CHECK(plan.error.empty(), "patchgemm: cannot run the GEMM ", a.sizes(), " x ", b.sizes(),
               " -> ", c.sizes(), ": ", plan.error);
 

@@ -37,9 +37,13 @@ at::Tensor patch_matrix_view(const at::Tensor& p, const PatchGeometry& g) {
 
 int64_t row_alignment(const at::Tensor& like) { return 16 / like.element_size(); }
 
+int64_t patch_row_width(int64_t values, const at::Tensor& like) {
+  const int64_t align = values >= 1024 ? 128 / like.element_size() : row_alignment(like);
+  return (values + align - 1) / align * align;
+}
+
 at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column) {
-  const int64_t align = row_alignment(x5);
-  const int64_t ld = (g.patch_size() + ones_column + align - 1) / align * align;
+  const int64_t ld = patch_row_width(g.patch_size() + ones_column, x5);
   at::Tensor p = at::empty({g.batch, g.tokens(), ld}, x5.options());
   if (p.numel() == 0) return p;
 #ifdef PATCHGEMM_WITH_CUDA

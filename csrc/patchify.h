@@ -36,8 +36,13 @@ struct PatchGeometry {
 // aligned rows.
 int64_t row_alignment(const at::Tensor& like);
 
-// The patch matrix of x5 [B, C, D, H, W] (any strides): P [B, N, ld], ld = K (+1) rounded up to
-// row_alignment. The first K columns hold the patches; with `ones_column` column K holds 1 (so a
+// The padded width of a patch-matrix row holding `values` elements: a multiple of row_alignment,
+// and for rows of 1024 values or more a multiple of 128 bytes, so that a GEMM reducing over the
+// row has no partial cuBLAS K tile and never needs the split-K guard's second call (gemm.h).
+int64_t patch_row_width(int64_t values, const at::Tensor& like);
+
+// The patch matrix of x5 [B, C, D, H, W] (any strides): P [B, N, ld], ld = patch_row_width(K (+1)).
+// The first K columns hold the patches; with `ones_column` column K holds 1 (so a
 // GEMM against [W | bias] adds the bias, and the weight-gradient GEMM yields the bias gradient in
 // that column); the other padding columns hold 0, so GEMMs can run over all ld (aligned) columns.
 at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column);

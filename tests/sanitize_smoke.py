@@ -111,6 +111,24 @@ def main():
         assert torch.isfinite(torch.autograd.grad(y, [w], torch.randn_like(y))[0]).all()
     ops._set_implicit_wgmma(True)
     ops._set_fused_patch_kernels(old)
+    # batch one with long patches: a thin, long channels-first GEMM that cuBLAS runs split-K, its K
+    # not a whole number of K tiles (the split-K guard's second call); a long weight-gradient reduction
+    for dtype in (torch.bfloat16, torch.float16):
+        for shape, kernel, embed, memory in [((1, 192, 96, 28), (16, 7), 8, "contiguous"),
+                                             ((1, 192, 14, 56), (7, 14), 256, "channels_last")]:
+            x = torch.randn(shape, dtype=dtype, device="cuda")
+            if memory == "channels_last":
+                x = x.contiguous(memory_format=torch.channels_last)
+            x.requires_grad_()
+            w = torch.randn(embed, shape[1], *kernel, dtype=dtype, device="cuda", requires_grad=True)
+            b = torch.randn(embed, dtype=dtype, device="cuda", requires_grad=True)
+            y = patchgemm.patch_embed(x, w, b)
+            grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
+            assert all(torch.isfinite(t).all() for t in (y, *grads))
+        x = torch.randn(21512, 1, 8, dtype=dtype, device="cuda", requires_grad=True)
+        w = torch.randn(1, 24, 8, dtype=dtype, device="cuda", requires_grad=True)
+        y = patchgemm.grouped_linear(x, w)
+        assert torch.isfinite(torch.autograd.grad(y, [w], torch.randn_like(y))[0]).all()
     # fused instance norm + GELU: both layouts, vector and one-element paths, several chunks
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
         for shape in [(2, 16, 8, 8, 8), (2, 5, 7, 9), (1, 8, 20000)]:

@@ -405,3 +405,24 @@ def test_cuda_g1_like_shape(dtype):
     assert_close_to_ref(gx, torch.einsum("bgo,goi->bgi", dy64, w64), dtype, "dx")
     assert_close_to_ref(gw, torch.einsum("bgo,bgi->goi", dy64, x64), dtype, "dweight")
     assert_close_to_ref(gb, dy64.sum(0), dtype, "dbias")
+
+
+# Long reductions whose length is not a whole number of cuBLAS K tiles (64 16-bit values): cuBLAS's
+# split-K kernels may sum only the whole tiles (core/strided_gemm.h, SplitKGuard). The weight
+# gradient reduces over the batch; the forward over Din.
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("batch, din, dout", [(7106, 64, 64), (21512, 8, 24), (38408, 24, 8), (38416, 8, 8),
+                                              (3, 21512, 8), (24, 38408, 64)])
+def test_long_reductions_keep_their_tail(dtype, batch, din, dout):
+    x = randn(batch, 1, din, dtype=dtype, device="cuda", requires_grad=True)
+    w = randn(1, dout, din, dtype=dtype, device="cuda", requires_grad=True)
+    b = randn(1, dout, dtype=dtype, device="cuda", requires_grad=True)
+    y = patchgemm.grouped_linear(x, w, b)
+    gy = randn(*y.shape, dtype=dtype, device="cuda")
+    gx, gw, gb = torch.autograd.grad(y, [x, w, b], gy)
+    x64, w64, b64 = (t.detach().double().cpu().requires_grad_() for t in (x, w, b))
+    ref = reference(x64, w64, b64, "bgd")
+    rx, rw, rb = torch.autograd.grad(ref, [x64, w64, b64], gy.double().cpu())
+    for name, out, expected in [("y", y, ref), ("grad_x", gx, rx), ("grad_weight", gw, rw), ("grad_bias", gb, rb)]:
+        assert_close_to_ref(out, expected, dtype, name)

@@ -1132,3 +1132,34 @@ def test_gpu_cuda_graph_capture():
     torch.cuda.synchronize()
     torch.testing.assert_close(out, patchgemm.patch_embed(x, w, b))
     assert not torch.equal(out, ref)
+
+
+# Batch one with long patches (K = C * prod(k) in the tens of thousands): the channels-first GEMM is
+# thin and long, which cuBLAS runs split-K, and a K that is not a whole number of its K tiles must
+# keep its tail (the bias rides in the patch matrix's last columns). The fp16 row reduces 7,106
+# tokens for the weight gradient.
+@needs_gpu
+@pytest.mark.parametrize("mode", ["auto", "never"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape, kernel, embed, memory", [
+    ((1, 192, 96, 28), (16, 7), 8, "contiguous"),
+    ((1, 192, 14, 56), (7, 14), 256, "channels_last"),
+    ((1, 96, 96, 28), (16, 7), 8, "contiguous"),
+    ((1, 384, 16, 16, 48), (8, 8, 8), 512, "contiguous"),
+    ((17, 4, 304, 352), (16, 16), 64, "contiguous"),
+])
+def test_long_patches_match_float64(mode, dtype, shape, kernel, embed, memory):
+    x, w, b = (t.double().requires_grad_() for t in make(shape, kernel, dtype, "cpu", embed=embed))
+    ref = CONV[len(kernel)](x, w, b, stride=kernel)
+    gy = randn(*ref.shape, dtype=dtype).double()
+    ref_grads = torch.autograd.grad(ref, [x, w, b], gy)
+    xd = layout(x.detach().to("cuda", dtype), memory).requires_grad_()
+    wd, bd = (t.detach().to("cuda", dtype).requires_grad_() for t in (w, b))
+    old = ops._set_fused_patch_kernels(mode)
+    try:
+        y = patchgemm.patch_embed(xd, wd, bd)
+        grads = torch.autograd.grad(y, [xd, wd, bd], gy.to("cuda", dtype))
+    finally:
+        ops._set_fused_patch_kernels(old)
+    for name, out, expected in zip(["y", "grad_x", "grad_weight", "grad_bias"], (y, *grads), (ref, *ref_grads)):
+        assert_close_to_ref(out, expected, dtype, name, tol=1e-5 if dtype == torch.float32 else None)

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <climits>
 #include <optional>
+#include <utility>
 
 namespace patchgemm {
 namespace {
@@ -42,7 +43,13 @@ LayoutVerdict check_blas_layout(const GemmProblem& p) {
   return {transposed_as_blas(p.a).has_value(), transposed_as_blas(p.b).has_value(), output_ok(p.c)};
 }
 
-BlasPlan plan_blas_calls(const GemmProblem& p, int64_t int_limit) {
+bool splits_k_tail(const SplitKGuard& guard, int64_t m, int64_t n, int64_t k, int64_t batch) {
+  if (guard.k_tile <= 0 || k <= guard.k_tile || k % guard.k_tile == 0) return false;
+  const int64_t tiles = (m + 127) / 128 * ((n + 127) / 128) * batch;
+  return tiles < guard.max_tiles;
+}
+
+BlasPlan plan_blas_calls(const GemmProblem& p, int64_t int_limit, const SplitKGuard& guard) {
   const auto op_a = transposed_as_blas(p.a);  // becomes BLAS B
   const auto op_b = transposed_as_blas(p.b);  // becomes BLAS A
   if (!op_a || !op_b || !output_ok(p.c)) {
@@ -66,24 +73,31 @@ BlasPlan plan_blas_calls(const GemmProblem& p, int64_t int_limit) {
       for (int64_t n0 = 0; n0 < std::max<int64_t>(N, 1); n0 += int_limit) {
         const int64_t nc = std::min(int_limit, N - n0);
         for (int64_t k0 = 0; k0 < std::max<int64_t>(K, 1); k0 += int_limit) {
-          BlasCall c;
-          c.trans_a = op_b->trans;
-          c.trans_b = op_a->trans;
-          c.m = nc;
-          c.n = mc;
-          c.k = std::min(int_limit, K - k0);
-          c.lda = op_b->ld;
-          c.ldb = op_a->ld;
-          c.ldc = ldc;
-          c.stride_a = p.b.batch_stride;
-          c.stride_b = p.a.batch_stride;
-          c.stride_c = p.c.batch_stride;
-          c.batch = nb;
-          c.offset_a = b0 * p.b.batch_stride + k0 * p.b.row_stride + n0 * p.b.col_stride;
-          c.offset_b = b0 * p.a.batch_stride + m0 * p.a.row_stride + k0 * p.a.col_stride;
-          c.offset_c = b0 * p.c.batch_stride + m0 * p.c.row_stride + n0 * p.c.col_stride;
-          c.accumulate = k0 > 0;
-          calls.push_back(c);
+          const int64_t kc = std::min(int_limit, K - k0);
+          const int64_t tail = splits_k_tail(guard, mc, nc, kc, nb) ? kc % guard.k_tile : 0;
+          // [k0, k0 + kc) as one call, or as its whole K tiles and then their remainder.
+          const std::pair<int64_t, int64_t> ranges[] = {{k0, kc - tail}, {k0 + kc - tail, tail}};
+          for (int r = 0; r < (tail > 0 ? 2 : 1); ++r) {
+            const auto [k_begin, k_size] = ranges[r];
+            BlasCall c;
+            c.trans_a = op_b->trans;
+            c.trans_b = op_a->trans;
+            c.m = nc;
+            c.n = mc;
+            c.k = k_size;
+            c.lda = op_b->ld;
+            c.ldb = op_a->ld;
+            c.ldc = ldc;
+            c.stride_a = p.b.batch_stride;
+            c.stride_b = p.a.batch_stride;
+            c.stride_c = p.c.batch_stride;
+            c.batch = nb;
+            c.offset_a = b0 * p.b.batch_stride + k_begin * p.b.row_stride + n0 * p.b.col_stride;
+            c.offset_b = b0 * p.a.batch_stride + m0 * p.a.row_stride + k_begin * p.a.col_stride;
+            c.offset_c = b0 * p.c.batch_stride + m0 * p.c.row_stride + n0 * p.c.col_stride;
+            c.accumulate = k_begin > 0;
+            calls.push_back(c);
+          }
         }
       }
     }

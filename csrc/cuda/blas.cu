@@ -257,6 +257,16 @@ bool lt_matmul_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor&
 
 }  // namespace
 
+SplitKGuard split_k_guard(const at::Tensor& c) {
+#ifdef USE_ROCM
+  return {};
+#else
+  // The K tile of cuBLAS's kernels is 128 bytes of k (the "64" of nvjet_sm90_tst_8x64_64x16 in 16 bits).
+  const int64_t sms = at::cuda::getDeviceProperties(c.get_device())->multiProcessorCount;
+  return {128 / static_cast<int64_t>(c.element_size()), 2 * sms};
+#endif
+}
+
 // Measured on an H200 (bench/RESULTS.md): the Lt bias epilogue makes bias free, while for plain
 // products the classic API picks the faster kernels for our strided outputs.
 bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
