@@ -1,5 +1,7 @@
 #include "gemm.h"
 
+#include <algorithm>
+
 namespace patchgemm {
 
 MatrixView matrix_view(const at::Tensor& t3) {
@@ -37,10 +39,22 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
   const BlasPlan plan = plan_blas_calls(problem, blas_int_limit(), guard);
   TORCH_CHECK(plan.error.empty(), "patchgemm: cannot run the GEMM ", a.sizes(), " x ", b.sizes(),
               " -> ", c.sizes(), ": ", plan.error);
+  // Calls that each add a piece of K (the split-K guard, or a K past the integer limit) would round
+  // the running sum to a 16-bit c after every piece (a bias gradient whose pieces cancel loses
+  // digits): they sum into an fp32 scratch instead, and c is rounded once.
+  const bool k_pieces = std::any_of(plan.calls.begin(), plan.calls.end(),
+                                    [](const BlasCall& call) { return call.accumulate; });
+  if (k_pieces && c.element_size() == 2) {
+    at::Tensor sum = at::empty(c.sizes(), c.options().dtype(at::kFloat));
+    if (accumulate) sum.copy_(c);
+    run_gemm(a, b, sum, bias, accumulate);
+    c.copy_(sum);
+    return;
+  }
 
 #ifdef PATCHGEMM_WITH_CUDA
   const bool on_gpu = c.is_cuda();
-  if (on_gpu && bias && plan.calls.size() == 1 &&
+  if (on_gpu && bias && plan.calls.size() == 1 && c.scalar_type() == a.scalar_type() &&
       cuda::run_blas_call_with_bias(plan.calls[0], a, b, c, *bias)) {
     return;  // bias added in the GEMM's epilogue
   }

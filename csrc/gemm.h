@@ -14,7 +14,8 @@ namespace patchgemm {
 // `accumulate` (no bias then).
 // a: [batch, M, K], b: [batch, K, N], c: [batch, M, N], bias: [batch, N] — any strides for a, b
 // (an operand no BLAS layout can express is copied once); c must have unit column stride (the ops
-// allocate it). Runs on c's device through that device's backend.
+// allocate it), of a and b's dtype (fp32 for their partial sums inside run_gemm). Runs on c's device
+// through that device's backend.
 void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
               const std::optional<at::Tensor>& bias = std::nullopt, bool accumulate = false);
 

@@ -38,6 +38,49 @@ TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 1.2e-2, torch.
 
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+# The references: F.conv{1,2,3}d (and the transpose) with stride = kernel, written as one float64
+# matmul between views, which runs at BLAS speed on the CPU (test_references_are_the_convs).
+def split_spatial(x, kernel):
+    """[B, C, *S] -> [B, C, g1, k1, ..., gr, kr] (a view)."""
+    shape = list(x.shape[:2])
+    for s, k in zip(x.shape[2:], kernel):
+        shape += [s // k, k]
+    return x.reshape(shape)
+
+
+def conv_ref(x, w, b, kernel):
+    rank = len(kernel)
+    v = split_spatial(x, kernel)  # [B, C, g1, k1, ...]
+    grid = v.shape[2::2]
+    order = [0] + [2 + 2 * d for d in range(rank)] + [1] + [3 + 2 * d for d in range(rank)]
+    p = v.permute(order).reshape(x.shape[0], math.prod(grid), -1)  # [B, N, C * prod(k)]
+    y = p @ w.reshape(w.shape[0], -1).T + (b if b is not None else 0)  # [B, N, E]
+    return y.transpose(1, 2).reshape(x.shape[0], w.shape[0], *grid)
+
+
+def conv_transpose_ref(x, w, b, kernel):
+    rank, (B, c_in), grid = len(kernel), x.shape[:2], x.shape[2:]
+    q = x.reshape(B, c_in, -1).transpose(1, 2) @ w.reshape(c_in, -1)  # [B, N, C_out * prod(k)]
+    c_out = w.shape[1]
+    v = q.reshape(B, *grid, c_out, *kernel)
+    order = [0, rank + 1] + [i for d in range(rank) for i in (1 + d, rank + 2 + d)]
+    y = v.permute(order).reshape(B, c_out, *[g * k for g, k in zip(grid, kernel)])
+    return y + b.view(1, -1, *[1] * rank) if b is not None else y
+
+
+def test_references_are_the_convs():
+    torch.manual_seed(0)
+    for shape, kernel in [((2, 3, 12), (4,)), ((2, 3, 6, 10), (3, 5)), ((1, 2, 4, 6, 8), (2, 3, 4))]:
+        x = torch.randn(shape, dtype=torch.float64)
+        w = torch.randn(5, shape[1], *kernel, dtype=torch.float64)
+        b = torch.randn(5, dtype=torch.float64)
+        y = CONV[len(kernel)](x, w, b, stride=kernel)
+        torch.testing.assert_close(conv_ref(x, w, b, kernel), y)
+        wt = torch.randn(5, shape[1], *kernel, dtype=torch.float64)
+        bt = torch.randn(shape[1], dtype=torch.float64)
+        torch.testing.assert_close(conv_transpose_ref(y, wt, bt, kernel), CONV_T[len(kernel)](y, wt, bt, stride=kernel))
 FUSED_MODES = ("auto", "never", "always")
 
 
@@ -52,11 +95,12 @@ def rel_error(out, ref):
     return err / denom if denom > 0 else err
 
 
-def randn64(rng, dtype, *shape):
-    """Random values representable in `dtype`, as float64: the reference sees exactly the op's inputs
-    (else a sum that cancels, e.g. a bias gradient over two tokens, differs by the inputs' rounding)."""
-    g = torch.Generator().manual_seed(rng.getrandbits(63))
-    return torch.randn(*shape, dtype=torch.float64, generator=g).to(dtype).double()
+def randn64(rng, device, dtype, *shape):
+    """Random values representable in `dtype`, as float64 on the CPU: the reference sees exactly the
+    op's inputs (else a sum that cancels, e.g. a bias gradient over two tokens, differs by the inputs'
+    rounding). Drawn on `device` (the CPU's generator would take most of a GPU run's time)."""
+    g = torch.Generator(device=device).manual_seed(rng.getrandbits(63))
+    return torch.randn(*shape, device=device, generator=g).to(dtype).double().cpu()
 
 
 def dtypes_for(device):
@@ -129,14 +173,14 @@ def patch_problem(rng, device, transposed):
 
 
 def run_patch_embed(rng, device, p, failures, what):
-    dtype, rank, kernel = p["dtype"], p["rank"], p["kernel"]
+    dtype, kernel = p["dtype"], p["kernel"]
     spatial = [g * k for g, k in zip(p["grid"], kernel)]
-    x64 = randn64(rng, dtype, p["batch"], p["channels"], *spatial)
-    w64 = (randn64(rng, dtype, p["embed"], p["channels"], *kernel) / math.sqrt(p["channels"] * math.prod(kernel))).to(dtype).double()
-    b64 = randn64(rng, dtype, p["embed"]) if p["bias"] else None
+    x64 = randn64(rng, device, dtype, p["batch"], p["channels"], *spatial)
+    w64 = (randn64(rng, device, dtype, p["embed"], p["channels"], *kernel) / math.sqrt(p["channels"] * math.prod(kernel))).to(dtype).double()
+    b64 = randn64(rng, device, dtype, p["embed"]) if p["bias"] else None
     leaves = [t.requires_grad_() for t in (x64, w64, b64) if t is not None]
-    ref = CONV[rank](x64, w64, b64, stride=kernel)
-    gy64 = randn64(rng, dtype, *ref.shape)
+    ref = conv_ref(x64, w64, b64, kernel)
+    gy64 = randn64(rng, device, dtype, *ref.shape)
     ref_grads = torch.autograd.grad(ref, leaves, gy64)
 
     x = with_layout(x64.detach().to(device, dtype), p["layout"]).requires_grad_()
@@ -153,14 +197,14 @@ def run_patch_embed(rng, device, p, failures, what):
 
 
 def run_patch_unembed(rng, device, p, failures, what):
-    dtype, rank, kernel = p["dtype"], p["rank"], p["kernel"]
+    dtype, kernel = p["dtype"], p["kernel"]
     c_in, c_out = p["embed"], p["channels"]
-    x64 = randn64(rng, dtype, p["batch"], c_in, *p["grid"])
-    w64 = (randn64(rng, dtype, c_in, c_out, *kernel) / math.sqrt(c_in)).to(dtype).double()
-    b64 = randn64(rng, dtype, c_out) if p["bias"] else None
+    x64 = randn64(rng, device, dtype, p["batch"], c_in, *p["grid"])
+    w64 = (randn64(rng, device, dtype, c_in, c_out, *kernel) / math.sqrt(c_in)).to(dtype).double()
+    b64 = randn64(rng, device, dtype, c_out) if p["bias"] else None
     leaves = [t.requires_grad_() for t in (x64, w64, b64) if t is not None]
-    ref = CONV_T[rank](x64, w64, b64, stride=kernel)
-    gy64 = randn64(rng, dtype, *ref.shape)
+    ref = conv_transpose_ref(x64, w64, b64, kernel)
+    gy64 = randn64(rng, device, dtype, *ref.shape)
     ref_grads = list(torch.autograd.grad(ref, leaves, gy64))
 
     x_cf = x64.detach().to(device, dtype)
@@ -194,12 +238,12 @@ def grouped_problem(rng, device):
 
 def run_grouped_linear(rng, device, p, failures, what):
     dtype, B, G = p["dtype"], p["batch"], p["groups"]
-    x64 = randn64(rng, dtype, B, G, p["d_in"])
-    w64 = (randn64(rng, dtype, G, p["d_out"], p["d_in"]) / math.sqrt(max(p["d_in"], 1))).to(dtype).double()
-    b64 = randn64(rng, dtype, G, p["d_out"]) if p["bias"] else None
+    x64 = randn64(rng, device, dtype, B, G, p["d_in"])
+    w64 = (randn64(rng, device, dtype, G, p["d_out"], p["d_in"]) / math.sqrt(max(p["d_in"], 1))).to(dtype).double()
+    b64 = randn64(rng, device, dtype, G, p["d_out"]) if p["bias"] else None
     leaves = [t.requires_grad_() for t in (x64, w64, b64) if t is not None]
     ref = torch.einsum("bgi,goi->bgo", x64, w64) + (b64 if b64 is not None else 0)
-    gy64 = randn64(rng, dtype, *ref.shape)
+    gy64 = randn64(rng, device, dtype, *ref.shape)
     ref_grads = list(torch.autograd.grad(ref, leaves, gy64))
 
     x_bgd = x64.detach().to(device, dtype)

@@ -32,7 +32,10 @@ void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, con
         op_view(a, call.offset_b, call.batch, call.k, call.n, call.ldb, call.stride_b, call.trans_b);
     at::Tensor out =
         op_view(c, call.offset_c, call.batch, call.m, call.n, call.ldc, call.stride_c, false);
-    const at::Tensor product = at::bmm(op_a, op_b);
+    // (c in fp32 for 16-bit a and b: the product is formed in fp32 too.)
+    const at::Tensor product = c.scalar_type() == a.scalar_type()
+                                   ? at::bmm(op_a, op_b)
+                                   : at::bmm(op_a.to(c.scalar_type()), op_b.to(c.scalar_type()));
     call.accumulate ? out.add_(product) : out.copy_(product);
   }
 }

@@ -103,11 +103,13 @@ cublasOperation_t op(bool trans) { return trans ? CUBLAS_OP_T : CUBLAS_OP_N; }
 
 const char* byte_ptr(const at::Tensor& t) { return static_cast<const char*>(t.const_data_ptr()); }
 
-// One classic-API call (cublasGemmStridedBatchedEx).
+// One classic-API call (cublasGemmStridedBatchedEx). c is of a and b's dtype, or fp32 for 16-bit
+// a and b (partial sums, gemm.cpp).
 void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-  const at::ScalarType dtype = c.scalar_type();
+  const at::ScalarType dtype = a.scalar_type();
   const BlasTypes types = blas_types(dtype);
-  const int64_t elem = c.element_size();
+  const cudaDataType_t c_type = c.scalar_type() == dtype ? types.data : blas_types(c.scalar_type()).data;
+  const int64_t elem = a.element_size(), c_elem = c.element_size();
   const Scalars s(dtype, call.accumulate);
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // bound to the current stream
 #ifndef USE_ROCM
@@ -126,7 +128,7 @@ void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, con
       static_cast<int>(call.n), static_cast<int>(call.k), s.alpha(),
       byte_ptr(b) + call.offset_a * elem, types.data, static_cast<int>(call.lda), call.stride_a,
       byte_ptr(a) + call.offset_b * elem, types.data, static_cast<int>(call.ldb), call.stride_b,
-      s.beta(), static_cast<char*>(c.data_ptr()) + call.offset_c * elem, types.data,
+      s.beta(), static_cast<char*>(c.data_ptr()) + call.offset_c * c_elem, c_type,
       static_cast<int>(call.ldc), call.stride_c, static_cast<int>(call.batch), types.compute,
       CUBLAS_GEMM_DEFAULT));
 #ifndef USE_ROCM
