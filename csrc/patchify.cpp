@@ -38,7 +38,7 @@ at::Tensor patch_matrix_view(const at::Tensor& p, const PatchGeometry& g) {
 int64_t row_alignment(const at::Tensor& like) { return 16 / like.element_size(); }
 
 int64_t patch_row_width(int64_t values, const at::Tensor& like) {
-  const int64_t align = values >= 1024 ? 128 / like.element_size() : row_alignment(like);
+  const int64_t align = values >= 1024 && like.element_size() == 2 ? 64 : row_alignment(like);
   return (values + align - 1) / align * align;
 }
 
