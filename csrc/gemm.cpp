@@ -34,7 +34,7 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
   const GemmProblem problem{a.size(0), matrix_view(a), matrix_view(b), matrix_view(c)};
   SplitKGuard guard;
 #ifdef PATCHGEMM_WITH_CUDA
-  if (c.is_cuda()) guard = cuda::split_k_guard(c);
+  if (c.is_cuda()) guard = cuda::split_k_guard(a);  // a's dtype: c may be the fp32 scratch below
 #endif
   const BlasPlan plan = plan_blas_calls(problem, blas_int_limit(), guard);
   TORCH_CHECK(plan.error.empty(), "patchgemm: cannot run the GEMM ", a.sizes(), " x ", b.sizes(),

@@ -53,9 +53,9 @@ void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, con
 namespace cuda {
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
                     const at::Tensor& c);
-// The split-K guard (core/strided_gemm.h) for GEMMs writing c on its GPU: cuBLAS's K tile of
-// c's dtype, and twice the SM count in output tiles. No guard on ROCm.
-SplitKGuard split_k_guard(const at::Tensor& c);
+// The split-K guard (core/strided_gemm.h) for GEMMs on `input`'s GPU: cuBLAS's K tile of the
+// inputs' dtype, and twice the SM count in output tiles. No guard on ROCm.
+SplitKGuard split_k_guard(const at::Tensor& input);
 // One call with the bias fused into its epilogue; false where that does not apply (the caller
 // then adds the bias through beta = 1).
 bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,

@@ -37,16 +37,17 @@ bool output_ok(const MatrixView& c) {
 
 std::atomic<int64_t> g_int_limit{INT_MAX};
 
-}  // namespace
-
-LayoutVerdict check_blas_layout(const GemmProblem& p) {
-  return {transposed_as_blas(p.a).has_value(), transposed_as_blas(p.b).has_value(), output_ok(p.c)};
-}
-
+// Whether the guard splits a call of this shape (m x n output per batch, reduction length k).
 bool splits_k_tail(const SplitKGuard& guard, int64_t m, int64_t n, int64_t k, int64_t batch) {
   if (guard.k_tile <= 0 || k <= guard.k_tile || k % guard.k_tile == 0) return false;
   const int64_t tiles = (m + 127) / 128 * ((n + 127) / 128) * batch;
   return tiles < guard.max_tiles;
+}
+
+}  // namespace
+
+LayoutVerdict check_blas_layout(const GemmProblem& p) {
+  return {transposed_as_blas(p.a).has_value(), transposed_as_blas(p.b).has_value(), output_ok(p.c)};
 }
 
 BlasPlan plan_blas_calls(const GemmProblem& p, int64_t int_limit, const SplitKGuard& guard) {

@@ -52,7 +52,7 @@ struct BlasPlan {
   std::string error;  // non-empty: no plan (the calls are empty)
 };
 
-// cuBLAS's split-K kernels (12.x and 13.x on Hopper; seen with 13.0, bf16 and fp16, on the H100 and
+// cuBLAS's split-K kernels (12.x and 13.x on Hopper; seen with 13.1, bf16 and fp16, on the H100 and
 // H200, and through torch.mm too) can silently return the product summed over only the first
 // K - K % k_tile values of k, where k_tile is the kernel's K tile (128 bytes of k). A call whose
 // shape invites split-K -- K longer than one tile and not a whole number of tiles, and an output
@@ -63,9 +63,6 @@ struct SplitKGuard {
   int64_t k_tile = 0;     // in elements; 0: no guard (CPU, ROCm)
   int64_t max_tiles = 0;  // outputs of fewer 128 x 128 tiles (all batches together) are guarded
 };
-
-// Whether the guard splits a call of this shape (m x n output per batch, reduction length k).
-bool splits_k_tail(const SplitKGuard& guard, int64_t m, int64_t n, int64_t k, int64_t batch);
 
 // Plans `p` as column-major BLAS calls whose every size, leading dimension and batch count fits
 // in `int_limit` (cuBLAS's classic API takes 32-bit ints). Usually one call; more when M, N, K or

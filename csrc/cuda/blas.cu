@@ -259,13 +259,13 @@ bool lt_matmul_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor&
 
 }  // namespace
 
-SplitKGuard split_k_guard(const at::Tensor& c) {
+SplitKGuard split_k_guard(const at::Tensor& input) {
 #ifdef USE_ROCM
   return {};
 #else
   // The K tile of cuBLAS's kernels is 128 bytes of k (the "64" of nvjet_sm90_tst_8x64_64x16 in 16 bits).
-  const int64_t sms = at::cuda::getDeviceProperties(c.get_device())->multiProcessorCount;
-  return {128 / static_cast<int64_t>(c.element_size()), 2 * sms};
+  const int64_t sms = at::cuda::getDeviceProperties(input.get_device())->multiProcessorCount;
+  return {128 / static_cast<int64_t>(input.element_size()), 2 * sms};
 #endif
 }
 
