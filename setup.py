@@ -75,7 +75,8 @@ def default_max_jobs():
 flavour = choose_flavour()
 os.environ.setdefault("MAX_JOBS", str(default_max_jobs()))
 
-sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/core/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/core/*.cpp") + glob.glob("csrc/cpu/*.cpp")
+                 + glob.glob("csrc/selection/*.cpp"))
 cxx_flags = ["-O3", f"-DPATCHGEMM_FLAVOUR=\"{flavour}\""]
 
 if flavour == "cpu":

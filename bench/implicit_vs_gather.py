@@ -38,18 +38,19 @@ def median_ms(fn, runs=20):
 def compare(label, run, flops, mma_sync_column=False):
     """Prints the implicit kernel's time, gather/scatter + cuBLAS's, their ratio and the implicit
     TFLOP/s; with mma_sync_column, also the time of the mma.sync kernel (the wgmma one off)."""
-    mode, wgmma = torch.ops.patchgemm._set_fused_patch_kernels, torch.ops.patchgemm._set_implicit_wgmma
-    old = mode("always")
+    testing = torch.ops.patchgemm._set_selection_testing  # (rules on or off, candidates left out)
+    wgmma = ["implicit_rows_sm90", "implicit_pairs_sm90", "implicit_sm90"]
+    fused = ["tiny", "implicit_mma"] + wgmma
     try:
+        testing(False, [])
         implicit = median_ms(run)
         if mma_sync_column:
-            wgmma(False)
+            testing(False, wgmma)
             mma_sync = median_ms(run)
-            wgmma(True)
-        mode("never")
+        testing(True, fused)
         gathered = median_ms(run)
     finally:
-        mode(old)
+        testing(True, [])
     extra = f" {mma_sync:11.4f}" if mma_sync_column else ""
     print(f"{label} {implicit:11.4f}{extra} {gathered:14.4f} {gathered / implicit:6.2f} "
           f"{flops / implicit / 1e9:13.1f}", flush=True)

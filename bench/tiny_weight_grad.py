@@ -32,13 +32,9 @@ def main():
             for bias in (True, False):
                 def run():
                     return ops.patch_weight_grad(dy, x, kernel, fmt == "tokens", [], bias)
-                old = ops._set_fused_patch_kernels("auto")
-                try:
-                    fused = median_ms(run)
-                    ops._set_fused_patch_kernels("never")
+                fused = median_ms(run)
+                with patchgemm.force(patch_weight_grad="gather_gemm"):
                     gathered = median_ms(run)
-                finally:
-                    ops._set_fused_patch_kernels(old)
                 gbytes = (dy.numel() + x.numel()) * dy.element_size() / 1e9
                 print(f"{name:9} {fmt:15} {bias!s:5} {fused:9.4f} {gbytes / fused * 1e3:6.0f} {gathered:14.4f} "
                       f"{gathered / fused:6.2f}", flush=True)

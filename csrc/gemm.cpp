@@ -8,8 +8,13 @@ MatrixView matrix_view(const at::Tensor& t3) {
   return {t3.size(1), t3.size(2), t3.stride(1), t3.stride(2), t3.stride(0)};
 }
 
+bool tf32_allowed(Tf32Flag flag) {
+  const auto& ctx = at::globalContext();
+  return flag == Tf32Flag::kCudnn ? ctx.allowTF32CuDNN(at::Float32Op::CONV) : ctx.allowTF32CuBLAS();
+}
+
 void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& c,
-              const std::optional<at::Tensor>& bias, bool accumulate) {
+              const std::optional<at::Tensor>& bias, bool accumulate, Tf32Flag tf32) {
   TORCH_INTERNAL_ASSERT(a_in.dim() == 3 && b_in.dim() == 3 && c.dim() == 3);
   TORCH_INTERNAL_ASSERT(!(bias && accumulate));
   TORCH_INTERNAL_ASSERT(a_in.size(1) == c.size(1) && b_in.size(2) == c.size(2) &&
@@ -47,15 +52,16 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
   if (k_pieces && c.element_size() == 2) {
     at::Tensor sum = at::empty(c.sizes(), c.options().dtype(at::kFloat));
     if (accumulate) sum.copy_(c);
-    run_gemm(a, b, sum, bias, accumulate);
+    run_gemm(a, b, sum, bias, accumulate, tf32);
     c.copy_(sum);
     return;
   }
 
 #ifdef PATCHGEMM_WITH_CUDA
   const bool on_gpu = c.is_cuda();
+  const bool allow_tf32 = on_gpu && tf32_allowed(tf32);
   if (on_gpu && bias && plan.calls.size() == 1 && c.scalar_type() == a.scalar_type() &&
-      cuda::run_blas_call_with_bias(plan.calls[0], a, b, c, *bias)) {
+      cuda::run_blas_call_with_bias(plan.calls[0], a, b, c, *bias, allow_tf32)) {
     return;  // bias added in the GEMM's epilogue
   }
 #else
@@ -71,7 +77,7 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
   }
 #ifdef PATCHGEMM_WITH_CUDA
   if (on_gpu) {
-    cuda::run_blas_calls(calls, a, b, c);
+    cuda::run_blas_calls(calls, a, b, c, allow_tf32);
     return;
   }
 #endif

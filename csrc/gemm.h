@@ -10,6 +10,12 @@
 
 namespace patchgemm {
 
+// Which PyTorch flag lets fp32 GEMMs use TF32 tensor cores: the op's that the GEMM stands in for,
+// torch.backends.cuda.matmul.allow_tf32 (nn.Linear; default False) or torch.backends.cudnn.allow_tf32
+// (nn.Conv*d; default True).
+enum class Tf32Flag { kMatmul, kCudnn };
+bool tf32_allowed(Tf32Flag flag);
+
 // c[i] = a[i] @ b[i] (+ bias[i] broadcast over the rows of c[i]), or c[i] += a[i] @ b[i] when
 // `accumulate` (no bias then).
 // a: [batch, M, K], b: [batch, K, N], c: [batch, M, N], bias: [batch, N] — any strides for a, b
@@ -17,7 +23,8 @@ namespace patchgemm {
 // allocate it), of a and b's dtype (fp32 for their partial sums inside run_gemm). Runs on c's device
 // through that device's backend.
 void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-              const std::optional<at::Tensor>& bias = std::nullopt, bool accumulate = false);
+              const std::optional<at::Tensor>& bias = std::nullopt, bool accumulate = false,
+              Tf32Flag tf32 = Tf32Flag::kMatmul);
 
 // t summed over dims into t's dtype, accumulated in fp32 (fp64 for fp64): a bias gradient. CUDA's
 // reductions accumulate 16-bit sums in fp32 by themselves, in one kernel; CPU half sums do not
@@ -49,17 +56,18 @@ namespace cpu {
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
                     const at::Tensor& c);
 }
+// (`tf32`: whether fp32 calls may use TF32 tensor cores.)
 #ifdef PATCHGEMM_WITH_CUDA
 namespace cuda {
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c);
+                    const at::Tensor& c, bool tf32);
 // The split-K guard (core/strided_gemm.h) for GEMMs on `input`'s GPU: cuBLAS's K tile of the
 // inputs' dtype, and twice the SM count in output tiles. No guard on ROCm.
 SplitKGuard split_k_guard(const at::Tensor& input);
 // One call with the bias fused into its epilogue; false where that does not apply (the caller
 // then adds the bias through beta = 1).
 bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
-                             const at::Tensor& c, const at::Tensor& bias);
+                             const at::Tensor& c, const at::Tensor& bias, bool tf32);
 }  // namespace cuda
 #endif
 

@@ -4,7 +4,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
-#include "gemm.h"
+#include "grouped_problem.h"
 
 namespace patchgemm {
 namespace {
@@ -58,8 +58,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& weight,
   }
   at::Tensor y = empty_like_layout(x, weight.size(1));
   // y_g[B, Dout] = x_g[B, Din] @ weight_g^T
-  run_gemm(by_group(x, group_major), weight.transpose(1, 2), by_group(y, group_major), bias);
-  return y;
+  return select_grouped_gemm({op, by_group(x, group_major), weight.transpose(1, 2), bias, y, by_group(y, group_major)});
 }
 
 at::Tensor grouped_linear_grad_input(const at::Tensor& grad_y, const at::Tensor& weight,
@@ -69,8 +68,8 @@ at::Tensor grouped_linear_grad_input(const at::Tensor& grad_y, const at::Tensor&
   check_activation(op, "grad_y", grad_y, weight, 1, group_major);
   at::Tensor grad_x = empty_like_layout(grad_y, weight.size(2));
   // grad_x_g[B, Din] = grad_y_g[B, Dout] @ weight_g
-  run_gemm(by_group(grad_y, group_major), weight, by_group(grad_x, group_major));
-  return grad_x;
+  return select_grouped_gemm({op, by_group(grad_y, group_major), weight, std::nullopt, grad_x,
+                              by_group(grad_x, group_major)});
 }
 
 at::Tensor grouped_linear_grad_weight(const at::Tensor& grad_y, const at::Tensor& x,
@@ -88,8 +87,8 @@ at::Tensor grouped_linear_grad_weight(const at::Tensor& grad_y, const at::Tensor
   at::Tensor grad_w = at::empty({x.size(group_major ? 0 : 1), grad_y.size(2), x.size(2)},
                                 x.options());
   // grad_w_g[Dout, Din] = grad_y_g^T[Dout, B] @ x_g[B, Din]
-  run_gemm(by_group(grad_y, group_major).transpose(1, 2), by_group(x, group_major), grad_w);
-  return grad_w;
+  return select_grouped_gemm({op, by_group(grad_y, group_major).transpose(1, 2), by_group(x, group_major),
+                              std::nullopt, grad_w, grad_w});
 }
 
 TORCH_LIBRARY_IMPL(patchgemm, CPU, m) {

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -54,75 +55,98 @@ at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_colu
 void unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
                 const at::Tensor& y5);
 
-// Testing and benchmarking hook: whether the patch ops take the fused CUDA kernels (tiny and
-// implicit GEMM) where they apply and their rule picks them (kAuto), wherever they apply (kAlways),
-// or never (gather/scatter + GEMM everywhere). Returns the previous setting.
-enum class FusedKernels { kNever, kAuto, kAlways };
-FusedKernels set_fused_patch_kernels(FusedKernels mode);
+// Whether runs of v elements of x5 [B, C, D, H, W] are v-aligned wherever a patch row starts (the
+// pointer and every stride that moves, in elements).
+inline bool runs_aligned(const at::Tensor& x5, int v) {
+  if (reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % (x5.element_size() * v)) return false;
+  for (int d = 0; d < 4; ++d) {
+    if (x5.size(d) > 1 && x5.stride(d) % v) return false;
+  }
+  return true;
+}
 
-// Testing hook: whether the implicit-GEMM forward, weight gradient and unembedding may take their
-// wgmma kernels (built for sm_90a, run on a 9.0 GPU; else the mma.sync ones). On by default.
-// Returns the previous setting.
-bool set_implicit_wgmma(bool enabled);
-bool implicit_wgmma_enabled();
+// The longest run of x5, 8, 4 or 2 elements, that divides kw and that runs_aligned allows; 0 if none.
+inline int widest_run(const at::Tensor& x5, int64_t kw) {
+  for (int v : {8, 4, 2}) {
+    if (kw % v == 0 && runs_aligned(x5, v)) return v;
+  }
+  return 0;
+}
 
 #ifdef PATCHGEMM_WITH_CUDA
 namespace cuda {
-// The tiled kernels; false where they do not apply (the caller then runs the ATen version).
+// The fused kernels' entry points. Each runs its kernel and returns true (or the gradients), or, where
+// the kernel does not apply to the problem, returns false (nullopt) with the reason in `why` before
+// anything runs. Which one runs where is chosen by the selection tables (selection/patch_tables.cpp),
+// which hold the rules; a failure to launch is an error, never a false.
+
+// Sets `why` and returns false: an entry point's "does not apply".
+inline bool decline(std::string& why, std::string reason) {
+  why = std::move(reason);
+  return false;
+}
+
+// The tiled patchify / unpatchify (a gather or scatter for the GEMM paths); false where they do not
+// apply (the caller then runs the ATen version).
 bool patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column, const at::Tensor& p);
 bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
                 const at::Tensor& y5);
 
-// The fused embedding for patches of at most 64 elements, 16-bit dtypes (tiny_patch_gemm.cu):
-// y [B, E, N] (contiguous, channels-first) = patch_embed(x5, w2 [E, K], bias), with no patch matrix
-// in global memory. false where it does not apply (the caller then gathers and runs the GEMM).
+// Whether the wgmma kernels (*_sm90.cu) run on the current device: built for sm_90a, on a 9.0 GPU.
+bool wgmma_kernels_run_here(const at::Tensor& on);
+
+// The fused embedding for patches of at most 64 elements (tiny_patch_gemm.cu): y [B, E, N]
+// (contiguous, channels-first) = patch_embed(x5, w2 [E, K], bias), with no patch matrix in global
+// memory.
 bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
-                const PatchGeometry& g, const at::Tensor& y);
+                const PatchGeometry& g, const at::Tensor& y, std::string& why);
+
+// The implicit GEMMs (the patches read from x inside the GEMM) and their kernels: mma.sync (sm_80+),
+// and on sm_90a wgmma with cp.async tiles, with whole patch rows by TMA (tokens out), or with pairs
+// by TMA (kw = 2, channels-first out).
+enum class Implicit { kMma, kSm90, kRowsSm90, kPairsSm90 };
+
+// y = patch_embed(x5, w2 [E, K], bias) as tokens [B, N, E] or channels-first [B, E, N] (contiguous),
+// 16-bit, kw even (implicit_patch_gemm.cu). With `ruled`, the kernel's own tiling rule also
+// declines (kRowsSm90: grid rows filling under 3/4 of a tile).
+bool implicit_embed(Implicit kernel, const at::Tensor& x5, const at::Tensor& w2,
+                    const std::optional<at::Tensor>& bias, const PatchGeometry& g, const at::Tensor& y,
+                    bool tokens_out, bool ruled, std::string& why);
 
 // Which bias gradient a weight gradient adds: none, patch_embed's (grad_y summed per embedding), or
 // patch_unembed's, whose weight gradient this is with x and grad_y in swapped roles (x summed per
 // channel).
 enum class BiasGrad { kNone, kEmbed, kUnembed };
 
-// The fused weight gradient for patches of at most 64 elements, 16-bit dtypes, kw = 2
+// The fused weight gradient for patches of at most 64 elements, 16-bit, kw = 2
 // (tiny_patch_weight_grad.cu): (dW [E, K], dbias or undefined) of patch_embed(x5, ...) for grad_y,
-// tokens [B, N, E] or channels-first [B, E, N], E <= 256, reading grad_y and x once. nullopt where
-// it does not apply (the caller then gathers and runs the GEMM).
+// tokens [B, N, E] or channels-first [B, E, N], E <= 256, reading grad_y and x once.
 std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Tensor& grad_y, bool tokens,
                                                                    const at::Tensor& x5, const PatchGeometry& g,
-                                                                   int64_t E, BiasGrad bias);
+                                                                   int64_t E, BiasGrad bias, std::string& why);
 
-// The fused unembedding for patches of at most 64 elements, 16-bit dtypes, kw even
-// (tiny_patch_unembed.cu): y5 (g's volume, contiguous) = patch_unembed(x, w2 [C_in, K], bias) for x
-// tokens [B, N, C_in] or channels-first [B, C_in, N], C_in <= 256, reading x once and writing y
-// once. false where it does not apply (the caller then runs GEMM -> scatter).
+// The implicit-GEMM weight gradient, 16-bit (implicit_patch_weight_grad.cu; kernels kMma, kSm90,
+// kRowsSm90): (dW [E, K], dbias [E]) of patch_embed(x5, ...) for grad_y, tokens [B, N, E] or
+// channels-first [B, E, N]. dbias is undefined unless with_bias and the kernel computed it (the
+// caller then sums grad_y). With `ruled`, the kernel's own tiling rule also declines (kRowsSm90:
+// tiles for too few SMs, too many boxes a slice).
+std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(Implicit kernel, const at::Tensor& grad_y,
+                                                                       bool tokens, const at::Tensor& x5,
+                                                                       const PatchGeometry& g, int64_t E,
+                                                                       bool with_bias, bool ruled, std::string& why);
+
+// The fused unembedding for patches of at most 64 elements, 16-bit, kw even (tiny_patch_unembed.cu):
+// y5 (g's volume, contiguous) = patch_unembed(x, w2 [C_in, K], bias) for x tokens [B, N, C_in] or
+// channels-first [B, C_in, N], C_in <= 256, reading x once and writing y once.
 bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
-                  const PatchGeometry& g, const at::Tensor& y5);
+                  const PatchGeometry& g, const at::Tensor& y5, std::string& why);
 
-// The implicit-GEMM embedding for 16-bit dtypes, kw even, w contiguous (implicit_patch_gemm.cu):
-// y = patch_embed(x5, w2 [E, K], bias) as tokens [B, N, E] or channels-first [B, E, N] (contiguous),
-// the patches read from x inside the GEMM. false where it does not apply or, unless `always`, where
-// gather + cuBLAS is faster.
-bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
-                    const PatchGeometry& g, const at::Tensor& y, bool tokens_out, bool always);
-
-// The implicit-GEMM weight gradient for 16-bit dtypes, kw = 2 (implicit_patch_weight_grad.cu; on
-// Hopper kw % 4 == 0 too, and the bias gradient with it):
-// (dW [E, K], dbias [E]) of patch_embed(x5, ...) for grad_y, tokens [B, N, E] or channels-first
-// [B, E, N], the patches read from x inside the GEMM. dbias is undefined unless with_bias and the
-// kernel computed it (the caller then sums grad_y). nullopt where it does not apply or, unless
-// `always`, where gather + cuBLAS is faster.
-std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at::Tensor& grad_y, bool tokens,
-                                                                       const at::Tensor& x5, const PatchGeometry& g,
-                                                                       int64_t E, bool with_bias, bool always);
-
-// The implicit-GEMM unembedding for 16-bit dtypes, kw = 2 (implicit_patch_unembed.cu; on Hopper
-// kw = 4 too): y5 (g's
-// volume, contiguous) = patch_unembed(x, w2 [C_in, K], bias) for x tokens [B, N, C_in] or
-// channels-first [B, C_in, N], the GEMM's tiles scattered into y5 from its epilogue. false where it
-// does not apply or, unless `always`, where GEMM + scatter is faster.
-bool implicit_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
-                      const PatchGeometry& g, const at::Tensor& y5, bool always);
+// The implicit-GEMM unembedding, 16-bit (implicit_patch_unembed.cu; kernels kMma for kw = 2, kSm90 for
+// kw = 2 or 4): y5 = patch_unembed(x, w2 [C_in, K], bias), the GEMM's tiles scattered into y5 from
+// its epilogue.
+bool implicit_unembed(Implicit kernel, const at::Tensor& x, bool tokens, const at::Tensor& w2,
+                      const std::optional<at::Tensor>& bias, const PatchGeometry& g, const at::Tensor& y5,
+                      std::string& why);
 }  // namespace cuda
 #endif
 

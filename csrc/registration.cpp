@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "core/strided_gemm.h"
-#include "patchify.h"
+#include "selection/registry.h"
 
 #ifndef PATCHGEMM_FLAVOUR
 #define PATCHGEMM_FLAVOUR "cpu"
@@ -70,23 +70,24 @@ TORCH_LIBRARY(patchgemm, m) {
                       INT_MAX, "], got ", limit);
           return patchgemm::set_blas_int_limit(limit);
         });
-  // Testing and benchmarking hook: when patch_embed takes its fused CUDA kernels, "auto" (its
-  // rule), "always" (wherever they apply) or "never" (gather + GEMM). Returns the previous mode.
-  m.def("_set_fused_patch_kernels(str mode) -> str", [](const std::string& mode) -> std::string {
-    using patchgemm::FusedKernels;
-    const std::vector<std::pair<std::string, FusedKernels>> modes = {
-        {"never", FusedKernels::kNever}, {"auto", FusedKernels::kAuto}, {"always", FusedKernels::kAlways}};
-    for (const auto& [name, value] : modes) {
-      if (name != mode) continue;
-      const FusedKernels old = patchgemm::set_fused_patch_kernels(value);
-      for (const auto& [old_name, old_value] : modes) {
-        if (old_value == old) return old_name;
-      }
+  // Selection (selection/registry.h), for patchgemm.kernels / force / explain: every candidate as
+  // "op|name|backends|conditions"; pin one for an op ("" unpins; returns the previous one); record
+  // the choices made between a start (returns a mark) and a stop (returns them as JSON objects).
+  m.def("_kernels() -> str[]", []() -> std::vector<std::string> {
+    std::vector<std::string> rows;
+    for (const auto& c : patchgemm::selection::candidates()) {
+      rows.push_back(c.op + "|" + c.name + "|" + c.backends + "|" + c.conditions);
     }
-    TORCH_CHECK(false, "_set_fused_patch_kernels: mode must be \"never\", \"auto\" or \"always\", got \"", mode, "\"");
+    return rows;
   });
-  // Testing hook: whether the implicit-GEMM forward, weight gradient and unembedding may take their
-  // Hopper (wgmma) kernels. Returns the previous setting.
-  m.def("_set_implicit_wgmma(bool enabled) -> bool",
-        [](bool enabled) { return patchgemm::set_implicit_wgmma(enabled); });
+  m.def("_force(str op, str name) -> str", [](const std::string& op, const std::string& name) {
+    return patchgemm::selection::force(op, name);
+  });
+  // Testing hook: the default choice without its rules and without the named candidates.
+  m.def("_set_selection_testing(bool rules, str[] excluded) -> ()",
+        [](bool rules, std::vector<std::string> excluded) {
+          patchgemm::selection::set_testing(rules, std::move(excluded));
+        });
+  m.def("_explain_start() -> int", []() { return patchgemm::selection::start_recording(); });
+  m.def("_explain_stop(int mark) -> str[]", [](int64_t mark) { return patchgemm::selection::stop_recording(mark); });
 }

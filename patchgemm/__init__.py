@@ -4,9 +4,11 @@ from . import ops as _ops  # noqa: F401  (loads the compiled library, registers 
 from .functional import grouped_linear, instance_norm_act, patch_embed, patch_unembed
 from .nn import (ConvertReport, GroupedLinear, HierarchicalPatchEmbed, HierarchicalPatchUnembed,
                  PatchEmbed, PatchUnembed, convert)
+from .selection import explain, force, kernels
 
 __version__ = "0.1.0"
 __all__ = [
     "grouped_linear", "patch_embed", "patch_unembed", "instance_norm_act", "GroupedLinear", "PatchEmbed", "PatchUnembed",
-    "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "__version__",
+    "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "explain", "force", "kernels",
+    "__version__",
 ]

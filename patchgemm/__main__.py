@@ -1,4 +1,4 @@
-"""`python -m patchgemm bench | info`."""
+"""`python -m patchgemm bench | info | kernels`."""
 
 import argparse
 import sys
@@ -23,6 +23,18 @@ def info() -> int:
     return 0
 
 
+def list_kernels(op=None) -> int:
+    from .selection import kernels
+
+    current = None
+    for c in kernels(op):
+        if c.op != current:
+            print(f"{c.op}:")
+            current = c.op
+        print(f"  {c.name:<22} [{c.backends}]  {c.conditions}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m patchgemm")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,9 +47,13 @@ def main(argv=None) -> int:
                        "needs matplotlib")
     bench.add_argument("--from-json", metavar="PATH", help="do not run: print (and --plot) a saved --json file")
     sub.add_parser("info", help="version, build flavour, torch/CUDA/BLAS versions")
+    kernels = sub.add_parser("kernels", help="every op's implementations, in the order the default choice tries them")
+    kernels.add_argument("op", nargs="?", help="only this op's")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.command == "kernels":
+        return list_kernels(args.op)
     from . import bench as suite
 
     if args.tf32:

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -45,3 +47,29 @@ def poison_allocator(nbytes, device):
     write part of its output returns NaNs instead of lucky zeros (caching allocators reuse it)."""
     if nbytes > 0:
         torch.full((nbytes // 4 + 1,), float("nan"), dtype=torch.float32, device=device)
+
+
+# The fused CUDA kernels' candidate names (selection tables), and those of them on Hopper's wgmma.
+FUSED = ("tiny", "implicit_rows_sm90", "implicit_pairs_sm90", "implicit_sm90", "implicit_mma")
+WGMMA = ("implicit_rows_sm90", "implicit_pairs_sm90", "implicit_sm90")
+
+
+@contextlib.contextmanager
+def selection(rules=True, exclude=()):
+    """The default choice with or without its rules (without: the first candidate that applies runs,
+    as a kernel's tests need on small shapes), and without the candidates named in `exclude`."""
+    import patchgemm
+
+    known = {c.name for c in patchgemm.kernels()}
+    torch.ops.patchgemm._set_selection_testing(rules, [n for n in exclude if n in known])
+    try:
+        yield
+    finally:
+        torch.ops.patchgemm._set_selection_testing(True, [])
+
+
+def fused_mode(mode):
+    """"never": no fused kernel (gather / scatter + GEMM); "always": a fused kernel wherever one
+    applies; "auto": the default choice."""
+    return {"never": lambda: selection(exclude=FUSED), "always": lambda: selection(rules=False),
+            "auto": selection}[mode]()

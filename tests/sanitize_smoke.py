@@ -5,6 +5,7 @@
 import torch
 
 import patchgemm
+from conftest import WGMMA, selection  # (tests/, the script's folder, is on sys.path)
 
 ops = torch.ops.patchgemm
 
@@ -83,34 +84,31 @@ def main():
     # their weight gradients with the patches by TMA (kw = 16, 32, 64; several token ranges; 3 and 4 slots);
     # kw = 2 channels-first out with a slice's patches by one TMA box (32-, 16- and 8-patch grid rows),
     # and the kw = 2 unembedding storing pair boxes by TMA (K = 192)
-    old = ops._set_fused_patch_kernels("always")
     for dtype, wgmma in [(torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)]:
-        ops._set_implicit_wgmma(wgmma)
-        for shape, kernel, embed in [((2, 32, 4, 8, 8), (2, 2, 2), 192), ((2, 5, 6, 12, 18), (1, 3, 2), 37),
-                                     ((3, 3, 48, 80), (16, 16), 96), ((2, 24, 8, 8, 8), (4, 4, 4), 200),
-                                     ((3, 16, 2, 6, 8), (2, 2, 2), 64), ((3, 9, 6, 10, 20), (2, 2, 2), 64),
-                                     ((3, 8, 20, 40, 40), (2, 2, 2), 64), ((3, 3, 48, 64), (16, 16), 96),
-                                     ((3, 8, 40, 40, 40), (4, 4, 4), 64), ((2, 48, 16, 16, 16), (4, 4, 4), 384),
-                                     ((2, 16, 8, 32, 64), (2, 8, 8), 192), ((4, 32, 32, 32, 32), (2, 2, 2), 200),
-                                     ((40, 3, 224, 224), (16, 16), 768), ((2, 5, 64, 96), (4, 32), 320),
-                                     ((2, 3, 4, 256), (2, 64), 64), ((6, 16, 8, 64, 64), (2, 2, 2), 192),
-                                     ((2, 32, 32, 16), (2, 2), 64), ((2, 24, 8, 64, 64), (2, 2, 2), 64)]:
-            x = torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True)
-            w = torch.randn(embed, shape[1], *kernel, dtype=dtype, device="cuda", requires_grad=True)
-            b = torch.randn(embed, dtype=dtype, device="cuda", requires_grad=True)
-            for out_format in ("channels_first", "tokens"):
-                y = patchgemm.patch_embed(x, w, b, out_format=out_format)
-                grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
-                grid = [s // k for s, k in zip(shape[2:], kernel)]
-                u = patchgemm.patch_unembed(y.detach(), w.detach(), torch.randn(shape[1], dtype=dtype, device="cuda"),
-                                            in_format=out_format, grid=grid)
-                assert all(torch.isfinite(t).all() for t in (y, *grads, u))
-        x = torch.randn(2, 32, 4, 8, 8, dtype=dtype, device="cuda")  # a weight gradient without bias
-        w = torch.randn(192, 32, 2, 2, 2, dtype=dtype, device="cuda", requires_grad=True)
-        y = patchgemm.patch_embed(x, w)
-        assert torch.isfinite(torch.autograd.grad(y, [w], torch.randn_like(y))[0]).all()
-    ops._set_implicit_wgmma(True)
-    ops._set_fused_patch_kernels(old)
+        with selection(rules=False, exclude=() if wgmma else WGMMA):
+            for shape, kernel, embed in [((2, 32, 4, 8, 8), (2, 2, 2), 192), ((2, 5, 6, 12, 18), (1, 3, 2), 37),
+                                         ((3, 3, 48, 80), (16, 16), 96), ((2, 24, 8, 8, 8), (4, 4, 4), 200),
+                                         ((3, 16, 2, 6, 8), (2, 2, 2), 64), ((3, 9, 6, 10, 20), (2, 2, 2), 64),
+                                         ((3, 8, 20, 40, 40), (2, 2, 2), 64), ((3, 3, 48, 64), (16, 16), 96),
+                                         ((3, 8, 40, 40, 40), (4, 4, 4), 64), ((2, 48, 16, 16, 16), (4, 4, 4), 384),
+                                         ((2, 16, 8, 32, 64), (2, 8, 8), 192), ((4, 32, 32, 32, 32), (2, 2, 2), 200),
+                                         ((40, 3, 224, 224), (16, 16), 768), ((2, 5, 64, 96), (4, 32), 320),
+                                         ((2, 3, 4, 256), (2, 64), 64), ((6, 16, 8, 64, 64), (2, 2, 2), 192),
+                                         ((2, 32, 32, 16), (2, 2), 64), ((2, 24, 8, 64, 64), (2, 2, 2), 64)]:
+                x = torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True)
+                w = torch.randn(embed, shape[1], *kernel, dtype=dtype, device="cuda", requires_grad=True)
+                b = torch.randn(embed, dtype=dtype, device="cuda", requires_grad=True)
+                for out_format in ("channels_first", "tokens"):
+                    y = patchgemm.patch_embed(x, w, b, out_format=out_format)
+                    grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
+                    grid = [s // k for s, k in zip(shape[2:], kernel)]
+                    u = patchgemm.patch_unembed(y.detach(), w.detach(), torch.randn(shape[1], dtype=dtype, device="cuda"),
+                                                in_format=out_format, grid=grid)
+                    assert all(torch.isfinite(t).all() for t in (y, *grads, u))
+            x = torch.randn(2, 32, 4, 8, 8, dtype=dtype, device="cuda")  # a weight gradient without bias
+            w = torch.randn(192, 32, 2, 2, 2, dtype=dtype, device="cuda", requires_grad=True)
+            y = patchgemm.patch_embed(x, w)
+            assert torch.isfinite(torch.autograd.grad(y, [w], torch.randn_like(y))[0]).all()
     # batch one with long patches: a thin, long channels-first GEMM that cuBLAS runs split-K, its K
     # not a whole number of K tiles (the split-K guard's second call); a long weight-gradient reduction
     for dtype in (torch.bfloat16, torch.float16):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import patchgemm
-from conftest import HAS_GPU
+from conftest import HAS_GPU, fused_mode
 
 ops = torch.ops.patchgemm
 
@@ -273,23 +273,19 @@ def test_fuzz(op, device):
     make, run = OPS[op]
     count = GPU_PROBLEMS if device == "cuda" else CPU_PROBLEMS
     failures, done, start = [], 0, time.monotonic()
-    old_mode = ops._set_fused_patch_kernels("auto")
-    try:
-        for i in range(count):
-            if time.monotonic() - start > SECONDS:
-                break
-            rng = random.Random(f"{SEED}/{op}/{i}")
-            problem = make(rng, device)
-            mode = problem.pop("fused", "auto")
-            ops._set_fused_patch_kernels(mode)
-            what = f"{op} #{i} (PATCHGEMM_FUZZ_SEED={SEED}, fused kernels {mode!r}) {problem}"
-            try:
+    for i in range(count):
+        if time.monotonic() - start > SECONDS:
+            break
+        rng = random.Random(f"{SEED}/{op}/{i}")
+        problem = make(rng, device)
+        mode = problem.pop("fused", "auto")
+        what = f"{op} #{i} (PATCHGEMM_FUZZ_SEED={SEED}, fused kernels {mode!r}) {problem}"
+        try:
+            with fused_mode(mode):
                 run(rng, device, problem, failures, what)
-            except Exception as e:  # an error on a valid problem is a failure too
-                failures.append(f"{what}: raised {type(e).__name__}: {e}")
-            done += 1
-    finally:
-        ops._set_fused_patch_kernels(old_mode)
+        except Exception as e:  # an error on a valid problem is a failure too
+            failures.append(f"{what}: raised {type(e).__name__}: {e}")
+        done += 1
     print(f"{op} on {device}: {done} problems in {time.monotonic() - start:.1f} s, {len(failures)} failed")
     assert not failures, f"{len(failures)} of {done} problems failed:\n" + "\n".join(failures[:20])
     assert done >= max(1, count // 4), f"only {done} of {count} problems ran within {SECONDS} s"

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import patchgemm
-from conftest import DEVICES, DTYPES, assert_close_to_ref, needs_gpu, poison_allocator, randn
+from conftest import (DEVICES, DTYPES, WGMMA, assert_close_to_ref, fused_mode, needs_gpu, poison_allocator, randn,
+                      selection)
 
 ops = torch.ops.patchgemm
 
@@ -441,8 +442,7 @@ def test_gpu_gather_wide_rows(dtype, shape, kernel, memory, has_bias):
     ref = CONV[len(kernel)](x64, w64, b64, stride=kernel)
     dy = randn(*ref.shape, dtype=dtype, device="cuda")
     want = torch.autograd.grad(ref, [x64, w64] + ([b64] if has_bias else []), dy.double())
-    old = ops._set_fused_patch_kernels("never")
-    try:
+    with fused_mode("never"):
         out = {}
 
         def step():
@@ -450,8 +450,6 @@ def test_gpu_gather_wide_rows(dtype, shape, kernel, memory, has_bias):
             out["g"] = torch.autograd.grad(out["y"], params, dy)
 
         assert "gather_wide_rows" in cuda_kernels_run(step)
-    finally:
-        ops._set_fused_patch_kernels(old)
     assert_close_to_ref(out["y"], ref, dtype)
     for g, r, name in zip(out["g"], want, ["grad_x", "grad_weight", "grad_bias"]):
         assert_close_to_ref(g, r, dtype, name)
@@ -529,9 +527,8 @@ IMPLICIT = [((2, 192, 8, 16, 16), (2, 2, 2), 192),  # P4-like: runs of 2, K = 15
 @pytest.fixture
 def fused_always():
     """The fused kernels wherever they apply (their rule would send these small shapes to cuBLAS)."""
-    old = ops._set_fused_patch_kernels("always")
-    yield
-    ops._set_fused_patch_kernels(old)
+    with fused_mode("always"):
+        yield
 
 
 def wgmma_built():
@@ -542,10 +539,10 @@ def wgmma_built():
 
 @pytest.fixture(params=[True, False], ids=["wgmma", "mma_sync"])
 def implicit_wgmma(request):
-    """Whether the implicit forward may take its Hopper kernel; returns whether it should run here."""
-    old = ops._set_implicit_wgmma(request.param)
-    yield request.param and wgmma_built()
-    ops._set_implicit_wgmma(old)
+    """Whether the implicit kernels may take their Hopper (wgmma) candidates, rules off as
+    fused_always; returns whether they should run here."""
+    with selection(rules=False, exclude=() if request.param else WGMMA):
+        yield request.param and wgmma_built()
 
 
 def cropped(x):
@@ -1065,11 +1062,8 @@ def test_gpu_implicit_rule(embed, expected):
     want = torch.autograd.grad(ref, [x64, w64], dy.double())
     assert_close_to_ref(out["dx"], want[0], torch.bfloat16, "grad_x")
     assert_close_to_ref(out["dw"], want[1], torch.bfloat16, "grad_weight")
-    old = ops._set_fused_patch_kernels("never")
-    try:
+    with fused_mode("never"):
         assert "implicit" not in cuda_kernels_run(step)
-    finally:
-        ops._set_fused_patch_kernels(old)
 
 
 @needs_gpu
@@ -1091,14 +1085,6 @@ def test_gpu_implicit_wgmma_weight_grad_rule(out_format, k):
     assert ("implicit_weight_grad_kernel_sm90" in ran) == (wgmma_built() and (not tokens or k == 2)), ran
     (want,) = torch.autograd.grad(ref, [w64], dy.double())
     assert_close_to_ref(out["dw"], want, torch.bfloat16, "grad_weight")
-
-
-def test_fused_kernel_mode_hook():
-    old = ops._set_fused_patch_kernels("never")
-    assert ops._set_fused_patch_kernels("always") == "never"
-    assert ops._set_fused_patch_kernels(old) == "always"
-    with pytest.raises(RuntimeError, match="mode must be"):
-        ops._set_fused_patch_kernels("sometimes")
 
 
 @needs_gpu
@@ -1155,11 +1141,8 @@ def test_long_patches_match_float64(mode, dtype, shape, kernel, embed, memory):
     ref_grads = torch.autograd.grad(ref, [x, w, b], gy)
     xd = layout(x.detach().to("cuda", dtype), memory).requires_grad_()
     wd, bd = (t.detach().to("cuda", dtype).requires_grad_() for t in (w, b))
-    old = ops._set_fused_patch_kernels(mode)
-    try:
+    with fused_mode(mode):
         y = patchgemm.patch_embed(xd, wd, bd)
         grads = torch.autograd.grad(y, [xd, wd, bd], gy.to("cuda", dtype))
-    finally:
-        ops._set_fused_patch_kernels(old)
     for name, out, expected in zip(["y", "grad_x", "grad_weight", "grad_bias"], (y, *grads), (ref, *ref_grads)):
         assert_close_to_ref(out, expected, dtype, name, tol=1e-5 if dtype == torch.float32 else None)

@@ -45,20 +45,17 @@ namespace cuda {
 namespace {
 
 // dtype -> (storage type, compute type, scale type): the one table. Half/bfloat16 accumulate in
-// fp32; fp32 uses TF32 tensor cores only when torch.backends.cuda.matmul.allow_tf32 says so.
+// fp32; fp32 uses TF32 tensor cores only where `tf32` (the flag of the op the GEMM serves) allows.
 struct BlasTypes {
   cudaDataType_t data;
   cublasComputeType_t compute;
   cudaDataType_t scale;
 };
 
-BlasTypes blas_types(at::ScalarType dtype) {
+BlasTypes blas_types(at::ScalarType dtype, bool tf32) {
   switch (dtype) {
     case at::kFloat:
-      return {CUDA_R_32F,
-              at::globalContext().allowTF32CuBLAS() ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                                    : CUBLAS_COMPUTE_32F,
-              CUDA_R_32F};
+      return {CUDA_R_32F, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F};
     case at::kHalf:
       return {CUDA_R_16F, CUBLAS_COMPUTE_32F, CUDA_R_32F};
     case at::kBFloat16:
@@ -105,10 +102,10 @@ const char* byte_ptr(const at::Tensor& t) { return static_cast<const char*>(t.co
 
 // One classic-API call (cublasGemmStridedBatchedEx). c is of a and b's dtype, or fp32 for 16-bit
 // a and b (partial sums, gemm.cpp).
-void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool tf32) {
   const at::ScalarType dtype = a.scalar_type();
-  const BlasTypes types = blas_types(dtype);
-  const cudaDataType_t c_type = c.scalar_type() == dtype ? types.data : blas_types(c.scalar_type()).data;
+  const BlasTypes types = blas_types(dtype, tf32);
+  const cudaDataType_t c_type = c.scalar_type() == dtype ? types.data : blas_types(c.scalar_type(), tf32).data;
   const int64_t elem = a.element_size(), c_elem = c.element_size();
   const Scalars s(dtype, call.accumulate);
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // bound to the current stream
@@ -138,7 +135,7 @@ void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, con
 
 #ifdef USE_ROCM
 bool lt_matmul_bias(const BlasCall&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&) {
+                    const at::Tensor&, bool) {
   return false;  // hipBLASLt not wired up: the bias is added through beta = 1
 }
 #else
@@ -193,12 +190,12 @@ bool lt_disabled() {
 // does not apply (fp64, a disallowed reduced-precision reduction, misaligned bias, no algorithm),
 // so the caller falls back to the classic API.
 bool lt_matmul_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c, const at::Tensor& bias) {
+                    const at::Tensor& c, const at::Tensor& bias, bool tf32) {
   const at::ScalarType dtype = c.scalar_type();
   if (lt_disabled() || dtype == at::kDouble || call.accumulate) return false;
   if (!reduced_precision_reduction_allowed(dtype)) return false;  // Lt has no such switch
   if (bias.stride(1) != 1 || pointer_alignment(bias.const_data_ptr()) < 16) return false;
-  const BlasTypes types = blas_types(dtype);
+  const BlasTypes types = blas_types(dtype, tf32);
   const int64_t elem = c.element_size();
 
   MatmulDesc desc;
@@ -272,15 +269,15 @@ SplitKGuard split_k_guard(const at::Tensor& input) {
 // Measured on an H200 (bench/RESULTS.md): the Lt bias epilogue makes bias free, while for plain
 // products the classic API picks the faster kernels for our strided outputs.
 bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
-                             const at::Tensor& c, const at::Tensor& bias) {
+                             const at::Tensor& c, const at::Tensor& bias, bool tf32) {
   const c10::cuda::CUDAGuard guard(c.device());
-  return lt_matmul_bias(call, a, b, c, bias);
+  return lt_matmul_bias(call, a, b, c, bias, tf32);
 }
 
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c) {
+                    const at::Tensor& c, bool tf32) {
   const c10::cuda::CUDAGuard guard(c.device());
-  for (const BlasCall& call : calls) gemm_ex(call, a, b, c);
+  for (const BlasCall& call : calls) gemm_ex(call, a, b, c, tf32);
 }
 
 }  // namespace cuda

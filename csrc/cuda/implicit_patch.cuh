@@ -151,30 +151,11 @@ struct PatchDivs {
   }
 };
 
-// Whether runs of v elements of x5 are v-aligned wherever a patch row starts (the pointer and every
-// stride that moves, in elements).
-inline bool runs_aligned(const at::Tensor& x5, int v) {
-  if (reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % (x5.element_size() * v)) return false;
-  for (int d = 0; d < 4; ++d) {
-    if (x5.size(d) > 1 && x5.stride(d) % v) return false;
-  }
-  return true;
-}
-
 // t itself where it is one contiguous, 16-byte aligned block (what the kernels' 16-byte copies and
 // tensor maps read), else such a copy.
 inline at::Tensor contiguous_aligned(const at::Tensor& t) {
   if (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0) return t;
   return t.clone(at::MemoryFormat::Contiguous);
-}
-
-// The longest run of x5, 8, 4 or 2 elements, that divides kw and that runs_aligned allows; 0 if
-// none.
-inline int widest_run(const at::Tensor& x5, int64_t kw) {
-  for (int v : {8, 4, 2}) {
-    if (kw % v == 0 && runs_aligned(x5, v)) return v;
-  }
-  return 0;
 }
 
 // The geometry of x5 cut into g's patches for E embeddings; false where the kernels' index types
@@ -199,15 +180,6 @@ inline bool make_problem(const at::Tensor& x5, const PatchGeometry& g, int64_t E
   p.rows = g.batch * N;
   return true;
 }
-
-// The rule for taking an implicit kernel over gather + cuBLAS unless told to always (H200,
-// bench/RESULTS.md): their mma.sync runs at 200-300 TFLOP/s, cuBLAS's GEMM at up to ~700, so the
-// gather they save (4 bytes per patch element) pays only for thin GEMMs, E <= 256 (P4's 192: 1.5x
-// forward; E = 384: 0.9x), and only with a 128-token tile per SM to fill the GPU.
-inline bool implicit_pays(int64_t E, int64_t rows, const cudaDeviceProp& device) {
-  return E <= 256 && rows >= int64_t{128} * device.multiProcessorCount;
-}
-
 
 // Writes n 16-bit values (n = 8, 4, 2 or 1; dst aligned to n elements).
 __device__ __forceinline__ void store_vector(uint16_t* dst, const uint16_t* src, int n) {
@@ -273,36 +245,21 @@ struct EmbedEpilogue {
   }
 };
 
-// The forward's rule where its wgmma kernel runs (H100, bench/RESULTS.md): at the tensor cores'
-// rate the implicit GEMM beats gather + cuBLAS at any E and size we measured (E 96 to 1536, 32 to
-// 2048 blocks: 1.0-3x), but for 4-byte runs copied one token at a time (ViT-L/14's kw = 14: 0.8x).
-inline bool implicit_wgmma_pays(int run, bool pair_major) { return run >= 4 || pair_major; }
-
-// The weight gradient's rule where its wgmma kernel runs (bench/RESULTS.md): against gather +
-// cuBLAS it wins wherever grad_y is channels-first (which cuBLAS needs copied into tokens order:
-// 1.06-1.85x on the H100; kw = 2 pairs 2.2-4.7x on the H200), but with tokens grad_y only for thinner
-// GEMMs: runs up to E = 256 (E = 192: 1.8x; 768: 0.7-1.07x; 1536: 0.85x), pairs (which gather 4
-// bytes per patch element) up to E = 512 (384: 2.0x, 512: 1.5x, 768: 1.03x, 1024: 0.92x).
-inline bool implicit_wgmma_weight_grad_pays(bool tokens, bool pairs, int64_t E) {
-  return !tokens || E <= (pairs ? 512 : 256);
-}
-
-// Whether the wgmma kernels (*_sm90.cu) run here: built for sm_90a and a 9.0 device.
-bool wgmma_kernels_run_on(const cudaDeviceProp& device);
-
 // The forward on Hopper's wgmma (implicit_patch_gemm_sm90.cu), for a problem implicit_embed has
 // checked and set up: runs of `run` elements (pair-major copies where pair_major), w [E, p.ldw]
 // contiguous. false where it cannot run: shared memory.
 bool implicit_embed_sm90(const Problem& p, int run, bool pair_major, const at::Tensor& x5, const at::Tensor& w,
-                         const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y);
+                         const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y,
+                         std::string& why);
 
 // The forward on Hopper's wgmma with the patches by TMA, whole patch-grid rows per copy
 // (implicit_patch_gemm_rows_sm90.cu), tokens out, for a problem implicit_embed has checked and set
 // up. false where it does not apply: kw other than 8, 16, 32, 64; kh not a multiple of 64 / kw; x
-// not contiguous; E % 8; grid rows wider than 128 patches; shared memory; or, unless `always`, tiles
-// that would leave a quarter of their MMA rows idle.
+// not contiguous; E % 8; grid rows wider than 128 patches; shared memory; with `ruled`, tiles that
+// would leave a quarter of their MMA rows idle (slower than the other kernels there).
 bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
-                              const std::optional<at::Tensor>& bias, const at::Tensor& y, bool always);
+                              const std::optional<at::Tensor>& bias, const at::Tensor& y, bool ruled,
+                              std::string& why);
 
 // The forward on Hopper's wgmma for kw = 2 with a K slice's patches by one TMA box
 // (implicit_patch_gemm_pairs_sm90.cu), channels-first out y [B, E, N], for a problem implicit_embed
@@ -310,7 +267,7 @@ bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::
 // multiple of 128 / gw; kd * kh not dividing 32, or C not a multiple of 32 / (kd * kh); E % 8; x not
 // contiguous; shared memory.
 bool implicit_embed_pairs_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
-                               const std::optional<at::Tensor>& bias, const at::Tensor& y);
+                               const std::optional<at::Tensor>& bias, const at::Tensor& y, std::string& why);
 
 // The weight gradient on Hopper's wgmma (implicit_patch_weight_grad_sm90.cu), runs of `run` (8: kw %
 // 8 == 0; 4: kw % 4 == 0; 2: kw = 2 in pairs of 4 tokens, grid rows of 4k patches, K % 4 == 0), for
@@ -333,18 +290,18 @@ void sum_token_ranges(const at::Tensor& dw_partial, const at::Tensor& db_partial
 // for tokens grad_y dy [B*N, E], a problem implicit_weight_grad has checked and set up: (dW [E, K],
 // dbias [E] where with_bias, else undefined). nullopt where it does not apply: kw other than 16, 32,
 // 64; kh not a multiple of 128 / kw; x or dy not contiguous and 16-byte aligned; E % 8; grid rows
-// wider than 128 patches or too short for a slice's boxes to fit 3 slots; no tokens; or, unless
-// `always`, where its rule expects gather + cuBLAS to be faster.
+// wider than 128 patches or too short for a slice's boxes to fit 3 slots; no tokens; or, with
+// `ruled`, where its rule expects gather + cuBLAS to be faster.
 std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90(const Problem& p,
                                                                                 const at::Tensor& x5,
-                                                                                const at::Tensor& dy,
-                                                                                bool with_bias, bool always);
+                                                                                const at::Tensor& dy, bool with_bias,
+                                                                                bool ruled, std::string& why);
 
 // The unembedding on Hopper's wgmma (implicit_patch_unembed_sm90.cu), for a problem implicit_unembed
 // has checked and set up (its p, x contiguous, w [C_in, K] contiguous). false where it cannot run:
 // shared memory, or x and w not readable by TMA (channels-first needs N % 64 == 0; K % 8 == 0).
 bool implicit_unembed_sm90(const Problem& p, bool tokens, const at::Tensor& x, const at::Tensor& w,
-                           const std::optional<at::Tensor>& bias, const at::Tensor& y5);
+                           const std::optional<at::Tensor>& bias, const at::Tensor& y5, std::string& why);
 
 }  // namespace cuda
 }  // namespace patchgemm

@@ -17,15 +17,7 @@
 
 #include "patchify.h"
 
-#ifdef USE_ROCM
-namespace patchgemm::cuda {
-// NVIDIA PTX (mma.sync, ldmatrix, cp.async): ROCm builds take the gather -> GEMM path.
-bool implicit_embed(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const PatchGeometry&,
-                    const at::Tensor&, bool, bool) {
-  return false;
-}
-}  // namespace patchgemm::cuda
-#else
+#ifndef USE_ROCM  // NVIDIA PTX (mma.sync, ldmatrix, cp.async): not in ROCm builds
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -214,24 +206,28 @@ bool launch_for_runs(int run, bool pair_major, const Problem& p, const at::Tenso
 
 }  // namespace
 
-bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
-                    const PatchGeometry& g, const at::Tensor& y, bool tokens_out, bool always) {
+bool implicit_embed(Implicit kernel, const at::Tensor& x5, const at::Tensor& w2,
+                    const std::optional<at::Tensor>& bias, const PatchGeometry& g, const at::Tensor& y,
+                    bool tokens_out, bool ruled, std::string& why) {
   const int64_t E = w2.size(0), K = g.patch_size(), N = g.tokens(), kw = g.kernel[2];
   const auto dtype = x5.scalar_type();
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(x5.get_device());
-  if ((dtype != at::kHalf && dtype != at::kBFloat16) || g.levels.size() != 1 || kw % 2 || K < 16 || E < 32 ||
-      N < 2 || x5.stride(4) != 1 || !y.is_contiguous() || reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 ||
-      device->major < 8) {
-    return false;
-  }
+  if (dtype != at::kHalf && dtype != at::kBFloat16) return decline(why, "16-bit dtypes only");
+  if (g.levels.size() != 1) return decline(why, "row-major token order only (no levels)");
+  if (kw % 2) return decline(why, "kw must be even");
+  if (K < 16 || E < 32 || N < 2) return decline(why, "needs K >= 16, E >= 32 and 2+ patches per sample");
+  if (x5.stride(4) != 1) return decline(why, "x's last dim must be contiguous");
+  if (device->major < 8) return decline(why, "needs sm_80 or newer");
+  if (kernel != Implicit::kMma && !wgmma_kernels_run_here(x5)) return decline(why, "needs sm_90a kernels on a 9.0 GPU");
   // Runs of V elements: the largest of 8, 4, 2 dividing kw, every stride and the address (in V).
   const int run = widest_run(x5, kw);
+  if (run == 0) return decline(why, "x's strides and address are not 4-byte aligned along w");
   Problem p;
-  if (run == 0 || !make_problem(x5, g, E, p)) return false;
+  if (!make_problem(x5, g, E, p)) return decline(why, "sizes past the kernels' 32-bit indices");
   // kw = 2: pair-major copies of 4 tokens where every group of 4 starts a 16-byte aligned run.
   const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
-  const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device);
-  if (!always && !(wgmma ? implicit_wgmma_pays(run, pair_major) : implicit_pays(E, p.rows, *device))) return false;
+  if (kernel == Implicit::kRowsSm90 && !tokens_out) return decline(why, "tokens output only");
+  if (kernel == Implicit::kPairsSm90 && tokens_out) return decline(why, "channels-first output only");
   if (p.rows == 0) return true;
 
   const c10::cuda::CUDAGuard guard(y.device());
@@ -240,20 +236,26 @@ bool implicit_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optio
   if (K % 8) w = at::constant_pad_nd(w, {0, 8 - K % 8});
   p.ldw = static_cast<int>(w.size(1));
   const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-  if (wgmma && tokens_out && implicit_embed_rows_sm90(p, x5, w, b, y, always)) return true;
-  if (wgmma && !tokens_out && implicit_embed_pairs_sm90(p, x5, w, b, y)) return true;
-  if (wgmma && implicit_embed_sm90(p, run, pair_major, x5, w, b, tokens_out, y)) return true;
+  switch (kernel) {
+    case Implicit::kRowsSm90: return implicit_embed_rows_sm90(p, x5, w, b, y, ruled, why);
+    case Implicit::kPairsSm90: return implicit_embed_pairs_sm90(p, x5, w, b, y, why);
+    case Implicit::kSm90: return implicit_embed_sm90(p, run, pair_major, x5, w, b, tokens_out, y, why);
+    default: break;
+  }
   // 192-wide tiles where E is a multiple (ViT-B's 768, the hMLP stems' 192): fewer W re-reads per
   // token and no idle columns; 128 otherwise.
   const bool wide = E % 192 == 0;
+  bool launched;
   if (dtype == at::kHalf) {
-    return wide ? launch_for_runs<__half, 192>(run, pair_major, p, x5, w, b, tokens_out, y)
-                : launch_for_runs<__half, 128>(run, pair_major, p, x5, w, b, tokens_out, y);
+    launched = wide ? launch_for_runs<__half, 192>(run, pair_major, p, x5, w, b, tokens_out, y)
+                    : launch_for_runs<__half, 128>(run, pair_major, p, x5, w, b, tokens_out, y);
+  } else {
+    launched = wide ? launch_for_runs<__nv_bfloat16, 192>(run, pair_major, p, x5, w, b, tokens_out, y)
+                    : launch_for_runs<__nv_bfloat16, 128>(run, pair_major, p, x5, w, b, tokens_out, y);
   }
-  return wide ? launch_for_runs<__nv_bfloat16, 192>(run, pair_major, p, x5, w, b, tokens_out, y)
-              : launch_for_runs<__nv_bfloat16, 128>(run, pair_major, p, x5, w, b, tokens_out, y);
+  return launched || decline(why, "the patch's runs do not fit in shared memory (K too long)");
 }
 
 }  // namespace cuda
 }  // namespace patchgemm
-#endif  // USE_ROCM
+#endif  // !USE_ROCM

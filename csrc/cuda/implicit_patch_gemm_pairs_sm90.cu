@@ -194,15 +194,17 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
 }  // namespace
 
 bool implicit_embed_pairs_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
-                               const std::optional<at::Tensor>& bias, const at::Tensor& y) {
+                               const std::optional<at::Tensor>& bias, const at::Tensor& y, std::string& why) {
 #ifdef PATCHGEMM_SM90A
-  if (!pair_tiles_fit(p) || 32 % (p.kd * p.kh) || p.E % 8 || !x5.is_contiguous() ||
-      reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % 16) {
-    return false;
+  if (!pair_tiles_fit(p)) return decline(why, "needs kw = 2, gw of 8, 16 or 32 and gh a multiple of 128 / gw");
+  if (32 % (p.kd * p.kh) || p.E % 8) return decline(why, "needs kd * kh dividing 32 and E % 8 == 0");
+  if (!x5.is_contiguous() || reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % 16) {
+    return decline(why, "x must be contiguous and 16-byte aligned");
   }
   Geometry g;
   g.C = static_cast<int>(x5.size(1)), g.cs = 32 / (p.kd * p.kh);
-  if (g.C % g.cs) return false;  // whole slices of channels (so K % 64 == 0 and W's rows need no padding)
+  // Whole slices of channels (so K % 64 == 0 and W's rows need no padding).
+  if (g.C % g.cs) return decline(why, "C must be a multiple of 32 / (kd * kh)");
   g.tiles_m = pair_tiles(p);
   g.kd = p.kd, g.kh = p.kh;
   g.k_tiles = p.K / kTileK;
@@ -210,14 +212,17 @@ bool implicit_embed_pairs_sm90(const Problem& p, const at::Tensor& x5, const at:
   const bool wide = p.E % 192 == 0;  // 192-wide tiles where E is a multiple (the stems' 192), 128 otherwise
   g.tiles_n = (p.E + (wide ? 191 : 127)) / (wide ? 192 : 128);
   const int64_t tiles = p.rows / kTileM * g.tiles_n;
-  if (tiles >= INT_MAX || x5.size(0) * g.C >= INT_MAX) return false;
+  if (tiles >= INT_MAX || x5.size(0) * g.C >= INT_MAX) return decline(why, "too many tiles for 32-bit indices");
   g.tiles = static_cast<int>(tiles);
+  bool launched;
   if (y.scalar_type() == at::kHalf) {
-    return wide ? launch<__half, 192>(g, x5, w, bias, y) : launch<__half, 128>(g, x5, w, bias, y);
+    launched = wide ? launch<__half, 192>(g, x5, w, bias, y) : launch<__half, 128>(g, x5, w, bias, y);
+  } else {
+    launched = wide ? launch<__nv_bfloat16, 192>(g, x5, w, bias, y) : launch<__nv_bfloat16, 128>(g, x5, w, bias, y);
   }
-  return wide ? launch<__nv_bfloat16, 192>(g, x5, w, bias, y) : launch<__nv_bfloat16, 128>(g, x5, w, bias, y);
+  return launched || decline(why, "its tiles do not fit in shared memory");
 #else
-  return false;
+  return decline(why, "not built for sm_90a");
 #endif
 }
 

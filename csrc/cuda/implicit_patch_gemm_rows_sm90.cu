@@ -267,36 +267,45 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
 }  // namespace
 
 bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
-                              const std::optional<at::Tensor>& bias, const at::Tensor& y, bool always) {
+                              const std::optional<at::Tensor>& bias, const at::Tensor& y, bool ruled,
+                              std::string& why) {
 #ifdef PATCHGEMM_SM90A
   Geometry g;
   g.kd = p.kd, g.kh = p.kh, g.kw = p.kw;
-  if ((g.kw != 8 && g.kw != 16 && g.kw != 32 && g.kw != 64) || g.kh % (kTileK / g.kw) || p.K % kTileK ||
-      p.E % 8 || p.gw > kTileM || !x5.is_contiguous() || reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % 16) {
-    return false;
+  if ((g.kw != 8 && g.kw != 16 && g.kw != 32 && g.kw != 64) || g.kh % (kTileK / g.kw)) {
+    return decline(why, "kw must be 8, 16, 32 or 64 and kh a multiple of 64 / kw");
+  }
+  if (p.K % kTileK || p.E % 8 || p.gw > kTileM) return decline(why, "needs K % 64 == 0, E % 8 == 0, gw <= 128");
+  if (!x5.is_contiguous() || reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % 16) {
+    return decline(why, "x must be contiguous and 16-byte aligned");
   }
   g.kh_box = kTileK / g.kw;
   g.C = static_cast<int>(x5.size(1)), g.D = static_cast<int>(x5.size(2)), g.H = static_cast<int>(x5.size(3));
   g.gw = p.gw, g.gh = p.gh, g.gd = p.tokens / (p.gh * p.gw);
   g.whole_rows = (g.kw == 16 || (g.kw == 8 && patches_per_box_row(g.kw, g.gw) == 1)) && g.gw * g.kw <= 256;
   g.pw = g.whole_rows ? g.gw : (g.gw + 7) / 8 * 8;
-  if (p.rows / g.gw >= INT_MAX) return false;
+  if (p.rows / g.gw >= INT_MAX) return decline(why, "too many grid rows for 32-bit indices");
   g.grid_rows = static_cast<int>(p.rows / g.gw);
   g.rows_per_tile = std::min({kTileM / g.gw, kMaxBoxRows / g.pw, kMaxBoxes});
-  // Tiles of fewer tokens leave MMA rows idle: only when told to (the tests), below 3 / 4 of them.
-  if (!always && g.rows_per_tile * g.gw < kTileM * 3 / 4) return false;
+  // Tiles of fewer tokens leave MMA rows idle: below 3 / 4 of them the other kernels are faster.
+  if (ruled && g.rows_per_tile * g.gw < kTileM * 3 / 4) {
+    return decline(why, "rule: grid rows fill under 3/4 of a 128-token tile");
+  }
   g.k_tiles = p.K / kTileK;
   g.E = p.E;
   g.tiles_n = (p.E + kTileN - 1) / kTileN;
   const int64_t tiles = (g.grid_rows + static_cast<int64_t>(g.rows_per_tile) - 1) / g.rows_per_tile * g.tiles_n;
-  if (tiles >= INT_MAX) return false;
+  if (tiles >= INT_MAX) return decline(why, "too many tiles for 32-bit indices");
   g.tiles = static_cast<int>(tiles);
   g.swizzle_mask = g.whole_rows ? 0 : patch_box_swizzle_mask(g.kw, g.gw);  // whole rows: unswizzled
   g.copied = kSlotW + g.rows_per_tile * g.pw * 128;
   g.slot = (g.copied + 1023) / 1024 * 1024;
-  return y.scalar_type() == at::kHalf ? launch<__half>(g, x5, w, bias, y) : launch<__nv_bfloat16>(g, x5, w, bias, y);
+  const bool launched =
+      y.scalar_type() == at::kHalf ? launch<__half>(g, x5, w, bias, y) : launch<__nv_bfloat16>(g, x5, w, bias, y);
+  return launched || decline(why, "x past 32-bit row indices, a bias not 4-byte aligned, or tiles past shared memory");
 #else
-  return false;
+  (void)p, (void)x5, (void)w, (void)bias, (void)y, (void)ruled;
+  return decline(why, "not built for sm_90a");
 #endif
 }
 

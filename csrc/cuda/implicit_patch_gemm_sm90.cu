@@ -209,27 +209,33 @@ bool launch_for_runs(int run, bool pair_major, const Problem& p, const at::Tenso
 
 }  // namespace
 
-bool wgmma_kernels_run_on(const cudaDeviceProp& device) {
+bool wgmma_kernels_run_here(const at::Tensor& on) {
 #ifdef PATCHGEMM_SM90A  // set by the build where it compiles for sm_90a
-  return device.major == 9 && device.minor == 0;
+  const cudaDeviceProp* device = at::cuda::getDeviceProperties(on.get_device());
+  return device->major == 9 && device->minor == 0;
 #else
+  (void)on;
   return false;
 #endif
 }
 
 bool implicit_embed_sm90(const Problem& p, int run, bool pair_major, const at::Tensor& x5, const at::Tensor& w,
-                         const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y) {
+                         const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y,
+                         std::string& why) {
 #ifdef PATCHGEMM_SM90A
   // 192-wide tiles where E is a multiple (ViT-B's 768, the hMLP stems' 192), 128 otherwise.
   const bool wide = p.E % 192 == 0;
+  bool launched;
   if (x5.scalar_type() == at::kHalf) {
-    return wide ? launch_for_runs<__half, 192>(run, pair_major, p, x5, w, bias, tokens_out, y)
-                : launch_for_runs<__half, 128>(run, pair_major, p, x5, w, bias, tokens_out, y);
+    launched = wide ? launch_for_runs<__half, 192>(run, pair_major, p, x5, w, bias, tokens_out, y)
+                    : launch_for_runs<__half, 128>(run, pair_major, p, x5, w, bias, tokens_out, y);
+  } else {
+    launched = wide ? launch_for_runs<__nv_bfloat16, 192>(run, pair_major, p, x5, w, bias, tokens_out, y)
+                    : launch_for_runs<__nv_bfloat16, 128>(run, pair_major, p, x5, w, bias, tokens_out, y);
   }
-  return wide ? launch_for_runs<__nv_bfloat16, 192>(run, pair_major, p, x5, w, bias, tokens_out, y)
-              : launch_for_runs<__nv_bfloat16, 128>(run, pair_major, p, x5, w, bias, tokens_out, y);
+  return launched || decline(why, "the patch's runs do not fit in shared memory (K too long)");
 #else
-  return false;
+  return decline(why, "not built for sm_90a");
 #endif
 }
 

@@ -17,15 +17,7 @@
 
 #include "patchify.h"
 
-#ifdef USE_ROCM
-namespace patchgemm::cuda {
-// NVIDIA PTX (mma.sync, ldmatrix, cp.async): ROCm builds take the GEMM -> scatter path.
-bool implicit_unembed(const at::Tensor&, bool, const at::Tensor&, const std::optional<at::Tensor>&,
-                      const PatchGeometry&, const at::Tensor&, bool) {
-  return false;
-}
-}  // namespace patchgemm::cuda
-#else
+#ifndef USE_ROCM  // NVIDIA PTX (mma.sync, ldmatrix, cp.async): not in ROCm builds
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -207,33 +199,34 @@ void launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x, const
 
 }  // namespace
 
-bool implicit_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
-                      const PatchGeometry& g, const at::Tensor& y5, bool always) {
+bool implicit_unembed(Implicit kernel, const at::Tensor& x, bool tokens, const at::Tensor& w2,
+                      const std::optional<at::Tensor>& bias, const PatchGeometry& g, const at::Tensor& y5,
+                      std::string& why) {
   const int64_t C_in = w2.size(0), K = g.patch_size(), N = g.tokens();
   const auto dtype = y5.scalar_type();
-  const cudaDeviceProp* device = at::cuda::getDeviceProperties(y5.get_device());
+  const cudaDeviceProp* device = at::cuda::getDeviceProperties(x.get_device());
   Problem p;
   // x moves in 16-byte pieces of 8 channels (tokens) or 8 tokens of a sample (channels-first); y
   // takes 16-byte stores of the kw-element runs of 8 / kw tokens of a grid row: kw = 2, and on
   // wgmma kw = 4 too.
-  const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device);
+  const bool wgmma = kernel == Implicit::kSm90;
   const int64_t kw = g.kernel[2];
-  if ((dtype != at::kHalf && dtype != at::kBFloat16) || (tokens ? C_in % 8 : N % 8) || g.levels.size() != 1 ||
-      !(kw == 2 || (kw == 4 && wgmma)) || g.grid[2] % (8 / kw) || K < 16 || C_in < 16 || !y5.is_contiguous() ||
-      !runs_aligned(y5, 8) || device->major < 8 || !make_problem(y5, g, C_in, p)) {
-    return false;
-  }
-  // The rule: a full 128-column tile, and on wgmma any C_in (its persistent kernel against GEMM +
-  // scatter, H100: 1.25-2.1x at C_in 192 to 1536, bench/RESULTS.md session 12); the mma.sync kernel
-  // only where implicit_pays (C_in is the thin dimension here).
-  const bool mma_sync_pays = always || implicit_pays(C_in, p.rows, *device);
-  if (!always && (K < kTileN || !(wgmma || mma_sync_pays))) return false;
+  if (dtype != at::kHalf && dtype != at::kBFloat16) return decline(why, "16-bit dtypes only");
+  if (kernel != Implicit::kMma && kernel != Implicit::kSm90) return decline(why, "no such unembedding kernel");
+  if (tokens ? C_in % 8 : N % 8) return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 8");
+  if (g.levels.size() != 1) return decline(why, "row-major token order only (no levels)");
+  if (!(kw == 2 || (kw == 4 && wgmma))) return decline(why, wgmma ? "kw must be 2 or 4" : "kw must be 2");
+  if (g.grid[2] % (8 / kw)) return decline(why, "gw must be a multiple of 8 / kw");
+  if (K < 16 || C_in < 16) return decline(why, "needs K >= 16 and C_in >= 16");
+  if (!runs_aligned(y5, 8)) return decline(why, "the output's rows must be multiples of 8 elements");
+  if (device->major < 8) return decline(why, "needs sm_80 or newer");
+  if (wgmma && !wgmma_kernels_run_here(x)) return decline(why, "needs sm_90a kernels on a 9.0 GPU");
+  if (!make_problem(y5, g, C_in, p)) return decline(why, "sizes past the kernels' 32-bit indices");
   if (p.rows == 0) return true;
   const c10::cuda::CUDAGuard guard(y5.device());
   const at::Tensor xc = contiguous_aligned(x);  // (x is a fraction of y)
   const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-  if (wgmma && implicit_unembed_sm90(p, tokens, xc, w2.contiguous(), b, y5)) return true;
-  if (kw != 2 || !mma_sync_pays) return false;
+  if (wgmma) return implicit_unembed_sm90(p, tokens, xc, w2.contiguous(), b, y5, why);
   // W^T [K, C_in] with rows padded to 16 bytes (zero columns).
   at::Tensor wt = w2.t().contiguous();
   if (C_in % 8) wt = at::constant_pad_nd(wt, {0, 8 - C_in % 8});
@@ -248,4 +241,4 @@ bool implicit_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, co
 
 }  // namespace cuda
 }  // namespace patchgemm
-#endif  // USE_ROCM
+#endif  // !USE_ROCM

@@ -335,12 +335,14 @@ bool launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x, const
 }  // namespace
 
 bool implicit_unembed_sm90(const Problem& p, bool tokens, const at::Tensor& x, const at::Tensor& w,
-                           const std::optional<at::Tensor>& bias, const at::Tensor& y5) {
+                           const std::optional<at::Tensor>& bias, const at::Tensor& y5, std::string& why) {
 #ifdef PATCHGEMM_SM90A
-  return y5.scalar_type() == at::kHalf ? launch_for_layout<__half>(tokens, p, x, w, bias, y5)
-                                       : launch_for_layout<__nv_bfloat16>(tokens, p, x, w, bias, y5);
+  const bool launched = y5.scalar_type() == at::kHalf ? launch_for_layout<__half>(tokens, p, x, w, bias, y5)
+                                                      : launch_for_layout<__nv_bfloat16>(tokens, p, x, w, bias, y5);
+  return launched || decline(why, tokens ? "needs K % 8 == 0 (TMA rows), 2^31 rows at most"
+                                         : "needs K % 8 == 0 and N % 64 == 0 (TMA rows), 2^31 rows at most");
 #else
-  return false;
+  return decline(why, "not built for sm_90a");
 #endif
 }
 

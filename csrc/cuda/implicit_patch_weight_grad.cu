@@ -25,15 +25,7 @@
 
 #include "patchify.h"
 
-#ifdef USE_ROCM
-namespace patchgemm::cuda {
-// NVIDIA PTX (mma.sync, ldmatrix, cp.async): ROCm builds take the gather -> GEMM path.
-std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at::Tensor&, bool, const at::Tensor&,
-                                                                       const PatchGeometry&, int64_t, bool, bool) {
-  return std::nullopt;
-}
-}  // namespace patchgemm::cuda
-#else
+#ifndef USE_ROCM  // NVIDIA PTX (mma.sync, ldmatrix, cp.async): not in ROCm builds
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -218,39 +210,45 @@ void launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x5, cons
 
 }  // namespace
 
-std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at::Tensor& grad_y, bool tokens,
-                                                                       const at::Tensor& x5, const PatchGeometry& g,
-                                                                       int64_t E, bool with_bias, bool always) {
+std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(Implicit kernel, const at::Tensor& grad_y,
+                                                                       bool tokens, const at::Tensor& x5,
+                                                                       const PatchGeometry& g, int64_t E,
+                                                                       bool with_bias, bool ruled, std::string& why) {
   const int64_t K = g.patch_size(), N = g.tokens(), kw = g.kernel[2];
   const auto dtype = x5.scalar_type();
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(x5.get_device());
-  Problem p;
-  if ((dtype != at::kHalf && dtype != at::kBFloat16) || grad_y.scalar_type() != dtype || g.levels.size() != 1 ||
-      K < 16 || E < 32 || x5.stride(4) != 1 || device->major < 8 || !make_problem(x5, g, E, p)) {
+  const auto no = [&](const char* reason) {
+    why = reason;
     return std::nullopt;
-  }
-  // Two kernels: on Hopper's wgmma, runs of 8 or 4 (kw % 4 == 0) or kw = 2 pairs with K % 4 == 0
-  // (token indices in 32 bits); elsewhere mma.sync, kw = 2 pairs. Pairs: one 16-byte copy per pair
-  // of 4 tokens (grid rows of 4k patches). grad_y moves in 16-byte pieces of 8 embeddings (tokens)
-  // or pieces of 8 (4 on wgmma) tokens of a sample (channels-first).
+  };
+  Problem p;
+  if (dtype != at::kHalf && dtype != at::kBFloat16) return no("16-bit dtypes only");
+  if (kernel == Implicit::kPairsSm90) return no("no such weight-gradient kernel");
+  if (g.levels.size() != 1) return no("row-major token order only (no levels)");
+  if (K < 16 || E < 32) return no("needs K >= 16 and E >= 32");
+  if (x5.stride(4) != 1) return no("x's last dim must be contiguous");
+  if (device->major < 8) return no("needs sm_80 or newer");
+  if (!make_problem(x5, g, E, p)) return no("sizes past the kernels' 32-bit indices");
+  // Three kernels: on Hopper's wgmma, runs of 8 or 4 (kw % 4 == 0) or kw = 2 pairs with K % 4 == 0
+  // (token indices in 32 bits), or (rows) the patches by TMA; elsewhere mma.sync, kw = 2 pairs. Pairs:
+  // one 16-byte copy per pair of 4 tokens (grid rows of 4k patches). grad_y moves in 16-byte pieces of
+  // 8 embeddings (tokens) or pieces of 8 (4 on wgmma) tokens of a sample (channels-first).
   const bool pairs = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
   const int run = pairs ? 2 : widest_run(x5, kw);
-  const bool wgmma = implicit_wgmma_enabled() && wgmma_kernels_run_on(*device) && p.rows < INT_MAX &&
-                     (run >= 4 || (pairs && K % 4 == 0));
-  const int dy_piece = tokens ? 0 : N % 8 == 0 ? 8 : N % 4 == 0 && wgmma ? 4 : -1;
-  if ((tokens && E % 8) || dy_piece < 0 || !(wgmma || pairs)) return std::nullopt;
-  const c10::cuda::CUDAGuard guard(x5.device());
-  at::Tensor dy;  // grad_y copied at most once, and only for a kernel that runs (it is a fraction of x)
-  // Tokens grad_y with patch rows of 32-128 bytes: the patches by TMA, the bias gradient included.
-  if (wgmma && tokens && p.rows > 0) {
-    dy = contiguous_aligned(grad_y);
-    if (auto grads = implicit_weight_grad_rows_sm90(p, x5, dy, with_bias, always)) return grads;
+  const bool wgmma = kernel != Implicit::kMma;
+  if (wgmma && !wgmma_kernels_run_here(x5)) return no("needs sm_90a kernels on a 9.0 GPU");
+  if (wgmma && (p.rows >= INT_MAX || !(run >= 4 || (pairs && K % 4 == 0)))) {
+    return no("needs kw % 4 == 0 runs or kw = 2 pairs with K % 4 == 0, and fewer than 2^31 patches");
   }
-  // The rule: a full 128-column tile (U2's weight gradient, K = 32, runs at 0.45x gather + cuBLAS:
-  // three quarters of each tile idle), and the kernel's own rule.
-  if (!always && (K < kTileM || !(wgmma ? implicit_wgmma_weight_grad_pays(tokens, pairs, E)
-                                        : implicit_pays(E, p.rows, *device)))) {
-    return std::nullopt;
+  if (!wgmma && !pairs) return no("needs kw = 2, gw a multiple of 4 and 16-byte aligned rows of x");
+  const int dy_piece = tokens ? 0 : N % 8 == 0 ? 8 : N % 4 == 0 && wgmma ? 4 : -1;
+  if (tokens && E % 8) return no("E must be a multiple of 8");
+  if (dy_piece < 0) return no(wgmma ? "patches per sample must be a multiple of 4" : "patches per sample must be a multiple of 8");
+  const c10::cuda::CUDAGuard guard(x5.device());
+  if (kernel == Implicit::kRowsSm90) {
+    // Tokens grad_y with patch rows of 32-128 bytes: the patches by TMA, the bias gradient included.
+    if (!tokens) return no("tokens grad_y only");
+    return implicit_weight_grad_rows_sm90(p, x5, contiguous_aligned(grad_y), with_bias, ruled, why);
   }
   if (p.rows == 0) return std::make_tuple(at::zeros({E, K}, x5.options()), at::Tensor());
   // Token ranges: enough for a block per SM (one fits an SM), each at least 4 slices long.
@@ -261,7 +259,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at:
   const int64_t chunk = ((p.rows + splits - 1) / splits + kTileK - 1) / kTileK * kTileK;
   splits = (p.rows + chunk - 1) / chunk;
   TORCH_CHECK(splits * tiles < INT_MAX, "patch_weight_grad: ", splits * tiles, " blocks is too many");
-  if (!dy.defined()) dy = contiguous_aligned(grad_y);
+  const at::Tensor dy = contiguous_aligned(grad_y);  // (grad_y is a fraction of x)
   if (wgmma) {
     // One token range: the kernel writes dW itself; more: fp32 partial sums (and the bias gradient's,
     // where E % 4 == 0), which sum_token_ranges adds.
@@ -271,7 +269,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at:
     const at::Tensor dw_partial = splits > 1 ? at::empty({splits, E, K}, fp32) : at::Tensor();
     const at::Tensor db_partial = fused_bias ? at::empty({splits * ((K + kTileM - 1) / kTileM), E}, fp32) : at::Tensor();
     if (!implicit_weight_grad_sm90(p, run, dy_piece, x5, dy, splits, chunk, splits > 1 ? dw_partial : dw, db_partial)) {
-      return std::nullopt;
+      return no("its tiles do not fit in shared memory");
     }
     sum_token_ranges(dw_partial, db_partial, dw, db);
     return std::make_tuple(dw, db);
@@ -289,4 +287,4 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(const at:
 
 }  // namespace cuda
 }  // namespace patchgemm
-#endif  // USE_ROCM
+#endif  // !USE_ROCM

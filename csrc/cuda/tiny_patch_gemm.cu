@@ -15,15 +15,7 @@
 
 #include "patchify.h"
 
-#ifdef USE_ROCM
-namespace patchgemm::cuda {
-// The kernel is NVIDIA PTX (mma.sync, ldmatrix): ROCm builds take the gather -> GEMM path.
-bool tiny_embed(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const PatchGeometry&,
-                const at::Tensor&) {
-  return false;
-}
-}  // namespace patchgemm::cuda
-#else
+#ifndef USE_ROCM  // NVIDIA PTX (mma.sync, ldmatrix): not in ROCm builds
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -243,16 +235,17 @@ __global__ void __launch_bounds__(kThreads) tiny_embed_kernel_f32(Volume v, cons
 }  // namespace
 
 bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
-                const PatchGeometry& g, const at::Tensor& y) {
+                const PatchGeometry& g, const at::Tensor& y, std::string& why) {
   const int64_t E = w2.size(0), K = g.patch_size(), N = g.tokens();
   const auto dtype = x5.scalar_type();
   const bool f32 = dtype == at::kFloat;
-  if ((dtype != at::kHalf && dtype != at::kBFloat16 && !f32) || g.levels.size() != 1 || K == 0 || K > kMaxPatch ||
-      E % (f32 ? kF32Rows : 16) || E > 512 || N % 8 || N > INT_MAX || g.batch * E * N == 0 || !y.is_contiguous() ||
-      reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 ||
-      at::cuda::getDeviceProperties(x5.get_device())->major < 8) {
-    return false;
-  }
+  if (dtype != at::kHalf && dtype != at::kBFloat16 && !f32) return decline(why, "16-bit and fp32 only");
+  if (g.levels.size() != 1) return decline(why, "row-major token order only (no levels)");
+  if (K == 0 || K > kMaxPatch) return decline(why, "patches of 1 to 64 elements only");
+  if (E % (f32 ? kF32Rows : 16) || E > 512) return decline(why, f32 ? "E must be a multiple of 8, at most 512" : "E must be a multiple of 16, at most 512");
+  if (N % 8 || N > INT_MAX) return decline(why, "patches per sample must be a multiple of 8");
+  if (g.batch * E * N == 0) return decline(why, "empty problem");
+  if (at::cuda::getDeviceProperties(x5.get_device())->major < 8) return decline(why, "needs sm_80 or newer");
   Volume v;
   for (int d = 0; d < 5; ++d) v.stride[d] = x5.size(d) == 1 ? 0 : x5.stride(d);
   v.kd = static_cast<int>(g.kernel[0]);
@@ -287,7 +280,7 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     int per_sm = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-    if (per_sm == 0) return false;
+    TORCH_CHECK(per_sm > 0, "tiny_embed: ", smem, " bytes of shared memory fit no block on this GPU");
     const int64_t tiles = g.batch * ((N + kTileTokens - 1) / kTileTokens);
     const int64_t blocks =
         std::min<int64_t>(tiles, int64_t{per_sm} * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
@@ -303,4 +296,4 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
 
 }  // namespace cuda
 }  // namespace patchgemm
-#endif  // USE_ROCM
+#endif  // !USE_ROCM

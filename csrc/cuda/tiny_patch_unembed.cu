@@ -17,15 +17,7 @@
 
 #include "patchify.h"
 
-#ifdef USE_ROCM
-namespace patchgemm::cuda {
-// NVIDIA PTX (mma.sync, ldmatrix, cp.async): ROCm builds take the GEMM -> scatter path.
-bool tiny_unembed(const at::Tensor&, bool, const at::Tensor&, const std::optional<at::Tensor>&, const PatchGeometry&,
-                  const at::Tensor&) {
-  return false;
-}
-}  // namespace patchgemm::cuda
-#else
+#ifndef USE_ROCM  // NVIDIA PTX (mma.sync, ldmatrix, cp.async): not in ROCm builds
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -210,16 +202,18 @@ void launch(int tiles_n, const Output& o, const Layout& s, int slices, const at:
 }  // namespace
 
 bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
-                  const PatchGeometry& g, const at::Tensor& y5) {
+                  const PatchGeometry& g, const at::Tensor& y5, std::string& why) {
   const int64_t K = g.patch_size(), N = g.tokens(), C_in = w2.size(0);
   const auto dtype = x.scalar_type();
-  if ((dtype != at::kHalf && dtype != at::kBFloat16) || g.levels.size() != 1 || K == 0 || K > kMaxK || C_in == 0 ||
-      C_in > kMaxC || g.kernel[2] % 2 || (tokens ? C_in % 8 : N % 8) || !y5.is_contiguous() ||
-      at::cuda::getDeviceProperties(x.get_device())->major < 8) {
-    return false;
-  }
+  if (dtype != at::kHalf && dtype != at::kBFloat16) return decline(why, "16-bit dtypes only");
+  if (g.levels.size() != 1) return decline(why, "row-major token order only (no levels)");
+  if (K == 0 || K > kMaxK) return decline(why, "patches of 1 to 64 elements only");
+  if (C_in == 0 || C_in > kMaxC) return decline(why, "1 to 256 input channels only");
+  if (g.kernel[2] % 2) return decline(why, "kw must be even");
+  if (tokens ? C_in % 8 : N % 8) return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 8");
+  if (at::cuda::getDeviceProperties(x.get_device())->major < 8) return decline(why, "needs sm_80 or newer");
   const int64_t slices = g.batch * ((N + kSlice - 1) / kSlice);
-  if (slices >= INT_MAX || N >= INT_MAX) return false;
+  if (slices >= INT_MAX || N >= INT_MAX) return decline(why, "too many patches for 32-bit indices");
   const c10::cuda::CUDAGuard guard(y5.device());
   if (slices == 0) return true;  // y is empty
   const at::Tensor xc = contiguous_aligned(x);  // [B, N, C_in] or [B, C_in, N]
@@ -251,4 +245,4 @@ bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const 
 
 }  // namespace cuda
 }  // namespace patchgemm
-#endif  // USE_ROCM
+#endif  // !USE_ROCM

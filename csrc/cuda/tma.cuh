@@ -11,6 +11,7 @@
 #include <cuda.h>  // CUtensorMap
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 
@@ -21,32 +22,35 @@ namespace cuda {
 // `dims`, byte strides of dimensions 1.. `strides` (multiples of 16), and `box` elements per copy
 // (box[0] * 2 <= 128 bytes: one swizzled row; unswizzled, up to 256 elements), landing in shared
 // memory in `swizzle` (the tensor cores' 128B mode; 32B or 64B for boxes of such rows). Elements
-// outside the tensor read as zeros (and are not written by stores). false where the driver refuses
-// it (callers fall back to their cp.async kernels).
+// outside the tensor read as zeros (and are not written by stores). false where the layout does not
+// allow a map (base or strides not 16-byte multiples, box rows too long): callers check those first.
+// A driver without the entry point, or one that refuses the map, is an error, never "unsupported".
 inline bool encode_tensor_map(CUtensorMap& map, const void* base, int rank, const uint64_t* dims,
                               const uint64_t* strides, const uint32_t* box,
                               CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   static const auto encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      fn = nullptr;
-    }
+    const cudaError_t error =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    TORCH_CHECK(error == cudaSuccess && found == cudaDriverEntryPointSuccess,
+                "patchgemm: the driver has no cuTensorMapEncodeTiled (", cudaGetErrorString(error),
+                ", query result ", static_cast<int>(found), "); the sm_90a kernels need a CUDA 12+ driver");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
-  if (!encode || reinterpret_cast<uintptr_t>(base) % 16 || box[0] * 2 > (swizzle == CU_TENSOR_MAP_SWIZZLE_NONE ? 512 : 128)) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 || box[0] * 2 > (swizzle == CU_TENSOR_MAP_SWIZZLE_NONE ? 512 : 128)) {
     return false;
   }
   for (int d = 0; d + 1 < rank; ++d) {
     if (strides[d] % 16) return false;
   }
   const uint32_t element_strides[5] = {1, 1, 1, 1, 1};
-  return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, rank, const_cast<void*>(base), dims, strides, box,
-                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  const CUresult result = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, rank, const_cast<void*>(base), dims, strides,
+                                 box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "patchgemm: cuTensorMapEncodeTiled failed with CUresult ",
+              static_cast<int>(result), " (rank ", rank, ", innermost size ", dims[0], ", box ", box[0], ")");
+  return true;
 }
 
 // The patch-row kernels' boxes of contiguous x [.., W = gw * kw]: a box is kh_box image rows of pw

@@ -1,0 +1,60 @@
+// The grouped-linear ops' implementation table: our one strided-batched GEMM over the groups, which
+// writes the output in its final layout, else ATen's bmm / baddbmm over the same views (plus a copy
+// into the op's layout). Both follow torch.backends.cuda.matmul.allow_tf32, as nn.Linear does.
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+#include "gemm.h"
+#include "grouped_problem.h"
+#include "selection/registry.h"
+
+namespace patchgemm {
+namespace {
+
+using selection::Candidate;
+using selection::describe;
+using selection::Table;
+using selection::WhyNot;
+
+std::string signature(const GroupedProblem& p) {
+  std::ostringstream out;
+  out << "(" << describe("a", p.a) << ", " << describe("b", p.b) << (p.bias ? ", bias" : "") << ")";
+  return out.str();
+}
+
+std::vector<Candidate<GroupedProblem, at::Tensor>> candidates() {
+  return {
+      {"strided_batched", "cpu cuda rocm", "any problem: one cuBLAS / hipBLAS strided-batched GEMM (guarded "
+                                           "against cuBLAS's split-K tail loss)",
+       [](const GroupedProblem&) { return WhyNot(); },
+       nullptr,
+       [](const GroupedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+         run_gemm(p.a, p.b, p.c, p.bias);
+         return p.out;
+       }},
+      {"aten_bmm", "cpu cuda rocm", "any problem: ATen's bmm / baddbmm, then a copy into the output's layout",
+       [](const GroupedProblem&) { return WhyNot(); },
+       nullptr,
+       [](const GroupedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+         p.c.copy_(p.bias ? at::baddbmm(p.bias->unsqueeze(1), p.a, p.b) : at::bmm(p.a, p.b));
+         return p.out;
+       }},
+  };
+}
+
+const Table<GroupedProblem, at::Tensor> kForward("grouped_linear", candidates(), signature);
+const Table<GroupedProblem, at::Tensor> kGradInput("grouped_linear_grad_input", candidates(), signature);
+const Table<GroupedProblem, at::Tensor> kGradWeight("grouped_linear_grad_weight", candidates(), signature);
+
+}  // namespace
+
+at::Tensor select_grouped_gemm(const GroupedProblem& p) {
+  const std::string op = p.op;
+  if (op == "grouped_linear") return kForward.run(p);
+  if (op == "grouped_linear_grad_input") return kGradInput.run(p);
+  TORCH_INTERNAL_ASSERT(op == "grouped_linear_grad_weight", "no grouped table for ", op);
+  return kGradWeight.run(p);
+}
+
+}  // namespace patchgemm

@@ -1,0 +1,334 @@
+// The patch ops' implementation tables, in the order the default choice tries them: a fused kernel
+// where it applies and its rule expects it to win, else gather / scatter + one cuBLAS GEMM, else
+// PyTorch's own convolution. The rules come from same-run measurements (bench/RESULTS.md); where a
+// kernel's rule needs its own tiling, its entry point applies it (the `ruled` argument).
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+#include "gemm.h"
+#include "patch_problem.h"
+#include "selection/registry.h"
+
+#if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
+#include <ATen/cuda/CUDAContext.h>
+#define PATCHGEMM_PTX_KERNELS 1  // the fused kernels are NVIDIA PTX; ROCm tables have none
+#endif
+
+namespace patchgemm {
+namespace {
+
+using selection::Candidate;
+using selection::describe;
+using selection::Table;
+using selection::WhyNot;
+
+// Where the fused kernels and ATen's path need the default row-major token order.
+WhyNot row_major_tokens(const PatchGeometry& g) {
+  return g.levels.size() == 1 ? WhyNot() : "row-major token order only (levels given)";
+}
+
+std::vector<int64_t> kernel_of(const PatchGeometry& g, int64_t rank) {
+  return std::vector<int64_t>(g.kernel.end() - rank, g.kernel.end());
+}
+
+std::vector<int64_t> grid_of(const PatchGeometry& g, int64_t rank) {
+  return std::vector<int64_t>(g.grid.end() - rank, g.grid.end());
+}
+
+// at::convolution's arguments for kernel == stride.
+at::Tensor aten_conv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     const std::vector<int64_t>& kernel, bool transposed) {
+  const std::vector<int64_t> zeros(kernel.size(), 0), ones(kernel.size(), 1);
+  return at::convolution(x, weight, bias, kernel, zeros, ones, transposed, zeros, 1);
+}
+
+#ifdef PATCHGEMM_PTX_KERNELS
+WhyNot needs_cuda(const at::Tensor& t) { return t.is_cuda() ? WhyNot() : "CUDA tensors only"; }
+
+bool wgmma_here(const at::Tensor& t) { return cuda::wgmma_kernels_run_here(t); }
+
+// The mma.sync implicit GEMMs run at 200-300 TFLOP/s, cuBLAS's GEMM at up to ~700, so the gather
+// they save (4 bytes per patch element) pays only for thin GEMMs, at most 256 wide, with a 128-token
+// tile per SM to fill the GPU (H200).
+WhyNot implicit_mma_pays(int64_t width, int64_t rows, const at::Tensor& on) {
+  const int64_t sms = at::cuda::getDeviceProperties(on.get_device())->multiProcessorCount;
+  if (width > 256) return "rule: GEMMs wider than 256 run faster on cuBLAS after the gather";
+  if (rows < 128 * sms) return "rule: fewer than 128 tokens per SM";
+  return {};
+}
+
+// The forward's wgmma kernels beat gather + cuBLAS at any E and size measured (E 96 to 1536, 32 to
+// 2048 blocks: 1.0-3x on the H100), but for 4-byte runs copied one token at a time (ViT-L/14's
+// kw = 14: 0.8x).
+WhyNot implicit_wgmma_embed_pays(const at::Tensor& x5, const PatchGeometry& g) {
+  const int64_t kw = g.kernel[2];
+  const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
+  if (widest_run(x5, kw) >= 4 || pair_major) return {};
+  return "rule: 4-byte runs one token at a time (odd kw / 2) run faster as gather + cuBLAS";
+}
+#endif
+
+// ---- patch_embed ---------------------------------------------------------------------------------
+
+// patch_embed's and patch_unembed's problems in the log and explain().
+template <typename Problem>
+std::string patch_signature(const Problem& p) {
+  std::ostringstream out;
+  out << "(" << describe("x", p.x) << ", weight " << p.weight.sizes() << (p.bias ? ", bias" : "")
+      << (p.tokens ? ", tokens" : ", channels-first") << (p.g.levels.size() > 1 ? ", levels" : "") << ")";
+  return out.str();
+}
+
+WhyNot not_a_view(const at::Tensor& x5, const PatchGeometry& g) {
+  return patch_matrix_as_view(x5, g) ? "rule: the patch matrix is a view of x (one patch per sample)" : WhyNot();
+}
+
+#ifdef PATCHGEMM_PTX_KERNELS
+Candidate<EmbedProblem, at::Tensor> implicit_embed(const char* name, cuda::Implicit kernel, const char* backends,
+                                                  const char* conditions) {
+  return {name, backends, conditions,
+          [](const EmbedProblem& p) { return needs_cuda(p.x); },
+          [kernel](const EmbedProblem& p) {
+            WhyNot why = not_a_view(p.x5, p.g);
+            if (!why.empty()) return why;
+            if (kernel == cuda::Implicit::kMma && !wgmma_here(p.x)) {
+              return implicit_mma_pays(p.w2.size(0), p.g.batch * p.g.tokens(), p.x);
+            }
+            return implicit_wgmma_embed_pays(p.x5, p.g);
+          },
+          [kernel](const EmbedProblem& p, bool ruled, WhyNot& why) -> std::optional<at::Tensor> {
+            at::Tensor y = at::empty(p.out_shape, p.x.options());
+            const int64_t embed = p.w2.size(0), N = p.g.tokens();
+            const at::Tensor out = p.tokens_out ? y.view({p.g.batch, N, embed}) : y.view({p.g.batch, embed, N});
+            if (!cuda::implicit_embed(kernel, p.x5, p.w2, p.bias, p.g, out, p.tokens_out, ruled, why)) {
+              return std::nullopt;
+            }
+            return y;
+          }};
+}
+#endif
+
+const Table<EmbedProblem, at::Tensor> kEmbedTable(
+    "patch_embed",
+    {
+        {"view_gemm", "cpu cuda rocm", "one patch covers each sample and x's strides make it the patch matrix",
+         [](const EmbedProblem& p) {
+           return patch_matrix_as_view(p.x5, p.g) ? WhyNot() : "x is not its own patch matrix (one patch per sample)";
+         },
+         nullptr,
+         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_gemm(p); }},
+#ifdef PATCHGEMM_PTX_KERNELS
+        {"tiny", "cuda sm_80+", "channels-first out, patches of at most 64 elements, E % 16 == 0 (fp32: 8), E <= 512, "
+                                "N % 8 == 0; 16-bit and fp32",
+         [](const EmbedProblem& p) {
+           const WhyNot why = needs_cuda(p.x);
+           return !why.empty() ? why : p.tokens_out ? "channels-first output only" : WhyNot();
+         },
+         nullptr,
+         [](const EmbedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
+           at::Tensor y = at::empty(p.out_shape, p.x.options());
+           if (!cuda::tiny_embed(p.x5, p.w2, p.bias, p.g, y.view({p.g.batch, p.w2.size(0), p.g.tokens()}), why)) {
+             return std::nullopt;
+           }
+           return y;
+         }},
+        implicit_embed("implicit_rows_sm90", cuda::Implicit::kRowsSm90, "cuda sm_90a",
+                       "16-bit, tokens out, x contiguous, kw of 8 to 64, kh a multiple of 64 / kw, K % 64 == 0, "
+                       "E % 8 == 0, grid rows filling 3/4 of a 128-token tile"),
+        implicit_embed("implicit_pairs_sm90", cuda::Implicit::kPairsSm90, "cuda sm_90a",
+                       "16-bit, channels-first out, x contiguous, kw = 2, gw of 8, 16 or 32, kd * kh dividing 32"),
+        implicit_embed("implicit_sm90", cuda::Implicit::kSm90, "cuda sm_90a",
+                       "16-bit, kw even, x's rows contiguous, K >= 16, E >= 32"),
+        implicit_embed("implicit_mma", cuda::Implicit::kMma, "cuda sm_80+",
+                       "16-bit, kw even, x's rows contiguous, K >= 16, E >= 32"),
+#endif
+        {"gather_gemm", "cpu cuda rocm", "any problem: the patch matrix gathered, then one GEMM",
+         [](const EmbedProblem&) { return WhyNot(); },
+         [](const EmbedProblem& p) -> WhyNot {
+           // Channels innermost (channels_last): the gather reads C-strided elements one at a time,
+           // while cuDNN reads the NHWC rows as they lie (ConvNeXt's k = 2 downsampling: 7x).
+           if (p.g.channels > 1 && p.x5.stride(1) == 1 && p.g.levels.size() == 1) {
+             return "rule: channels-last x is read faster by PyTorch's convolution";
+           }
+           return {};
+         },
+         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_gemm(p); }},
+        {"aten_conv", "cpu cuda rocm", "PyTorch's convolution (cuDNN on CUDA); row-major tokens",
+         [](const EmbedProblem& p) { return row_major_tokens(p.g); },
+         nullptr,
+         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+           const at::Tensor y = aten_conv(p.x, p.weight, p.bias, kernel_of(p.g, p.rank), false);
+           return p.tokens ? y.flatten(2).transpose(1, 2).contiguous() : y.contiguous();
+         }},
+    },
+    patch_signature<EmbedProblem>);
+
+// ---- patch_unembed -------------------------------------------------------------------------------
+
+#ifdef PATCHGEMM_PTX_KERNELS
+// The unembedding's implicit kernels need a full 128-column tile of the patch (K); on wgmma they
+// win at any C_in measured (H100: 1.25-2.1x at C_in 192 to 1536), on mma.sync where it pays.
+Candidate<UnembedProblem, at::Tensor> implicit_unembed(const char* name, cuda::Implicit kernel, const char* backends,
+                                                      const char* conditions) {
+  return {name, backends, conditions,
+          [](const UnembedProblem& p) { return needs_cuda(p.x); },
+          [kernel](const UnembedProblem& p) -> WhyNot {
+            if (p.g.patch_size() < 128) return "rule: patches under 128 elements leave the tiles idle";
+            if (kernel == cuda::Implicit::kMma) return implicit_mma_pays(p.w2.size(0), p.g.batch * p.g.tokens(), p.x);
+            return {};
+          },
+          [kernel](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
+            at::Tensor y = at::empty(p.out_shape, p.x.options());
+            at::Tensor y5 = y;
+            while (y5.dim() < 5) y5 = y5.unsqueeze(2);
+            if (!cuda::implicit_unembed(kernel, p.x_fused, p.tokens, p.w2, p.bias, p.g, y5, why)) return std::nullopt;
+            return y;
+          }};
+}
+#endif
+
+const Table<UnembedProblem, at::Tensor> kUnembedTable(
+    "patch_unembed",
+    {
+#ifdef PATCHGEMM_PTX_KERNELS
+        {"tiny", "cuda sm_80+", "16-bit, kw even, patches of at most 64 elements, C_in <= 256",
+         [](const UnembedProblem& p) { return needs_cuda(p.x); },
+         nullptr,
+         [](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
+           at::Tensor y = at::empty(p.out_shape, p.x.options());
+           at::Tensor y5 = y;
+           while (y5.dim() < 5) y5 = y5.unsqueeze(2);
+           if (!cuda::tiny_unembed(p.x_fused, p.tokens, p.w2, p.bias, p.g, y5, why)) return std::nullopt;
+           return y;
+         }},
+        implicit_unembed("implicit_sm90", cuda::Implicit::kSm90, "cuda sm_90a",
+                         "16-bit, kw = 2 or 4, C_in % 8 == 0 (tokens) or N % 64 == 0, K % 8 == 0"),
+        implicit_unembed("implicit_mma", cuda::Implicit::kMma, "cuda sm_80+",
+                         "16-bit, kw = 2, C_in % 8 == 0 (tokens) or N % 8 == 0, K >= 16"),
+#endif
+        {"gemm_scatter", "cpu cuda rocm", "any problem: one GEMM, then the patches scattered with the bias",
+         [](const UnembedProblem&) { return WhyNot(); },
+         nullptr,
+         [](const UnembedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return unembed_by_gemm(p); }},
+        {"aten_conv_transpose", "cpu cuda rocm", "PyTorch's transposed convolution (cuDNN on CUDA); row-major tokens",
+         [](const UnembedProblem& p) { return row_major_tokens(p.g); },
+         nullptr,
+         [](const UnembedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+           std::vector<int64_t> shape{p.g.batch, p.w2.size(0)};
+           for (int64_t s : grid_of(p.g, p.rank)) shape.push_back(s);
+           const at::Tensor x = p.tokens ? p.x.transpose(1, 2).reshape(shape) : p.x;
+           return aten_conv(x, p.weight, p.bias, kernel_of(p.g, p.rank), true).contiguous();
+         }},
+    },
+    patch_signature<UnembedProblem>);
+
+// ---- patch_weight_grad ---------------------------------------------------------------------------
+
+std::string weight_grad_signature(const WeightGradProblem& p) {
+  std::ostringstream out;
+  out << "(" << describe("grad_y", p.grad_y) << ", " << describe("x", p.x) << ", kernel "
+      << c10::IntArrayRef(kernel_of(p.g, p.rank)) << (p.with_bias ? ", bias" : "")
+      << (p.tokens ? ", tokens" : ", channels-first") << (p.transposed ? ", transposed" : "")
+      << (p.g.levels.size() > 1 ? ", levels" : "") << ")";
+  return out.str();
+}
+
+#ifdef PATCHGEMM_PTX_KERNELS
+bool dy_tokens(const WeightGradProblem& p) { return p.tokens || p.g.tokens() == 1; }
+
+// The kernels read grad_y as tokens [B, N, E] or channels-first [B, E, N].
+at::Tensor dy_for_kernels(const WeightGradProblem& p) { return dy_tokens(p) ? p.dy : p.dy.transpose(1, 2); }
+
+WeightGrads finish(const WeightGradProblem& p, const WeightGrads& grads) {
+  const auto& [grad_w, grad_b] = grads;
+  return {grad_w.view(p.w_shape), grad_b.defined() ? grad_b : bias_grad_by_sum(p)};
+}
+
+// The weight gradient's wgmma kernel wins wherever grad_y is channels-first (which cuBLAS needs
+// copied into tokens order: 1.06-1.85x on the H100; kw = 2 pairs 2.2-4.7x on the H200), but with
+// tokens grad_y only for thinner GEMMs: runs up to E = 256 (E = 192: 1.8x; 768: 0.7-1.07x), pairs
+// (which gather 4 bytes per patch element) up to E = 512 (512: 1.5x, 1024: 0.92x).
+WhyNot implicit_weight_grad_rule(cuda::Implicit kernel, const WeightGradProblem& p) {
+  WhyNot why = not_a_view(p.x5, p.g);
+  if (!why.empty() || kernel == cuda::Implicit::kRowsSm90) return why;  // rows: its own rule (ruled)
+  // A full 128-column tile (U2's weight gradient, K = 32, runs at 0.45x gather + cuBLAS).
+  if (p.g.patch_size() < 128) return "rule: patches under 128 elements leave the tiles idle";
+  if (kernel == cuda::Implicit::kMma) return implicit_mma_pays(p.embed, p.g.batch * p.g.tokens(), p.x);
+  const bool pairs = p.g.kernel[2] == 2 && p.g.grid[2] % 4 == 0 && runs_aligned(p.x5, 8);
+  if (dy_tokens(p) && p.embed > (pairs ? 512 : 256)) {
+    return "rule: tokens grad_y with E over 256 (pairs: 512) runs faster as gather + cuBLAS";
+  }
+  return {};
+}
+
+Candidate<WeightGradProblem, WeightGrads> implicit_weight_grad(const char* name, cuda::Implicit kernel,
+                                                               const char* backends, const char* conditions) {
+  return {name, backends, conditions,
+          [](const WeightGradProblem& p) { return needs_cuda(p.x); },
+          [kernel](const WeightGradProblem& p) { return implicit_weight_grad_rule(kernel, p); },
+          [kernel](const WeightGradProblem& p, bool ruled, WhyNot& why) -> std::optional<WeightGrads> {
+            auto grads = cuda::implicit_weight_grad(kernel, dy_for_kernels(p), dy_tokens(p), p.x5, p.g, p.embed,
+                                                    p.with_bias && !p.transposed, ruled, why);
+            if (!grads) return std::nullopt;
+            return finish(p, *grads);
+          }};
+}
+#endif
+
+const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
+    "patch_weight_grad",
+    {
+#ifdef PATCHGEMM_PTX_KERNELS
+        {"tiny", "cuda sm_80+", "16-bit, kw = 2, gw % 4 == 0, patches of at most 64 elements, E <= 256; the bias "
+                                "gradient in the same pass",
+         [](const WeightGradProblem& p) { return needs_cuda(p.x); },
+         [](const WeightGradProblem& p) { return not_a_view(p.x5, p.g); },
+         [](const WeightGradProblem& p, bool, WhyNot& why) -> std::optional<WeightGrads> {
+           const auto bias = !p.with_bias ? cuda::BiasGrad::kNone
+                             : p.transposed ? cuda::BiasGrad::kUnembed
+                                            : cuda::BiasGrad::kEmbed;
+           auto grads = cuda::tiny_weight_grad(dy_for_kernels(p), dy_tokens(p), p.x5, p.g, p.embed, bias, why);
+           if (!grads) return std::nullopt;
+           const auto& [grad_w, grad_b] = *grads;
+           return WeightGrads{grad_w.view(p.w_shape), p.with_bias ? grad_b : at::empty({0}, p.x.options())};
+         }},
+        implicit_weight_grad("implicit_rows_sm90", cuda::Implicit::kRowsSm90, "cuda sm_90a",
+                             "16-bit, tokens grad_y, x contiguous, kw of 16 to 64, kh a multiple of 128 / kw, "
+                             "E % 8 == 0; the bias gradient in the same pass"),
+        implicit_weight_grad("implicit_sm90", cuda::Implicit::kSm90, "cuda sm_90a",
+                             "16-bit, kw % 4 == 0 runs or kw = 2 pairs, K >= 16, E >= 32"),
+        implicit_weight_grad("implicit_mma", cuda::Implicit::kMma, "cuda sm_80+",
+                             "16-bit, kw = 2, gw % 4 == 0, K >= 16, E >= 32"),
+#endif
+        {"gather_gemm", "cpu cuda rocm", "any problem: the patch matrix gathered (or a view of x), one GEMM; the "
+                                         "bias gradient from a ones column",
+         [](const WeightGradProblem&) { return WhyNot(); },
+         nullptr,
+         [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> { return weight_grad_by_gemm(p); }},
+        {"aten_conv_backward", "cpu cuda rocm", "PyTorch's convolution backward (cuDNN on CUDA); row-major tokens",
+         [](const WeightGradProblem& p) { return row_major_tokens(p.g); },
+         nullptr,
+         [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> {
+           std::vector<int64_t> shape{p.g.batch, p.embed};
+           for (int64_t s : grid_of(p.g, p.rank)) shape.push_back(s);
+           const at::Tensor grad = p.tokens ? p.grad_y.transpose(1, 2).reshape(shape) : p.grad_y;
+           const bool conv_bias = p.with_bias && !p.transposed;
+           const std::vector<int64_t> kernel = kernel_of(p.g, p.rank), zeros(kernel.size(), 0),
+                                      ones(kernel.size(), 1), bias_sizes{p.embed};
+           auto [unused, grad_w, grad_b] = at::convolution_backward(
+               grad, p.x, at::empty(p.w_shape, p.x.options()),
+               conv_bias ? std::optional<at::IntArrayRef>(bias_sizes) : std::nullopt, kernel, zeros, ones, false,
+               zeros, 1, {false, true, conv_bias});
+           return WeightGrads{grad_w.contiguous(), conv_bias ? grad_b : bias_grad_by_sum(p)};
+         }},
+    },
+    weight_grad_signature);
+
+}  // namespace
+
+at::Tensor select_patch_embed(const EmbedProblem& p) { return kEmbedTable.run(p); }
+at::Tensor select_patch_unembed(const UnembedProblem& p) { return kUnembedTable.run(p); }
+WeightGrads select_patch_weight_grad(const WeightGradProblem& p) { return kWeightGradTable.run(p); }
+
+}  // namespace patchgemm

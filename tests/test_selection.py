@@ -1,0 +1,174 @@
+"""The selection tables: every candidate can be forced by name and then runs (explain says so) with the
+conv's / the linears' result; forcing one that does not apply is a clear error; explain, the dispatch
+log and PATCHGEMM_FORCE report and pin what runs."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import patchgemm
+from conftest import DEVICES, WGMMA, assert_close_to_ref, randn
+
+CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+# (x shape, kernel, E, out_format, dtype): between them, every candidate of the patch ops applies to
+# one on a 9.0 GPU (the tiny kernels, the implicit GEMMs' four forms, the GEMM paths, ATen's).
+PATCH_PROBLEMS = [
+    ((2, 3, 16, 16), (16, 16), 32, "tokens", torch.float32),              # one patch per sample: a view
+    ((2, 3, 12, 20), (2, 4), 24, "channels_first", torch.float32),        # odd sizes
+    ((2, 4, 16, 16), (2, 2), 64, "channels_first", torch.bfloat16),       # tiny
+    ((2, 4, 16, 16), (2, 2), 64, "tokens", torch.bfloat16),
+    ((2, 3, 224, 224), (16, 16), 768, "tokens", torch.bfloat16),          # patch rows by TMA
+    ((2, 8, 4, 32, 32), (2, 2, 2), 64, "channels_first", torch.bfloat16),  # pairs by TMA
+    ((2, 16, 8, 8, 8), (4, 4, 4), 64, "tokens", torch.bfloat16),          # runs of 4
+    ((2, 16, 8, 8, 16), (2, 2, 2), 64, "channels_first", torch.float16),
+]
+
+
+def wgmma_built():
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            and any(a.startswith("9.0a") for a in torch.ops.patchgemm.build_info()[1].split(";")))
+
+
+def names(op, device):
+    return [c.name for c in patchgemm.kernels(op) if device in c.backends]
+
+
+def embed_case(problem, device):
+    shape, kernel, embed, fmt, dtype = problem
+    x = randn(*shape, dtype=dtype, device=device)
+    w = randn(embed, shape[1], *kernel, dtype=dtype, device=device) / (shape[1] * torch.tensor(kernel).prod()) ** 0.5
+    b = randn(embed, dtype=dtype, device=device)
+    return x, w, b, kernel, fmt, dtype
+
+
+def check_embed(problem, device):
+    x, w, b, kernel, fmt, dtype = embed_case(problem, device)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = CONV[len(kernel)](x64, w64, b64, stride=kernel)
+    dy = randn(*ref.shape, dtype=dtype, device=device)
+    grads = torch.autograd.grad(ref, [x64, w64, b64], dy.double())
+    tokens = fmt == "tokens"
+    xr, wr, br = (t.requires_grad_() for t in (x, w, b))
+    y = patchgemm.patch_embed(xr, wr, br, out_format=fmt)
+    assert_close_to_ref(y, ref.flatten(2).transpose(1, 2) if tokens else ref, dtype, "y")
+    out = torch.autograd.grad(y, [xr, wr, br], dy.flatten(2).transpose(1, 2) if tokens else dy)
+    for g, r, what in zip(out, grads, ["grad_x", "grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, what)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["patch_embed", "patch_unembed", "patch_weight_grad"])
+def test_every_patch_candidate_runs_when_forced(op, device):
+    """For every candidate of the op on this device: forced on each problem, it either runs (explain
+    names it, the results are the conv's) or raises "does not apply"; and it runs on at least one."""
+    ran = set()
+    for problem in PATCH_PROBLEMS:
+        if device == "cpu" and problem[4] != torch.float32:
+            continue
+        for name in names(op, device):
+            try:
+                with patchgemm.force(**{op: name}), patchgemm.explain() as e:
+                    check_embed(problem, device)
+            except RuntimeError as err:
+                assert "does not apply" in str(err), err
+                continue
+            chosen = {c.chosen for c in e if c.op == op}
+            assert chosen == {name}, (problem, name, [str(c) for c in e])
+            ran.add(name)
+    expected = set(names(op, device))
+    if device == "cuda" and not wgmma_built():
+        expected -= set(WGMMA)
+    assert expected <= ran, f"never ran: {sorted(expected - ran)}"
+
+
+def test_forcing_what_does_not_apply_names_the_reason():
+    x = randn(2, 3, 8, 8)
+    w = randn(16, 3, 2, 2)
+    with patchgemm.force(patch_embed="view_gemm"):
+        with pytest.raises(RuntimeError, match=r"forced implementation \"view_gemm\" does not apply.*x .*"
+                                               r"not its own patch matrix"):
+            patchgemm.patch_embed(x, w)
+    with pytest.raises(RuntimeError, match="patch_embed has no implementation named \"nope\""):
+        with patchgemm.force(patch_embed="nope"):
+            pass
+    with pytest.raises(RuntimeError, match="no op named \"patch_embedding\""):
+        with patchgemm.force(patch_embedding="gather_gemm"):
+            pass
+    # The pin is gone after the block (and after an error inside it).
+    assert patchgemm.explain(patchgemm.patch_embed, x, w)[0].forced is False
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_explain_reports_every_candidate(device):
+    x, w, b, kernel, fmt, dtype = embed_case(((2, 3, 12, 20), (2, 4), 24, "channels_first", torch.float32), device)
+    (choice,) = patchgemm.explain(patchgemm.patch_embed, x, w, b)
+    assert choice.op == "patch_embed" and not choice.forced
+    assert [v.name for v in choice.candidates] == [c.name for c in patchgemm.kernels("patch_embed")]
+    statuses = {v.name: v.status for v in choice.candidates}
+    assert statuses[choice.chosen] == "chosen" and list(statuses.values()).count("chosen") == 1
+    assert statuses["view_gemm"] == "unsupported"
+    assert choice.chosen in str(choice)
+    # Around a training step: the forward and both backward ops, from autograd's threads too.
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with patchgemm.explain() as e:
+        patchgemm.patch_embed(xr, wr, b).sum().backward()
+    assert {c.op for c in e} == {"patch_embed", "patch_unembed", "patch_weight_grad"}, str(e)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["bgd", "gbd"])
+def test_grouped_candidates_match_the_linears(device, layout):
+    G, B, din, dout = 3, 5, 7, 6
+    x = randn(B, G, din, device=device) if layout == "bgd" else randn(G, B, din, device=device)
+    w, b = randn(G, dout, din, device=device), randn(G, dout, device=device)
+    dy = randn(*x.shape[:2], dout, device=device)
+    xg = x if layout == "gbd" else x.transpose(0, 1)
+    ref = (torch.bmm(xg.double(), w.double().transpose(1, 2)) + b.double()[:, None])
+    ref = ref if layout == "gbd" else ref.transpose(0, 1)
+    for name in names("grouped_linear", device):
+        ops = {op: name for op in ("grouped_linear", "grouped_linear_grad_input", "grouped_linear_grad_weight")}
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with patchgemm.force(**ops), patchgemm.explain() as e:
+            y = patchgemm.grouped_linear(xr, wr, b, layout=layout)
+            gx, gw = torch.autograd.grad(y, [xr, wr], dy)
+        assert {c.chosen for c in e} == {name} and len(e) == 3, str(e)
+        assert_close_to_ref(y, ref, torch.float32, f"{name} y")
+        dyg = dy.double() if layout == "gbd" else dy.double().transpose(0, 1)
+        want_gx = torch.bmm(dyg, w.double())
+        assert_close_to_ref(gx, want_gx if layout == "gbd" else want_gx.transpose(0, 1), torch.float32, f"{name} dx")
+        assert_close_to_ref(gw, torch.bmm(dyg.transpose(1, 2), xg.double()), torch.float32, f"{name} dW")
+
+
+def test_kernels_table_and_cli():
+    rows = patchgemm.kernels()
+    ops = {r.op for r in rows}
+    assert {"patch_embed", "patch_unembed", "patch_weight_grad", "grouped_linear"} <= ops
+    for op, last in [("patch_embed", "aten_conv"), ("patch_unembed", "aten_conv_transpose"),
+                     ("patch_weight_grad", "aten_conv_backward")]:
+        assert patchgemm.kernels(op)[-1].name == last
+    out = subprocess.run([sys.executable, "-m", "patchgemm", "kernels"], capture_output=True, text=True,
+                         cwd="/", check=True).stdout
+    assert "patch_embed:" in out and "gather_gemm" in out and "aten_conv" in out
+
+
+def test_env_force_and_dispatch_log():
+    """PATCHGEMM_FORCE pins a candidate from the start; PATCHGEMM_LOG_DISPATCH logs each new choice once."""
+    code = ("import torch, patchgemm\n"
+            "x = torch.randn(2, 3, 8, 8); w = torch.randn(16, 3, 2, 2)\n"
+            "for _ in range(3): y = patchgemm.patch_embed(x, w)\n"
+            "ref = torch.nn.functional.conv2d(x, w, stride=2)\n"
+            "assert torch.allclose(y, ref, atol=1e-5)\n")
+    env = dict(os.environ, PATCHGEMM_FORCE="patch_embed=aten_conv", PATCHGEMM_LOG_DISPATCH="1")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", env=env)
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("patchgemm: patch_embed")]
+    assert len(lines) == 1 and lines[0].endswith("-> aten_conv (forced)"), run.stderr
+    env["PATCHGEMM_FORCE"] = "patch_embed=nothing"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", env=env)
+    assert run.returncode != 0 and "PATCHGEMM_FORCE: patch_embed has no implementation named" in run.stderr
