@@ -45,13 +45,6 @@ Dims3 to_dims3(c10::IntArrayRef v) {
   return d;
 }
 
-// [B, C, *S] -> [B, C, D, H, W] (a view).
-at::Tensor to_5d(const at::Tensor& t) {
-  at::Tensor v = t;
-  while (v.dim() < 5) v = v.unsqueeze(2);
-  return v;
-}
-
 // Fills g.levels from the flattened `levels` argument (groups of `rank` sizes, coarse first), or
 // the single row-major level when it is empty.
 void set_levels(const char* op, PatchGeometry& g, c10::IntArrayRef levels, int64_t rank) {

@@ -88,8 +88,7 @@ at::Tensor unembed_by_gemm(const UnembedProblem& p) {
   const at::Tensor w = padded_weight(p.w2, std::nullopt, q.size(2));
   run_gemm(a, w.unsqueeze(0).expand({a.size(0), in_channels, w.size(1)}), a.size(0) == 1 ? merge_batch(q) : q,
            std::nullopt, false, kConv);
-  at::Tensor y5 = y;
-  while (y5.dim() < 5) y5 = y5.unsqueeze(2);
+  const at::Tensor y5 = to_5d(y);
   unpatchify(q, g, p.bias, y5);
   return y;
 }

@@ -55,6 +55,13 @@ at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_colu
 void unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
                 const at::Tensor& y5);
 
+// [B, C, *S] -> [B, C, D, H, W] (a view).
+inline at::Tensor to_5d(const at::Tensor& t) {
+  at::Tensor v = t;
+  while (v.dim() < 5) v = v.unsqueeze(2);
+  return v;
+}
+
 // Whether runs of v elements of x5 [B, C, D, H, W] are v-aligned wherever a patch row starts (the
 // pointer and every stride that moves, in elements).
 inline bool runs_aligned(const at::Tensor& x5, int v) {
@@ -80,10 +87,14 @@ namespace cuda {
 // anything runs. Which one runs where is chosen by the selection tables (selection/patch_tables.cpp),
 // which hold the rules; a failure to launch is an error, never a false.
 
-// Sets `why` and returns false: an entry point's "does not apply".
+// Sets `why` and returns false (nullopt): an entry point's "does not apply".
 inline bool decline(std::string& why, std::string reason) {
   why = std::move(reason);
   return false;
+}
+inline std::nullopt_t decline_grads(std::string& why, std::string reason) {
+  why = std::move(reason);
+  return std::nullopt;
 }
 
 // The tiled patchify / unpatchify (a gather or scatter for the GEMM paths); false where they do not

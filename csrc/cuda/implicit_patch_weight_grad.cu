@@ -217,18 +217,14 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(Implicit 
   const int64_t K = g.patch_size(), N = g.tokens(), kw = g.kernel[2];
   const auto dtype = x5.scalar_type();
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(x5.get_device());
-  const auto no = [&](const char* reason) {
-    why = reason;
-    return std::nullopt;
-  };
   Problem p;
-  if (dtype != at::kHalf && dtype != at::kBFloat16) return no("16-bit dtypes only");
-  if (kernel == Implicit::kPairsSm90) return no("no such weight-gradient kernel");
-  if (g.levels.size() != 1) return no("row-major token order only (no levels)");
-  if (K < 16 || E < 32) return no("needs K >= 16 and E >= 32");
-  if (x5.stride(4) != 1) return no("x's last dim must be contiguous");
-  if (device->major < 8) return no("needs sm_80 or newer");
-  if (!make_problem(x5, g, E, p)) return no("sizes past the kernels' 32-bit indices");
+  if (dtype != at::kHalf && dtype != at::kBFloat16) return decline_grads(why, "16-bit dtypes only");
+  if (kernel == Implicit::kPairsSm90) return decline_grads(why, "no such weight-gradient kernel");
+  if (g.levels.size() != 1) return decline_grads(why, "row-major token order only (no levels)");
+  if (K < 16 || E < 32) return decline_grads(why, "needs K >= 16 and E >= 32");
+  if (x5.stride(4) != 1) return decline_grads(why, "x's last dim must be contiguous");
+  if (device->major < 8) return decline_grads(why, "needs sm_80 or newer");
+  if (!make_problem(x5, g, E, p)) return decline_grads(why, "sizes past the kernels' 32-bit indices");
   // Three kernels: on Hopper's wgmma, runs of 8 or 4 (kw % 4 == 0) or kw = 2 pairs with K % 4 == 0
   // (token indices in 32 bits), or (rows) the patches by TMA; elsewhere mma.sync, kw = 2 pairs. Pairs:
   // one 16-byte copy per pair of 4 tokens (grid rows of 4k patches). grad_y moves in 16-byte pieces of
@@ -236,18 +232,18 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(Implicit 
   const bool pairs = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
   const int run = pairs ? 2 : widest_run(x5, kw);
   const bool wgmma = kernel != Implicit::kMma;
-  if (wgmma && !wgmma_kernels_run_here(x5)) return no("needs sm_90a kernels on a 9.0 GPU");
+  if (wgmma && !wgmma_kernels_run_here(x5)) return decline_grads(why, "needs sm_90a kernels on a 9.0 GPU");
   if (wgmma && (p.rows >= INT_MAX || !(run >= 4 || (pairs && K % 4 == 0)))) {
-    return no("needs kw % 4 == 0 runs or kw = 2 pairs with K % 4 == 0, and fewer than 2^31 patches");
+    return decline_grads(why, "needs kw % 4 == 0 runs or kw = 2 pairs with K % 4 == 0, and fewer than 2^31 patches");
   }
-  if (!wgmma && !pairs) return no("needs kw = 2, gw a multiple of 4 and 16-byte aligned rows of x");
+  if (!wgmma && !pairs) return decline_grads(why, "needs kw = 2, gw a multiple of 4 and 16-byte aligned rows of x");
   const int dy_piece = tokens ? 0 : N % 8 == 0 ? 8 : N % 4 == 0 && wgmma ? 4 : -1;
-  if (tokens && E % 8) return no("E must be a multiple of 8");
-  if (dy_piece < 0) return no(wgmma ? "patches per sample must be a multiple of 4" : "patches per sample must be a multiple of 8");
+  if (tokens && E % 8) return decline_grads(why, "E must be a multiple of 8");
+  if (dy_piece < 0) return decline_grads(why, wgmma ? "patches per sample must be a multiple of 4" : "patches per sample must be a multiple of 8");
   const c10::cuda::CUDAGuard guard(x5.device());
   if (kernel == Implicit::kRowsSm90) {
     // Tokens grad_y with patch rows of 32-128 bytes: the patches by TMA, the bias gradient included.
-    if (!tokens) return no("tokens grad_y only");
+    if (!tokens) return decline_grads(why, "tokens grad_y only");
     return implicit_weight_grad_rows_sm90(p, x5, contiguous_aligned(grad_y), with_bias, ruled, why);
   }
   if (p.rows == 0) return std::make_tuple(at::zeros({E, K}, x5.options()), at::Tensor());
@@ -269,7 +265,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(Implicit 
     const at::Tensor dw_partial = splits > 1 ? at::empty({splits, E, K}, fp32) : at::Tensor();
     const at::Tensor db_partial = fused_bias ? at::empty({splits * ((K + kTileM - 1) / kTileM), E}, fp32) : at::Tensor();
     if (!implicit_weight_grad_sm90(p, run, dy_piece, x5, dy, splits, chunk, splits > 1 ? dw_partial : dw, db_partial)) {
-      return no("its tiles do not fit in shared memory");
+      return decline_grads(why, "its tiles do not fit in shared memory");
     }
     sum_token_ranges(dw_partial, db_partial, dw, db);
     return std::make_tuple(dw, db);

@@ -243,24 +243,20 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90
                                                                                 const at::Tensor& x5,
                                                                                 const at::Tensor& dy, bool with_bias,
                                                                                 bool ruled, std::string& why) {
-  const auto no = [&](const char* reason) {
-    why = reason;
-    return std::nullopt;
-  };
 #ifdef PATCHGEMM_SM90A
   Geometry g;
   g.kd = p.kd, g.kh = p.kh, g.kw = p.kw;
   if ((g.kw != 16 && g.kw != 32 && g.kw != 64) || g.kh % (kTileM / g.kw)) {
-    return no("kw must be 16, 32 or 64 and kh a multiple of 128 / kw");
+    return decline_grads(why, "kw must be 16, 32 or 64 and kh a multiple of 128 / kw");
   }
-  if (p.E % 8 || p.gw > 128) return no("needs E % 8 == 0 and gw <= 128");
+  if (p.E % 8 || p.gw > 128) return decline_grads(why, "needs E % 8 == 0 and gw <= 128");
   if (!x5.is_contiguous() || reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % 16 || !dy.is_contiguous() ||
       reinterpret_cast<uintptr_t>(dy.const_data_ptr()) % 16) {
-    return no("x and grad_y must be contiguous and 16-byte aligned");
+    return decline_grads(why, "x and grad_y must be contiguous and 16-byte aligned");
   }
-  if (p.rows == 0) return no("no patches");
+  if (p.rows == 0) return decline_grads(why, "no patches");
   // Image rows and the past-the-end grid row's origin as ints.
-  if (x5.numel() / x5.size(4) >= INT_MAX / 2 || p.rows >= INT_MAX / 2) return no("sizes past 32-bit indices");
+  if (x5.numel() / x5.size(4) >= INT_MAX / 2 || p.rows >= INT_MAX / 2) return decline_grads(why, "sizes past 32-bit indices");
   g.kh_box = kTileM / g.kw;
   g.C = static_cast<int>(x5.size(1)), g.D = static_cast<int>(x5.size(2)), g.H = static_cast<int>(x5.size(3));
   g.gw = p.gw, g.gh = p.gh, g.gd = p.tokens / (p.gh * p.gw);
@@ -274,7 +270,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90
   g.box_bytes = g.pw * 256;  // kh_box x pw x kw 16-bit elements
   const int max_boxes = (g.gw - 1 + kSlice - 1) / g.gw + 1;  // grid rows 64 tokens touch
   // A producer lane each (3 slots of them never fit anyway).
-  if (max_boxes > 32) return no("grid rows too short: a slice would touch over 32 of them");
+  if (max_boxes > 32) return decline_grads(why, "grid rows too short: a slice would touch over 32 of them");
   g.slot = kSlotDy + max_boxes * g.box_bytes;
   g.with_bias = with_bias;
   const cudaDeviceProp* device = at::cuda::getCurrentDeviceProperties();
@@ -282,18 +278,18 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90
   const int optin = static_cast<int>(device->sharedMemPerBlockOptin);
   int stages = 5;
   while (stages >= 3 && 1024 + stages * (g.slot + 16) > optin) --stages;
-  if (stages < 3) return no("three slots of a slice's boxes do not fit in shared memory");
+  if (stages < 3) return decline_grads(why, "three slots of a slice's boxes do not fit in shared memory");
   // Token ranges: a block per SM, each range at least 8 slices.
   const int64_t tiles = int64_t{g.tiles_m} * g.tiles_n, slices = (p.rows + kSlice - 1) / kSlice;
   int64_t splits = std::max<int64_t>(1, std::min<int64_t>(device->multiProcessorCount / tiles, slices / 8));
   g.chunk = static_cast<int>((slices + splits - 1) / splits * kSlice);
   splits = (p.rows + g.chunk - 1) / g.chunk;
-  if (splits * tiles >= INT_MAX) return no("too many tiles for 32-bit indices");
+  if (splits * tiles >= INT_MAX) return decline_grads(why, "too many tiles for 32-bit indices");
   // The rule (H200, bench/RESULTS.md session 14): blocks for 3/4 of the SMs (ViT-B/16 at batch 8,
   // 54 blocks: 1.1x slower than gather + cuBLAS) and at most 6 boxes a slice (grid rows of 13+
   // patches; 8-patch rows, 9 boxes: 1.06x slower).
-  if (ruled && splits * tiles * 4 < device->multiProcessorCount * 3) return no("rule: blocks for under 3/4 of the SMs");
-  if (ruled && max_boxes > 6) return no("rule: over 6 boxes a slice (grid rows under 13 patches)");
+  if (ruled && splits * tiles * 4 < device->multiProcessorCount * 3) return decline_grads(why, "rule: blocks for under 3/4 of the SMs");
+  if (ruled && max_boxes > 6) return decline_grads(why, "rule: over 6 boxes a slice (grid rows under 13 patches)");
 
   CUtensorMap x_map, dy_map;  // x as [B*C*D*H image rows][gw][kw]; grad_y as [B*N][E]
   const uint64_t dy_dims[2] = {static_cast<uint64_t>(g.E), static_cast<uint64_t>(g.tokens)};
@@ -301,7 +297,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90
   const uint32_t dy_box[2] = {64, kSlice};
   if (!encode_patch_box_map(x_map, x5.const_data_ptr(), x5.numel() / x5.size(4), g.kw, g.gw, g.pw, g.kh_box) ||
       !encode_tensor_map(dy_map, dy.const_data_ptr(), 2, dy_dims, dy_strides, dy_box)) {
-    return no("E's rows are not 16-byte multiples for TMA");
+    return decline_grads(why, "E's rows are not 16-byte multiples for TMA");
   }
   const at::Tensor dw = at::empty({p.E, p.K}, x5.options());
   const at::Tensor db = with_bias ? at::empty({p.E}, x5.options()) : at::Tensor();
@@ -314,7 +310,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90
   return std::make_tuple(dw, db);
 #else
   (void)p, (void)x5, (void)dy, (void)with_bias, (void)ruled;
-  return no("not built for sm_90a");
+  return decline_grads(why, "not built for sm_90a");
 #endif
 }
 

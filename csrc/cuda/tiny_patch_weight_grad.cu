@@ -260,19 +260,15 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Ten
   const int64_t K = g.patch_size(), N = g.tokens();
   const auto dtype = x5.scalar_type();
   Problem p;
-  const auto no = [&](const char* reason) {
-    why = reason;
-    return std::nullopt;
-  };
   // kw = 2 with 4 tokens of a grid row in one 16-byte copy; 16-byte pieces of grad_y.
-  if (dtype != at::kHalf && dtype != at::kBFloat16) return no("16-bit dtypes only");
-  if (g.levels.size() != 1) return no("row-major token order only (no levels)");
-  if (K > kMaxK || E > kMaxE || E % 2) return no("patches of at most 64 elements, E even and at most 256");
-  if (tokens ? E % 8 : N % 8) return no(tokens ? "E must be a multiple of 8" : "patches per sample must be a multiple of 8");
-  if (g.kernel[2] != 2 || g.grid[2] % 4) return no("kw must be 2 and gw a multiple of 4");
-  if (x5.stride(4) != 1 || !runs_aligned(x5, 8)) return no("x's rows must be contiguous and 16-byte aligned");
-  if (at::cuda::getDeviceProperties(x5.get_device())->major < 8) return no("needs sm_80 or newer");
-  if (!make_problem(x5, g, E, p)) return no("sizes past the kernel's 32-bit indices");
+  if (dtype != at::kHalf && dtype != at::kBFloat16) return decline_grads(why, "16-bit dtypes only");
+  if (g.levels.size() != 1) return decline_grads(why, "row-major token order only (no levels)");
+  if (K > kMaxK || E > kMaxE || E % 2) return decline_grads(why, "patches of at most 64 elements, E even and at most 256");
+  if (tokens ? E % 8 : N % 8) return decline_grads(why, tokens ? "E must be a multiple of 8" : "patches per sample must be a multiple of 8");
+  if (g.kernel[2] != 2 || g.grid[2] % 4) return decline_grads(why, "kw must be 2 and gw a multiple of 4");
+  if (x5.stride(4) != 1 || !runs_aligned(x5, 8)) return decline_grads(why, "x's rows must be contiguous and 16-byte aligned");
+  if (at::cuda::getDeviceProperties(x5.get_device())->major < 8) return decline_grads(why, "needs sm_80 or newer");
+  if (!make_problem(x5, g, E, p)) return decline_grads(why, "sizes past the kernel's 32-bit indices");
   const c10::cuda::CUDAGuard guard(x5.device());
   const int64_t bias_size = bias == BiasGrad::kEmbed ? E : bias == BiasGrad::kUnembed ? g.channels : 0;
   if (g.batch * N == 0 || E == 0) {
@@ -281,7 +277,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Ten
   }
   const at::Tensor dy = contiguous_aligned(grad_y);
   const int64_t slices = g.batch * ((N + kSlice - 1) / kSlice);
-  if (slices >= INT_MAX) return no("too many patches for 32-bit indices");
+  if (slices >= INT_MAX) return decline_grads(why, "too many patches for 32-bit indices");
   const int64_t blocks = std::min<int64_t>(slices, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   // fp32 partial sums per block, rows of whole float4s for sum_token_ranges (E * K % 4 == 0: both even;
   // the bias rows' padding is zero, summed and dropped).

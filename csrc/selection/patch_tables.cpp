@@ -182,8 +182,7 @@ Candidate<UnembedProblem, at::Tensor> implicit_unembed(const char* name, cuda::I
           },
           [kernel](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
             at::Tensor y = at::empty(p.out_shape, p.x.options());
-            at::Tensor y5 = y;
-            while (y5.dim() < 5) y5 = y5.unsqueeze(2);
+            const at::Tensor y5 = to_5d(y);
             if (!cuda::implicit_unembed(kernel, p.x_fused, p.tokens, p.w2, p.bias, p.g, y5, why)) return std::nullopt;
             return y;
           }};
@@ -199,8 +198,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
          nullptr,
          [](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            at::Tensor y = at::empty(p.out_shape, p.x.options());
-           at::Tensor y5 = y;
-           while (y5.dim() < 5) y5 = y5.unsqueeze(2);
+           const at::Tensor y5 = to_5d(y);
            if (!cuda::tiny_unembed(p.x_fused, p.tokens, p.w2, p.bias, p.g, y5, why)) return std::nullopt;
            return y;
          }},
