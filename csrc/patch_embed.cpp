@@ -10,6 +10,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "checks.h"
 #include "patch_problem.h"
 
@@ -93,6 +95,22 @@ PatchGeometry embed_geometry(const char* op, const char* name, const at::Tensor&
   return g;
 }
 
+// Whether x [B, C, *S] lies channels-last (channels_last / channels_last_3d, as ATen suggests): the
+// GEMM paths then gather in (i, j, l, c) order, and a channels-first output takes x's memory format,
+// as PyTorch's convolutions do.
+bool lies_channels_last(const at::Tensor& x) {
+  return x.numel() > 0 && x.suggest_memory_format() != at::MemoryFormat::Contiguous;
+}
+
+// weight [O, C, *k] as [O, K] with columns in (i, j, l, c) order (a copy unless the weight is
+// channels-last too).
+at::Tensor channels_last_columns(const at::Tensor& weight) {
+  std::vector<int64_t> order{0};
+  for (int64_t d = 2; d < weight.dim(); ++d) order.push_back(d);
+  order.push_back(1);
+  return weight.permute(order).reshape({weight.size(0), weight.numel() / std::max<int64_t>(weight.size(0), 1)});
+}
+
 }  // namespace
 
 at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
@@ -112,10 +130,12 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
   const int64_t embed = weight.size(0), K = g.patch_size(), N = g.tokens();
   check_bias(op, bias, embed, weight);
   p.x = x, p.weight = weight, p.bias = bias, p.tokens = tokens, p.rank = rank;
-  // One patch per sample: channels-first [B, E, 1..] and tokens [B, 1, E] are the same memory.
-  p.tokens_out = tokens || N == 1;
+  p.g.channels_last = lies_channels_last(x);
+  // One patch per sample: channels-first [B, E, 1..] and tokens [B, 1, E] are the same memory, as
+  // are channels-last [B, E, *grid] and tokens.
+  p.tokens_out = tokens || N == 1 || g.channels_last;
   p.x5 = to_5d(x);
-  p.w2 = weight.reshape({embed, K});
+  p.w2 = g.channels_last ? channels_last_columns(weight) : weight.reshape({embed, K});
   if (tokens) {
     p.out_shape = {g.batch, N, embed};
   } else {
@@ -160,12 +180,14 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
     g.batch = x.size(0);
     g.grid = to_dims3(x.sizes().slice(2));
     g.levels = {g.grid};
+    g.channels_last = lies_channels_last(x);
     p.x_fused = x.reshape({g.batch, in_channels, g.tokens()});
     p.x_tokens = p.x_fused.transpose(1, 2);
   }
   for (int d = 0; d < 3; ++d) g.size[d] = g.grid[d] * g.kernel[d];
   p.x = x, p.weight = weight, p.bias = bias, p.tokens = tokens, p.rank = rank;
-  p.w2 = weight.reshape({in_channels, g.patch_size()});
+  p.w2 = g.channels_last ? channels_last_columns(weight) : weight.reshape({in_channels, g.patch_size()});
+  p.out_format = g.channels_last ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
   p.out_shape = {g.batch, out_channels};
   p.out_shape.insert(p.out_shape.end(), g.size.end() - rank, g.size.end());
   return select_patch_unembed(p);
@@ -197,6 +219,7 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   p.w_shape = {embed, g.channels};
   p.w_shape.insert(p.w_shape.end(), kernel.begin(), kernel.end());
   p.x5 = to_5d(x);
+  p.g.channels_last = lies_channels_last(x);
   // [B, N, E] (the GEMM's A^T); channels-first grad_y is read through its strides.
   p.dy = tokens || N == 1 ? grad_y.reshape({g.batch, N, embed}) : grad_y.reshape({g.batch, embed, N}).transpose(1, 2);
   return select_patch_weight_grad(p);

@@ -47,11 +47,26 @@ at::Tensor padded_weight(const at::Tensor& w2, const std::optional<at::Tensor>& 
 std::optional<at::Tensor> patch_matrix_as_view(const at::Tensor& x5, const PatchGeometry& g) {
   if (g.tokens() != 1) return std::nullopt;
   int64_t expected = 1;
-  for (int64_t d = 4; d >= 1; --d) {
+  // x5's dims from the patch matrix's fastest-moving column on.
+  const std::array<int64_t, 4> dims = g.channels_last ? std::array<int64_t, 4>{1, 4, 3, 2}
+                                                      : std::array<int64_t, 4>{4, 3, 2, 1};
+  for (int64_t d : dims) {
     if (x5.size(d) != 1 && x5.stride(d) != expected) return std::nullopt;
     expected *= x5.size(d);
   }
   return x5.as_strided({g.batch, 1, g.patch_size()}, {x5.stride(0), g.patch_size(), 1});
+}
+
+at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens) {
+  if (p.tokens || !p.g.channels_last) return y_tokens.view(p.out_shape);
+  // Channels-last output: [B, *grid, E] is its memory.
+  std::vector<int64_t> shape{p.g.batch}, order{0, p.rank + 1};
+  for (int64_t d = 0; d < p.rank; ++d) {
+    shape.push_back(p.out_shape[2 + d]);
+    order.push_back(1 + d);
+  }
+  shape.push_back(p.out_shape[1]);
+  return y_tokens.view(shape).permute(order);
 }
 
 at::Tensor embed_by_gemm(const EmbedProblem& p) {
@@ -64,7 +79,7 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
     // y[B*N, E] = P[B*N, ld] @ W'^T; the bias in the GEMM's epilogue where the backend has one.
     run_gemm(merge_batch(pm), padded_weight(p.w2, std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(y),
              p.bias ? std::optional<at::Tensor>(p.bias->unsqueeze(0)) : std::nullopt, false, kConv);
-    return y.view(p.out_shape);
+    return embed_output(p, y);
   }
   // Channels-first: y[b] [E, N] = W' [E, K'] @ P[b]^T, batched over B with W' shared. The bias is
   // a column of W' against a ones column of P: no pass over y (whose bias would run along rows,
@@ -80,11 +95,17 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
 at::Tensor unembed_by_gemm(const UnembedProblem& p) {
   const PatchGeometry& g = p.g;
   const int64_t in_channels = p.w2.size(0), K = g.patch_size(), align = row_alignment(p.x);
-  at::Tensor y = at::empty(p.out_shape, p.x.options());
+  at::Tensor y = at::empty(p.out_shape, p.x.options().memory_format(p.out_format));
   at::Tensor q = at::empty({g.batch, g.tokens(), (K + align - 1) / align * align}, p.x.options());
   // Q[B*N, K] = x_tokens[B*N, C_in] @ W[C_in, K]: one GEMM (batched over B with W shared when
   // x's strides keep B and N apart, e.g. channels-first input).
-  const at::Tensor a = merge_batch(p.x_tokens);
+  at::Tensor a = merge_batch(p.x_tokens);
+  // x is copied into tokens order once where channels-first x would make a slow GEMM: B GEMMs of
+  // fewer than 256 rows each (a small grid) leave most tiles empty, and a leading dimension (N) of
+  // unaligned rows keeps cuBLAS off its fast kernels.
+  const bool few_rows = a.size(0) > 1 && g.tokens() < 256;
+  const bool unaligned = a.stride(2) != 1 && a.stride(2) % row_alignment(p.x) != 0;
+  if (few_rows || unaligned) a = merge_batch(p.x_tokens.contiguous());
   const at::Tensor w = padded_weight(p.w2, std::nullopt, q.size(2));
   run_gemm(a, w.unsqueeze(0).expand({a.size(0), in_channels, w.size(1)}), a.size(0) == 1 ? merge_batch(q) : q,
            std::nullopt, false, kConv);
@@ -139,7 +160,17 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
     run_gemm(merge_batch(dy.contiguous()).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);
   }
   if (g.batch == 0) dw.zero_();
-  at::Tensor grad_w = dw.select(0, 0).narrow(1, 0, K).reshape(p.w_shape).contiguous();
+  at::Tensor grad_w = dw.select(0, 0).narrow(1, 0, K);
+  if (g.channels_last) {  // columns (i, j, l, c): [E, *k, C] -> [E, C, *k]
+    std::vector<int64_t> shape{p.w_shape[0]}, order{0, p.rank + 1};
+    for (int64_t d = 0; d < p.rank; ++d) {
+      shape.push_back(p.w_shape[2 + d]);
+      order.push_back(1 + d);
+    }
+    shape.push_back(p.w_shape[1]);
+    grad_w = grad_w.reshape(shape).permute(order);
+  }
+  grad_w = grad_w.reshape(p.w_shape).contiguous();
   at::Tensor grad_b = ones_column ? dw.select(0, 0).select(1, K).contiguous() : bias_grad_by_sum(p);
   return {grad_w, grad_b};
 }

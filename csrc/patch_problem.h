@@ -19,10 +19,11 @@ struct EmbedProblem {
   at::Tensor x, weight;  // as given: [B, C, *S], [E, C, *k]
   std::optional<at::Tensor> bias;
   bool tokens = false;     // the op's output format
-  bool tokens_out = false; // the memory the kernels write: tokens, or one patch per sample (same memory)
-  PatchGeometry g;
+  bool tokens_out = false; // the memory the GEMM writes is tokens [B, N, E] (also: one patch per
+                           // sample, or channels-last output)
+  PatchGeometry g;         // g.channels_last: x lies channels-last, and so does a channels-first output
   int64_t rank = 0;
-  at::Tensor x5, w2;                 // x as [B, C, D, H, W], weight as [E, K]
+  at::Tensor x5, w2;                 // x as [B, C, D, H, W], weight as [E, K] (g's column order)
   std::vector<int64_t> out_shape;    // the op's output
 };
 
@@ -37,6 +38,7 @@ struct UnembedProblem {
   at::Tensor x_fused;   // what the fused kernels read: tokens [B, N, C_in] or channels-first [B, C_in, N]
   at::Tensor w2;        // [C_in, K]
   std::vector<int64_t> out_shape;
+  at::MemoryFormat out_format = at::MemoryFormat::Contiguous;  // channels-last input: channels-last out
 };
 
 // patch_weight_grad: (dW [E, C, *k], dbias [E], [C] (transposed) or [0]).
@@ -58,6 +60,9 @@ std::optional<at::Tensor> patch_matrix_as_view(const at::Tensor& x5, const Patch
 
 // The implementations on gather / scatter + one GEMM (patch_gemm.cpp): every backend.
 at::Tensor embed_by_gemm(const EmbedProblem& p);          // the patch matrix gathered, or a view of x
+// The op's output from the tokens [B, N, E] the GEMM wrote (a view: tokens, channels-first with one
+// patch per sample, or channels-last).
+at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens);
 at::Tensor unembed_by_gemm(const UnembedProblem& p);      // GEMM, then the scatter
 WeightGrads weight_grad_by_gemm(const WeightGradProblem& p);
 // The bias gradient by a sum over grad_y (or x, transposed), for paths whose GEMM does not yield it.

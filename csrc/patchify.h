@@ -3,7 +3,8 @@
 //
 // A volume x[B, C, D, H, W] cut into non-overlapping kd x kh x kw patches is the patch matrix
 // P[B, N, K]: one row per patch ("token"), K = C * kd * kh * kw columns in the conv weight's order
-// (c, i, j, l). 1-D and 2-D problems are 3-D ones with leading spatial sizes of 1.
+// (c, i, j, l), or for channels-last volumes in (i, j, l, c) order, which copies runs of kw * C
+// values as they lie. 1-D and 2-D problems are 3-D ones with leading spatial sizes of 1.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -28,6 +29,9 @@ struct PatchGeometry {
   // the grid. One level {grid} is the usual row-major patch grid (conv(x).flatten(2) order); more
   // levels make every group of later-stage patches contiguous rows (hierarchical stems).
   std::vector<Dims3> levels;
+  // The column order of P: (i, j, l, c) when true (the weight then as weight.permute(0, 2.., 1)),
+  // else (c, i, j, l). Only the gather / scatter + GEMM paths take the channels-last order.
+  bool channels_last = false;
 
   int64_t tokens() const { return grid[0] * grid[1] * grid[2]; }
   int64_t patch_size() const { return channels * kernel[0] * kernel[1] * kernel[2]; }
@@ -50,7 +54,7 @@ int64_t patch_row_width(int64_t values, const at::Tensor& like);
 // that column); the other padding columns hold 0, so GEMMs can run over all ld (aligned) columns.
 at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column);
 
-// The inverse: y5 [B, C, D, H, W] (contiguous) = the patches in the first K columns of q [B, N, *]
+// The inverse: y5 [B, C, D, H, W] (contiguous, or channels-last with g.channels_last) = the patches in the first K columns of q [B, N, *]
 // (unit column stride), plus bias[C] when given. Every element of y5 is written.
 void unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
                 const at::Tensor& y5);

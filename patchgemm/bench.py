@@ -83,6 +83,26 @@ def time_ms(fn: Callable[[int], object], device: torch.device, warmup: int = 5, 
     return Timing(statistics.median(times), statistics.median(host))
 
 
+def kernel_ms(fn: Callable[[int], object], device: torch.device, warmup: int = 3, reps: int = 10) -> float:
+    """GPU time of one call of fn(i) as the sum of the durations of the kernels, copies and memsets it
+    runs (the profiler's device events), averaged over `reps` calls: idle gaps, while the host
+    issues the work, do not count. On the CPU: the median wall time."""
+    if device.type != "cuda":
+        return time_ms(fn, device, warmup=warmup, reps=reps).ms
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            fn(i)
+        torch.cuda.synchronize(device)
+    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not device_events:
+        raise RuntimeError("kernel_ms: the profiler recorded no device events")
+    return sum(e.time_range.elapsed_us() for e in device_events) / 1e3 / reps
+
+
 def randn(*shape, dtype, device, requires_grad=False):
     return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(requires_grad)
 
@@ -374,15 +394,16 @@ class Row:
     host_ms: Optional[float] = None  # host time to issue one call (older JSON files lack it)
 
 
-def _input_sets(case: Case, device: torch.device) -> List[Dict[str, torch.Tensor]]:
+def input_sets(make_inputs: Callable[[], Dict[str, torch.Tensor]], device: torch.device
+               ) -> List[Dict[str, torch.Tensor]]:
     """Enough fresh input sets that rotating through them defeats the L2 cache."""
-    first = case.make_inputs()
+    first = make_inputs()
     if device.type != "cuda":
         return [first]
     nbytes = sum(t.numel() * t.element_size() for t in first.values() if t is not None)
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     count = min(8, max(1, math.ceil(3 * l2 / max(nbytes, 1))))
-    return [first] + [case.make_inputs() for _ in range(count - 1)]
+    return [first] + [make_inputs() for _ in range(count - 1)]
 
 
 def _peak_mb(run, device: torch.device) -> Optional[float]:
@@ -398,7 +419,7 @@ def _peak_mb(run, device: torch.device) -> Optional[float]:
 
 
 def run_case(case: Case, device: torch.device, ceilings: Ceilings, progress=None) -> List[Row]:
-    sets = _input_sets(case, device)
+    sets = input_sets(case.make_inputs, device)
     peak = ceilings.matmul_tflops[str(case.dtype).replace("torch.", "")]
     bw = ceilings.copy_tbs
     flops_fb = case.flops_fwd_bwd or case.flops_fwd * (3 if case.needs_dx else 2)

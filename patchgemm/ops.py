@@ -5,6 +5,7 @@ C++ (csrc/autograd.cpp), and its backward calls registered ops, so a compiled ba
 import math
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 try:
     from . import _C  # noqa: F401  (loading it runs the C++ TORCH_LIBRARY registrations)
@@ -23,7 +24,7 @@ def _group_dim(group_major: bool) -> int:
     return 0 if group_major else 1
 
 
-# ---- fake kernels: exact output shapes (outputs are contiguous) ----------------------------------
+# ---- fake kernels: exact output shapes and strides -----------------------------------------------
 
 @torch.library.register_fake("patchgemm::grouped_linear")
 def _(x, weight, bias, group_major):
@@ -56,6 +57,13 @@ def _level_grid(levels, rank):
     return grid
 
 
+def _channels_first_output(x, shape):
+    """A channels-first output takes the memory format a non-empty x suggests (channels_last(_3d) or
+    contiguous), as PyTorch's convolutions do (csrc/patch_embed.cpp: lies_channels_last)."""
+    fmt = suggest_memory_format(x) if x.numel() > 0 else torch.contiguous_format
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+
+
 @torch.library.register_fake("patchgemm::patch_embed")
 def _(x, weight, bias, tokens, levels):
     kernel = weight.shape[2:]
@@ -63,14 +71,15 @@ def _(x, weight, bias, tokens, levels):
     grid = [s // k for s, k in zip(x.shape[2:], kernel)]
     if tokens:
         return x.new_empty((x.shape[0], math.prod(grid), weight.shape[0]))
-    return x.new_empty((x.shape[0], weight.shape[0], *grid))
+    return _channels_first_output(x, (x.shape[0], weight.shape[0], *grid))
 
 
 @torch.library.register_fake("patchgemm::patch_unembed")
 def _(x, weight, bias, tokens, levels):
     kernel = weight.shape[2:]
     grid = _level_grid(levels, len(kernel)) if tokens else x.shape[2:]
-    return x.new_empty((x.shape[0], weight.shape[1], *[g * k for g, k in zip(grid, kernel)]))
+    shape = (x.shape[0], weight.shape[1], *[g * k for g, k in zip(grid, kernel)])
+    return x.new_empty(shape) if tokens else _channels_first_output(x, shape)
 
 
 @torch.library.register_fake("patchgemm::patch_weight_grad")

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import patchgemm
-from conftest import (DEVICES, DTYPES, WGMMA, assert_close_to_ref, fused_mode, needs_gpu, poison_allocator, randn,
+from conftest import (DEVICES, DTYPES, FUSED, WGMMA, assert_close_to_ref, fused_mode, needs_gpu, poison_allocator, randn,
                       selection)
 
 ops = torch.ops.patchgemm
@@ -398,6 +398,53 @@ def test_hierarchical_defaults():
         stem(randn(1, 4, 16, 16, 8))
 
 
+# ---- memory format: channels-last in, channels-last out (as PyTorch's convolutions) -----------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,kernel", [((2, 6, 8, 12), (2, 4)), ((2, 5, 4, 6, 8), (2, 3, 2)),
+                                          ((3, 4, 6, 6), (6, 6)), ((2, 8, 16, 16), (2, 2))])
+@pytest.mark.parametrize("force", [None, "aten"])
+def test_channels_last_in_channels_last_out(device, dtype, shape, kernel, force):
+    """A channels-last x gives a channels-last output (the GEMM's tokens-major output itself) and
+    channels-last gradients from channels-last upstream gradients, on every path."""
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    x, w, b = make(shape, kernel, dtype, device, embed=16)
+    xs = x.contiguous(memory_format=fmt).requires_grad_()
+    ws, bs = w.clone().requires_grad_(), b.clone().requires_grad_()
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    chosen = {"patch_embed": "aten_conv", "patch_unembed": "aten_conv_transpose",
+              "patch_weight_grad": "aten_conv_backward"} if force else {}
+    with patchgemm.force(**chosen), patchgemm.explain() as e:
+        y = patchgemm.patch_embed(xs, ws, bs)
+        ref = CONV[len(kernel)](x64, w64, b64, stride=kernel)
+        assert y.is_contiguous(memory_format=fmt)
+        assert_close_to_ref(y, ref, dtype)
+        dy = randn(*y.shape, dtype=dtype, device=device).contiguous(memory_format=fmt)
+        got = torch.autograd.grad(y, [xs, ws, bs], dy)
+        want = torch.autograd.grad(ref, [x64, w64, b64], dy.double())
+        if math.prod(y.shape[2:]) > 1:  # a grid of one patch: dy's format is ambiguous
+            assert got[0].is_contiguous(memory_format=fmt)
+        for g, r in zip(got, want):
+            assert_close_to_ref(g, r, dtype)
+        # The transpose: channels-last input, channels-last output.
+        wt = randn(shape[1], 3, *kernel, dtype=dtype, device=device).requires_grad_()
+        u = patchgemm.patch_unembed(xs, wt, bs[:3])
+        wt64 = wt.detach().double().requires_grad_()
+        u_ref = CONV_T[len(kernel)](x64, wt64, b64[:3], stride=kernel)
+        assert u.is_contiguous(memory_format=fmt)
+        assert_close_to_ref(u, u_ref, dtype)
+        du = randn(*u.shape, dtype=dtype, device=device).contiguous(memory_format=fmt)
+        got = torch.autograd.grad(u, [xs, wt], du)
+        want = torch.autograd.grad(u_ref, [x64, wt64], du.double())
+        for g, r in zip(got, want):
+            assert_close_to_ref(g, r, dtype)
+    ran = {c.chosen for c in e}
+    assert ran <= set(chosen.values()) if force else not ran & set(FUSED)  # the fused kernels write channels-first
+    for op, args in [("patch_embed", (xs.detach(), w, b, False, [])), ("patch_unembed", (xs.detach(), wt.detach(), None, False, []))]:
+        torch.library.opcheck(getattr(torch.ops.patchgemm, op).default, args)
+
+
 # ---- GPU specifics -------------------------------------------------------------------------------
 
 @needs_gpu
@@ -488,7 +535,10 @@ def test_gpu_tiny_patch_embed_kernel(dtype, shape, kernel, embed, memory, has_bi
 
     poison_allocator(2 * x.numel() * embed, "cuda")
     out = {}
-    assert "tiny_embed_kernel" in cuda_kernels_run(lambda: out.update(y=patchgemm.patch_embed(xs, w, b)))
+    # A channels-last volume takes the gather instead: its output is channels-last, the tokens-major
+    # GEMM output (1-D x has no channels-last format and keeps the kernel).
+    fused = not (memory == "channels_last" and x.dim() > 3)
+    assert ("tiny_embed_kernel" in cuda_kernels_run(lambda: out.update(y=patchgemm.patch_embed(xs, w, b)))) == fused
     ref = conv(x64, w64, b64, stride=kernel)
     assert_close_to_ref(out["y"], ref, dtype)
     dy = randn(*ref.shape, dtype=dtype, device="cuda")

@@ -172,3 +172,23 @@ def test_env_force_and_dispatch_log():
     env["PATCHGEMM_FORCE"] = "patch_embed=nothing"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", env=env)
     assert run.returncode != 0 and "PATCHGEMM_FORCE: patch_embed has no implementation named" in run.stderr
+
+
+def test_heldout_bench_measures_every_op_on_small_shapes():
+    """bench/heldout.py's harness on CPU-sized shapes: a ratio and the chosen candidates per pass."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "heldout.py"
+    spec = importlib.util.spec_from_file_location("heldout", path)
+    heldout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heldout)
+    shapes = [heldout._embed("e", (2, 4, 8, 8), 16, (2, 2), channels_last=True),
+              heldout._unembed("u", (2, 3, 12), 4, (4,), tokens=True, grid=(3,)),
+              heldout._grouped("g", (4, 3, 8), 5, bias=False)]
+    results = [r for s in shapes for r in heldout.measure(s, "tuning", torch.device("cpu"), candidates=True)]
+    assert [(r.id, r.pass_) for r in results] == [(s.id, p) for s in shapes for p in ("fwd", "fwd+bwd")]
+    for r in results:
+        assert r.ratio > 0 and r.chosen[r.op] in {c.name for c in patchgemm.kernels(r.op)}
+        assert r.candidates_ms  # every op of the pass, each candidate timed or marked unsupported
+    assert {row["op"] for row in heldout.summary(results)} == {"patch_embed", "patch_unembed", "grouped_linear"}

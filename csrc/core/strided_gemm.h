@@ -55,13 +55,15 @@ struct BlasPlan {
 // cuBLAS's split-K kernels (12.x and 13.x on Hopper; seen with 13.1, bf16 and fp16, on the H100 and
 // H200, and through torch.mm too) can silently return the product summed over only the first
 // K - K % k_tile values of k, where k_tile is the kernel's K tile (128 bytes of k). A call whose
-// shape invites split-K -- K longer than one tile and not a whole number of tiles, and an output
-// of few tiles -- is therefore planned as two: K's whole tiles, then the remainder (below one
-// tile, so unsplittable) accumulated onto them. Neither can lose a tail; the second rereads the
-// small output once.
+// shape invites split-K -- a long K (the shortest seen losing its tail: 7,106 on the H200; a sweep
+// of K up to 8,300 on the H100 lost none below 38,000) that is not a whole number of tiles, and an
+// output of few tiles -- is therefore planned as two: K's whole tiles, then the remainder (below
+// one tile, so unsplittable) accumulated onto them. Neither can lose a tail; the second rereads
+// the small output once, which shorter reductions are spared.
 struct SplitKGuard {
   int64_t k_tile = 0;     // in elements; 0: no guard (CPU, ROCm)
   int64_t max_tiles = 0;  // outputs of fewer 128 x 128 tiles (all batches together) are guarded
+  int64_t min_k = 0;      // reductions shorter than this are not guarded
 };
 
 // Plans `p` as column-major BLAS calls whose every size, leading dimension and batch count fits

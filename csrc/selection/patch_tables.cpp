@@ -44,32 +44,62 @@ at::Tensor aten_conv(const at::Tensor& x, const at::Tensor& weight, const std::o
 }
 
 #ifdef PATCHGEMM_PTX_KERNELS
-WhyNot needs_cuda(const at::Tensor& t) { return t.is_cuda() ? WhyNot() : "CUDA tensors only"; }
+// What the fused kernels need of every problem: CUDA tensors, and the channels-first patch order
+// (they read and write (c, i, j, l) patches, and write channels-first outputs).
+WhyNot fused_kernels_apply(const at::Tensor& t, const PatchGeometry& g) {
+  if (!t.is_cuda()) return "CUDA tensors only";
+  return g.channels_last ? "channels-last x: the fused kernels read and write channels-first patches" : WhyNot();
+}
 
-bool wgmma_here(const at::Tensor& t) { return cuda::wgmma_kernels_run_here(t); }
+int64_t sm_count(const at::Tensor& on) { return at::cuda::getDeviceProperties(on.get_device())->multiProcessorCount; }
 
 // The mma.sync implicit GEMMs run at 200-300 TFLOP/s, cuBLAS's GEMM at up to ~700, so the gather
 // they save (4 bytes per patch element) pays only for thin GEMMs, at most 256 wide, with a 128-token
 // tile per SM to fill the GPU (H200).
 WhyNot implicit_mma_pays(int64_t width, int64_t rows, const at::Tensor& on) {
-  const int64_t sms = at::cuda::getDeviceProperties(on.get_device())->multiProcessorCount;
   if (width > 256) return "rule: GEMMs wider than 256 run faster on cuBLAS after the gather";
-  if (rows < 128 * sms) return "rule: fewer than 128 tokens per SM";
+  if (rows < 128 * sm_count(on)) return "rule: fewer than 128 tokens per SM";
   return {};
 }
 
-// The forward's wgmma kernels beat gather + cuBLAS at any E and size measured (E 96 to 1536, 32 to
-// 2048 blocks: 1.0-3x on the H100), but for 4-byte runs copied one token at a time (ViT-L/14's
-// kw = 14: 0.8x).
-WhyNot implicit_wgmma_embed_pays(const at::Tensor& x5, const PatchGeometry& g) {
-  const int64_t kw = g.kernel[2];
-  const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
-  if (widest_run(x5, kw) >= 4 || pair_major) return {};
+// The fused GEMMs do not split K: an output of a few 128 x 128 tiles over a long K leaves most SMs
+// idle, where cuBLAS splits K (ViT-B/16 at batch 1: 12 tiles, K = 768).
+WhyNot fills_the_gpu(int64_t rows, int64_t width, int64_t K, const at::Tensor& on) {
+  const int64_t tiles = (rows + 127) / 128 * ((width + 127) / 128);
+  if (K >= 512 && 4 * tiles < sm_count(on)) return "rule: a few output tiles over a long K run faster split by cuBLAS";
+  return {};
+}
+
+// The forward's wgmma kernels beat gather + cuBLAS over the sizes measured (E 64 to 2048: 1.0-3x on
+// the H100), but for 4-byte runs copied one token at a time (ViT-L/14's kw = 14: 0.8x), and for
+// large wide GEMMs, where cuBLAS's higher throughput outweighs the gather (E 1024 over 36,864 tokens:
+// 0.7x); the row-TMA kernel keeps up with cuBLAS there.
+WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
+  const PatchGeometry& g = p.g;
+  const int64_t kw = g.kernel[2], embed = p.w2.size(0), rows = g.batch * g.tokens();
+  WhyNot why = fills_the_gpu(rows, embed, g.patch_size(), p.x);
+  if (!why.empty()) return why;
+  if (kernel == cuda::Implicit::kSm90 && embed >= 1024 && rows >= 128 * sm_count(p.x)) {
+    return "rule: large GEMMs of E >= 1024 run faster on cuBLAS after the gather";
+  }
+  const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(p.x5, 8);
+  if (widest_run(p.x5, kw) >= 4 || pair_major) return {};
   return "rule: 4-byte runs one token at a time (odd kw / 2) run faster as gather + cuBLAS";
 }
 #endif
 
 // ---- patch_embed ---------------------------------------------------------------------------------
+
+// Channels-last x on CUDA: cuDNN's channels-last kernels read x as it lies and write the channels-last
+// output, matching or beating the channels-last gather + GEMM (ConvNeXt's k = 2 downsampling, 2-D and
+// 3-D: 1.0-1.6x, forward and backward). Not on the CPU: torch 2.11's oneDNN bf16 convolution returns
+// wrong values for channels-last x [3, 24, 28, 176] with k = (14, 16) (tests/test_fuzz.py).
+WhyNot cudnn_reads_channels_last(const at::Tensor& x, const PatchGeometry& g) {
+  if (x.is_cuda() && g.channels_last && g.levels.size() == 1 && g.channels > 0) {
+    return "rule: channels-last x runs faster on cuDNN's channels-last convolution";
+  }
+  return {};
+}
 
 // patch_embed's and patch_unembed's problems in the log and explain().
 template <typename Problem>
@@ -88,14 +118,14 @@ WhyNot not_a_view(const at::Tensor& x5, const PatchGeometry& g) {
 Candidate<EmbedProblem, at::Tensor> implicit_embed(const char* name, cuda::Implicit kernel, const char* backends,
                                                   const char* conditions) {
   return {name, backends, conditions,
-          [](const EmbedProblem& p) { return needs_cuda(p.x); },
+          [](const EmbedProblem& p) { return fused_kernels_apply(p.x, p.g); },
           [kernel](const EmbedProblem& p) {
             WhyNot why = not_a_view(p.x5, p.g);
             if (!why.empty()) return why;
-            if (kernel == cuda::Implicit::kMma && !wgmma_here(p.x)) {
-              return implicit_mma_pays(p.w2.size(0), p.g.batch * p.g.tokens(), p.x);
-            }
-            return implicit_wgmma_embed_pays(p.x5, p.g);
+            if (kernel != cuda::Implicit::kMma) return implicit_wgmma_embed_pays(kernel, p);
+            const int64_t rows = p.g.batch * p.g.tokens();
+            why = fills_the_gpu(rows, p.w2.size(0), p.g.patch_size(), p.x);
+            return !why.empty() ? why : implicit_mma_pays(p.w2.size(0), rows, p.x);
           },
           [kernel](const EmbedProblem& p, bool ruled, WhyNot& why) -> std::optional<at::Tensor> {
             at::Tensor y = at::empty(p.out_shape, p.x.options());
@@ -122,7 +152,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
         {"tiny", "cuda sm_80+", "channels-first out, patches of at most 64 elements, E % 16 == 0 (fp32: 8), E <= 512, "
                                 "N % 8 == 0; 16-bit and fp32",
          [](const EmbedProblem& p) {
-           const WhyNot why = needs_cuda(p.x);
+           const WhyNot why = fused_kernels_apply(p.x, p.g);
            return !why.empty() ? why : p.tokens_out ? "channels-first output only" : WhyNot();
          },
          nullptr,
@@ -146,22 +176,26 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
         {"gather_gemm", "cpu cuda rocm", "any problem: the patch matrix gathered, then one GEMM",
          [](const EmbedProblem&) { return WhyNot(); },
          [](const EmbedProblem& p) -> WhyNot {
-           // Channels innermost (channels_last): the gather reads C-strided elements one at a time,
-           // while cuDNN reads the NHWC rows as they lie (ConvNeXt's k = 2 downsampling: 7x). Not on
-           // CPU: torch 2.11's oneDNN bf16 convolution returns wrong values for channels-last
-           // x [3, 24, 28, 176] with k = (14, 16) (tests/test_fuzz.py).
-           if (p.x.is_cuda() && p.g.channels > 1 && p.x5.stride(1) == 1 && p.g.levels.size() == 1) {
-             return "rule: channels-last x is read faster by PyTorch's convolution";
+           // Short fp32 patches into channels-first outputs: the memory-bound GEMM's gather of 4-byte
+           // values costs more than cuDNN's implicit TF32 GEMM (Conv2d(64, 128, k = 2): 0.69x).
+           if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat && !p.tokens_out && p.g.channels > 0 &&
+               p.g.patch_size() <= 256) {
+             return "rule: fp32 patches of at most 256 values into channels-first outputs run faster on cuDNN";
            }
-           return {};
+           return cudnn_reads_channels_last(p.x, p.g);
          },
          [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_gemm(p); }},
-        {"aten_conv", "cpu cuda rocm", "PyTorch's convolution (cuDNN on CUDA); row-major tokens",
-         [](const EmbedProblem& p) { return row_major_tokens(p.g); },
+        {"aten_conv", "cpu cuda rocm", "PyTorch's convolution (cuDNN on CUDA); row-major tokens, C > 0",
+         [](const EmbedProblem& p) -> WhyNot {
+           // cuDNN returns [B, 0, ...] for no input channels instead of the bias.
+           if (p.g.channels == 0) return "no input channels";
+           return row_major_tokens(p.g);
+         },
          nullptr,
          [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
            const at::Tensor y = aten_conv(p.x, p.weight, p.bias, kernel_of(p.g, p.rank), false);
-           return p.tokens ? y.flatten(2).transpose(1, 2).contiguous() : y.contiguous();
+           if (p.tokens) return y.flatten(2).transpose(1, 2).contiguous();
+           return y.contiguous(p.g.channels_last ? p.x.suggest_memory_format() : at::MemoryFormat::Contiguous);
          }},
     },
     patch_signature<EmbedProblem>);
@@ -174,7 +208,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
 Candidate<UnembedProblem, at::Tensor> implicit_unembed(const char* name, cuda::Implicit kernel, const char* backends,
                                                       const char* conditions) {
   return {name, backends, conditions,
-          [](const UnembedProblem& p) { return needs_cuda(p.x); },
+          [](const UnembedProblem& p) { return fused_kernels_apply(p.x, p.g); },
           [kernel](const UnembedProblem& p) -> WhyNot {
             if (p.g.patch_size() < 128) return "rule: patches under 128 elements leave the tiles idle";
             if (kernel == cuda::Implicit::kMma) return implicit_mma_pays(p.w2.size(0), p.g.batch * p.g.tokens(), p.x);
@@ -194,7 +228,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
     {
 #ifdef PATCHGEMM_PTX_KERNELS
         {"tiny", "cuda sm_80+", "16-bit, kw even, patches of at most 64 elements, C_in <= 256",
-         [](const UnembedProblem& p) { return needs_cuda(p.x); },
+         [](const UnembedProblem& p) { return fused_kernels_apply(p.x, p.g); },
          nullptr,
          [](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            at::Tensor y = at::empty(p.out_shape, p.x.options());
@@ -209,7 +243,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
 #endif
         {"gemm_scatter", "cpu cuda rocm", "any problem: one GEMM, then the patches scattered with the bias",
          [](const UnembedProblem&) { return WhyNot(); },
-         nullptr,
+         [](const UnembedProblem& p) { return cudnn_reads_channels_last(p.x, p.g); },
          [](const UnembedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return unembed_by_gemm(p); }},
         {"aten_conv_transpose", "cpu cuda rocm", "PyTorch's transposed convolution (cuDNN on CUDA); row-major tokens",
          [](const UnembedProblem& p) { return row_major_tokens(p.g); },
@@ -218,7 +252,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
            std::vector<int64_t> shape{p.g.batch, p.w2.size(0)};
            for (int64_t s : grid_of(p.g, p.rank)) shape.push_back(s);
            const at::Tensor x = p.tokens ? p.x.transpose(1, 2).reshape(shape) : p.x;
-           return aten_conv(x, p.weight, p.bias, kernel_of(p.g, p.rank), true).contiguous();
+           return aten_conv(x, p.weight, p.bias, kernel_of(p.g, p.rank), true).contiguous(p.out_format);
          }},
     },
     patch_signature<UnembedProblem>);
@@ -265,7 +299,7 @@ WhyNot implicit_weight_grad_rule(cuda::Implicit kernel, const WeightGradProblem&
 Candidate<WeightGradProblem, WeightGrads> implicit_weight_grad(const char* name, cuda::Implicit kernel,
                                                                const char* backends, const char* conditions) {
   return {name, backends, conditions,
-          [](const WeightGradProblem& p) { return needs_cuda(p.x); },
+          [](const WeightGradProblem& p) { return fused_kernels_apply(p.x, p.g); },
           [kernel](const WeightGradProblem& p) { return implicit_weight_grad_rule(kernel, p); },
           [kernel](const WeightGradProblem& p, bool ruled, WhyNot& why) -> std::optional<WeightGrads> {
             auto grads = cuda::implicit_weight_grad(kernel, dy_for_kernels(p), dy_tokens(p), p.x5, p.g, p.embed,
@@ -282,7 +316,7 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
 #ifdef PATCHGEMM_PTX_KERNELS
         {"tiny", "cuda sm_80+", "16-bit, kw = 2, gw % 4 == 0, patches of at most 64 elements, E <= 256; the bias "
                                 "gradient in the same pass",
-         [](const WeightGradProblem& p) { return needs_cuda(p.x); },
+         [](const WeightGradProblem& p) { return fused_kernels_apply(p.x, p.g); },
          [](const WeightGradProblem& p) { return not_a_view(p.x5, p.g); },
          [](const WeightGradProblem& p, bool, WhyNot& why) -> std::optional<WeightGrads> {
            const auto bias = !p.with_bias ? cuda::BiasGrad::kNone
@@ -304,7 +338,7 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
         {"gather_gemm", "cpu cuda rocm", "any problem: the patch matrix gathered (or a view of x), one GEMM; the "
                                          "bias gradient from a ones column",
          [](const WeightGradProblem&) { return WhyNot(); },
-         nullptr,
+         [](const WeightGradProblem& p) { return cudnn_reads_channels_last(p.x, p.g); },
          [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> { return weight_grad_by_gemm(p); }},
         {"aten_conv_backward", "cpu cuda rocm", "PyTorch's convolution backward (cuDNN on CUDA); row-major tokens",
          [](const WeightGradProblem& p) { return row_major_tokens(p.g); },
