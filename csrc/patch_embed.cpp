@@ -10,8 +10,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <algorithm>
-
 #include "checks.h"
 #include "patch_problem.h"
 
@@ -102,15 +100,6 @@ bool lies_channels_last(const at::Tensor& x) {
   return x.numel() > 0 && x.suggest_memory_format() != at::MemoryFormat::Contiguous;
 }
 
-// weight [O, C, *k] as [O, K] with columns in (i, j, l, c) order (a copy unless the weight is
-// channels-last too).
-at::Tensor channels_last_columns(const at::Tensor& weight) {
-  std::vector<int64_t> order{0};
-  for (int64_t d = 2; d < weight.dim(); ++d) order.push_back(d);
-  order.push_back(1);
-  return weight.permute(order).reshape({weight.size(0), weight.numel() / std::max<int64_t>(weight.size(0), 1)});
-}
-
 }  // namespace
 
 at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
@@ -135,7 +124,7 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
   // are channels-last [B, E, *grid] and tokens.
   p.tokens_out = tokens || N == 1 || g.channels_last;
   p.x5 = to_5d(x);
-  p.w2 = g.channels_last ? channels_last_columns(weight) : weight.reshape({embed, K});
+  p.w2 = weight.reshape({embed, K});
   if (tokens) {
     p.out_shape = {g.batch, N, embed};
   } else {
@@ -186,7 +175,7 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
   }
   for (int d = 0; d < 3; ++d) g.size[d] = g.grid[d] * g.kernel[d];
   p.x = x, p.weight = weight, p.bias = bias, p.tokens = tokens, p.rank = rank;
-  p.w2 = g.channels_last ? channels_last_columns(weight) : weight.reshape({in_channels, g.patch_size()});
+  p.w2 = weight.reshape({in_channels, g.patch_size()});
   p.out_format = g.channels_last ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
   p.out_shape = {g.batch, out_channels};
   p.out_shape.insert(p.out_shape.end(), g.size.end() - rank, g.size.end());

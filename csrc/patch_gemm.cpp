@@ -42,6 +42,17 @@ at::Tensor padded_weight(const at::Tensor& w2, const std::optional<at::Tensor>& 
   return w;
 }
 
+// w2 [O, K] as the GEMM paths read it: for the channels-last patch order, the weight [O, C, *k]
+// with columns in (i, j, l, c) order (a view when the weight is channels-last too, else a copy made
+// only here, where a GEMM path runs).
+at::Tensor gemm_weight(const at::Tensor& weight, const at::Tensor& w2, const PatchGeometry& g) {
+  if (!g.channels_last) return w2;
+  std::vector<int64_t> order{0};
+  for (int64_t d = 2; d < weight.dim(); ++d) order.push_back(d);
+  order.push_back(1);
+  return weight.permute(order).reshape(w2.sizes());
+}
+
 }  // namespace
 
 std::optional<at::Tensor> patch_matrix_as_view(const at::Tensor& x5, const PatchGeometry& g) {
@@ -77,7 +88,8 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
     const auto view = patch_matrix_as_view(p.x5, g);
     const at::Tensor pm = view ? *view : patchify(p.x5, g, /*ones_column=*/false);
     // y[B*N, E] = P[B*N, ld] @ W'^T; the bias in the GEMM's epilogue where the backend has one.
-    run_gemm(merge_batch(pm), padded_weight(p.w2, std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(y),
+    const at::Tensor w2 = gemm_weight(p.weight, p.w2, g);
+    run_gemm(merge_batch(pm), padded_weight(w2, std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(y),
              p.bias ? std::optional<at::Tensor>(p.bias->unsqueeze(0)) : std::nullopt, false, kConv);
     return embed_output(p, y);
   }
@@ -106,7 +118,7 @@ at::Tensor unembed_by_gemm(const UnembedProblem& p) {
   const bool few_rows = a.size(0) > 1 && g.tokens() < 256;
   const bool unaligned = a.stride(2) != 1 && a.stride(2) % row_alignment(p.x) != 0;
   if (few_rows || unaligned) a = merge_batch(p.x_tokens.contiguous());
-  const at::Tensor w = padded_weight(p.w2, std::nullopt, q.size(2));
+  const at::Tensor w = padded_weight(gemm_weight(p.weight, p.w2, g), std::nullopt, q.size(2));
   run_gemm(a, w.unsqueeze(0).expand({a.size(0), in_channels, w.size(1)}), a.size(0) == 1 ? merge_batch(q) : q,
            std::nullopt, false, kConv);
   const at::Tensor y5 = to_5d(y);

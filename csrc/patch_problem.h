@@ -23,7 +23,7 @@ struct EmbedProblem {
                            // sample, or channels-last output)
   PatchGeometry g;         // g.channels_last: x lies channels-last, and so does a channels-first output
   int64_t rank = 0;
-  at::Tensor x5, w2;                 // x as [B, C, D, H, W], weight as [E, K] (g's column order)
+  at::Tensor x5, w2;                 // x as [B, C, D, H, W], weight as [E, K]
   std::vector<int64_t> out_shape;    // the op's output
 };
 
