@@ -75,8 +75,13 @@ def default_max_jobs():
 flavour = choose_flavour()
 os.environ.setdefault("MAX_JOBS", str(default_max_jobs()))
 
-sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/core/*.cpp") + glob.glob("csrc/cpu/*.cpp")
-                 + glob.glob("csrc/selection/*.cpp"))
+# csrc/ is ops -> selection -> kernels. Every .cpp builds everywhere; the .cu files only for GPUs,
+# and those under NVIDIA_ONLY (PTX: mma.sync, wgmma, TMA) not for ROCm, whose selection tables then
+# have no such candidates. cmake/CMakeLists.txt applies the same rule.
+NVIDIA_ONLY = ("csrc/kernels/patch/sm80/", "csrc/kernels/patch/sm90/", "csrc/kernels/primitives/")
+sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+gpu_sources = sorted(s for s in glob.glob("csrc/**/*.cu", recursive=True)
+                     if flavour == "cuda" or not s.startswith(NVIDIA_ONLY))
 cxx_flags = ["-O3", f"-DPATCHGEMM_FLAVOUR=\"{flavour}\""]
 
 if flavour == "cpu":
@@ -85,7 +90,7 @@ if flavour == "cpu":
     libraries = []
 else:
     Extension = cpp_extension.CUDAExtension
-    sources += sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
+    sources += gpu_sources
     cxx_flags.append("-DPATCHGEMM_WITH_CUDA")
     extra_compile_args = {"cxx": cxx_flags, "nvcc": ["-O3", "-DPATCHGEMM_WITH_CUDA",
                                                      f"-DPATCHGEMM_FLAVOUR=\"{flavour}\""]}

@@ -22,7 +22,7 @@ PY
 cublas_include=$(dirname "$(find "$work/headers" -name cublas_v2.h | head -1)")
 mkdir -p "$work/shim/c10/cuda/impl"
 printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >"$work/shim/c10/cuda/impl/cuda_cmake_macros.h"
-for src in "$root"/csrc/cuda/*.cu; do
+for src in $(find "$root/csrc" -name "*.cu" | sort); do
   echo "nvcc -c ${src#$root/}"
   nvcc -c "$src" -o "$work/out.o" -std=c++20 -gencode=arch=compute_90a,code=sm_90a -DPATCHGEMM_SM90A -DPATCHGEMM_WITH_CUDA \
     -I"$root/csrc" -I"$work/shim" -I"$torch_dir/include" \

@@ -1,7 +1,7 @@
 """The implicit-GEMM kernels vs gather/scatter + cuBLAS, same process and inputs: patch_embed's
-forward (csrc/cuda/implicit_patch_gemm.cu), its weight gradient (implicit_patch_weight_grad.cu,
+forward (csrc/kernels/patch/sm80/implicit_patch_gemm.cu), its weight gradient (implicit_patch_weight_grad.cu,
 kw = 2; implicit_patch_weight_grad_sm90.cu, kw % 4 == 0 on a 9.0 GPU) and patch_unembed, which is
-also its input gradient (implicit_patch_unembed.cu, kw = 2). The tables behind their selection rule (csrc/cuda/implicit_patch.cuh). The forward and the
+also its input gradient (implicit_patch_unembed.cu, kw = 2). The tables behind their selection rule (csrc/kernels/primitives/implicit_patch.cuh). The forward and the
 unembedding also time their mma.sync kernels where the wgmma ones (*_sm90.cu) run.
 
     python bench/implicit_vs_gather.py          (CUDA, bf16, with bias)

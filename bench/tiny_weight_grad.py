@@ -1,4 +1,4 @@
-"""The fused weight gradient for tiny patches (csrc/cuda/tiny_patch_weight_grad.cu) against gather +
+"""The fused weight gradient for tiny patches (csrc/kernels/patch/sm80/tiny_patch_weight_grad.cu) against gather +
 cuBLAS, same process and inputs: patch_weight_grad with the fused kernels on ("auto") and off
 ("never"), GPU time, and the bandwidth the fused kernel reaches ((grad_y + x bytes) / time).
 

@@ -1,6 +1,6 @@
 """Loads the compiled library and registers the one thing the dispatcher needs from Python: a fake
 (meta) kernel for every op, so torch.compile / torch.export trace them. Autograd is registered in
-C++ (csrc/autograd.cpp), and its backward calls registered ops, so a compiled backward traces too."""
+C++ (csrc/ops/autograd.cpp), and its backward calls registered ops, so a compiled backward traces too."""
 
 import math
 
@@ -59,7 +59,7 @@ def _level_grid(levels, rank):
 
 def _channels_first_output(x, shape):
     """A channels-first output takes the memory format a non-empty x suggests (channels_last(_3d) or
-    contiguous), as PyTorch's convolutions do (csrc/patch_embed.cpp: lies_channels_last)."""
+    contiguous), as PyTorch's convolutions do (csrc/ops/patch_embed.cpp: lies_channels_last)."""
     fmt = suggest_memory_format(x) if x.numel() > 0 else torch.contiguous_format
     return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
 

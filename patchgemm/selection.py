@@ -16,9 +16,6 @@ import torch
 
 from .ops import ops
 
-OPS = ("grouped_linear", "grouped_linear_grad_input", "grouped_linear_grad_weight",
-       "patch_embed", "patch_unembed", "patch_weight_grad")
-
 
 @dataclass(frozen=True)
 class Candidate:

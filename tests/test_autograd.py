@@ -1,4 +1,4 @@
-"""The C++ autograd (csrc/autograd.cpp): every combination of inputs that need a gradient, with and
+"""The C++ autograd (csrc/ops/autograd.cpp): every combination of inputs that need a gradient, with and
 without a bias, against PyTorch's own autograd in float64; dynamic-shape compile through backward."""
 
 import itertools

@@ -408,7 +408,7 @@ def test_cuda_g1_like_shape(dtype):
 
 
 # Long reductions whose length is not a whole number of cuBLAS K tiles (64 16-bit values): cuBLAS's
-# split-K kernels may sum only the whole tiles (core/strided_gemm.h, SplitKGuard). The weight
+# split-K kernels may sum only the whole tiles (kernels/gemm/strided_gemm.h, SplitKGuard). The weight
 # gradient reduces over the batch; the forward over Din.
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -478,7 +478,7 @@ def test_gpu_gather_scatter_tilings(dtype, shape, kernel, memory):
 @pytest.mark.parametrize("memory", ["contiguous", "cropped"])
 @pytest.mark.parametrize("has_bias", [True, False])
 def test_gpu_gather_wide_rows(dtype, shape, kernel, memory, has_bias):
-    """Patch rows of whole 16-byte vectors gather without a tile (csrc/cuda/patchify.cu,
+    """Patch rows of whole 16-byte vectors gather without a tile (csrc/kernels/patch/patchify_kernels.cu,
     gather_wide_rows), the ones column for the bias gradient included."""
     x, w, b = make(shape, kernel, dtype, "cuda", embed=24, bias=has_bias)
     xs = (cropped(x) if memory == "cropped" else x.clone()).requires_grad_()
@@ -503,7 +503,7 @@ def test_gpu_gather_wide_rows(dtype, shape, kernel, memory, has_bias):
 
 
 # Patches of at most 64 elements (channels-first output) run the fused kernel of
-# csrc/cuda/tiny_patch_gemm.cu (16-bit on tensor cores, fp32 on FMA units): (x shape, kernel, E),
+# csrc/kernels/patch/sm80/tiny_patch_gemm.cu (16-bit on tensor cores, fp32 on FMA units): (x shape, kernel, E),
 # with full and partial token tiles.
 TINY = [((2, 4, 16, 16, 16), (2, 2, 2), 32),  # P3-like: K = 32
         ((3, 1, 6, 10, 16), (2, 2, 2), 48),   # K = 8; 120 tokens: one partial tile per sample
@@ -557,7 +557,7 @@ def test_gpu_tiny_patch_embed_kernel(dtype, shape, kernel, embed, memory, has_bi
     assert_close_to_ref(out["g"][0], want, dtype, "grad_z")
 
 
-# Other 16-bit patches with kw even run the implicit GEMM of csrc/cuda/implicit_patch_gemm.cu (on
+# Other 16-bit patches with kw even run the implicit GEMM of csrc/kernels/patch/sm80/implicit_patch_gemm.cu (on
 # a 9.0 GPU, its wgmma version in implicit_patch_gemm_sm90.cu; the tests run both):
 # (x shape, kernel, E) covering its runs of 2, 4 and 8 elements and its pair-major copies (kw = 2,
 # patch-grid width a multiple of 4), 128- and 192-wide embedding tiles
@@ -659,6 +659,43 @@ IMPLICIT_ROWS = [((4, 3, 224, 224), (16, 16), 200),  # ViT-B/16-like: 9 grid row
                  ((2, 3, 32, 384), (16, 16), 256),   # 24-patch grid rows: 5 a tile
                  ((2, 3, 16, 272), (8, 16), 64),     # 17-patch rows: 6 a tile (20 KB boxes: one stage block)
                  ((40, 3, 224, 224), (16, 16), 768)]  # 189 tiles: several per block
+
+
+@needs_gpu
+def test_gpu_tma_kernels_on_a_thread_without_cuda_context():
+    """A thread whose first GPU work is one of the TMA kernels (an autograd worker in the first
+    backward, a server's thread) has no current context for the driver's tensor-map encoding until
+    one is made current: the forward and the weight gradient both run there."""
+    import threading
+    if not wgmma_built():
+        pytest.skip("no sm_90a build on a 9.0 GPU: no TMA kernel")
+    x, w, b = make((4, 3, 224, 224), (16, 16), torch.bfloat16, "cuda", embed=384, bias=True)
+    ref = F.conv2d(x.double(), w.double(), b.double(), stride=16)
+    dy = randn(*conv_tokens(ref).shape, dtype=torch.bfloat16, device="cuda")
+    out, errors = {}, []
+
+    def forward():
+        try:
+            out["y"] = patchgemm.patch_embed(x, w, b, out_format="tokens")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def weight_grad():
+        try:
+            out["dw"] = ops.patch_weight_grad(dy, x, [16, 16], True, [], True)[0]
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    with patchgemm.force(patch_embed="implicit_rows_sm90", patch_weight_grad="implicit_rows_sm90"):
+        for work in (forward, weight_grad):
+            thread = threading.Thread(target=work)
+            thread.start()
+            thread.join()
+    assert not errors, errors
+    assert_close_to_ref(out["y"], conv_tokens(ref), torch.bfloat16, "y")
+    w64 = w.double().requires_grad_()
+    (want_dw,) = torch.autograd.grad(F.conv2d(x.double(), w64, stride=16), [w64], dy.double().transpose(1, 2).reshape(ref.shape))
+    assert_close_to_ref(out["dw"], want_dw, torch.bfloat16, "grad_weight")
 
 
 @needs_gpu
@@ -780,7 +817,7 @@ def test_gpu_implicit_rows_weight_grad_of_unembed(fused_always):
 
 # 16-bit weight gradients run an implicit GEMM: on a 9.0 GPU the wgmma one of
 # implicit_patch_weight_grad_sm90.cu (kw % 4 == 0, and kw = 2 in pairs), else for kw = 2 the mma.sync
-# one of csrc/cuda/implicit_patch_weight_grad.cu (the tests run with wgmma on and off). (x shape, kernel, E) covering
+# one of csrc/kernels/patch/sm80/implicit_patch_weight_grad.cu (the tests run with wgmma on and off). (x shape, kernel, E) covering
 # one and two 128-column tiles (partial ones: K = 192, 432), 128- and 192-wide embedding tiles
 # (partial: E = 200), E not a multiple of 8 (channels-first grad_y only), N not a multiple of 8 (tokens
 # grad_y only, but for wgmma's 4-token pieces where N % 4 == 0), 1-D/2-D/3-D, many token ranges (a
@@ -871,7 +908,7 @@ def test_gpu_wgmma_weight_grad_bias(fused_always, shape, kernel, embed, out_form
 
 
 def tiny_weight_grad_applies(x, kernel, embed, tokens):
-    """Whether the weight gradient of patch_embed(x) takes csrc/cuda/tiny_patch_weight_grad.cu: 16-bit,
+    """Whether the weight gradient of patch_embed(x) takes csrc/kernels/patch/sm80/tiny_patch_weight_grad.cu: 16-bit,
     kw = 2, K <= 64, E <= 256 and even, 16-byte pieces of grad_y (tokens: E % 8 == 0; channels-first
     N % 8 == 0), grid rows of 4k tokens, 16-byte aligned runs of x."""
     grid = [s // k for s, k in zip(x.shape[2:], kernel)]
@@ -883,7 +920,7 @@ def tiny_weight_grad_applies(x, kernel, embed, tokens):
 
 
 # 16-bit patches of at most 64 elements with kw = 2 take the fused weight gradient of
-# csrc/cuda/tiny_patch_weight_grad.cu (with the bias gradient as one more tile): (x shape, kernel, E)
+# csrc/kernels/patch/sm80/tiny_patch_weight_grad.cu (with the bias gradient as one more tile): (x shape, kernel, E)
 # covering K = 32 and 64 (one and four 16-row tiles), K = 12 (a partial tile), E = 256 (four 8-wide
 # tiles per warp), E = 200, 36 and 6 (n-tiles past E; 36, 6: channels-first only), N = 120 (a partial
 # last slice per sample), N = 24 (less than one slice), 1-D/2-D/3-D, and one that does not apply
@@ -969,7 +1006,7 @@ def test_gpu_tiny_weight_grad_of_unembed(dtype, shape, kernel, out_channels, in_
 
 
 def tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens):
-    """Whether patch_unembed takes csrc/cuda/tiny_patch_unembed.cu: 16-bit, kw even, K <= 64, C_in <= 256,
+    """Whether patch_unembed takes csrc/kernels/patch/sm80/tiny_patch_unembed.cu: 16-bit, kw even, K <= 64, C_in <= 256,
     16-byte pieces of x (tokens: C_in % 8 == 0; channels-first: N % 8 == 0)."""
     return (dtype in (torch.bfloat16, torch.float16) and kernel[-1] % 2 == 0
             and out_channels * math.prod(kernel) <= 64 and c_in <= 256
@@ -977,7 +1014,7 @@ def tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens):
 
 
 # 16-bit unembeddings of patches of at most 64 elements with kw even take the fused kernel of
-# csrc/cuda/tiny_patch_unembed.cu: (x shape [B, C_in, *grid], kernel, C_out) covering K = 32 and 64
+# csrc/kernels/patch/sm80/tiny_patch_unembed.cu: (x shape [B, C_in, *grid], kernel, C_out) covering K = 32 and 64
 # (two and four n-tiles per warp), C_in = 256 and 40 (a padded reduction), N = 120 and 200 (partial
 # last slices), C_in = 5 (channels-first only), kw = 4, 1-D/2-D/3-D, and one that does not apply
 # (K = 72: GEMM -> scatter or the implicit GEMM).
@@ -1014,7 +1051,7 @@ def test_gpu_tiny_unembed_kernel(dtype, shape, kernel, out_channels, in_format, 
 
 
 # 16-bit unembeddings with kw = 2 (and so patch_embed's input gradients) run the implicit GEMM of
-# csrc/cuda/implicit_patch_unembed.cu (on a 9.0 GPU, its wgmma version, which takes kw = 4 too and
+# csrc/kernels/patch/sm80/implicit_patch_unembed.cu (on a 9.0 GPU, its wgmma version, which takes kw = 4 too and
 # reads by TMA: channels-first x with N % 64 == 0, K % 8 == 0; the tests run both): (x shape
 # [B, C_in, *grid], kernel, C_out) covering one and several column tiles (128 wide on mma.sync,
 # 192 on wgmma; partial ones: K = 160, 192 and 128, 160, 256, 512, 640), C_in not a multiple of 8

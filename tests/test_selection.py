@@ -145,10 +145,36 @@ def test_grouped_candidates_match_the_linears(device, layout):
         assert_close_to_ref(gw, torch.bmm(dyg.transpose(1, 2), xg.double()), torch.float32, f"{name} dW")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["channels_first", "tokens"])
+def test_every_norm_candidate_runs_when_forced(device, layout):
+    x_cf = randn(2, 6, 5, 7, device=device)
+    w, b = randn(6, device=device), randn(6, device=device)
+    x = x_cf.flatten(2).transpose(1, 2).contiguous() if layout == "tokens" else x_cf
+    ref64 = [t.double().requires_grad_() for t in (x_cf, w, b)]
+    ref = F.gelu(F.instance_norm(ref64[0], weight=ref64[1], bias=ref64[2], eps=1e-5))
+    dy_cf = randn(*ref.shape, device=device)
+    want = torch.autograd.grad(ref, ref64, dy_cf.double())
+    dy = dy_cf.flatten(2).transpose(1, 2) if layout == "tokens" else dy_cf
+    ops = ("instance_norm_act", "instance_norm_act_backward")
+    for name in names("instance_norm_act", device):
+        xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+        with patchgemm.force(**{op: name for op in ops}), patchgemm.explain() as e:
+            y = patchgemm.instance_norm_act(xr, wr, br, layout=layout)
+            grads = torch.autograd.grad(y, [xr, wr, br], dy)
+        assert [(c.op, c.chosen) for c in e] == [(op, name) for op in ops], str(e)
+        y_cf = y.transpose(1, 2).reshape(x_cf.shape) if layout == "tokens" else y
+        assert_close_to_ref(y_cf, ref, torch.float32, f"{name} y")
+        gx = grads[0].transpose(1, 2).reshape(x_cf.shape) if layout == "tokens" else grads[0]
+        for g, r, what in zip((gx, *grads[1:]), want, ["grad_x", "grad_weight", "grad_bias"]):
+            assert_close_to_ref(g, r, torch.float32, f"{name} {what}")
+
+
 def test_kernels_table_and_cli():
     rows = patchgemm.kernels()
     ops = {r.op for r in rows}
-    assert {"patch_embed", "patch_unembed", "patch_weight_grad", "grouped_linear"} <= ops
+    assert {"patch_embed", "patch_unembed", "patch_weight_grad", "grouped_linear", "grouped_linear_grad_input",
+            "grouped_linear_grad_weight", "instance_norm_act", "instance_norm_act_backward"} <= ops
     for op, last in [("patch_embed", "aten_conv"), ("patch_unembed", "aten_conv_transpose"),
                      ("patch_weight_grad", "aten_conv_backward")]:
         assert patchgemm.kernels(op)[-1].name == last

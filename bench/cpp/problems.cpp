@@ -15,7 +15,7 @@
 #include <sstream>
 
 #include "harness.h"
-#include "patchify.h"
+#include "kernels/patch/patchify.h"
 
 namespace microbench {
 namespace {

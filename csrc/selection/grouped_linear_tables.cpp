@@ -5,8 +5,8 @@
 
 #include <sstream>
 
-#include "gemm.h"
-#include "grouped_problem.h"
+#include "kernels/gemm/gemm.h"
+#include "selection/grouped_problem.h"
 #include "selection/registry.h"
 
 namespace patchgemm {

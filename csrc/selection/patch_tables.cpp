@@ -6,8 +6,8 @@
 
 #include <sstream>
 
-#include "gemm.h"
-#include "patch_problem.h"
+#include "kernels/gemm/gemm.h"
+#include "selection/patch_problem.h"
 #include "selection/registry.h"
 
 #if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
@@ -53,27 +53,28 @@ WhyNot fused_kernels_apply(const at::Tensor& t, const PatchGeometry& g) {
 
 int64_t sm_count(const at::Tensor& on) { return at::cuda::getDeviceProperties(on.get_device())->multiProcessorCount; }
 
-// The mma.sync implicit GEMMs run at 200-300 TFLOP/s, cuBLAS's GEMM at up to ~700, so the gather
-// they save (4 bytes per patch element) pays only for thin GEMMs, at most 256 wide, with a 128-token
-// tile per SM to fill the GPU (H200).
+// The mma.sync implicit GEMMs run at well under half of cuBLAS's GEMM rate, so the gather they save
+// (4 bytes per patch element) pays only for thin GEMMs, at most 256 wide, with a 128-token tile per
+// SM to fill the GPU.
 WhyNot implicit_mma_pays(int64_t width, int64_t rows, const at::Tensor& on) {
   if (width > 256) return "rule: GEMMs wider than 256 run faster on cuBLAS after the gather";
   if (rows < 128 * sm_count(on)) return "rule: fewer than 128 tokens per SM";
   return {};
 }
 
-// The fused GEMMs do not split K: an output of a few 128 x 128 tiles over a long K leaves most SMs
-// idle, where cuBLAS splits K (ViT-B/16 at batch 1: 12 tiles, K = 768).
+// The fused GEMMs do not split K: an output of 128 x 128 tiles for under half the SMs, over a long
+// K, leaves most SMs idle, where cuBLAS splits K (ViT-B/16 at batch 1 to 4: 12 to 42 tiles, K = 768).
 WhyNot fills_the_gpu(int64_t rows, int64_t width, int64_t K, const at::Tensor& on) {
   const int64_t tiles = (rows + 127) / 128 * ((width + 127) / 128);
-  if (K >= 512 && 4 * tiles < sm_count(on)) return "rule: a few output tiles over a long K run faster split by cuBLAS";
+  if (K >= 512 && 2 * tiles < sm_count(on)) return "rule: a few output tiles over a long K run faster split by cuBLAS";
   return {};
 }
 
-// The forward's wgmma kernels beat gather + cuBLAS over the sizes measured (E 64 to 2048: 1.0-3x on
-// the H100), but for 4-byte runs copied one token at a time (ViT-L/14's kw = 14: 0.8x), and for
-// large wide GEMMs, where cuBLAS's higher throughput outweighs the gather (E 1024 over 36,864 tokens:
-// 0.7x); the row-TMA kernel keeps up with cuBLAS there.
+// The forward's wgmma kernels beat gather + cuBLAS over the sizes measured (E 64 to 2048), but for
+// 4-byte runs copied one token at a time into GEMMs wider than 128 (ViT-L/14's kw = 14; thinner
+// ones are memory-bound, and the gather's extra pass costs more), and for large wide GEMMs, where
+// cuBLAS's higher throughput outweighs the gather (E >= 1024 over many tokens); the row-TMA kernel
+// keeps up with cuBLAS there. (bench/heldout.py --candidates measures them all.)
 WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
   const PatchGeometry& g = p.g;
   const int64_t kw = g.kernel[2], embed = p.w2.size(0), rows = g.batch * g.tokens();
@@ -83,8 +84,8 @@ WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
     return "rule: large GEMMs of E >= 1024 run faster on cuBLAS after the gather";
   }
   const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(p.x5, 8);
-  if (widest_run(p.x5, kw) >= 4 || pair_major) return {};
-  return "rule: 4-byte runs one token at a time (odd kw / 2) run faster as gather + cuBLAS";
+  if (widest_run(p.x5, kw) >= 4 || pair_major || embed <= 128) return {};
+  return "rule: 4-byte runs one token at a time (odd kw / 2) into E > 128 run faster as gather + cuBLAS";
 }
 #endif
 
@@ -92,7 +93,7 @@ WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
 
 // Channels-last x on CUDA: cuDNN's channels-last kernels read x as it lies and write the channels-last
 // output, matching or beating the channels-last gather + GEMM (ConvNeXt's k = 2 downsampling, 2-D and
-// 3-D: 1.0-1.6x, forward and backward). Not on the CPU: torch 2.11's oneDNN bf16 convolution returns
+// 3-D, forward and backward). Not on the CPU: torch 2.11's oneDNN bf16 convolution returns
 // wrong values for channels-last x [3, 24, 28, 176] with k = (14, 16) (tests/test_fuzz.py).
 WhyNot cudnn_reads_channels_last(const at::Tensor& x, const PatchGeometry& g) {
   if (x.is_cuda() && g.channels_last && g.levels.size() == 1 && g.channels > 0) {
@@ -177,7 +178,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
          [](const EmbedProblem&) { return WhyNot(); },
          [](const EmbedProblem& p) -> WhyNot {
            // Short fp32 patches into channels-first outputs: the memory-bound GEMM's gather of 4-byte
-           // values costs more than cuDNN's implicit TF32 GEMM (Conv2d(64, 128, k = 2): 0.69x).
+           // values costs more than cuDNN's implicit TF32 GEMM (e.g. Conv2d(64, 128, k = 2)).
            if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat && !p.tokens_out && p.g.channels > 0 &&
                p.g.patch_size() <= 256) {
              return "rule: fp32 patches of at most 256 values into channels-first outputs run faster on cuDNN";
@@ -185,6 +186,16 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            return cudnn_reads_channels_last(p.x, p.g);
          },
          [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_gemm(p); }},
+        {"aten_linear", "cpu cuda rocm", "tokens-major out, row-major tokens; 16-bit on CUDA: the usual hand rewrite, "
+                                         "x's patches copied by ATen (permute + reshape), then linear",
+         [](const EmbedProblem& p) -> WhyNot {
+           if (!p.tokens_out) return "channels-first output (linear writes tokens)";
+           // at::linear follows the matmul TF32 flag; a conv replacement follows cuDNN's.
+           if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat) return "fp32 on CUDA (linear's TF32 flag is not the conv's)";
+           return row_major_tokens(p.g);
+         },
+         [](const EmbedProblem&) -> WhyNot { return "rule: not measured faster than gather_gemm"; },
+         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_aten_linear(p); }},
         {"aten_conv", "cpu cuda rocm", "PyTorch's convolution (cuDNN on CUDA); row-major tokens, C > 0",
          [](const EmbedProblem& p) -> WhyNot {
            // cuDNN returns [B, 0, ...] for no input channels instead of the bias.
@@ -204,7 +215,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
 
 #ifdef PATCHGEMM_PTX_KERNELS
 // The unembedding's implicit kernels need a full 128-column tile of the patch (K); on wgmma they
-// win at any C_in measured (H100: 1.25-2.1x at C_in 192 to 1536), on mma.sync where it pays.
+// win at any C_in measured (192 to 1536), on mma.sync where it pays.
 Candidate<UnembedProblem, at::Tensor> implicit_unembed(const char* name, cuda::Implicit kernel, const char* backends,
                                                       const char* conditions) {
   return {name, backends, conditions,
@@ -280,13 +291,12 @@ WeightGrads finish(const WeightGradProblem& p, const WeightGrads& grads) {
 }
 
 // The weight gradient's wgmma kernel wins wherever grad_y is channels-first (which cuBLAS needs
-// copied into tokens order: 1.06-1.85x on the H100; kw = 2 pairs 2.2-4.7x on the H200), but with
-// tokens grad_y only for thinner GEMMs: runs up to E = 256 (E = 192: 1.8x; 768: 0.7-1.07x), pairs
-// (which gather 4 bytes per patch element) up to E = 512 (512: 1.5x, 1024: 0.92x).
+// copied into tokens order), but with tokens grad_y only for thinner GEMMs: runs up to E = 256, pairs
+// (which gather 4 bytes per patch element) up to E = 512; wider, cuBLAS's rate outweighs the gather.
 WhyNot implicit_weight_grad_rule(cuda::Implicit kernel, const WeightGradProblem& p) {
   WhyNot why = not_a_view(p.x5, p.g);
   if (!why.empty() || kernel == cuda::Implicit::kRowsSm90) return why;  // rows: its own rule (ruled)
-  // A full 128-column tile (U2's weight gradient, K = 32, runs at 0.45x gather + cuBLAS).
+  // A full 128-column tile (U2's weight gradient, K = 32, loses to gather + cuBLAS).
   if (p.g.patch_size() < 128) return "rule: patches under 128 elements leave the tiles idle";
   if (kernel == cuda::Implicit::kMma) return implicit_mma_pays(p.embed, p.g.batch * p.g.tokens(), p.x);
   const bool pairs = p.g.kernel[2] == 2 && p.g.grid[2] % 4 == 0 && runs_aligned(p.x5, 8);

@@ -1,0 +1,286 @@
+// The one BLAS wrapper: cuBLAS (hipBLAS after hipify) strided-batched GEMMs on PyTorch's handle and
+// current stream, plus the cuBLASLt bias epilogue on CUDA. Every status is checked.
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <string>
+#include <type_traits>
+
+#include "kernels/gemm/gemm.h"
+
+#ifndef USE_ROCM
+#include <cublasLt.h>
+#endif
+
+#ifdef USE_ROCM
+#define PATCHGEMM_BLAS_STATUS_STRING(status) hipblasStatusToString(status)
+#else
+#define PATCHGEMM_BLAS_STATUS_STRING(status) cublasGetStatusString(status)
+#endif
+
+#define PATCHGEMM_CUBLAS_CHECK(expr)                                                        \
+  do {                                                                                      \
+    const cublasStatus_t status_ = (expr);                                                  \
+    TORCH_CHECK(status_ == CUBLAS_STATUS_SUCCESS, "patchgemm: ", #expr, " failed: ",        \
+                PATCHGEMM_BLAS_STATUS_STRING(status_), " (", static_cast<int>(status_), ")"); \
+  } while (0)
+
+namespace patchgemm {
+
+std::string blas_version() {
+#ifdef USE_ROCM
+  return "hipBLAS";  // the ROCm release is torch.version.hip
+#else
+  int major = 0, minor = 0, patch = 0;  // of the loaded library; needs no handle or GPU
+  PATCHGEMM_CUBLAS_CHECK(cublasGetProperty(MAJOR_VERSION, &major));
+  PATCHGEMM_CUBLAS_CHECK(cublasGetProperty(MINOR_VERSION, &minor));
+  PATCHGEMM_CUBLAS_CHECK(cublasGetProperty(PATCH_LEVEL, &patch));
+  return "cuBLAS " + std::to_string(major) + "." + std::to_string(minor) + "." +
+         std::to_string(patch);
+#endif
+}
+
+namespace cuda {
+namespace {
+
+// dtype -> (storage type, compute type, scale type): the one table. Half/bfloat16 accumulate in
+// fp32; fp32 uses TF32 tensor cores only where `tf32` (the flag of the op the GEMM serves) allows.
+struct BlasTypes {
+  cudaDataType_t data;
+  cublasComputeType_t compute;
+  cudaDataType_t scale;
+};
+
+BlasTypes blas_types(at::ScalarType dtype, bool tf32) {
+  switch (dtype) {
+    case at::kFloat:
+      return {CUDA_R_32F, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F};
+    case at::kHalf:
+      return {CUDA_R_16F, CUBLAS_COMPUTE_32F, CUDA_R_32F};
+    case at::kBFloat16:
+      return {CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUDA_R_32F};
+    case at::kDouble:
+      return {CUDA_R_64F, CUBLAS_COMPUTE_64F, CUDA_R_64F};
+    default:
+      TORCH_CHECK(false, "patchgemm: no BLAS type for dtype ", dtype);
+  }
+}
+
+// torch's flag is a bool in older releases and an enum in newer ones.
+template <typename Option>
+bool reduced_precision_allowed(Option option) {
+  if constexpr (std::is_same_v<Option, bool>) {
+    return option;
+  } else {
+    return option == Option::AllowReducedPrecisionWithSplitK;
+  }
+}
+
+bool reduced_precision_reduction_allowed(at::ScalarType dtype) {
+  auto& ctx = at::globalContext();
+  if (dtype == at::kHalf) return reduced_precision_allowed(ctx.allowFP16ReductionCuBLAS());
+  if (dtype == at::kBFloat16) return reduced_precision_allowed(ctx.allowBF16ReductionCuBLAS());
+  return true;
+}
+
+// alpha/beta live on the host (PyTorch's handle uses host pointer mode); graph capture records
+// them by value.
+struct Scalars {
+  double d_alpha = 1, d_beta = 0;
+  float f_alpha = 1, f_beta = 0;
+  Scalars(at::ScalarType dtype, bool accumulate)
+      : d_beta(accumulate ? 1 : 0), f_beta(accumulate ? 1.f : 0.f), is_double(dtype == at::kDouble) {}
+  const void* alpha() const { return is_double ? static_cast<const void*>(&d_alpha) : &f_alpha; }
+  const void* beta() const { return is_double ? static_cast<const void*>(&d_beta) : &f_beta; }
+  bool is_double;
+};
+
+cublasOperation_t op(bool trans) { return trans ? CUBLAS_OP_T : CUBLAS_OP_N; }
+
+const char* byte_ptr(const at::Tensor& t) { return static_cast<const char*>(t.const_data_ptr()); }
+
+// One classic-API call (cublasGemmStridedBatchedEx). c is of a and b's dtype, or fp32 for 16-bit
+// a and b (partial sums, gemm.cpp).
+void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool tf32) {
+  const at::ScalarType dtype = a.scalar_type();
+  const BlasTypes types = blas_types(dtype, tf32);
+  const cudaDataType_t c_type = c.scalar_type() == dtype ? types.data : blas_types(c.scalar_type(), tf32).data;
+  const int64_t elem = a.element_size(), c_elem = c.element_size();
+  const Scalars s(dtype, call.accumulate);
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // bound to the current stream
+#ifndef USE_ROCM
+  // Respect torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction.
+  cublasMath_t saved_mode;
+  PATCHGEMM_CUBLAS_CHECK(cublasGetMathMode(handle, &saved_mode));
+  if (!reduced_precision_reduction_allowed(dtype)) {
+    PATCHGEMM_CUBLAS_CHECK(cublasSetMathMode(
+        handle, static_cast<cublasMath_t>(saved_mode |
+                                          CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  }
+#endif
+  // BLAS A is the problem's b, BLAS B the problem's a (row-major <-> column-major).
+  PATCHGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      handle, op(call.trans_a), op(call.trans_b), static_cast<int>(call.m),
+      static_cast<int>(call.n), static_cast<int>(call.k), s.alpha(),
+      byte_ptr(b) + call.offset_a * elem, types.data, static_cast<int>(call.lda), call.stride_a,
+      byte_ptr(a) + call.offset_b * elem, types.data, static_cast<int>(call.ldb), call.stride_b,
+      s.beta(), static_cast<char*>(c.data_ptr()) + call.offset_c * c_elem, c_type,
+      static_cast<int>(call.ldc), call.stride_c, static_cast<int>(call.batch), types.compute,
+      CUBLAS_GEMM_DEFAULT));
+#ifndef USE_ROCM
+  PATCHGEMM_CUBLAS_CHECK(cublasSetMathMode(handle, saved_mode));
+#endif
+}
+
+#ifdef USE_ROCM
+bool lt_matmul_bias(const BlasCall&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, bool) {
+  return false;  // hipBLASLt not wired up: the bias is added through beta = 1
+}
+#else
+
+// RAII owners for the cuBLASLt descriptors.
+template <typename T, cublasStatus_t (*Destroy)(T)>
+struct LtHandle {
+  T value = nullptr;
+  ~LtHandle() {
+    if (value) Destroy(value);
+  }
+};
+using MatmulDesc = LtHandle<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy>;
+using Layout = LtHandle<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
+using Preference = LtHandle<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>;
+
+template <typename T>
+void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
+}
+
+// A column-major stored matrix of rows x cols with leading dimension ld, batched.
+void make_layout(Layout& layout, cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld,
+                 int64_t batch, int64_t batch_stride) {
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout.value, type, rows, cols, ld));
+  const int32_t count = static_cast<int32_t>(batch);
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+      layout.value, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+      layout.value, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &batch_stride,
+      sizeof(batch_stride)));
+}
+
+uint32_t pointer_alignment(const void* ptr) {
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+// PATCHGEMM_DISABLE_LT=1 turns the bias epilogue off (bias copied into C, then beta = 1), to compare.
+bool lt_disabled() {
+  static const bool disabled = [] {
+    const char* v = std::getenv("PATCHGEMM_DISABLE_LT");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return disabled;
+}
+
+// One strided-batched cuBLASLt matmul with the bias added in the epilogue (CUBLASLT_EPILOGUE_BIAS:
+// one entry per row of the column-major output, i.e. per output feature). Returns false where it
+// does not apply (fp64, a disallowed reduced-precision reduction, misaligned bias, no algorithm),
+// so the caller falls back to the classic API.
+bool lt_matmul_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor& c, const at::Tensor& bias, bool tf32) {
+  const at::ScalarType dtype = c.scalar_type();
+  if (lt_disabled() || dtype == at::kDouble || call.accumulate) return false;
+  if (!reduced_precision_reduction_allowed(dtype)) return false;  // Lt has no such switch
+  if (bias.stride(1) != 1 || pointer_alignment(bias.const_data_ptr()) < 16) return false;
+  const BlasTypes types = blas_types(dtype, tf32);
+  const int64_t elem = c.element_size();
+
+  MatmulDesc desc;
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.value, types.compute, types.scale));
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_TRANSA, op(call.trans_a));
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_TRANSB, op(call.trans_b));
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias.const_data_ptr());
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, static_cast<int64_t>(bias.stride(0)));
+
+  Layout layout_a, layout_b, layout_c;
+  make_layout(layout_a, types.data, call.trans_a ? call.k : call.m, call.trans_a ? call.m : call.k,
+              call.lda, call.batch, call.stride_a);
+  make_layout(layout_b, types.data, call.trans_b ? call.n : call.k, call.trans_b ? call.k : call.n,
+              call.ldb, call.batch, call.stride_b);
+  make_layout(layout_c, types.data, call.m, call.n, call.ldc, call.batch, call.stride_c);
+
+  // Workspace: PyTorch's per-handle/stream cuBLASLt workspace (caching allocator, graph-safe).
+  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
+  void* workspace = at::cuda::getCUDABlasLtWorkspace();
+  Preference pref;
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.value));
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref.value, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_size,
+      sizeof(workspace_size)));
+  // The heuristic assumes 16-byte aligned pointers unless told otherwise; views of a slice may not
+  // be.
+  const void* ptr_a = byte_ptr(b) + call.offset_a * elem;
+  const void* ptr_b = byte_ptr(a) + call.offset_b * elem;
+  void* ptr_c = static_cast<char*>(c.data_ptr()) + call.offset_c * elem;
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, const void*> alignments[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, ptr_a},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ptr_b},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ptr_c},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ptr_c}};
+  for (const auto& [attr, ptr] : alignments) {
+    const uint32_t alignment = pointer_alignment(ptr);
+    PATCHGEMM_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref.value, attr, &alignment, sizeof(alignment)));
+  }
+
+  cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  cublasLtMatmulHeuristicResult_t heuristic = {};
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      handle, desc.value, layout_a.value, layout_b.value, layout_c.value, layout_c.value,
+      pref.value, 1, &heuristic, &found);
+  if (status != CUBLAS_STATUS_SUCCESS || found == 0) return false;
+
+  const Scalars s(dtype, false);
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatmul(
+      handle, desc.value, s.alpha(), ptr_a, layout_a.value, ptr_b, layout_b.value, s.beta(), ptr_c,
+      layout_c.value, ptr_c, layout_c.value, &heuristic.algo, workspace, workspace_size,
+      at::cuda::getCurrentCUDAStream()));
+  return true;
+}
+#endif  // USE_ROCM
+
+}  // namespace
+
+SplitKGuard split_k_guard(const at::Tensor& input) {
+#ifdef USE_ROCM
+  return {};
+#else
+  // The K tile of cuBLAS's kernels is 128 bytes of k (the "64" of nvjet_sm90_tst_8x64_64x16 in 16
+  // bits); reductions from 32 tiles on are guarded, a margin of 3.5x below the shortest loss seen.
+  const int64_t sms = at::cuda::getDeviceProperties(input.get_device())->multiProcessorCount;
+  const int64_t k_tile = 128 / static_cast<int64_t>(input.element_size());
+  return {k_tile, 2 * sms, 32 * k_tile};
+#endif
+}
+
+// The Lt bias epilogue makes bias free, while for plain products the classic API picks the faster
+// kernels for our strided outputs.
+bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
+                             const at::Tensor& c, const at::Tensor& bias, bool tf32) {
+  const c10::cuda::CUDAGuard guard(c.device());
+  return lt_matmul_bias(call, a, b, c, bias, tf32);
+}
+
+void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor& c, bool tf32) {
+  const c10::cuda::CUDAGuard guard(c.device());
+  for (const BlasCall& call : calls) gemm_ex(call, a, b, c, tf32);
+}
+
+}  // namespace cuda
+}  // namespace patchgemm

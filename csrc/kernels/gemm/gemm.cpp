@@ -1,0 +1,87 @@
+#include "kernels/gemm/gemm.h"
+
+#include <algorithm>
+
+namespace patchgemm {
+
+MatrixView matrix_view(const at::Tensor& t3) {
+  return {t3.size(1), t3.size(2), t3.stride(1), t3.stride(2), t3.stride(0)};
+}
+
+bool tf32_allowed(Tf32Flag flag) {
+  const auto& ctx = at::globalContext();
+  return flag == Tf32Flag::kCudnn ? ctx.allowTF32CuDNN(at::Float32Op::CONV) : ctx.allowTF32CuBLAS();
+}
+
+void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& c,
+              const std::optional<at::Tensor>& bias, bool accumulate, Tf32Flag tf32) {
+  TORCH_INTERNAL_ASSERT(a_in.dim() == 3 && b_in.dim() == 3 && c.dim() == 3);
+  TORCH_INTERNAL_ASSERT(!(bias && accumulate));
+  TORCH_INTERNAL_ASSERT(a_in.size(1) == c.size(1) && b_in.size(2) == c.size(2) &&
+                        a_in.size(2) == b_in.size(1));
+  if (c.numel() == 0) return;
+  // Broadcast view of the bias over c's rows: [batch, 1 -> M, N].
+  auto bias_rows = [&] { return bias->unsqueeze(1).expand_as(c); };
+  if (a_in.size(2) == 0) {  // empty sum: c is the bias, or zeros (or unchanged)
+    if (accumulate) return;
+    bias ? c.copy_(bias_rows()) : c.zero_();
+    return;
+  }
+
+  // NOTE: the only copies this library makes of a GEMM input: strides that no leading dimension
+  // can describe (e.g. both inner strides > 1, or overlapping rows).
+  const LayoutVerdict verdict = check_blas_layout({a_in.size(0), matrix_view(a_in),
+                                                   matrix_view(b_in), matrix_view(c)});
+  TORCH_INTERNAL_ASSERT(verdict.c_ok, "run_gemm: output must have unit column stride");
+  const at::Tensor a = verdict.a_ok ? a_in : a_in.contiguous();
+  const at::Tensor b = verdict.b_ok ? b_in : b_in.contiguous();
+
+  const GemmProblem problem{a.size(0), matrix_view(a), matrix_view(b), matrix_view(c)};
+  SplitKGuard guard;
+#ifdef PATCHGEMM_WITH_CUDA
+  if (c.is_cuda()) guard = cuda::split_k_guard(a);  // a's dtype: c may be the fp32 scratch below
+#endif
+  const BlasPlan plan = plan_blas_calls(problem, blas_int_limit(), guard);
+  TORCH_CHECK(plan.error.empty(), "patchgemm: cannot run the GEMM ", a.sizes(), " x ", b.sizes(),
+              " -> ", c.sizes(), ": ", plan.error);
+  // Calls that each add a piece of K (the split-K guard, or a K past the integer limit) would round
+  // the running sum to a 16-bit c after every piece (a bias gradient whose pieces cancel loses
+  // digits): they sum into an fp32 scratch instead, and c is rounded once.
+  const bool k_pieces = std::any_of(plan.calls.begin(), plan.calls.end(),
+                                    [](const BlasCall& call) { return call.accumulate; });
+  if (k_pieces && c.element_size() == 2) {
+    at::Tensor sum = at::empty(c.sizes(), c.options().dtype(at::kFloat));
+    if (accumulate) sum.copy_(c);
+    run_gemm(a, b, sum, bias, accumulate, tf32);
+    c.copy_(sum);
+    return;
+  }
+
+#ifdef PATCHGEMM_WITH_CUDA
+  const bool on_gpu = c.is_cuda();
+  const bool allow_tf32 = on_gpu && tf32_allowed(tf32);
+  if (on_gpu && bias && plan.calls.size() == 1 && c.scalar_type() == a.scalar_type() &&
+      cuda::run_blas_call_with_bias(plan.calls[0], a, b, c, *bias, allow_tf32)) {
+    return;  // bias added in the GEMM's epilogue
+  }
+#else
+  const bool on_gpu = false;
+#endif
+  TORCH_CHECK(on_gpu || c.device().is_cpu(), "patchgemm: no kernel for device ", c.device(),
+              " in this build (built without CUDA/ROCm support?)");
+  // Otherwise the bias goes into c first and every call accumulates onto it (beta = 1).
+  std::vector<BlasCall> calls = plan.calls;
+  if (bias) c.copy_(bias_rows());
+  if (bias || accumulate) {
+    for (BlasCall& call : calls) call.accumulate = true;
+  }
+#ifdef PATCHGEMM_WITH_CUDA
+  if (on_gpu) {
+    cuda::run_blas_calls(calls, a, b, c, allow_tf32);
+    return;
+  }
+#endif
+  cpu::run_blas_calls(calls, a, b, c);
+}
+
+}  // namespace patchgemm

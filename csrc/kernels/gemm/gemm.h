@@ -1,0 +1,74 @@
+// The one entry to every GEMM the ops run: a batch of row-major products over strided views.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+
+#include <optional>
+
+#include "kernels/gemm/strided_gemm.h"
+
+namespace patchgemm {
+
+// Which PyTorch flag lets fp32 GEMMs use TF32 tensor cores: the op's that the GEMM stands in for,
+// torch.backends.cuda.matmul.allow_tf32 (nn.Linear; default False) or torch.backends.cudnn.allow_tf32
+// (nn.Conv*d; default True).
+enum class Tf32Flag { kMatmul, kCudnn };
+bool tf32_allowed(Tf32Flag flag);
+
+// c[i] = a[i] @ b[i] (+ bias[i] broadcast over the rows of c[i]), or c[i] += a[i] @ b[i] when
+// `accumulate` (no bias then).
+// a: [batch, M, K], b: [batch, K, N], c: [batch, M, N], bias: [batch, N] — any strides for a, b
+// (an operand no BLAS layout can express is copied once); c must have unit column stride (the ops
+// allocate it), of a and b's dtype (fp32 for their partial sums inside run_gemm). Runs on c's device
+// through that device's backend.
+void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+              const std::optional<at::Tensor>& bias = std::nullopt, bool accumulate = false,
+              Tf32Flag tf32 = Tf32Flag::kMatmul);
+
+// t summed over dims into t's dtype, accumulated in fp32 (fp64 for fp64): a bias gradient. CUDA's
+// reductions accumulate 16-bit sums in fp32 by themselves, in one kernel; CPU half sums do not
+// (~5e-3 off), so there the sum runs in the op-math type and is cast after. A contiguous
+// channels-first t [B, C, *S] summed over all but C (a transpose's bias) sums its contiguous rows,
+// then over B: ATen's one reduction over dims {0, 2, ...} runs well below the memory bandwidth,
+// contiguous rows at it. Few long rows (a transpose's 32 of 2M elements) leave most SMs idle, so
+// they are cut into f pieces each first, for 2048 rows or more.
+inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
+  const at::ScalarType acc = at::toOpMathType(t.scalar_type());
+  bool all_but_channels = t.dim() >= 3 && t.is_contiguous() && static_cast<int64_t>(dims.size()) == t.dim() - 1;
+  for (size_t i = 0; i < dims.size() && all_but_channels; ++i) {
+    all_but_channels = dims[i] == (i == 0 ? 0 : static_cast<int64_t>(i) + 1);
+  }
+  if (all_but_channels) {
+    const int64_t rows = t.size(0) * t.size(1), n = rows ? t.numel() / rows : 0;
+    int64_t f = 1;
+    while (rows * f < 2048 && n % (2 * f) == 0 && n / (2 * f) >= 8192) f *= 2;
+    return t.view({t.size(0), t.size(1), f, n / f}).sum(3, false, acc).sum(at::IntArrayRef{0, 2}).to(t.scalar_type());
+  }
+  if (t.is_cuda()) return t.sum(dims);
+  return t.sum(dims, false, acc).to(t.scalar_type());
+}
+
+// The strided view of a 3-D tensor, as the torch-free planner sees it.
+MatrixView matrix_view(const at::Tensor& t3);
+
+namespace cpu {
+void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor& c);
+}
+// (`tf32`: whether fp32 calls may use TF32 tensor cores.)
+#ifdef PATCHGEMM_WITH_CUDA
+namespace cuda {
+void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
+                    const at::Tensor& c, bool tf32);
+// The split-K guard (kernels/gemm/strided_gemm.h) for GEMMs on `input`'s GPU: cuBLAS's K tile of the
+// inputs' dtype, and twice the SM count in output tiles. No guard on ROCm.
+SplitKGuard split_k_guard(const at::Tensor& input);
+// One call with the bias fused into its epilogue; false where that does not apply (the caller
+// then adds the bias through beta = 1).
+bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
+                             const at::Tensor& c, const at::Tensor& bias, bool tf32);
+}  // namespace cuda
+#endif
+
+}  // namespace patchgemm

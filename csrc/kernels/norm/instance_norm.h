@@ -1,0 +1,53 @@
+// Instance norm fused with GELU, the glue between the stages of a hierarchical stem
+// (Conv -> InstanceNorm -> GELU -> Conv ...). Unfused, PyTorch makes five passes over the largest
+// activation of the stem forward and saves two copies of it for backward; fused, the forward makes
+// two passes (statistics, then normalize + activate) and saves only its input, and the backward
+// makes two (per-channel sums, then the input gradient) recomputing the activation's input.
+//
+// x is one of two layouts of [B, C, S] (S = the flattened spatial or token dims):
+//   channels-first [B, C, *spatial] (a conv's output), or tokens [B, S, C] (channels innermost).
+// Statistics are per (sample, channel) over S, in float32 (float64 for float64 input).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace patchgemm {
+
+// The [B, S, C] view of x: sizes and the layout flag, shared by the CPU and CUDA paths.
+struct NormShape {
+  int64_t batch = 0, channels = 0, spatial = 0;
+  bool tokens = false;  // channels innermost ([B, S, C]); else [B, C, S]
+  C10_HOST_DEVICE int64_t numel() const { return batch * channels * spatial; }
+};
+
+// The ATen implementation (instance_norm_aten.cpp), any device; x, weight, bias contiguous (weight,
+// bias [C] or undefined). Forward: (y, mean, rstd). Backward: (grad_x, sum_dz, sum_dz_xhat), the
+// sums as the CUDA kernel's below.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_aten(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps, bool gelu,
+    const NormShape& s);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward_aten(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    const at::Tensor& mean, const at::Tensor& rstd, bool gelu, const NormShape& s);
+
+#ifdef PATCHGEMM_WITH_CUDA
+namespace cuda {
+// y = act((x - mean) * rstd * weight + bias) with mean, rstd [B, C] (accumulation dtype) computed
+// here. x, y contiguous; weight, bias [C] or undefined.
+void instance_norm_act_forward(const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& bias, double eps, bool gelu, const NormShape& s,
+                               const at::Tensor& y, const at::Tensor& mean, const at::Tensor& rstd);
+// grad_x, and the per-(sample, channel) sums s1 = sum(dz), s2 = sum(dz * xhat) [B, C] (dz the
+// gradient at the norm's affine output), from which the caller reduces dweight and dbias.
+void instance_norm_act_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                const at::Tensor& weight, const at::Tensor& bias,
+                                const at::Tensor& mean, const at::Tensor& rstd, bool gelu,
+                                const NormShape& s, const at::Tensor& grad_x,
+                                const at::Tensor& sum_dz, const at::Tensor& sum_dz_xhat);
+}  // namespace cuda
+#endif
+
+}  // namespace patchgemm

@@ -1,0 +1,73 @@
+// instance_norm_act's ATen implementation (see instance_norm.h): any device, the CPU's only one and
+// the reference the tests compare the CUDA kernels with. Composite, so it makes the passes and
+// temporaries the fused kernels avoid.
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "kernels/norm/instance_norm.h"
+
+namespace patchgemm {
+namespace {
+
+at::ScalarType acc_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// x as [B, C, S] in the accumulation dtype (a view of tokens input, transposed).
+at::Tensor as_bcs(const at::Tensor& x, const NormShape& s) {
+  const at::Tensor v = s.tokens ? x.reshape({s.batch, s.spatial, s.channels}).transpose(1, 2)
+                                : x.reshape({s.batch, s.channels, s.spatial});
+  return v.to(acc_dtype(x));
+}
+
+// The inverse of as_bcs, in x's dtype and shape, contiguous.
+at::Tensor from_bcs(const at::Tensor& t, const at::Tensor& like, const NormShape& s) {
+  const at::Tensor v = s.tokens ? t.transpose(1, 2) : t;
+  return v.to(like.scalar_type()).contiguous().view(like.sizes());
+}
+
+at::Tensor per_channel(const at::Tensor& t, double fill, const NormShape& s, const at::Tensor& x) {
+  const auto options = x.options().dtype(acc_dtype(x));
+  return (t.defined() ? t.to(acc_dtype(x)) : at::full({s.channels}, fill, options)).view({1, -1, 1});
+}
+
+// xhat and z = xhat * weight + bias, [B, C, S] in the accumulation dtype.
+std::pair<at::Tensor, at::Tensor> normalized(const at::Tensor& x, const at::Tensor& weight,
+                                             const at::Tensor& bias, const at::Tensor& mean,
+                                             const at::Tensor& rstd, const NormShape& s) {
+  const at::Tensor xhat = (as_bcs(x, s) - mean.unsqueeze(2)) * rstd.unsqueeze(2);
+  return {xhat, xhat * per_channel(weight, 1.0, s, x) + per_channel(bias, 0.0, s, x)};
+}
+
+at::Tensor gelu_grad(const at::Tensor& z) {
+  const at::Tensor cdf = 0.5 * (1.0 + at::erf(z * M_SQRT1_2));
+  return cdf + z * at::exp(-0.5 * z * z) * (0.5 * M_2_SQRTPI * M_SQRT1_2);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_aten(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps, bool gelu,
+    const NormShape& s) {
+  const at::Tensor xf = as_bcs(x, s);
+  const at::Tensor mean = xf.mean(-1);
+  const at::Tensor rstd = (xf.var(-1, /*unbiased=*/false) + eps).rsqrt();
+  const at::Tensor z = normalized(x, weight, bias, mean, rstd, s).second;
+  return {from_bcs(gelu ? at::gelu(z) : z, x, s), mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward_aten(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    const at::Tensor& mean, const at::Tensor& rstd, bool gelu, const NormShape& s) {
+  const auto [xhat, z] = normalized(x, weight, bias, mean, rstd, s);
+  at::Tensor dz = as_bcs(grad_y, s);
+  if (gelu) dz = dz * gelu_grad(z);
+  const at::Tensor sum_dz = dz.sum(-1), sum_dz_xhat = (dz * xhat).sum(-1);
+  const double inv_n = s.spatial ? 1.0 / static_cast<double>(s.spatial) : 0.0;
+  const at::Tensor dx = rstd.unsqueeze(2) * per_channel(weight, 1.0, s, x) *
+                        (dz - sum_dz.unsqueeze(2) * inv_n - xhat * sum_dz_xhat.unsqueeze(2) * inv_n);
+  return {from_bcs(dx, x, s), sum_dz, sum_dz_xhat};
+}
+
+}  // namespace patchgemm

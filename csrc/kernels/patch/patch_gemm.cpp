@@ -1,0 +1,202 @@
+// The patch ops on gather (patchify) / scatter (unpatchify) + one GEMM, on every backend; see
+// patchify.h for the patch matrix.
+//
+//   embed        y = P @ W^T (+ b): tokens [B, N, E] as one plain GEMM, channels-first [B, E, N] as
+//                one GEMM batched over B (W shared, stride 0).
+//   unembed      Q = x_tokens @ W, then y = unpatchify(Q) + b (the bias rides on the scatter).
+//   weight grad  dW = grad_y^T @ P, recomputing P from x (never saved); with a ones column in P the
+//                same GEMM also yields dbias.
+// Their GEMMs stand in for convolutions, so fp32 follows torch.backends.cudnn.allow_tf32.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+
+#include "kernels/gemm/gemm.h"
+#include "selection/patch_problem.h"
+
+namespace patchgemm {
+namespace {
+
+constexpr Tf32Flag kConv = Tf32Flag::kCudnn;
+
+// t [B, N, C] as [1, B*N, C] when the strides allow a view, else as is (the GEMM then runs
+// batched over B). N == 1 always merges: otherwise a batch of B one-row products reads the
+// weight B times.
+at::Tensor merge_batch(const at::Tensor& t) {
+  const int64_t row_stride = t.size(1) == 1 ? t.stride(0) : t.stride(1);
+  if (t.size(0) <= 1 || t.size(1) == 1 || t.stride(0) == t.size(1) * t.stride(1)) {
+    return t.as_strided({1, t.size(0) * t.size(1), t.size(2)},
+                        {t.size(0) * t.size(1) * row_stride, row_stride, t.stride(2)});
+  }
+  return t;
+}
+
+// w2 [rows, K] as a GEMM operand of `width` (>= K) columns against a zero-padded patch matrix:
+// [W | bias | 0] (the bias meets P's ones column), or w2 itself when there is nothing to pad.
+// Full, aligned widths keep BLAS on its fast kernels (an odd K can cost several times).
+at::Tensor padded_weight(const at::Tensor& w2, const std::optional<at::Tensor>& bias, int64_t width) {
+  const int64_t K = w2.size(1);
+  if (width == K && !bias) return w2;
+  at::Tensor w = at::zeros({w2.size(0), width}, w2.options());
+  w.narrow(1, 0, K).copy_(w2);
+  if (bias) w.select(1, K).copy_(*bias);
+  return w;
+}
+
+// w2 [O, K] as the GEMM paths read it: for the channels-last patch order, the weight [O, C, *k]
+// with columns in (i, j, l, c) order (a view when the weight is channels-last too, else a copy made
+// only here, where a GEMM path runs).
+at::Tensor gemm_weight(const at::Tensor& weight, const at::Tensor& w2, const PatchGeometry& g) {
+  if (!g.channels_last) return w2;
+  std::vector<int64_t> order{0};
+  for (int64_t d = 2; d < weight.dim(); ++d) order.push_back(d);
+  order.push_back(1);
+  return weight.permute(order).reshape(w2.sizes());
+}
+
+}  // namespace
+
+std::optional<at::Tensor> patch_matrix_as_view(const at::Tensor& x5, const PatchGeometry& g) {
+  if (g.tokens() != 1) return std::nullopt;
+  int64_t expected = 1;
+  // x5's dims from the patch matrix's fastest-moving column on.
+  const std::array<int64_t, 4> dims = g.channels_last ? std::array<int64_t, 4>{1, 4, 3, 2}
+                                                      : std::array<int64_t, 4>{4, 3, 2, 1};
+  for (int64_t d : dims) {
+    if (x5.size(d) != 1 && x5.stride(d) != expected) return std::nullopt;
+    expected *= x5.size(d);
+  }
+  return x5.as_strided({g.batch, 1, g.patch_size()}, {x5.stride(0), g.patch_size(), 1});
+}
+
+at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens) {
+  if (p.tokens || !p.g.channels_last) return y_tokens.view(p.out_shape);
+  // Channels-last output: [B, *grid, E] is its memory.
+  std::vector<int64_t> shape{p.g.batch}, order{0, p.rank + 1};
+  for (int64_t d = 0; d < p.rank; ++d) {
+    shape.push_back(p.out_shape[2 + d]);
+    order.push_back(1 + d);
+  }
+  shape.push_back(p.out_shape[1]);
+  return y_tokens.view(shape).permute(order);
+}
+
+at::Tensor embed_by_gemm(const EmbedProblem& p) {
+  const PatchGeometry& g = p.g;
+  const int64_t embed = p.w2.size(0), N = g.tokens();
+  if (p.tokens_out) {
+    at::Tensor y = at::empty({g.batch, N, embed}, p.x.options());
+    const auto view = patch_matrix_as_view(p.x5, g);
+    const at::Tensor pm = view ? *view : patchify(p.x5, g, /*ones_column=*/false);
+    // y[B*N, E] = P[B*N, ld] @ W'^T; the bias in the GEMM's epilogue where the backend has one.
+    const at::Tensor w2 = gemm_weight(p.weight, p.w2, g);
+    run_gemm(merge_batch(pm), padded_weight(w2, std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(y),
+             p.bias ? std::optional<at::Tensor>(p.bias->unsqueeze(0)) : std::nullopt, false, kConv);
+    return embed_output(p, y);
+  }
+  // Channels-first: y[b] [E, N] = W' [E, K'] @ P[b]^T, batched over B with W' shared. The bias is
+  // a column of W' against a ones column of P: no pass over y (whose bias would run along rows,
+  // which BLAS epilogues do not offer).
+  at::Tensor y = at::empty(p.out_shape, p.x.options());
+  const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/p.bias.has_value());
+  const at::Tensor w = padded_weight(p.w2, p.bias, pm.size(2));
+  run_gemm(w.unsqueeze(0).expand({g.batch, embed, w.size(1)}), pm.transpose(1, 2), y.view({g.batch, embed, N}),
+           std::nullopt, false, kConv);
+  return y;
+}
+
+at::Tensor embed_by_aten_linear(const EmbedProblem& p) {
+  const PatchGeometry& g = p.g;
+  // x [B, C, gd, kd, gh, kh, gw, kw] (splitting dims is always a view), its patches' columns in the
+  // patch matrix's order, copied by reshape.
+  const at::Tensor v = p.x5.view({g.batch, g.channels, g.grid[0], g.kernel[0], g.grid[1], g.kernel[1], g.grid[2],
+                                  g.kernel[2]});
+  const at::Tensor pm = g.channels_last ? v.permute({0, 2, 4, 6, 3, 5, 7, 1}) : v.permute({0, 2, 4, 6, 1, 3, 5, 7});
+  const at::Tensor y = at::linear(pm.reshape({g.batch * g.tokens(), g.patch_size()}),
+                                  gemm_weight(p.weight, p.w2, g), p.bias);
+  return embed_output(p, y.view({g.batch, g.tokens(), p.w2.size(0)}));
+}
+
+at::Tensor unembed_by_gemm(const UnembedProblem& p) {
+  const PatchGeometry& g = p.g;
+  const int64_t in_channels = p.w2.size(0), K = g.patch_size(), align = row_alignment(p.x);
+  at::Tensor y = at::empty(p.out_shape, p.x.options().memory_format(p.out_format));
+  at::Tensor q = at::empty({g.batch, g.tokens(), (K + align - 1) / align * align}, p.x.options());
+  // Q[B*N, K] = x_tokens[B*N, C_in] @ W[C_in, K]: one GEMM (batched over B with W shared when
+  // x's strides keep B and N apart, e.g. channels-first input).
+  at::Tensor a = merge_batch(p.x_tokens);
+  // x is copied into tokens order once where channels-first x would make a slow GEMM: B GEMMs of
+  // fewer than 256 rows each (a small grid) leave most tiles empty, and a leading dimension (N) of
+  // unaligned rows keeps cuBLAS off its fast kernels.
+  const bool few_rows = a.size(0) > 1 && g.tokens() < 256;
+  const bool unaligned = a.stride(2) != 1 && a.stride(2) % row_alignment(p.x) != 0;
+  if (few_rows || unaligned) a = merge_batch(p.x_tokens.contiguous());
+  const at::Tensor w = padded_weight(gemm_weight(p.weight, p.w2, g), std::nullopt, q.size(2));
+  run_gemm(a, w.unsqueeze(0).expand({a.size(0), in_channels, w.size(1)}), a.size(0) == 1 ? merge_batch(q) : q,
+           std::nullopt, false, kConv);
+  const at::Tensor y5 = to_5d(y);
+  unpatchify(q, g, p.bias, y5);
+  return y;
+}
+
+// The bias gradient where no GEMM yields it. Tokens grad_y [B*N, E] with E < 1024 is folded to
+// [B*N / f, f * E] first: ATen's reduction over rows spreads a few hundred columns poorly (P4's
+// E = 192: 0.7 TB/s). Wide rows (P2's E = 1280) reduce well in one kernel, which takes a transient
+// scratch there, as nn.Linear's bias gradient does.
+at::Tensor bias_grad_by_sum(const WeightGradProblem& p) {
+  const PatchGeometry& g = p.g;
+  const int64_t N = g.tokens(), embed = p.embed;
+  if (!p.with_bias) return at::empty({0}, p.x.options());
+  if (p.transposed) return sum_for_bias_grad(p.x5, {0, 2, 3, 4});  // patch_unembed's: x per channel
+  if (p.dy.is_contiguous() && embed < 1024) {
+    int64_t f = 32;
+    while (f > 1 && (g.batch * N) % f) f /= 2;
+    const at::ScalarType acc = at::toOpMathType(p.x.scalar_type());
+    return p.dy.reshape({g.batch * N / f, f * embed}).sum(0, false, acc).view({f, embed}).sum(0).to(p.x.scalar_type());
+  }
+  // Channels-first: its contiguous rows; other strides through the view (a reshape would copy
+  // grad_y to sum it).
+  if (!p.tokens && N > 1 && p.grad_y.is_contiguous()) {
+    return sum_for_bias_grad(p.grad_y.view({g.batch, embed, N}), {0, 2});
+  }
+  return sum_for_bias_grad(p.dy, {0, 1});
+}
+
+WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
+  const PatchGeometry& g = p.g;
+  const int64_t N = g.tokens(), K = g.patch_size(), embed = p.embed;
+  const auto view = patch_matrix_as_view(p.x5, g);
+  const bool ones_column = p.with_bias && !p.transposed && !view;  // the bias gradient comes out of the GEMM
+  const at::Tensor pm = view ? *view : patchify(p.x5, g, ones_column);
+  at::Tensor dw = at::empty({1, embed, pm.size(2)}, p.x.options());  // [dW | dbias | (padding)]
+  const at::Tensor& dy = p.dy;
+  if (g.batch == 1 || dy.stride(0) == N * dy.stride(1)) {
+    // One GEMM, reducing over all B*N tokens.
+    run_gemm(merge_batch(dy).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);
+  } else if (g.batch <= 16 && (g.batch - 1) * pm.size(2) < g.batch * N) {
+    // Channels-first grad_y cannot merge B and N: one accumulating GEMM per sample. Each after
+    // the first re-reads and re-writes dW [E, ld], so this wins only while that traffic is below
+    // the copy of grad_y [B, E, N] the other branch makes.
+    for (int64_t b = 0; b < g.batch; ++b) {
+      run_gemm(dy.narrow(0, b, 1).transpose(1, 2), pm.narrow(0, b, 1), dw, std::nullopt, /*accumulate=*/b > 0, kConv);
+    }
+  } else {
+    // One copy of grad_y into tokens order, then one GEMM over all B * N tokens.
+    run_gemm(merge_batch(dy.contiguous()).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);
+  }
+  if (g.batch == 0) dw.zero_();
+  at::Tensor grad_w = dw.select(0, 0).narrow(1, 0, K);
+  if (g.channels_last) {  // columns (i, j, l, c): [E, *k, C] -> [E, C, *k]
+    std::vector<int64_t> shape{p.w_shape[0]}, order{0, p.rank + 1};
+    for (int64_t d = 0; d < p.rank; ++d) {
+      shape.push_back(p.w_shape[2 + d]);
+      order.push_back(1 + d);
+    }
+    shape.push_back(p.w_shape[1]);
+    grad_w = grad_w.reshape(shape).permute(order);
+  }
+  grad_w = grad_w.reshape(p.w_shape).contiguous();
+  at::Tensor grad_b = ones_column ? dw.select(0, 0).select(1, K).contiguous() : bias_grad_by_sum(p);
+  return {grad_w, grad_b};
+}
+
+}  // namespace patchgemm

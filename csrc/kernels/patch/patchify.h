@@ -1,0 +1,168 @@
+// Patchify (gather) and unpatchify (scatter): the data movement around the one GEMM of a
+// kernel == stride convolution and its transpose.
+//
+// A volume x[B, C, D, H, W] cut into non-overlapping kd x kh x kw patches is the patch matrix
+// P[B, N, K]: one row per patch ("token"), K = C * kd * kh * kw columns in the conv weight's order
+// (c, i, j, l), or for channels-last volumes in (i, j, l, c) order, which copies runs of kw * C
+// values as they lie. 1-D and 2-D problems are 3-D ones with leading spatial sizes of 1.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace patchgemm {
+
+using Dims3 = std::array<int64_t, 3>;
+
+struct PatchGeometry {
+  int64_t batch = 0, channels = 0;
+  Dims3 size{1, 1, 1};    // spatial sizes (D, H, W)
+  Dims3 kernel{1, 1, 1};  // patch sizes
+  Dims3 grid{1, 1, 1};    // patches per dim: size / kernel
+  // The order of the rows of P within a batch: tokens are enumerated level by level, coarse
+  // first, each level's (d, h, w) digits in row-major order; per dim, the level sizes multiply to
+  // the grid. One level {grid} is the usual row-major patch grid (conv(x).flatten(2) order); more
+  // levels make every group of later-stage patches contiguous rows (hierarchical stems).
+  std::vector<Dims3> levels;
+  // The column order of P: (i, j, l, c) when true (the weight then as weight.permute(0, 2.., 1)),
+  // else (c, i, j, l). Only the gather / scatter + GEMM paths take the channels-last order.
+  bool channels_last = false;
+
+  int64_t tokens() const { return grid[0] * grid[1] * grid[2]; }
+  int64_t patch_size() const { return channels * kernel[0] * kernel[1] * kernel[2]; }
+};
+
+// Elements per 16 bytes: patch-matrix rows are padded to a multiple so BLAS and the kernels see
+// aligned rows.
+int64_t row_alignment(const at::Tensor& like);
+
+// The padded width of a patch-matrix row holding `values` elements: a multiple of row_alignment,
+// and for 16-bit rows of 1024 values or more a multiple of 64 (cuBLAS's K tile), so that a GEMM
+// reducing over the row has no partial K tile and never needs the split-K guard's second call
+// (kernels/gemm/strided_gemm.h). fp32 rows stay as they are: their GEMMs pick slower kernels at whole
+// 32-value tiles (P5 fp32, 3%).
+int64_t patch_row_width(int64_t values, const at::Tensor& like);
+
+// The patch matrix of x5 [B, C, D, H, W] (any strides): P [B, N, ld], ld = patch_row_width(K (+1)).
+// The first K columns hold the patches; with `ones_column` column K holds 1 (so a
+// GEMM against [W | bias] adds the bias, and the weight-gradient GEMM yields the bias gradient in
+// that column); the other padding columns hold 0, so GEMMs can run over all ld (aligned) columns.
+at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column);
+
+// The inverse: y5 [B, C, D, H, W] (contiguous, or channels-last with g.channels_last) = the patches in the first K columns of q [B, N, *]
+// (unit column stride), plus bias[C] when given. Every element of y5 is written.
+void unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
+                const at::Tensor& y5);
+
+// [B, C, *S] -> [B, C, D, H, W] (a view).
+inline at::Tensor to_5d(const at::Tensor& t) {
+  at::Tensor v = t;
+  while (v.dim() < 5) v = v.unsqueeze(2);
+  return v;
+}
+
+// Whether runs of v elements of x5 [B, C, D, H, W] are v-aligned wherever a patch row starts (the
+// pointer and every stride that moves, in elements).
+inline bool runs_aligned(const at::Tensor& x5, int v) {
+  if (reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % (x5.element_size() * v)) return false;
+  for (int d = 0; d < 4; ++d) {
+    if (x5.size(d) > 1 && x5.stride(d) % v) return false;
+  }
+  return true;
+}
+
+// The longest run of x5, 8, 4 or 2 elements, that divides kw and that runs_aligned allows; 0 if none.
+inline int widest_run(const at::Tensor& x5, int64_t kw) {
+  for (int v : {8, 4, 2}) {
+    if (kw % v == 0 && runs_aligned(x5, v)) return v;
+  }
+  return 0;
+}
+
+#ifdef PATCHGEMM_WITH_CUDA
+namespace cuda {
+// The fused kernels' entry points. Each runs its kernel and returns true (or the gradients), or, where
+// the kernel does not apply to the problem, returns false (nullopt) with the reason in `why` before
+// anything runs. Which one runs where is chosen by the selection tables (selection/patch_tables.cpp),
+// which hold the rules; a failure to launch is an error, never a false.
+
+// Sets `why` and returns false (nullopt): an entry point's "does not apply".
+inline bool decline(std::string& why, std::string reason) {
+  why = std::move(reason);
+  return false;
+}
+inline std::nullopt_t decline_grads(std::string& why, std::string reason) {
+  why = std::move(reason);
+  return std::nullopt;
+}
+
+// The tiled patchify / unpatchify (a gather or scatter for the GEMM paths); false where they do not
+// apply (the caller then runs the ATen version).
+bool patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column, const at::Tensor& p);
+bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
+                const at::Tensor& y5);
+
+// Whether the wgmma kernels (*_sm90.cu) run on the current device: built for sm_90a, on a 9.0 GPU.
+bool wgmma_kernels_run_here(const at::Tensor& on);
+
+// The fused embedding for patches of at most 64 elements (tiny_patch_gemm.cu): y [B, E, N]
+// (contiguous, channels-first) = patch_embed(x5, w2 [E, K], bias), with no patch matrix in global
+// memory.
+bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
+                const PatchGeometry& g, const at::Tensor& y, std::string& why);
+
+// The implicit GEMMs (the patches read from x inside the GEMM) and their kernels: mma.sync (sm_80+),
+// and on sm_90a wgmma with cp.async tiles, with whole patch rows by TMA (tokens out), or with pairs
+// by TMA (kw = 2, channels-first out).
+enum class Implicit { kMma, kSm90, kRowsSm90, kPairsSm90 };
+
+// y = patch_embed(x5, w2 [E, K], bias) as tokens [B, N, E] or channels-first [B, E, N] (contiguous),
+// 16-bit, kw even (implicit_patch_gemm.cu). With `ruled`, the kernel's own tiling rule also
+// declines (kRowsSm90: grid rows filling under 3/4 of a tile).
+bool implicit_embed(Implicit kernel, const at::Tensor& x5, const at::Tensor& w2,
+                    const std::optional<at::Tensor>& bias, const PatchGeometry& g, const at::Tensor& y,
+                    bool tokens_out, bool ruled, std::string& why);
+
+// Which bias gradient a weight gradient adds: none, patch_embed's (grad_y summed per embedding), or
+// patch_unembed's, whose weight gradient this is with x and grad_y in swapped roles (x summed per
+// channel).
+enum class BiasGrad { kNone, kEmbed, kUnembed };
+
+// The fused weight gradient for patches of at most 64 elements, 16-bit, kw = 2
+// (tiny_patch_weight_grad.cu): (dW [E, K], dbias or undefined) of patch_embed(x5, ...) for grad_y,
+// tokens [B, N, E] or channels-first [B, E, N], E <= 256, reading grad_y and x once.
+std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Tensor& grad_y, bool tokens,
+                                                                   const at::Tensor& x5, const PatchGeometry& g,
+                                                                   int64_t E, BiasGrad bias, std::string& why);
+
+// The implicit-GEMM weight gradient, 16-bit (implicit_patch_weight_grad.cu; kernels kMma, kSm90,
+// kRowsSm90): (dW [E, K], dbias [E]) of patch_embed(x5, ...) for grad_y, tokens [B, N, E] or
+// channels-first [B, E, N]. dbias is undefined unless with_bias and the kernel computed it (the
+// caller then sums grad_y). With `ruled`, the kernel's own tiling rule also declines (kRowsSm90:
+// tiles for too few SMs, too many boxes a slice).
+std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(Implicit kernel, const at::Tensor& grad_y,
+                                                                       bool tokens, const at::Tensor& x5,
+                                                                       const PatchGeometry& g, int64_t E,
+                                                                       bool with_bias, bool ruled, std::string& why);
+
+// The fused unembedding for patches of at most 64 elements, 16-bit, kw even (tiny_patch_unembed.cu):
+// y5 (g's volume, contiguous) = patch_unembed(x, w2 [C_in, K], bias) for x tokens [B, N, C_in] or
+// channels-first [B, C_in, N], C_in <= 256, reading x once and writing y once.
+bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
+                  const PatchGeometry& g, const at::Tensor& y5, std::string& why);
+
+// The implicit-GEMM unembedding, 16-bit (implicit_patch_unembed.cu; kernels kMma for kw = 2, kSm90 for
+// kw = 2 or 4): y5 = patch_unembed(x, w2 [C_in, K], bias), the GEMM's tiles scattered into y5 from
+// its epilogue.
+bool implicit_unembed(Implicit kernel, const at::Tensor& x, bool tokens, const at::Tensor& w2,
+                      const std::optional<at::Tensor>& bias, const PatchGeometry& g, const at::Tensor& y5,
+                      std::string& why);
+}  // namespace cuda
+#endif
+
+}  // namespace patchgemm

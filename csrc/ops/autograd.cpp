@@ -1,0 +1,289 @@
+// Autograd for the differentiable ops, registered on the Autograd dispatch key. It lives in C++
+// because a Python autograd.Function costs tens of microseconds of host time per layer and call,
+// which is as long as the GPU work of a ViT patch embedding (P1/P2 in BENCHMARKS.md).
+//
+// Forward and backward call the ops through the dispatcher, never the C++ functions directly:
+// that reaches the right backend, and under torch.compile the fake kernels (patchgemm/ops.py), so
+// the compiled backward traces the same ops.
+//
+//   grouped_linear  dx = grouped_linear_grad_input, dW = grouped_linear_grad_weight, db = sum
+//   patch_embed     dx = patch_unembed with the same weight, (dW, db) = patch_weight_grad
+//   patch_unembed   dx = patch_embed with the same weight, (dW, db) = patch_weight_grad (roles
+//                   swapped, transposed = true)
+//   instance_norm_act  instance_norm_act_backward, from x and the per-channel statistics
+// The patch matrix is never saved: patch_weight_grad recomputes it from x, an input of the op
+// (saving an input costs no memory); nor is the normalized activation: the norm's backward
+// recomputes it from x.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include "kernels/gemm/gemm.h"
+
+namespace patchgemm {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::Function;
+using torch::autograd::variable_list;
+
+using OptionalTensor = std::optional<at::Tensor>;
+using Weighted = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, bool);
+using Patch = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, bool,
+                         c10::IntArrayRef);
+using PatchWeightGrad = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                           c10::IntArrayRef, bool,
+                                                           c10::IntArrayRef, bool, bool);
+using GradInput = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// Runs the backend (or, under torch.compile, the fake) kernel of `op`. The op validates its
+// arguments there, so the forward functions save their context only after this returns.
+template <typename Op, typename... Args>
+at::Tensor call_below_autograd(const Op& op, Args&&... args) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(std::forward<Args>(args)...);
+}
+
+bool has_value(const OptionalTensor& t) { return t.has_value() && t->defined(); }
+
+// Sizes as plain integers; under torch.compile with dynamic shapes this specializes them (the
+// ops take int[] arguments).
+std::vector<int64_t> concrete(c10::SymIntArrayRef sizes) {
+  std::vector<int64_t> out;
+  out.reserve(sizes.size());
+  for (const c10::SymInt& s : sizes) out.push_back(s.guard_int(__FILE__, __LINE__));
+  return out;
+}
+
+// The edge index of each differentiable input: bias has one only when it is given (an absent
+// optional tensor is not a graph input), so it comes after x (0) and weight (1).
+constexpr size_t kX = 0, kWeight = 1, kBias = 2;
+
+bool needs_bias_grad(AutogradContext* ctx) {
+  return ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(kBias);
+}
+
+// ---- grouped_linear ------------------------------------------------------------------------------
+
+struct GroupedLinear : Function<GroupedLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const OptionalTensor& bias, bool group_major) {
+    static const auto op = find_op<Weighted>("patchgemm::grouped_linear");
+    at::Tensor y = call_below_autograd(op, x, weight, bias, group_major);
+    // Keep only what backward reads: x for dW, the weight for dx (inputs: no copies).
+    ctx->save_for_backward({weight.requires_grad() ? x : at::Tensor(),
+                            x.requires_grad() ? weight : at::Tensor()});
+    ctx->saved_data["group_major"] = group_major;
+    ctx->saved_data["has_bias"] = has_value(bias);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &grad_y = grads[0];
+    const bool group_major = ctx->saved_data["group_major"].toBool();
+    at::Tensor grad_x, grad_w, grad_b;
+    if (ctx->needs_input_grad(kX)) {
+      static const auto op = find_op<GradInput>("patchgemm::grouped_linear_grad_input");
+      grad_x = op.call(grad_y, weight, group_major);
+    }
+    if (ctx->needs_input_grad(kWeight)) {
+      static const auto op = find_op<GradInput>("patchgemm::grouped_linear_grad_weight");
+      grad_w = op.call(grad_y, x, group_major);
+    }
+    if (needs_bias_grad(ctx)) grad_b = grad_y.sum(group_major ? 1 : 0);
+    return {grad_x, grad_w, grad_b, at::Tensor()};
+  }
+};
+
+at::Tensor grouped_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                   const OptionalTensor& bias, bool group_major) {
+  return GroupedLinear::apply(x, weight, bias, group_major);
+}
+
+// ---- patch_embed / patch_unembed -----------------------------------------------------------------
+
+// What both backward passes keep: x when the weight gradient is needed (patch_weight_grad
+// recomputes the patch matrix from it), the weight when dx is.
+void save_patch_context(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                        const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
+  const bool needs_w = weight.requires_grad() || (has_value(bias) && bias->requires_grad());
+  ctx->save_for_backward({needs_w ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor()});
+  ctx->saved_data["tokens"] = tokens;
+  ctx->saved_data["levels"] = levels.vec();
+  ctx->saved_data["has_bias"] = has_value(bias);
+  ctx->saved_data["kernel"] = concrete(weight.sym_sizes().slice(2));
+}
+
+// What save_patch_context kept, read back in backward.
+struct PatchContext {
+  at::Tensor x, weight;
+  bool tokens;
+  std::vector<int64_t> levels, kernel;
+};
+
+PatchContext load_patch_context(AutogradContext* ctx) {
+  const variable_list saved = ctx->get_saved_variables();
+  return {saved[0], saved[1], ctx->saved_data["tokens"].toBool(),
+          ctx->saved_data["levels"].toIntVector(), ctx->saved_data["kernel"].toIntVector()};
+}
+
+const auto& patch_embed_op() {
+  static const auto op = find_op<Patch>("patchgemm::patch_embed");
+  return op;
+}
+const auto& patch_unembed_op() {
+  static const auto op = find_op<Patch>("patchgemm::patch_unembed");
+  return op;
+}
+const auto& patch_weight_grad_op() {
+  static const auto op = find_op<PatchWeightGrad>("patchgemm::patch_weight_grad");
+  return op;
+}
+
+struct PatchEmbed : Function<PatchEmbed> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
+    at::Tensor y = call_below_autograd(patch_embed_op(), x, weight, bias, tokens, levels);
+    save_patch_context(ctx, x, weight, bias, tokens, levels);
+    if (tokens && levels.empty() && x.requires_grad()) {
+      // dx unpatchifies tokens, which needs the grid: row-major tokens are one level, the grid.
+      const std::vector<int64_t> size = concrete(x.sym_sizes().slice(2));
+      const std::vector<int64_t> kernel = ctx->saved_data["kernel"].toIntVector();
+      std::vector<int64_t> grid(kernel.size());
+      for (size_t d = 0; d < grid.size(); ++d) grid[d] = size[d] / kernel[d];
+      ctx->saved_data["grid"] = grid;
+    }
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const PatchContext c = load_patch_context(ctx);
+    const at::Tensor& grad_y = grads[0];
+    at::Tensor grad_x, grad_w, grad_b;
+    if (ctx->needs_input_grad(kX)) {
+      const std::vector<int64_t> unembed_levels =
+          ctx->saved_data.count("grid") ? ctx->saved_data["grid"].toIntVector() : c.levels;
+      grad_x = patch_unembed_op().call(grad_y, c.weight, std::nullopt, c.tokens, unembed_levels);
+    }
+    const bool needs_b = needs_bias_grad(ctx);
+    if (ctx->needs_input_grad(kWeight) || needs_b) {
+      std::tie(grad_w, grad_b) =
+          patch_weight_grad_op().call(grad_y, c.x, c.kernel, c.tokens, c.levels, needs_b, false);
+    }
+    return {grad_x, ctx->needs_input_grad(kWeight) ? grad_w : at::Tensor(),
+            needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct PatchUnembed : Function<PatchUnembed> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
+    at::Tensor y = call_below_autograd(patch_unembed_op(), x, weight, bias, tokens, levels);
+    save_patch_context(ctx, x, weight, bias, tokens, levels);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const PatchContext c = load_patch_context(ctx);
+    const at::Tensor& grad_y = grads[0];
+    at::Tensor grad_x, grad_w, grad_b;
+    if (ctx->needs_input_grad(kX)) {
+      grad_x = patch_embed_op().call(grad_y, c.weight, std::nullopt, c.tokens, c.levels);
+    }
+    const bool needs_b = needs_bias_grad(ctx);
+    if (ctx->needs_input_grad(kWeight)) {
+      // The bias gradient in the same pass over grad_y where a kernel can (tiny_patch_weight_grad.cu).
+      std::tie(grad_w, grad_b) =
+          patch_weight_grad_op().call(c.x, grad_y, c.kernel, c.tokens, c.levels, needs_b, true);
+    } else if (needs_b) {
+      std::vector<int64_t> dims{0};
+      for (int64_t d = 2; d < grad_y.dim(); ++d) dims.push_back(d);
+      grad_b = sum_for_bias_grad(grad_y, dims);
+    }
+    return {grad_x, grad_w, needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor patch_embed_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
+  return PatchEmbed::apply(x, weight, bias, tokens, levels);
+}
+
+at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                  const OptionalTensor& bias, bool tokens,
+                                  c10::IntArrayRef levels) {
+  return PatchUnembed::apply(x, weight, bias, tokens, levels);
+}
+
+// ---- instance_norm_act ---------------------------------------------------------------------------
+
+using NormResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Norm = NormResult(const at::Tensor&, const OptionalTensor&, const OptionalTensor&, double,
+                        bool, bool);
+using NormBackward = NormResult(const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+                                const OptionalTensor&, const at::Tensor&, const at::Tensor&, bool,
+                                bool);
+
+struct InstanceNormAct : Function<InstanceNormAct> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
+                               const OptionalTensor& weight, const OptionalTensor& bias,
+                               double eps, bool gelu, bool tokens) {
+    static const auto op = find_op<Norm>("patchgemm::instance_norm_act");
+    NormResult result;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      result = op.call(x, weight, bias, eps, gelu, tokens);
+    }
+    const auto& [y, mean, rstd] = result;
+    ctx->save_for_backward({x, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), mean, rstd});
+    ctx->saved_data["gelu"] = gelu;
+    ctx->saved_data["tokens"] = tokens;
+    ctx->saved_data["has_weight"] = has_value(weight);
+    ctx->saved_data["has_bias"] = has_value(bias);
+    ctx->mark_non_differentiable({mean, rstd});
+    return {y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = find_op<NormBackward>("patchgemm::instance_norm_act_backward");
+    const variable_list saved = ctx->get_saved_variables();
+    const bool has_weight = ctx->saved_data["has_weight"].toBool();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const OptionalTensor weight = has_weight ? OptionalTensor(saved[1]) : std::nullopt;
+    const OptionalTensor bias = has_bias ? OptionalTensor(saved[2]) : std::nullopt;
+    auto [grad_x, grad_w, grad_b] = op.call(grads[0], saved[0], weight, bias, saved[3], saved[4],
+                                            ctx->saved_data["gelu"].toBool(),
+                                            ctx->saved_data["tokens"].toBool());
+    // Edges: x, then weight and bias where given.
+    const size_t weight_edge = 1, bias_edge = has_weight ? 2 : 1;
+    return {ctx->needs_input_grad(0) ? grad_x : at::Tensor(),
+            has_weight && ctx->needs_input_grad(weight_edge) ? grad_w : at::Tensor(),
+            has_bias && ctx->needs_input_grad(bias_edge) ? grad_b : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+NormResult instance_norm_act_autograd(const at::Tensor& x, const OptionalTensor& weight,
+                                      const OptionalTensor& bias, double eps, bool gelu,
+                                      bool tokens) {
+  const variable_list out = InstanceNormAct::apply(x, weight, bias, eps, gelu, tokens);
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(patchgemm, Autograd, m) {
+  m.impl("instance_norm_act", &instance_norm_act_autograd);
+  m.impl("grouped_linear", &grouped_linear_autograd);
+  m.impl("patch_embed", &patch_embed_autograd);
+  m.impl("patch_unembed", &patch_unembed_autograd);
+}
+
+}  // namespace patchgemm

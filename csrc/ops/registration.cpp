@@ -1,0 +1,93 @@
+// Every op's schema, in one place. Kernels are registered per backend beside their code
+// (TORCH_LIBRARY_IMPL), autograd in autograd.cpp; fake kernels are registered from Python
+// (patchgemm/ops.py) and autocast is applied by the functional API (patchgemm/functional.py).
+#include <torch/library.h>
+
+#include <climits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/gemm/strided_gemm.h"
+#include "selection/registry.h"
+
+#ifndef PATCHGEMM_FLAVOUR
+#define PATCHGEMM_FLAVOUR "cpu"
+#endif
+#ifndef PATCHGEMM_ARCHS
+#define PATCHGEMM_ARCHS ""
+#endif
+
+namespace patchgemm {
+std::string blas_version();  // per backend: cuBLAS/hipBLAS version, or "" on CPU builds
+}
+
+TORCH_LIBRARY(patchgemm, m) {
+  // Grouped linear: x holds G groups of Din features, [B, G, Din] or (group_major) [G, B, Din];
+  // y[.., g, :] = x[.., g, :] @ weight[g].T + bias[g], in x's layout, contiguous.
+  m.def("grouped_linear(Tensor x, Tensor weight, Tensor? bias, bool group_major) -> Tensor");
+  // d(loss)/dx = grad_y @ weight[g], in grad_y's layout.
+  m.def("grouped_linear_grad_input(Tensor grad_y, Tensor weight, bool group_major) -> Tensor");
+  // d(loss)/dweight[g] = grad_y[.., g, :].T @ x[.., g, :], [G, Dout, Din].
+  m.def("grouped_linear_grad_weight(Tensor grad_y, Tensor x, bool group_major) -> Tensor");
+
+  // Kernel == stride convolution: x [B, C, *S] (any strides), weight [E, C, *k] (the conv
+  // layout), bias [E]; y = conv(x, weight, bias, stride=k) as channels-first [B, E, *grid] or
+  // tokens [B, N, E]. `levels` (tokens only) orders the tokens level by level, coarse first, each
+  // level a group of one size per spatial dim whose products per dim are the grid; [] is row-major.
+  m.def("patch_embed(Tensor x, Tensor weight, Tensor? bias, bool tokens, int[] levels) -> Tensor");
+  // Its transpose: x channels-first [B, C_in, *grid] (levels = []) or tokens [B, N, C_in] (levels
+  // give the grid and token order), weight [C_in, C_out, *k] (the ConvTranspose layout), bias
+  // [C_out]; y = conv_transpose(x, weight, bias, stride=k), [B, C_out, *(grid * k)], contiguous.
+  m.def("patch_unembed(Tensor x, Tensor weight, Tensor? bias, bool tokens, int[] levels) -> Tensor");
+  // (grad_weight [E, C, *k], grad_bias [E] or [0]) of patch_embed from grad_y (its output format)
+  // and x. `transposed`: patch_unembed's, with (x, grad_y) in these roles swapped, grad_bias then
+  // [C] (x summed per channel).
+  m.def(
+      "patch_weight_grad(Tensor grad_y, Tensor x, int[] kernel_size, bool tokens, int[] levels, "
+      "bool with_bias, bool transposed=False) -> (Tensor, Tensor)");
+
+  // Instance norm (statistics per sample and channel over the spatial dims or tokens), then the
+  // affine weight/bias and GELU when `gelu`: x is channels-first [B, C, *spatial] or (tokens)
+  // [B, N, C]. Returns (y in x's shape, mean [B, C], rstd [B, C]) in float32 (float64 for float64 x).
+  m.def(
+      "instance_norm_act(Tensor x, Tensor? weight, Tensor? bias, float eps, bool gelu, bool tokens) "
+      "-> (Tensor, Tensor, Tensor)");
+  // (grad_x, grad_weight, grad_bias) of instance_norm_act from its input and statistics;
+  // grad_weight / grad_bias are [0] where weight / bias are None.
+  m.def(
+      "instance_norm_act_backward(Tensor grad_y, Tensor x, Tensor? weight, Tensor? bias, "
+      "Tensor mean, Tensor rstd, bool gelu, bool tokens) -> (Tensor, Tensor, Tensor)");
+
+  // "cpu" | "cuda" | "rocm", the arch list it was built for, and the BLAS library version.
+  m.def("build_info() -> str[]", []() -> std::vector<std::string> {
+    return {PATCHGEMM_FLAVOUR, PATCHGEMM_ARCHS, patchgemm::blas_version()};
+  });
+  // Testing hook: the BLAS integer limit the planner splits at (returns the previous one).
+  m.def("_set_blas_int_limit(int limit) -> int",
+        [](int64_t limit) {
+          TORCH_CHECK(limit >= 1 && limit <= INT_MAX, "_set_blas_int_limit: limit must be in [1, ",
+                      INT_MAX, "], got ", limit);
+          return patchgemm::set_blas_int_limit(limit);
+        });
+  // Selection (selection/registry.h), for patchgemm.kernels / force / explain: every candidate as
+  // "op|name|backends|conditions"; pin one for an op ("" unpins; returns the previous one); record
+  // the choices made between a start (returns a mark) and a stop (returns them as JSON objects).
+  m.def("_kernels() -> str[]", []() -> std::vector<std::string> {
+    std::vector<std::string> rows;
+    for (const auto& c : patchgemm::selection::candidates()) {
+      rows.push_back(c.op + "|" + c.name + "|" + c.backends + "|" + c.conditions);
+    }
+    return rows;
+  });
+  m.def("_force(str op, str name) -> str", [](const std::string& op, const std::string& name) {
+    return patchgemm::selection::force(op, name);
+  });
+  // Testing hook: the default choice without its rules and without the named candidates.
+  m.def("_set_selection_testing(bool rules, str[] excluded) -> ()",
+        [](bool rules, std::vector<std::string> excluded) {
+          patchgemm::selection::set_testing(rules, std::move(excluded));
+        });
+  m.def("_explain_start() -> int", []() { return patchgemm::selection::start_recording(); });
+  m.def("_explain_stop(int mark) -> str[]", [](int64_t mark) { return patchgemm::selection::stop_recording(mark); });
+}

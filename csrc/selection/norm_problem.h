@@ -1,0 +1,30 @@
+// instance_norm_act's problems as its selection tables (selection/norm_tables.cpp) see them: the
+// op's checked arguments, made contiguous by the op (ops/instance_norm.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+#include "kernels/norm/instance_norm.h"
+
+namespace patchgemm {
+
+struct NormProblem {
+  at::Tensor x, weight, bias;  // weight, bias: [C] or undefined
+  double eps = 0;
+  bool gelu = false;
+  NormShape s;
+};
+
+struct NormBackwardProblem {
+  at::Tensor grad_y, x, weight, bias, mean, rstd;
+  bool gelu = false;
+  NormShape s;
+};
+
+// (y, mean, rstd) and (grad_x, sum_dz, sum_dz_xhat) from the implementation the tables pick.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> select_instance_norm_act(const NormProblem& p);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> select_instance_norm_act_backward(const NormBackwardProblem& p);
+
+}  // namespace patchgemm

@@ -1,0 +1,77 @@
+// The patch ops' problems as the selection tables and the implementations see them: the op's
+// checked arguments plus the views every implementation starts from. Built once per call by the ops
+// (patch_embed.cpp), after validation.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels/patch/patchify.h"
+
+namespace patchgemm {
+
+// patch_embed: y = conv(x, weight, bias, stride = kernel) as tokens [B, N, E] or channels-first.
+struct EmbedProblem {
+  at::Tensor x, weight;  // as given: [B, C, *S], [E, C, *k]
+  std::optional<at::Tensor> bias;
+  bool tokens = false;     // the op's output format
+  bool tokens_out = false; // the memory the GEMM writes is tokens [B, N, E] (also: one patch per
+                           // sample, or channels-last output)
+  PatchGeometry g;         // g.channels_last: x lies channels-last, and so does a channels-first output
+  int64_t rank = 0;
+  at::Tensor x5, w2;                 // x as [B, C, D, H, W], weight as [E, K]
+  std::vector<int64_t> out_shape;    // the op's output
+};
+
+// patch_unembed: y = conv_transpose(x, weight, bias, stride = kernel), [B, C_out, *(grid * k)].
+struct UnembedProblem {
+  at::Tensor x, weight;  // as given: tokens [B, N, C_in] or channels-first [B, C_in, *grid]; [C_in, C_out, *k]
+  std::optional<at::Tensor> bias;
+  bool tokens = false;
+  PatchGeometry g;
+  int64_t rank = 0;
+  at::Tensor x_tokens;  // [B, N, C_in] (a view)
+  at::Tensor x_fused;   // what the fused kernels read: tokens [B, N, C_in] or channels-first [B, C_in, N]
+  at::Tensor w2;        // [C_in, K]
+  std::vector<int64_t> out_shape;
+  at::MemoryFormat out_format = at::MemoryFormat::Contiguous;  // channels-last input: channels-last out
+};
+
+// patch_weight_grad: (dW [E, C, *k], dbias [E], [C] (transposed) or [0]).
+struct WeightGradProblem {
+  at::Tensor grad_y, x;  // as given
+  bool tokens = false, with_bias = false, transposed = false;
+  PatchGeometry g;
+  int64_t rank = 0, embed = 0;
+  at::Tensor x5;  // [B, C, D, H, W]
+  at::Tensor dy;  // grad_y as [B, N, E] (a view; channels-first grad_y through its strides)
+  std::vector<int64_t> w_shape;
+};
+
+using WeightGrads = std::tuple<at::Tensor, at::Tensor>;
+
+// x5 as its own patch matrix [B, 1, K] when one patch covers the whole volume and the strides allow
+// a view (no gather at all: e.g. Qwen2-VL's patch embedding).
+std::optional<at::Tensor> patch_matrix_as_view(const at::Tensor& x5, const PatchGeometry& g);
+
+// The implementations on gather / scatter + one GEMM (patch_gemm.cpp): every backend.
+at::Tensor embed_by_gemm(const EmbedProblem& p);          // the patch matrix gathered, or a view of x
+// The op's output from the tokens [B, N, E] the GEMM wrote (a view: tokens, channels-first with one
+// patch per sample, or channels-last).
+at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens);
+at::Tensor embed_by_aten_linear(const EmbedProblem& p);   // tokens_out: ATen's permute + reshape copy, then linear
+at::Tensor unembed_by_gemm(const UnembedProblem& p);      // GEMM, then the scatter
+WeightGrads weight_grad_by_gemm(const WeightGradProblem& p);
+// The bias gradient by a sum over grad_y (or x, transposed), for paths whose GEMM does not yield it.
+at::Tensor bias_grad_by_sum(const WeightGradProblem& p);
+
+// The selection tables (selection/patch_tables.cpp): the implementation each call runs.
+at::Tensor select_patch_embed(const EmbedProblem& p);
+at::Tensor select_patch_unembed(const UnembedProblem& p);
+WeightGrads select_patch_weight_grad(const WeightGradProblem& p);
+
+}  // namespace patchgemm
