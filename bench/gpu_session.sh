@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine session: build, info, the whole test suite, compute-sanitizer on the CUDA paths,
+# One GPU-machine run: build, info, the whole test suite, compute-sanitizer on the CUDA paths,
 # the benchmark suite (table, JSON, plot) and the C++ microbenchmarks. Results go to $OUT (the device
 # tool's result folder, which returns at most 8 files) or ./gpu-logs; build and stderr logs to
 # $LOGS (/tmp), their tails printed on failure.

@@ -6,7 +6,7 @@ from .nn import (ConvertReport, GroupedLinear, HierarchicalPatchEmbed, Hierarchi
                  PatchEmbed, PatchUnembed, convert)
 from .selection import explain, force, kernels
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 __all__ = [
     "grouped_linear", "patch_embed", "patch_unembed", "instance_norm_act", "GroupedLinear", "PatchEmbed", "PatchUnembed",
     "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "explain", "force", "kernels",
