@@ -44,10 +44,6 @@ at::Tensor defined_or_empty(const std::optional<at::Tensor>& t) {
   return t && t->defined() ? t->contiguous() : at::Tensor();
 }
 
-at::ScalarType acc_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act(
@@ -76,9 +72,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward(
   check_affine(op, "bias", bias_in, x_in, s);
   for (const at::Tensor* t : {&mean, &rstd}) {
     TORCH_CHECK(t->dim() == 2 && t->size(0) == s.batch && t->size(1) == s.channels &&
-                    t->scalar_type() == acc_dtype(x_in) && t->device() == x_in.device(),
+                    t->scalar_type() == norm_acc_dtype(x_in) && t->device() == x_in.device(),
                 op, ": mean and rstd must be [", s.batch, ", ", s.channels, "] ",
-                acc_dtype(x_in), " on ", x_in.device(), " (from instance_norm_act), got ",
+                norm_acc_dtype(x_in), " on ", x_in.device(), " (from instance_norm_act), got ",
                 t->sizes(), " ", t->scalar_type());
   }
   const at::Tensor x = x_in.contiguous(), weight = defined_or_empty(weight_in), bias = defined_or_empty(bias_in);

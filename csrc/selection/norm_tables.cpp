@@ -23,36 +23,30 @@ std::string signature(const at::Tensor& x, const NormShape& s, bool gelu, bool a
   return out.str();
 }
 
+#ifdef PATCHGEMM_WITH_CUDA
 // The CUDA kernels' grid: tokens problems put the batch on grid.y.
 WhyNot fused_supports(const at::Tensor& x, const NormShape& s) {
-#ifdef PATCHGEMM_WITH_CUDA
   if (!x.is_cuda()) return "x is not on a CUDA / ROCm device";
   if (s.tokens && s.batch > 65535) return "tokens layout with batch > 65535 (the kernels' grid)";
   return "";
-#else
-  (void)x, (void)s;
-  return "built without CUDA / ROCm";
-#endif
 }
+#endif
 
 const Table<NormProblem, Result> kForward(
     "instance_norm_act",
     {
+#ifdef PATCHGEMM_WITH_CUDA
         {"fused_two_pass", "cuda rocm", "one kernel for the statistics, one to normalize + activate",
          [](const NormProblem& p) { return fused_supports(p.x, p.s); },
          nullptr,
          [](const NormProblem& p, bool, WhyNot&) -> std::optional<Result> {
-#ifdef PATCHGEMM_WITH_CUDA
-           const auto acc = p.x.options().dtype(p.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+           const auto acc = p.x.options().dtype(norm_acc_dtype(p.x));
            at::Tensor y = at::empty_like(p.x, at::MemoryFormat::Contiguous);
            at::Tensor mean = at::empty({p.s.batch, p.s.channels}, acc), rstd = at::empty_like(mean);
            cuda::instance_norm_act_forward(p.x, p.weight, p.bias, p.eps, p.gelu, p.s, y, mean, rstd);
            return Result{y, mean, rstd};
-#else
-           (void)p;
-           return std::nullopt;
-#endif
          }},
+#endif
         {"aten_composite", "cpu cuda rocm", "any problem: ATen's mean / var / affine / gelu",
          [](const NormProblem&) { return WhyNot(); },
          nullptr,
@@ -65,22 +59,19 @@ const Table<NormProblem, Result> kForward(
 const Table<NormBackwardProblem, Result> kBackward(
     "instance_norm_act_backward",
     {
+#ifdef PATCHGEMM_WITH_CUDA
         {"fused_two_pass", "cuda rocm", "one kernel for the per-channel sums, one for grad_x",
          [](const NormBackwardProblem& p) { return fused_supports(p.x, p.s); },
          nullptr,
          [](const NormBackwardProblem& p, bool, WhyNot&) -> std::optional<Result> {
-#ifdef PATCHGEMM_WITH_CUDA
            at::Tensor grad_x = at::empty_like(p.x, at::MemoryFormat::Contiguous);
            at::Tensor sum_dz = at::empty({p.s.batch, p.s.channels}, p.mean.options());
            at::Tensor sum_dz_xhat = at::empty_like(sum_dz);
            cuda::instance_norm_act_backward(p.grad_y, p.x, p.weight, p.bias, p.mean, p.rstd, p.gelu, p.s,
                                             grad_x, sum_dz, sum_dz_xhat);
            return Result{grad_x, sum_dz, sum_dz_xhat};
-#else
-           (void)p;
-           return std::nullopt;
-#endif
          }},
+#endif
         {"aten_composite", "cpu cuda rocm", "any problem: ATen's composite backward",
          [](const NormBackwardProblem&) { return WhyNot(); },
          nullptr,

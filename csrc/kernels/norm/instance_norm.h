@@ -23,6 +23,11 @@ struct NormShape {
   C10_HOST_DEVICE int64_t numel() const { return batch * channels * spatial; }
 };
 
+// The statistics' dtype: float64 for float64 x, else float32.
+inline at::ScalarType norm_acc_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 // The ATen implementation (instance_norm_aten.cpp), any device; x, weight, bias contiguous (weight,
 // bias [C] or undefined). Forward: (y, mean, rstd). Backward: (grad_x, sum_dz, sum_dz_xhat), the
 // sums as the CUDA kernel's below.

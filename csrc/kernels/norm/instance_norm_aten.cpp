@@ -10,15 +10,11 @@
 namespace patchgemm {
 namespace {
 
-at::ScalarType acc_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 // x as [B, C, S] in the accumulation dtype (a view of tokens input, transposed).
 at::Tensor as_bcs(const at::Tensor& x, const NormShape& s) {
   const at::Tensor v = s.tokens ? x.reshape({s.batch, s.spatial, s.channels}).transpose(1, 2)
                                 : x.reshape({s.batch, s.channels, s.spatial});
-  return v.to(acc_dtype(x));
+  return v.to(norm_acc_dtype(x));
 }
 
 // The inverse of as_bcs, in x's dtype and shape, contiguous.
@@ -28,8 +24,8 @@ at::Tensor from_bcs(const at::Tensor& t, const at::Tensor& like, const NormShape
 }
 
 at::Tensor per_channel(const at::Tensor& t, double fill, const NormShape& s, const at::Tensor& x) {
-  const auto options = x.options().dtype(acc_dtype(x));
-  return (t.defined() ? t.to(acc_dtype(x)) : at::full({s.channels}, fill, options)).view({1, -1, 1});
+  const auto options = x.options().dtype(norm_acc_dtype(x));
+  return (t.defined() ? t.to(norm_acc_dtype(x)) : at::full({s.channels}, fill, options)).view({1, -1, 1});
 }
 
 // xhat and z = xhat * weight + bias, [B, C, S] in the accumulation dtype.
