@@ -191,6 +191,81 @@ def grouped_linear_case(case_id, batch, groups, din, dout, dtype, device, bias=T
     )
 
 
+def grouped_mlp_case(case_id, batch, groups, dim, hidden, dtype, device) -> Case:
+    """A SwiGLU MLP per group (BENCHMARKS.md G3): down(silu(gate(x)) * up(x)), gate and up in one weight."""
+    elt = torch.finfo(dtype).bits // 8
+
+    def make_inputs():
+        return {
+            "x": randn(batch, groups, dim, dtype=dtype, device=device, requires_grad=True),
+            "wgu": (randn(groups, 2 * hidden, dim, dtype=dtype, device=device) / math.sqrt(dim)).requires_grad_(),
+            "wd": (randn(groups, dim, hidden, dtype=dtype, device=device) / math.sqrt(hidden)).requires_grad_(),
+        }
+
+    def eager_swiglu(gate_up):
+        gate, up = gate_up.chunk(2, -1)
+        return F.silu(gate) * up
+
+    def loop(x, wgu, wd):
+        outs = []
+        for g in range(groups):
+            xg = x[:, g]
+            h = F.silu(F.linear(xg, wgu[g, :hidden])) * F.linear(xg, wgu[g, hidden:])
+            outs.append(F.linear(h, wd[g]))
+        return torch.stack(outs, 1)
+
+    impls = {
+        "patchgemm": lambda x, wgu, wd: pg.grouped_mlp(x, wgu, wd),
+        "bmm + eager SwiGLU": lambda x, wgu, wd: torch.bmm(
+            eager_swiglu(torch.bmm(x.transpose(0, 1), wgu.transpose(1, 2))), wd.transpose(1, 2)).transpose(0, 1),
+        "grouped_linear + eager": lambda x, wgu, wd: pg.grouped_linear(eager_swiglu(pg.grouped_linear(x, wgu)), wd),
+        "loop of nn.Linear": loop,
+    }
+    rows = batch * groups
+    flops = 2.0 * rows * (dim * 2 * hidden + hidden * dim)
+    x_n, w_n = rows * dim, groups * 3 * hidden * dim
+    return Case(
+        id=case_id, dtype=dtype, make_inputs=make_inputs, impls=impls, flops_fwd=flops,
+        bytes_fwd=elt * (2 * x_n + w_n), bytes_fwd_bwd=elt * 2 * (2 * x_n + w_n), grad_inputs=["x", "wgu", "wd"],
+        notes=f"x[{batch}, {groups}, {dim}] -> {hidden} (SwiGLU) -> {dim} per group")
+
+
+def zipf_sizes(total: int, groups: int, s: float = 1.0) -> List[int]:
+    """`total` rows over `groups` with Zipf(s)-skewed sizes (largest first), summing exactly to total."""
+    weights = [1.0 / (g + 1) ** s for g in range(groups)]
+    sizes = [int(total * w / sum(weights)) for w in weights]
+    sizes[0] += total - sum(sizes)
+    return sizes
+
+
+def ragged_case(case_id, tokens, groups, din, dout, dtype, device) -> Case:
+    """Mixture-of-experts expert layers (BENCHMARKS.md R1): x sorted by group, Zipf-skewed sizes."""
+    elt = torch.finfo(dtype).bits // 8
+    sizes = zipf_sizes(tokens, groups)
+
+    def make_inputs():
+        return {
+            "x": randn(tokens, din, dtype=dtype, device=device, requires_grad=True),
+            "w": (randn(groups, dout, din, dtype=dtype, device=device) / math.sqrt(din)).requires_grad_(),
+            "sizes": torch.tensor(sizes, dtype=torch.int32, device=device),
+        }
+
+    impls = {
+        "patchgemm": lambda x, w, sizes: pg.grouped_linear(x, w, group_sizes=sizes),
+        "loop of F.linear": lambda x, w, sizes: torch.cat(
+            [F.linear(xg, w[g]) for g, xg in enumerate(x.split(_host_sizes))]),
+    }
+    _host_sizes = sizes
+    if hasattr(torch, "_grouped_mm") and device.type == "cuda" and dtype == torch.bfloat16:
+        impls["torch._grouped_mm"] = lambda x, w, sizes: torch._grouped_mm(
+            x, w.transpose(1, 2), offs=torch.cumsum(sizes, 0, dtype=torch.int32))
+    x_n, w_n, y_n = tokens * din, groups * dout * din, tokens * dout
+    return Case(
+        id=case_id, dtype=dtype, make_inputs=make_inputs, impls=impls, flops_fwd=2.0 * tokens * din * dout,
+        bytes_fwd=elt * (x_n + w_n + y_n), bytes_fwd_bwd=elt * 2 * (x_n + w_n + y_n), grad_inputs=["x", "w"],
+        notes=f"x[{tokens}, {din}] -> {dout}, {groups} groups, Zipf sizes {sizes[0]}..{sizes[-1]}")
+
+
 def _patch_grid(x, kernel):
     return [s // k for s, k in zip(x.shape[2:], kernel)]
 
@@ -356,13 +431,18 @@ def suite(device: torch.device) -> List[Case]:
     if device.type == "cuda":
         g1 = dict(batch=2560, groups=12, din=1024, dout=3072)
         b, vol, p1_batch, p2_batch = 8, 128, 128, 4096
+        r1, r1_dims = [(8, 16384), (64, 32768), (128, 65536)], (1024, 2048)
     else:  # a smoke-sized version of every case
         g1 = dict(batch=64, groups=12, din=256, dout=384)
         b, vol, p1_batch, p2_batch = 1, 32, 4, 64
+        r1, r1_dims = [(8, 512)], (128, 256)
     cases = [
         grouped_linear_case("G1 bf16", dtype=bf16, device=device, **g1),
         grouped_linear_case("G1 bf16 no-bias", dtype=bf16, device=device, bias=False, **g1),
         grouped_linear_case("G1 fp32", dtype=fp32, device=device, **g1),
+        grouped_mlp_case("G3", g1["batch"], g1["groups"], g1["din"], g1["din"] * 2, bf16, device),
+        *[ragged_case(f"R1 {g} groups", tokens, g, r1_dims[0], r1_dims[1], bf16, device)
+          for g, tokens in r1],
         patch_embed_case("P1", (p1_batch, 3, 224, 224), 768, (16, 16), bf16, device, tokens=True),
         patch_embed_case("P2", (p2_batch, 3, 2, 14, 14), 1280, (2, 14, 14), bf16, device, tokens=True),
         patch_embed_case("P3", (b, 4, vol, vol, vol), 192, (2, 2, 2), bf16, device),

@@ -1,5 +1,6 @@
 """The functional API: argument handling and autocast, then one registered op."""
 
+import itertools
 import math
 from typing import Optional, Sequence
 
@@ -20,7 +21,8 @@ def _autocast(*tensors):
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
 
 
-def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, layout: str = "bgd") -> Tensor:
+def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, layout: str = "bgd", *,
+                   group_sizes=None, offsets=None) -> Tensor:
     """G independent linears over the groups of ``x``, as one strided-batched GEMM.
 
     Args:
@@ -30,6 +32,13 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         weight: ``[G, Dout, Din]``, the nn.Linear convention: ``torch.stack([l.weight for l in linears])``.
         bias: ``[G, Dout]`` or None.
         layout: ``"bgd"`` or ``"gbd"``.
+        group_sizes: ragged groups (a mixture of experts' expert layers): ``x`` is ``[N, Din]``
+            sorted by group and group g has ``group_sizes[g]`` rows (sizes may be 0, the sum is N);
+            a sequence of ints or a 1-D integer tensor on the CPU or on x's device. A GPU tensor
+            of sizes costs no host sync where ``torch._grouped_mm`` runs the problem (bfloat16 on
+            sm_90+), else one.
+        offsets: instead of ``group_sizes``, their cumulative sums (``torch._grouped_mm``'s
+            ``offs``): group g is rows ``offsets[g-1]:offsets[g]``.
 
     Returns:
         ``y`` in the layout of ``x`` with Din replaced by Dout:
@@ -49,6 +58,8 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         raise TypeError("grouped_linear: bias must be a tensor or None")
     groups, out_features, _ = weight.shape
     x, weight, bias = _autocast(x, weight, bias)
+    if group_sizes is not None or offsets is not None:
+        return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets)
 
     if layout == "bgd":
         if x.dim() == 2:  # [B*G, Din]
@@ -70,6 +81,80 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
 
     y = ops.grouped_linear(x3, weight, bias, layout == "gbd")
     return y.view(*x.shape[:-1], out_features)
+
+
+def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):
+    if group_sizes is not None and offsets is not None:
+        raise ValueError("grouped_linear: give group_sizes or offsets, not both")
+    if x.dim() != 2:
+        raise ValueError(f"grouped_linear: with group sizes, x must be [N, Din] sorted by group, got shape {tuple(x.shape)}")
+    given = group_sizes if group_sizes is not None else offsets
+    name = "group_sizes" if group_sizes is not None else "offsets"
+    if isinstance(given, Tensor):
+        if given.dim() != 1 or given.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"grouped_linear: {name} must be a 1-D int32/int64 tensor, got {given.dtype} {tuple(given.shape)}")
+        if group_sizes is not None:
+            ends = torch.cumsum(given, 0, dtype=torch.int32 if given.is_cuda else torch.int64)
+        else:
+            ends = given
+    else:
+        values = [int(v) for v in given]
+        if group_sizes is not None:
+            if any(v < 0 for v in values):
+                raise ValueError(f"grouped_linear: group_sizes must be >= 0, got {values}")
+            values = list(itertools.accumulate(values))
+        ends = torch.tensor(values, dtype=torch.int64)
+    if ends.shape[0] != weight.shape[0]:
+        raise ValueError(f"grouped_linear: {name} has {ends.shape[0]} entries but weight {tuple(weight.shape)} "
+                         f"has {weight.shape[0]} groups")
+    return ops.ragged_grouped_linear(x, weight, bias, ends)
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    """``F.silu(gate) * up`` where ``gate, up = gate_up.chunk(2, -1)``, in one pass over memory.
+
+    ``gate_up`` is ``[..., 2H]``: a row's gate projection then its up projection, as one GEMM on a
+    ``[2H, D]`` weight (``torch.cat([w_gate, w_up])``) makes them. Returns ``[..., H]``. Backward
+    reads ``gate_up`` again instead of saving the activation.
+    """
+    if not isinstance(gate_up, Tensor):
+        raise TypeError("swiglu: gate_up must be a tensor")
+    return ops.swiglu(gate_up)
+
+
+ACTIVATIONS = ("swiglu",)
+
+
+def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd", *,
+                bias_gate_up: Optional[Tensor] = None, bias_down: Optional[Tensor] = None,
+                activation: str = "swiglu") -> Tensor:
+    """A gated MLP per group: ``down_g(silu(gate_g(x_g)) * up_g(x_g))`` for the G groups of ``x``.
+
+    Args:
+        x: ``[..., G, D]`` (``layout="bgd"``) or ``[G, ..., D]`` (``"gbd"``), as for grouped_linear.
+        w_gate_up: ``[G, 2H, D]``: per group the gate weight (rows ``:H``) then the up weight
+            (rows ``H:``), each in the nn.Linear convention.
+        w_down: ``[G, D_out, H]``.
+        bias_gate_up, bias_down: ``[G, 2H]`` and ``[G, D_out]``, or None.
+        activation: ``"swiglu"``.
+
+    Three GEMMs and one fused activation: gate and up are one strided-batched GEMM, the activation
+    reads its output in place and writes h, the down GEMM reads h; backward likewise (one fused
+    kernel for the activation's gradient). Saved for backward: x, gate_up and h.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"grouped_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(w, Tensor) or w.dim() != 3:
+            raise ValueError(f"grouped_mlp: {name} must be a 3-D tensor, got "
+                             f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
+    groups, two_hidden, _ = w_gate_up.shape
+    if two_hidden % 2 or w_down.shape[0] != groups or w_down.shape[2] * 2 != two_hidden:
+        raise ValueError(
+            f"grouped_mlp: w_gate_up must be [G, 2H, D] and w_down [G, D_out, H] with the same G and H, got "
+            f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
+    gate_up = grouped_linear(x, w_gate_up, bias_gate_up, layout)
+    return grouped_linear(swiglu(gate_up), w_down, bias_down, layout)
 
 
 # ---- kernel == stride convolutions ----------------------------------------------------------------

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from . import functional as F
 from .ops import ops
 
-__all__ = ["GroupedLinear", "PatchEmbed", "PatchUnembed", "HierarchicalPatchEmbed",
+__all__ = ["GroupedLinear", "GroupedMLP", "PatchEmbed", "PatchUnembed", "HierarchicalPatchEmbed",
            "HierarchicalPatchUnembed", "convert", "ConvertReport"]
 
 
@@ -98,6 +98,52 @@ class GroupedLinear(nn.Module):
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONV_TRANSPOSES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+class GroupedMLP(nn.Module):
+    """``num_groups`` independent gated MLPs, ``dim -> hidden -> out_dim`` (default ``dim``), over the
+    groups of ``x``: ``down(silu(gate(x)) * up(x))`` per group (SwiGLU), through grouped_mlp.
+
+    Parameters: ``w_gate_up[G, 2*hidden, dim]`` (gate rows first, then up) and
+    ``w_down[G, out_dim, hidden]``, plus ``bias_gate_up[G, 2*hidden]`` / ``bias_down[G, out_dim]``
+    when ``bias``; each projection initialised like ``nn.Linear``.
+    """
+
+    def __init__(self, num_groups: int, dim: int, hidden: int, activation: str = "swiglu", *,
+                 out_dim: Optional[int] = None, bias: bool = False, layout: str = "bgd", device=None, dtype=None):
+        super().__init__()
+        out_dim = dim if out_dim is None else out_dim
+        if activation not in F.ACTIVATIONS:
+            raise ValueError(f"GroupedMLP: activation must be one of {F.ACTIVATIONS}, got {activation!r}")
+        if layout not in F.LAYOUTS:
+            raise ValueError(f"GroupedMLP: layout must be one of {F.LAYOUTS}, got {layout!r}")
+        if min(num_groups, dim, hidden, out_dim) < 0:
+            raise ValueError(f"GroupedMLP: sizes must be >= 0, got num_groups={num_groups}, dim={dim}, "
+                             f"hidden={hidden}, out_dim={out_dim}")
+        factory = {"device": device, "dtype": dtype}
+        self.num_groups, self.dim, self.hidden, self.out_dim = num_groups, dim, hidden, out_dim
+        self.activation, self.layout = activation, layout
+        self.w_gate_up = nn.Parameter(torch.empty(num_groups, 2 * hidden, dim, **factory))
+        self.w_down = nn.Parameter(torch.empty(num_groups, out_dim, hidden, **factory))
+        self.bias_gate_up = nn.Parameter(torch.empty(num_groups, 2 * hidden, **factory)) if bias else None
+        self.bias_down = nn.Parameter(torch.empty(num_groups, out_dim, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for weight, bias, fan_in in ((self.w_gate_up, self.bias_gate_up, self.dim),
+                                     (self.w_down, self.bias_down, self.hidden)):
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+            nn.init.uniform_(weight, -bound, bound)
+            if bias is not None:
+                nn.init.uniform_(bias, -bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.grouped_mlp(x, self.w_gate_up, self.w_down, self.layout, bias_gate_up=self.bias_gate_up,
+                             bias_down=self.bias_down, activation=self.activation)
+
+    def extra_repr(self) -> str:
+        return (f"num_groups={self.num_groups}, dim={self.dim}, hidden={self.hidden}, out_dim={self.out_dim}, "
+                f"activation={self.activation!r}, bias={self.bias_down is not None}, layout={self.layout!r}")
 
 
 def _as_tuple(value, rank: int, name: str) -> Tuple[int, ...]:

@@ -47,6 +47,34 @@ def _(grad_y, x, group_major):
     return x.new_empty((x.shape[g], grad_y.shape[2], x.shape[2]))
 
 
+@torch.library.register_fake("patchgemm::ragged_grouped_linear")
+def _(x, weight, bias, offsets):
+    torch._check(x.dim() == 2 and weight.dim() == 3, lambda: "ragged_grouped_linear: x must be 2-D, weight 3-D")
+    torch._check(x.shape[1] == weight.shape[2], lambda: "ragged_grouped_linear: Din mismatch")
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+@torch.library.register_fake("patchgemm::ragged_grouped_linear_grad_input")
+def _(grad_y, weight, offsets):
+    return grad_y.new_empty((grad_y.shape[0], weight.shape[2]))
+
+
+@torch.library.register_fake("patchgemm::ragged_grouped_linear_grad_weight")
+def _(grad_y, x, offsets):
+    return x.new_empty((offsets.shape[0], grad_y.shape[1], x.shape[1]))
+
+
+@torch.library.register_fake("patchgemm::swiglu")
+def _(gate_up):
+    torch._check(gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0, lambda: "swiglu: gate_up must be [..., 2H]")
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.register_fake("patchgemm::swiglu_backward")
+def _(grad_h, gate_up):
+    return torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+
+
 # ---- patch embedding: fake kernels ----------------------------------------------------------------
 
 def _level_grid(levels, rank):

@@ -144,6 +144,24 @@ def main():
     head = patchgemm.HierarchicalPatchUnembed(16, 3, [2, 2], device="cuda")
     z = head(stem(torch.randn(2, 3, 8, 8, 8, device="cuda")))
     torch.autograd.grad(z.sum(), list(stem.parameters()) + list(head.parameters()))
+    # swiglu (vector and scalar paths) and ragged grouped linear (every candidate, empty groups)
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        for shape in ((5, 3, 64), (7, 10)):
+            gate_up = torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True)
+            h = patchgemm.swiglu(gate_up)
+            (grad,) = torch.autograd.grad(h, gate_up, torch.randn_like(h))
+            assert torch.isfinite(h).all() and torch.isfinite(grad).all()
+    ragged = ("ragged_grouped_linear", "ragged_grouped_linear_grad_input", "ragged_grouped_linear_grad_weight")
+    for dtype, impls in ((torch.bfloat16, ("aten_grouped_mm", "cublas_grouped", "loop")),
+                         (torch.float32, ("cublas_grouped", "loop"))):
+        for impl in impls:
+            x = torch.randn(40, 32, dtype=dtype, device="cuda", requires_grad=True)
+            w = torch.randn(4, 48, 32, dtype=dtype, device="cuda", requires_grad=True)
+            b = torch.randn(4, 48, dtype=dtype, device="cuda", requires_grad=True)
+            with patchgemm.force(**{op: impl for op in ragged}):
+                y = patchgemm.grouped_linear(x, w, b, group_sizes=[17, 0, 22, 1])
+                grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
+            assert all(torch.isfinite(t).all() for t in (y, *grads))
     torch.cuda.synchronize()
     print("sanitize_smoke: ok")
 

@@ -7,10 +7,12 @@
 // the compiled backward traces the same ops.
 //
 //   grouped_linear  dx = grouped_linear_grad_input, dW = grouped_linear_grad_weight, db = sum
+//   ragged_grouped_linear  the same through its ragged ops, db = per-group sums (segment_reduce)
 //   patch_embed     dx = patch_unembed with the same weight, (dW, db) = patch_weight_grad
 //   patch_unembed   dx = patch_embed with the same weight, (dW, db) = patch_weight_grad (roles
 //                   swapped, transposed = true)
 //   instance_norm_act  instance_norm_act_backward, from x and the per-channel statistics
+//   swiglu          swiglu_backward, from gate_up (h is not saved: the backward recomputes it)
 // The patch matrix is never saved: patch_weight_grad recomputes it from x, an input of the op
 // (saving an input costs no memory); nor is the normalized activation: the norm's backward
 // recomputes it from x.
@@ -105,6 +107,51 @@ struct GroupedLinear : Function<GroupedLinear> {
 at::Tensor grouped_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                                    const OptionalTensor& bias, bool group_major) {
   return GroupedLinear::apply(x, weight, bias, group_major);
+}
+
+// ---- ragged_grouped_linear -----------------------------------------------------------------------
+
+using Ragged = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&);
+using RaggedGrad = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+
+struct RaggedGroupedLinear : Function<RaggedGroupedLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const OptionalTensor& bias, const at::Tensor& offsets) {
+    static const auto op = find_op<Ragged>("patchgemm::ragged_grouped_linear");
+    at::Tensor y = call_below_autograd(op, x, weight, bias, offsets);
+    ctx->save_for_backward({weight.requires_grad() ? x : at::Tensor(),
+                            x.requires_grad() ? weight : at::Tensor(), offsets});
+    ctx->saved_data["has_bias"] = has_value(bias);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &offsets = saved[2], &grad_y = grads[0];
+    at::Tensor grad_x, grad_w, grad_b;
+    if (ctx->needs_input_grad(kX)) {
+      static const auto op = find_op<RaggedGrad>("patchgemm::ragged_grouped_linear_grad_input");
+      grad_x = op.call(grad_y, weight, offsets);
+    }
+    if (ctx->needs_input_grad(kWeight)) {
+      static const auto op = find_op<RaggedGrad>("patchgemm::ragged_grouped_linear_grad_weight");
+      grad_w = op.call(grad_y, x, offsets);
+    }
+    if (needs_bias_grad(ctx)) {
+      // Per-group sums of grad_y's rows, accumulated in the op-math dtype (ATen's segment sums of
+      // 16-bit data accumulate in 16 bits).
+      const at::Tensor ends = offsets.to(grad_y.device(), at::kLong, /*non_blocking=*/true);
+      const at::Tensor sizes = at::diff(ends, 1, 0, at::zeros({1}, ends.options()));
+      grad_b = at::segment_reduce(grad_y.to(at::toOpMathType(grad_y.scalar_type())), "sum", sizes)
+                   .to(grad_y.scalar_type());
+    }
+    return {grad_x, grad_w, grad_b, at::Tensor()};
+  }
+};
+
+at::Tensor ragged_grouped_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
+                                          const at::Tensor& offsets) {
+  return RaggedGroupedLinear::apply(x, weight, bias, offsets);
 }
 
 // ---- patch_embed / patch_unembed -----------------------------------------------------------------
@@ -222,6 +269,24 @@ at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight,
   return PatchUnembed::apply(x, weight, bias, tokens, levels);
 }
 
+// ---- swiglu --------------------------------------------------------------------------------------
+
+struct Swiglu : Function<Swiglu> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_up) {
+    static const auto op = find_op<at::Tensor(const at::Tensor&)>("patchgemm::swiglu");
+    at::Tensor h = call_below_autograd(op, gate_up);
+    ctx->save_for_backward({gate_up});
+    return h;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("patchgemm::swiglu_backward");
+    return {op.call(grads[0], ctx->get_saved_variables()[0])};
+  }
+};
+
+at::Tensor swiglu_autograd(const at::Tensor& gate_up) { return Swiglu::apply(gate_up); }
+
 // ---- instance_norm_act ---------------------------------------------------------------------------
 
 using NormResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
@@ -281,7 +346,9 @@ NormResult instance_norm_act_autograd(const at::Tensor& x, const OptionalTensor&
 
 TORCH_LIBRARY_IMPL(patchgemm, Autograd, m) {
   m.impl("instance_norm_act", &instance_norm_act_autograd);
+  m.impl("swiglu", &swiglu_autograd);
   m.impl("grouped_linear", &grouped_linear_autograd);
+  m.impl("ragged_grouped_linear", &ragged_grouped_linear_autograd);
   m.impl("patch_embed", &patch_embed_autograd);
   m.impl("patch_unembed", &patch_unembed_autograd);
 }

@@ -31,6 +31,19 @@ TORCH_LIBRARY(patchgemm, m) {
   // d(loss)/dweight[g] = grad_y[.., g, :].T @ x[.., g, :], [G, Dout, Din].
   m.def("grouped_linear_grad_weight(Tensor grad_y, Tensor x, bool group_major) -> Tensor");
 
+  // Ragged grouped linear (mixture-of-experts layers): x [N, Din] sorted by group, offsets [G] the
+  // cumulative group sizes (int32/int64, CPU or x's device; sizes may be 0); y [N, Dout] with
+  // y[rows of g] = x[rows of g] @ weight[g].T + bias[g]. Backward: grad_x [N, Din], grad_weight
+  // [G, Dout, Din] (zeros for an empty group).
+  m.def("ragged_grouped_linear(Tensor x, Tensor weight, Tensor? bias, Tensor offsets) -> Tensor");
+  m.def("ragged_grouped_linear_grad_input(Tensor grad_y, Tensor weight, Tensor offsets) -> Tensor");
+  m.def("ragged_grouped_linear_grad_weight(Tensor grad_y, Tensor x, Tensor offsets) -> Tensor");
+
+  // SwiGLU, the activation of gated MLPs: gate_up [..., 2H] holds gate and up side by side;
+  // h [..., H] = silu(gate) * up, and its backward grad_gate_up [..., 2H] from grad_h and gate_up.
+  m.def("swiglu(Tensor gate_up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad_h, Tensor gate_up) -> Tensor");
+
   // Kernel == stride convolution: x [B, C, *S] (any strides), weight [E, C, *k] (the conv
   // layout), bias [E]; y = conv(x, weight, bias, stride=k) as channels-first [B, E, *grid] or
   // tokens [B, N, E]. `levels` (tokens only) orders the tokens level by level, coarse first, each

@@ -96,6 +96,29 @@ struct Scalars {
   bool is_double;
 };
 
+// Respects torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction for the calls
+// made while it lives, then restores the handle's math mode.
+struct ReductionPrecision {
+  ReductionPrecision(cublasHandle_t handle, at::ScalarType dtype) : handle(handle) {
+#ifndef USE_ROCM
+    PATCHGEMM_CUBLAS_CHECK(cublasGetMathMode(handle, &saved_mode));
+    if (!reduced_precision_reduction_allowed(dtype)) {
+      PATCHGEMM_CUBLAS_CHECK(cublasSetMathMode(
+          handle, static_cast<cublasMath_t>(saved_mode | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+    }
+#endif
+  }
+  ~ReductionPrecision() {
+#ifndef USE_ROCM
+    cublasSetMathMode(handle, saved_mode);  // no throwing from a destructor; the mode was valid
+#endif
+  }
+  cublasHandle_t handle;
+#ifndef USE_ROCM
+  cublasMath_t saved_mode{};
+#endif
+};
+
 cublasOperation_t op(bool trans) { return trans ? CUBLAS_OP_T : CUBLAS_OP_N; }
 
 const char* byte_ptr(const at::Tensor& t) { return static_cast<const char*>(t.const_data_ptr()); }
@@ -109,16 +132,7 @@ void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, con
   const int64_t elem = a.element_size(), c_elem = c.element_size();
   const Scalars s(dtype, call.accumulate);
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // bound to the current stream
-#ifndef USE_ROCM
-  // Respect torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction.
-  cublasMath_t saved_mode;
-  PATCHGEMM_CUBLAS_CHECK(cublasGetMathMode(handle, &saved_mode));
-  if (!reduced_precision_reduction_allowed(dtype)) {
-    PATCHGEMM_CUBLAS_CHECK(cublasSetMathMode(
-        handle, static_cast<cublasMath_t>(saved_mode |
-                                          CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
-  }
-#endif
+  const ReductionPrecision precision(handle, dtype);
   // BLAS A is the problem's b, BLAS B the problem's a (row-major <-> column-major).
   PATCHGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
       handle, op(call.trans_a), op(call.trans_b), static_cast<int>(call.m),
@@ -128,9 +142,6 @@ void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, con
       s.beta(), static_cast<char*>(c.data_ptr()) + call.offset_c * c_elem, c_type,
       static_cast<int>(call.ldc), call.stride_c, static_cast<int>(call.batch), types.compute,
       CUBLAS_GEMM_DEFAULT));
-#ifndef USE_ROCM
-  PATCHGEMM_CUBLAS_CHECK(cublasSetMathMode(handle, saved_mode));
-#endif
 }
 
 #ifdef USE_ROCM
@@ -275,6 +286,58 @@ bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at
   const c10::cuda::CUDAGuard guard(c.device());
   return lt_matmul_bias(call, a, b, c, bias, tf32);
 }
+
+#if !defined(USE_ROCM) && defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120500
+bool has_grouped_gemm() { return true; }
+
+void run_grouped_blas_calls(const std::vector<GroupedBlasCall>& calls, at::ScalarType dtype,
+                            at::Device device, bool tf32) {
+  TORCH_INTERNAL_ASSERT(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16);
+  if (calls.empty()) return;
+  const c10::cuda::CUDAGuard guard(device);
+  const BlasTypes types = blas_types(dtype, tf32);
+  const int64_t elem = c10::elementSize(dtype);
+  const size_t n = calls.size();
+  std::vector<cublasOperation_t> trans_a(n), trans_b(n);
+  std::vector<int> m(n), cols(n), k(n), lda(n), ldb(n), ldc(n), one_each(n, 1);
+  std::vector<float> alpha(n, 1.f), beta(n, 0.f);
+  // The pointer arrays go to the GPU from pinned memory, asynchronously (the caching host
+  // allocator keeps the buffer until the copy has run).
+  at::Tensor host = at::empty({static_cast<int64_t>(3 * n)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  auto* pointers = host.mutable_data_ptr<int64_t>();
+  for (size_t i = 0; i < n; ++i) {
+    const BlasCall& c = calls[i].call;
+    TORCH_INTERNAL_ASSERT(c.batch == 1);
+    trans_a[i] = op(c.trans_a);
+    trans_b[i] = op(c.trans_b);
+    m[i] = static_cast<int>(c.m);
+    cols[i] = static_cast<int>(c.n);
+    k[i] = static_cast<int>(c.k);
+    lda[i] = static_cast<int>(c.lda);
+    ldb[i] = static_cast<int>(c.ldb);
+    ldc[i] = static_cast<int>(c.ldc);
+    beta[i] = c.accumulate ? 1.f : 0.f;
+    // BLAS A is the problem's b, BLAS B the problem's a (row-major <-> column-major).
+    pointers[i] = reinterpret_cast<int64_t>(static_cast<const char*>(calls[i].b) + c.offset_a * elem);
+    pointers[n + i] = reinterpret_cast<int64_t>(static_cast<const char*>(calls[i].a) + c.offset_b * elem);
+    pointers[2 * n + i] = reinterpret_cast<int64_t>(static_cast<char*>(calls[i].c) + c.offset_c * elem);
+  }
+  const at::Tensor on_device = host.to(device, /*non_blocking=*/true);
+  void* const* array = static_cast<void* const*>(on_device.const_data_ptr());
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+  const ReductionPrecision precision(handle, dtype);
+  PATCHGEMM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
+      handle, trans_a.data(), trans_b.data(), m.data(), cols.data(), k.data(), alpha.data(), array,
+      types.data, lda.data(), array + n, types.data, ldb.data(), beta.data(), array + 2 * n, types.data,
+      ldc.data(), static_cast<int>(n), one_each.data(), types.compute));
+}
+#else
+bool has_grouped_gemm() { return false; }
+
+void run_grouped_blas_calls(const std::vector<GroupedBlasCall>&, at::ScalarType, at::Device, bool) {
+  TORCH_CHECK(false, "patchgemm: this build has no grouped GEMM (cuBLAS 12.5+)");
+}
+#endif
 
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
                     const at::Tensor& c, bool tf32) {

@@ -68,6 +68,21 @@ SplitKGuard split_k_guard(const at::Tensor& input);
 // then adds the bias through beta = 1).
 bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
                              const at::Tensor& c, const at::Tensor& bias, bool tf32);
+// One GEMM of a grouped call: a planned single call (batch 1) and the base pointers of its
+// problem's a, b and c (the planner's offsets are from these).
+struct GroupedBlasCall {
+  BlasCall call;
+  const void* a;
+  const void* b;
+  void* c;
+};
+// Whether this build has cuBLAS's grouped GEMM (cublasGemmGroupedBatchedEx, cuBLAS 12.5+; not
+// hipBLAS), for float32 (TF32 where `tf32`), float16 and bfloat16.
+bool has_grouped_gemm();
+// All of `calls` (of one dtype, on `device`) as one grouped GEMM: the pointer arrays are copied to
+// the GPU asynchronously, the sizes stay on the host.
+void run_grouped_blas_calls(const std::vector<GroupedBlasCall>& calls, at::ScalarType dtype,
+                            at::Device device, bool tf32);
 }  // namespace cuda
 #endif
 

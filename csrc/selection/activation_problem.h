@@ -1,0 +1,18 @@
+// The activation ops' problems, as the ops (ops/swiglu.cpp) build them after validation and the
+// tables (selection/activation_tables.cpp) run them: contiguous tensors of one dtype and device.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace patchgemm {
+
+struct SwigluProblem {
+  at::Tensor gate_up;  // [..., 2H]: gate, then up
+  at::Tensor grad_h;   // [..., H]; the backward only
+};
+
+// h [..., H] = silu(gate) * up, and grad_gate_up [..., 2H] from grad_h.
+at::Tensor select_swiglu(const SwigluProblem& p);
+at::Tensor select_swiglu_backward(const SwigluProblem& p);
+
+}  // namespace patchgemm

@@ -1,0 +1,98 @@
+// The SwiGLU tables, forward and backward: one fused pass (CPU, CUDA and ROCm), else ATen's
+// composite (chunk, silu, mul: three passes and two temporaries).
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+
+#include <sstream>
+
+#include "kernels/activation/swiglu.h"
+#include "selection/activation_problem.h"
+#include "selection/registry.h"
+
+namespace patchgemm {
+namespace {
+
+using selection::Candidate;
+using selection::describe;
+using selection::Table;
+using selection::WhyNot;
+
+std::string signature(const SwigluProblem& p) {
+  std::ostringstream out;
+  out << "(" << describe("gate_up", p.gate_up) << ")";
+  return out.str();
+}
+
+at::Tensor half_shaped(const at::Tensor& gate_up) {
+  std::vector<int64_t> sizes = gate_up.sizes().vec();
+  sizes.back() /= 2;
+  return at::empty(sizes, gate_up.options());
+}
+
+WhyNot fused_supports(const SwigluProblem& p) {
+  if (p.gate_up.is_cpu()) return "";
+#ifdef PATCHGEMM_WITH_CUDA
+  if (p.gate_up.is_cuda()) return "";
+#endif
+  return "gate_up is on " + p.gate_up.device().str() + ", which this build has no kernel for";
+}
+
+const Table<SwigluProblem, at::Tensor> kForward(
+    "swiglu",
+    {
+        {"fused", "cpu cuda rocm", "one pass: reads gate_up, writes h",
+         fused_supports, nullptr,
+         [](const SwigluProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+           at::Tensor h = half_shaped(p.gate_up);
+#ifdef PATCHGEMM_WITH_CUDA
+           if (p.gate_up.is_cuda()) {
+             cuda::swiglu(p.gate_up, h);
+             return h;
+           }
+#endif
+           swiglu_cpu(p.gate_up, h);
+           return h;
+         }},
+        {"aten_composite", "cpu cuda rocm", "any problem: ATen's chunk, silu and mul",
+         [](const SwigluProblem&) { return WhyNot(); }, nullptr,
+         [](const SwigluProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+           const auto parts = p.gate_up.chunk(2, -1);
+           return at::silu(parts[0]) * parts[1];
+         }},
+    },
+    signature);
+
+const Table<SwigluProblem, at::Tensor> kBackward(
+    "swiglu_backward",
+    {
+        {"fused", "cpu cuda rocm", "one pass: reads grad_h and gate_up, writes grad_gate_up",
+         fused_supports, nullptr,
+         [](const SwigluProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+           at::Tensor grad_gate_up = at::empty_like(p.gate_up);
+#ifdef PATCHGEMM_WITH_CUDA
+           if (p.gate_up.is_cuda()) {
+             cuda::swiglu_backward(p.grad_h, p.gate_up, grad_gate_up);
+             return grad_gate_up;
+           }
+#endif
+           swiglu_backward_cpu(p.grad_h, p.gate_up, grad_gate_up);
+           return grad_gate_up;
+         }},
+        {"aten_composite", "cpu cuda rocm", "any problem: ATen's elementwise ops in the op-math dtype",
+         [](const SwigluProblem&) { return WhyNot(); }, nullptr,
+         [](const SwigluProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+           const at::ScalarType acc = at::toOpMathType(p.gate_up.scalar_type());
+           const auto parts = p.gate_up.to(acc).chunk(2, -1);
+           const at::Tensor &g = parts[0], &u = parts[1], dh = p.grad_h.to(acc), s = at::sigmoid(g);
+           const at::Tensor d_gate = dh * u * s * (1 + g * (1 - s)), d_up = dh * g * s;
+           return at::cat({d_gate, d_up}, -1).to(p.gate_up.scalar_type());
+         }},
+    },
+    signature);
+
+}  // namespace
+
+at::Tensor select_swiglu(const SwigluProblem& p) { return kForward.run(p); }
+at::Tensor select_swiglu_backward(const SwigluProblem& p) { return kBackward.run(p); }
+
+}  // namespace patchgemm

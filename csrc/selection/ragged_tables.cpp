@@ -1,0 +1,193 @@
+// Ragged grouped linear's tables (forward, grad_input, grad_weight). In order:
+//   aten_grouped_mm  PyTorch's torch._grouped_mm (CUTLASS on sm_90+): reads the offsets on the GPU,
+//                    so a CUDA tensor of group sizes costs no host sync;
+//   cublas_grouped   one cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx) over the non-empty groups;
+//   loop             one GEMM per group through the planner (any device).
+// The last two need the sizes on the host (a sync where they live on the GPU).
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+#ifdef PATCHGEMM_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+#include "kernels/gemm/gemm.h"
+#include "selection/ragged_problem.h"
+#include "selection/registry.h"
+
+namespace patchgemm {
+namespace {
+
+using selection::Candidate;
+using selection::describe;
+using selection::Table;
+using selection::WhyNot;
+
+std::string signature(const RaggedProblem& p) {
+  std::ostringstream out;
+  out << "(" << describe("a", p.a) << ", " << describe("b", p.b) << (p.bias ? ", bias" : "") << ", "
+      << p.groups << " groups, offsets on " << p.offsets.device() << ")";
+  return out.str();
+}
+
+// The rows each group spans in the ragged dim, read on the host, checked (non-decreasing, ending at
+// `total`): the op could not check offsets that live on the GPU without a sync.
+std::vector<int64_t> host_offsets(const RaggedProblem& p) {
+  const at::Tensor ends = p.offsets.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* e = ends.const_data_ptr<int64_t>();
+  const int64_t total = p.ragged_k ? p.a.size(1) : p.a.size(0);
+  std::vector<int64_t> starts_and_ends{0};
+  for (int64_t g = 0; g < p.groups; ++g) {
+    TORCH_CHECK(e[g] >= starts_and_ends.back(), p.op, ": offsets must be non-decreasing and start at >= 0 (group sizes >= 0), got ",
+                ends.sizes(), " offsets with offsets[", g, "] = ", e[g], " after ", starts_and_ends.back());
+    starts_and_ends.push_back(e[g]);
+  }
+  TORCH_CHECK(starts_and_ends.back() == total, p.op, ": the group sizes must add up to the ", total,
+              " rows of x, got ", starts_and_ends.back());
+  return starts_and_ends;
+}
+
+// The [N, Nc] output of a rows problem, or [G, M, Nc] of a ragged-k one.
+at::Tensor empty_output(const RaggedProblem& p) {
+  return p.ragged_k ? at::empty({p.groups, p.a.size(0), p.b.size(1)}, p.a.options())
+                    : at::empty({p.a.size(0), p.b.size(2)}, p.a.options());
+}
+
+// Group g's GEMM as run_gemm's [1, ...] operands.
+struct GroupGemm {
+  at::Tensor a, b, c;
+  std::optional<at::Tensor> bias;
+};
+
+GroupGemm group_gemm(const RaggedProblem& p, const at::Tensor& out, int64_t g, int64_t start, int64_t end) {
+  if (p.ragged_k) {
+    return {p.a.slice(1, start, end).unsqueeze(0), p.b.slice(0, start, end).unsqueeze(0), out[g].unsqueeze(0), std::nullopt};
+  }
+  std::optional<at::Tensor> bias;
+  if (p.bias) bias = (*p.bias)[g].unsqueeze(0);
+  return {p.a.slice(0, start, end).unsqueeze(0), p.b[g].unsqueeze(0), out.slice(0, start, end).unsqueeze(0), bias};
+}
+
+Tf32Flag tf32_flag() { return Tf32Flag::kMatmul; }  // nn.Linear's flag
+
+// Each operand row- or column-major with its outer stride a multiple of 16 bytes (so every group's
+// first element is aligned too), as _grouped_mm requires.
+WhyNot grouped_mm_layout(const char* name, const at::Tensor& t) {
+  const int64_t inner = t.dim() - 1, elem = t.element_size();
+  const bool row_major = t.stride(inner) == 1, col_major = t.stride(inner - 1) == 1;
+  if (!row_major && !col_major) return std::string(name) + " is neither row- nor column-major";
+  if (t.stride(row_major ? inner - 1 : inner) * elem % 16) return std::string(name) + "'s rows are not a multiple of 16 bytes";
+  if (reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16) return std::string(name) + " is not 16-byte aligned";
+  return "";
+}
+
+WhyNot grouped_mm_supports(const RaggedProblem& p) {
+  const at::ScalarType dt = p.a.scalar_type();
+  if (p.a.is_cuda()) {
+#ifdef PATCHGEMM_WITH_CUDA
+    if (dt != at::kBFloat16) return "torch._grouped_mm runs bfloat16 only on CUDA";
+    if (at::cuda::getDeviceProperties(p.a.get_device())->major < 9) return "torch._grouped_mm needs sm_90 or newer";
+#endif
+  } else if (!p.a.is_cpu()) {
+    return "a is on " + p.a.device().str();
+  } else if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) {
+    return "torch._grouped_mm takes float32, float16 or bfloat16";
+  }
+  WhyNot why = grouped_mm_layout("a", p.a);
+  if (why.empty()) why = grouped_mm_layout("b", p.b);
+  const int64_t cols = p.ragged_k ? p.b.size(1) : p.b.size(2);
+  if (why.empty() && cols * p.a.element_size() % 16) why = "the output's rows are not a multiple of 16 bytes";
+  return why;
+}
+
+std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
+  return {
+      {"aten_grouped_mm", "cpu cuda sm_90", "torch._grouped_mm: bfloat16 on CUDA (float32 / float16 too on the CPU), rows "
+                                            "of 16 bytes; offsets read on the device (no host sync)",
+       grouped_mm_supports, nullptr,
+       [](const RaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+         const at::Tensor offsets = p.offsets.to(p.a.device(), at::kInt, /*non_blocking=*/true);
+         at::Tensor out = at::_grouped_mm(p.a, p.b, offsets);
+         if (p.bias) {
+           const at::Tensor sizes = at::diff(offsets, 1, 0, at::zeros({1}, offsets.options()));
+           out.add_(p.bias->repeat_interleave(sizes, 0, p.a.size(0)));
+         }
+         return out;
+       }},
+#ifdef PATCHGEMM_WITH_CUDA
+      {"cublas_grouped", "cuda", "one cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx, cuBLAS 12.5+) over the non-empty "
+                                 "groups; float32, float16, bfloat16; sizes read on the host",
+       [](const RaggedProblem& p) -> WhyNot {
+         if (!p.a.is_cuda()) return "a is not on a CUDA device";
+         if (!cuda::has_grouped_gemm()) return "this build's BLAS has no grouped GEMM (cuBLAS 12.5+)";
+         const at::ScalarType dt = p.a.scalar_type();
+         if (dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16) return "float64";
+         return "";
+       },
+       nullptr,
+       [](const RaggedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
+         const std::vector<int64_t> bounds = host_offsets(p);
+         at::Tensor out = empty_output(p);
+         const SplitKGuard guard = cuda::split_k_guard(p.a);
+         std::vector<cuda::GroupedBlasCall> calls;
+         std::vector<int64_t> empty_groups;
+         for (int64_t g = 0; g < p.groups; ++g) {
+           if (bounds[g + 1] == bounds[g]) {
+             empty_groups.push_back(g);
+             continue;
+           }
+           const GroupGemm gg = group_gemm(p, out, g, bounds[g], bounds[g + 1]);
+           const GemmProblem problem{1, matrix_view(gg.a), matrix_view(gg.b), matrix_view(gg.c)};
+           if (!check_blas_layout(problem).ok()) {
+             why = "an operand's strides have no BLAS layout";
+             return std::nullopt;
+           }
+           const BlasPlan plan = plan_blas_calls(problem, blas_int_limit(), guard);
+           if (!plan.error.empty() || plan.calls.size() != 1) {
+             why = "group " + std::to_string(g) + " needs more than one BLAS call (a long ragged K, or sizes past 32 bits)";
+             return std::nullopt;
+           }
+           calls.push_back({plan.calls[0], gg.a.const_data_ptr(), gg.b.const_data_ptr(), gg.c.data_ptr()});
+         }
+         if (p.ragged_k) {
+           for (int64_t g : empty_groups) out[g].zero_();
+         } else if (p.bias) {  // the bias rows first, then every GEMM adds onto them
+           const at::Tensor sizes = at::tensor(std::vector<int64_t>(bounds.begin() + 1, bounds.end()), at::kLong)
+                                        .diff(1, 0, at::zeros({1}, at::kLong));
+           out.copy_(p.bias->repeat_interleave(sizes.to(p.a.device(), /*non_blocking=*/true), 0, p.a.size(0)));
+           for (auto& call : calls) call.call.accumulate = true;
+         }
+         cuda::run_grouped_blas_calls(calls, p.a.scalar_type(), p.a.device(), tf32_allowed(tf32_flag()));
+         return out;
+       }},
+#endif
+      {"loop", "cpu cuda rocm", "any problem: one GEMM per group through the planner; sizes read on the host",
+       [](const RaggedProblem&) { return WhyNot(); }, nullptr,
+       [](const RaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+         const std::vector<int64_t> bounds = host_offsets(p);
+         at::Tensor out = empty_output(p);
+         for (int64_t g = 0; g < p.groups; ++g) {
+           const GroupGemm gg = group_gemm(p, out, g, bounds[g], bounds[g + 1]);
+           run_gemm(gg.a, gg.b, gg.c, gg.bias, false, tf32_flag());
+         }
+         return out;
+       }},
+  };
+}
+
+const Table<RaggedProblem, at::Tensor> kForward("ragged_grouped_linear", candidates(), signature);
+const Table<RaggedProblem, at::Tensor> kGradInput("ragged_grouped_linear_grad_input", candidates(), signature);
+const Table<RaggedProblem, at::Tensor> kGradWeight("ragged_grouped_linear_grad_weight", candidates(), signature);
+
+}  // namespace
+
+at::Tensor select_ragged_gemm(const RaggedProblem& p) {
+  const std::string op = p.op;
+  if (op == "ragged_grouped_linear") return kForward.run(p);
+  if (op == "ragged_grouped_linear_grad_input") return kGradInput.run(p);
+  TORCH_INTERNAL_ASSERT(op == "ragged_grouped_linear_grad_weight", "no ragged table for ", op);
+  return kGradWeight.run(p);
+}
+
+}  // namespace patchgemm
