@@ -191,6 +191,36 @@ def grouped_linear_case(case_id, batch, groups, din, dout, dtype, device, bias=T
     )
 
 
+def pointwise_case(case_id, batch, groups, per_group, length, dtype, device) -> Case:
+    """Many small parallel linears as a grouped Conv1d with kernel 1 (BENCHMARKS.md G2), NCL input."""
+    elt = torch.finfo(dtype).bits // 8
+    channels = groups * per_group
+
+    def make_inputs():
+        return {
+            "x": randn(batch, channels, length, dtype=dtype, device=device, requires_grad=True),
+            "w": (randn(channels, per_group, 1, dtype=dtype, device=device) / math.sqrt(per_group)).requires_grad_(),
+            "b": randn(channels, dtype=dtype, device=device, requires_grad=True),
+        }
+
+    def broadcast_matmul(x, w, b):
+        y = torch.matmul(w.view(groups, per_group, per_group), x.view(batch, groups, per_group, length))
+        return y.view(batch, channels, length) + b.view(1, -1, 1)
+
+    impls = {
+        "patchgemm": lambda x, w, b: pg.grouped_pointwise_conv(x, w, b, groups),
+        "torch.matmul (broadcast)": broadcast_matmul,
+        "grouped Conv1d": lambda x, w, b: F.conv1d(x, w, b, groups=groups),
+    }
+    x_n, w_n = batch * channels * length, channels * per_group
+    return Case(
+        id=case_id, dtype=dtype, make_inputs=make_inputs, impls=impls,
+        flops_fwd=2.0 * batch * length * channels * per_group,
+        bytes_fwd=elt * (2 * x_n + w_n + channels), bytes_fwd_bwd=elt * (5 * x_n + 2 * w_n),  # fwd: x, y; bwd: dy, x, dx
+        grad_inputs=["x", "w", "b"],
+        notes=f"x[{batch}, {channels}, {length}], {groups} groups of {per_group}, kernel 1")
+
+
 def grouped_mlp_case(case_id, batch, groups, dim, hidden, dtype, device) -> Case:
     """A SwiGLU MLP per group (BENCHMARKS.md G3): down(silu(gate(x)) * up(x)), gate and up in one weight."""
     elt = torch.finfo(dtype).bits // 8
@@ -432,14 +462,20 @@ def suite(device: torch.device) -> List[Case]:
         g1 = dict(batch=2560, groups=12, din=1024, dout=3072)
         b, vol, p1_batch, p2_batch = 8, 128, 128, 4096
         r1, r1_dims = [(8, 16384), (64, 32768), (128, 65536)], (1024, 2048)
+        g2 = dict(batch=8, groups=64, per_group=100, length=1024)
     else:  # a smoke-sized version of every case
         g1 = dict(batch=64, groups=12, din=256, dout=384)
         b, vol, p1_batch, p2_batch = 1, 32, 4, 64
         r1, r1_dims = [(8, 512)], (128, 256)
+        g2 = dict(batch=2, groups=16, per_group=20, length=64)
     cases = [
         grouped_linear_case("G1 bf16", dtype=bf16, device=device, **g1),
         grouped_linear_case("G1 bf16 no-bias", dtype=bf16, device=device, bias=False, **g1),
         grouped_linear_case("G1 fp32", dtype=fp32, device=device, **g1),
+        pointwise_case("G2 bf16", dtype=bf16, device=device, **g2),
+        pointwise_case("G2 fp32", dtype=fp32, device=device, **g2),
+        grouped_linear_case("G2 tokens", g2["batch"] * g2["length"], g2["groups"], g2["per_group"], g2["per_group"],
+                            bf16, device),
         grouped_mlp_case("G3", g1["batch"], g1["groups"], g1["din"], g1["din"] * 2, bf16, device),
         *[ragged_case(f"R1 {g} groups", tokens, g, r1_dims[0], r1_dims[1], bf16, device)
           for g, tokens in r1],

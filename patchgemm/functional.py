@@ -110,6 +110,28 @@ def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):
     return ops.ragged_grouped_linear(x, weight, bias, ends)
 
 
+def grouped_pointwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, groups: int = 1) -> Tensor:
+    """``F.conv{1,2,3}d(x, weight, bias, groups=groups)`` for a kernel of size 1: G independent small
+    linears over the channel groups of every position.
+
+    Args:
+        x: ``[B, C_in, *spatial]`` (1 to 3 spatial dims), or unbatched ``[C_in, *spatial]``.
+        weight: ``[C_out, C_in / groups, 1, ...]``, the conv layout.
+        bias: ``[C_out]`` or None.
+
+    The output takes the memory format ``x`` suggests, as the conv's does: channels_last(_3d) x is
+    one strided-batched GEMM over the groups; other x runs channels-first (one GEMM per sample).
+    """
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor):
+        raise TypeError("grouped_pointwise_conv: x and weight must be tensors")
+    unbatched = x.dim() == weight.dim() - 1
+    if unbatched:
+        x = x.unsqueeze(0)
+    x, weight, bias = _autocast(x, weight, bias)
+    y = ops.grouped_pointwise_conv(x, weight, bias, int(groups))
+    return y.squeeze(0) if unbatched else y
+
+
 def swiglu(gate_up: Tensor) -> Tensor:
     """``F.silu(gate) * up`` where ``gate, up = gate_up.chunk(2, -1)``, in one pass over memory.
 

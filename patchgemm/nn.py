@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from . import functional as F
 from .ops import ops
 
-__all__ = ["GroupedLinear", "GroupedMLP", "PatchEmbed", "PatchUnembed", "HierarchicalPatchEmbed",
+__all__ = ["GroupedLinear", "GroupedMLP", "GroupedPointwiseConv", "PatchEmbed", "PatchUnembed", "HierarchicalPatchEmbed",
            "HierarchicalPatchUnembed", "convert", "ConvertReport"]
 
 
@@ -174,6 +174,23 @@ def _ineligible(module: nn.Module) -> Optional[str]:
     return ", ".join(reasons) or None
 
 
+def _pointwise_ineligible(module: nn.Module) -> Optional[str]:
+    """Why a conv module is not a grouped pointwise conv (kernel 1, groups > 1), or None."""
+    if type(module) not in _CONVS:
+        return f"{type(module).__name__} is not exactly nn.Conv1d/2d/3d"
+    reasons = []
+    if any(k != 1 for k in module.kernel_size) or any(s != 1 for s in module.stride):
+        reasons.append(f"kernel_size {tuple(module.kernel_size)} / stride {tuple(module.stride)} are not all 1")
+    if isinstance(module.padding, str) and module.padding not in ("valid", "same") or (
+            not isinstance(module.padding, str) and any(module.padding)):
+        reasons.append(f"padding={module.padding}")
+    if any(d != 1 for d in module.dilation):
+        reasons.append(f"dilation={tuple(module.dilation)}")
+    if module.groups == 1:
+        reasons.append("groups=1")
+    return ", ".join(reasons) or None
+
+
 def _init_like_conv(weight: Tensor, bias: Optional[Tensor], fan_in: int) -> None:
     # nn.Conv*'s init: kaiming_uniform_(a=sqrt(5)) is U(-1/sqrt(fan_in), 1/sqrt(fan_in)); so is the bias.
     bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
@@ -225,6 +242,46 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"PatchEmbed.from_conv: {conv} is not a kernel == stride patch embedding: {reason}")
         module = cls(conv.in_channels, conv.out_channels, tuple(conv.kernel_size), conv.bias is not None,
                      out_format=out_format, device="meta")
+        module.weight, module.bias = conv.weight, conv.bias
+        return module
+
+
+class GroupedPointwiseConv(nn.Module):
+    """Drop-in ``nn.Conv{1,2,3}d(in_channels, out_channels, 1, groups=groups)``: G independent
+    small linears over the channel groups of every position, through grouped_pointwise_conv.
+
+    Parameters ``weight[C_out, C_in / G, 1, ...]`` and ``bias[C_out]`` as in the conv.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, groups: int, bias: bool = True, *, dims: int = 1,
+                 device=None, dtype=None):
+        super().__init__()
+        if groups < 1 or in_channels % groups or out_channels % groups:
+            raise ValueError(f"GroupedPointwiseConv: groups={groups} must divide in_channels={in_channels} and "
+                             f"out_channels={out_channels}")
+        if dims not in (1, 2, 3):
+            raise ValueError(f"GroupedPointwiseConv: dims must be 1, 2 or 3, got {dims}")
+        factory = {"device": device, "dtype": dtype}
+        self.in_channels, self.out_channels, self.groups, self.dims = in_channels, out_channels, groups, dims
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, *(1,) * dims, **factory))
+        self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
+        _init_like_conv(self.weight, self.bias, in_channels // groups)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.grouped_pointwise_conv(x, self.weight, self.bias, self.groups)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, groups={self.groups}, dims={self.dims}, "
+                f"bias={self.bias is not None}")
+
+    @classmethod
+    def from_conv(cls, conv: nn.Module) -> "GroupedPointwiseConv":
+        """A GroupedPointwiseConv computing ``conv`` and sharing its parameters."""
+        reason = _pointwise_ineligible(conv)
+        if reason:
+            raise ValueError(f"GroupedPointwiseConv.from_conv: {conv} is not a grouped pointwise conv: {reason}")
+        module = cls(conv.in_channels, conv.out_channels, conv.groups, conv.bias is not None,
+                     dims=len(conv.kernel_size), device="meta")
         module.weight, module.bias = conv.weight, conv.bias
         return module
 
@@ -296,8 +353,9 @@ class ConvertReport:
 
 def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
     """Swap every eligible ``nn.Conv{1,2,3}d`` / ``nn.ConvTranspose{1,2,3}d`` (kernel == stride,
-    padding 0, dilation 1, groups 1, zeros padding, output_padding 0) for PatchEmbed / PatchUnembed
-    sharing its parameters. Returns a :class:`ConvertReport` (``report.model`` is the model; with
+    padding 0, dilation 1, groups 1, zeros padding, output_padding 0) for PatchEmbed / PatchUnembed,
+    and every grouped pointwise ``nn.Conv{1,2,3}d`` (kernel 1, stride 1, groups > 1) for
+    GroupedPointwiseConv, sharing its parameters. Returns a :class:`ConvertReport` (``report.model`` is the model; with
     ``inplace=False`` a converted deep copy, the original untouched)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected an nn.Module, got {type(model).__name__}")
@@ -309,11 +367,14 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
         if not isinstance(module, _CONVS + _CONV_TRANSPOSES):
             return None
         reason = _ineligible(module)
-        if reason:
+        if reason and type(module) in _CONVS and not _pointwise_ineligible(module):
+            new = GroupedPointwiseConv.from_conv(module)
+        elif reason:
             report.skipped.append((name, reason))
             return None
-        new = (PatchEmbed.from_conv(module) if type(module) in _CONVS
-               else PatchUnembed.from_conv_transpose(module))
+        else:
+            new = (PatchEmbed.from_conv(module) if type(module) in _CONVS
+                   else PatchUnembed.from_conv_transpose(module))
         report.swapped.append((name, f"{type(module).__name__} -> {type(new).__name__}"))
         return new
 

@@ -64,6 +64,23 @@ def _(grad_y, x, offsets):
     return x.new_empty((offsets.shape[0], grad_y.shape[1], x.shape[1]))
 
 
+@torch.library.register_fake("patchgemm::grouped_pointwise_conv")
+def _(x, weight, bias, groups):
+    torch._check(x.dim() == weight.dim() and x.shape[1] == groups * weight.shape[1],
+                 lambda: "grouped_pointwise_conv: x and weight do not match")
+    return _channels_first_output(x, (x.shape[0], weight.shape[0], *x.shape[2:]))
+
+
+@torch.library.register_fake("patchgemm::grouped_pointwise_conv_grad_input")
+def _(grad_y, weight, groups):
+    return _channels_first_output(grad_y, (grad_y.shape[0], groups * weight.shape[1], *grad_y.shape[2:]))
+
+
+@torch.library.register_fake("patchgemm::grouped_pointwise_conv_grad_weight")
+def _(grad_y, x, groups):
+    return x.new_empty((grad_y.shape[1], x.shape[1] // groups, *(1,) * (x.dim() - 2)))
+
+
 @torch.library.register_fake("patchgemm::swiglu")
 def _(gate_up):
     torch._check(gate_up.dim() >= 1 and gate_up.shape[-1] % 2 == 0, lambda: "swiglu: gate_up must be [..., 2H]")

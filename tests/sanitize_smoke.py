@@ -162,6 +162,18 @@ def main():
                 y = patchgemm.grouped_linear(x, w, b, group_sizes=[17, 0, 22, 1])
                 grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
             assert all(torch.isfinite(t).all() for t in (y, *grads))
+    # grouped pointwise conv: channels-first (per-sample GEMMs, fp32 weight-gradient sums) and tokens
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in ((3, 12, 37), (2, 12, 5, 7)):
+            x = torch.randn(shape, dtype=dtype, device="cuda")
+            if len(shape) == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            x.requires_grad_()
+            w = torch.randn(8, 3, *(1,) * (len(shape) - 2), dtype=dtype, device="cuda", requires_grad=True)
+            b = torch.randn(8, dtype=dtype, device="cuda", requires_grad=True)
+            y = patchgemm.grouped_pointwise_conv(x, w, b, groups=4)
+            grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
+            assert all(torch.isfinite(t).all() for t in (y, *grads))
     torch.cuda.synchronize()
     print("sanitize_smoke: ok")
 

@@ -8,6 +8,7 @@
 //
 //   grouped_linear  dx = grouped_linear_grad_input, dW = grouped_linear_grad_weight, db = sum
 //   ragged_grouped_linear  the same through its ragged ops, db = per-group sums (segment_reduce)
+//   grouped_pointwise_conv  its _grad_input and _grad_weight ops, db = sum over all but the channels
 //   patch_embed     dx = patch_unembed with the same weight, (dW, db) = patch_weight_grad
 //   patch_unembed   dx = patch_embed with the same weight, (dW, db) = patch_weight_grad (roles
 //                   swapped, transposed = true)
@@ -152,6 +153,58 @@ struct RaggedGroupedLinear : Function<RaggedGroupedLinear> {
 at::Tensor ragged_grouped_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
                                           const at::Tensor& offsets) {
   return RaggedGroupedLinear::apply(x, weight, bias, offsets);
+}
+
+// ---- grouped_pointwise_conv ----------------------------------------------------------------------
+
+using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t);
+using PointwiseGrad = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+
+struct GroupedPointwiseConv : Function<GroupedPointwiseConv> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const OptionalTensor& bias, int64_t groups) {
+    static const auto op = find_op<Pointwise>("patchgemm::grouped_pointwise_conv");
+    at::Tensor y = call_below_autograd(op, x, weight, bias, groups);
+    ctx->save_for_backward({weight.requires_grad() ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor()});
+    ctx->saved_data["groups"] = groups;
+    ctx->saved_data["has_bias"] = has_value(bias);
+    // dx takes x's memory format, as the conv's does: the op follows grad_y's, so backward hands
+    // it grad_y in y's (= x's) format.
+    // (is_contiguous, not suggest_memory_format: it also works on the symbolic sizes of torch.compile.)
+    at::MemoryFormat format = at::MemoryFormat::Contiguous;
+    const auto channels_last = y.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d;
+    if (y.dim() >= 4 && !y.is_contiguous() && y.is_contiguous(channels_last)) format = channels_last;
+    ctx->saved_data["format"] = static_cast<int64_t>(format);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &grad_y = grads[0];
+    const int64_t groups = ctx->saved_data["groups"].toInt();
+    at::Tensor grad_x, grad_w, grad_b;
+    if (ctx->needs_input_grad(kX)) {
+      static const auto op = find_op<PointwiseGrad>("patchgemm::grouped_pointwise_conv_grad_input");
+      const auto format = static_cast<at::MemoryFormat>(ctx->saved_data["format"].toInt());
+      grad_x = op.call(grad_y.contiguous(format), weight, groups);
+    }
+    if (ctx->needs_input_grad(kWeight)) {
+      static const auto op = find_op<PointwiseGrad>("patchgemm::grouped_pointwise_conv_grad_weight");
+      grad_w = op.call(grad_y, x, groups);
+    }
+    if (needs_bias_grad(ctx)) {
+      std::vector<int64_t> dims{0};
+      for (int64_t d = 2; d < grad_y.dim(); ++d) dims.push_back(d);
+      // (one reduction in the op-math dtype: it also traces with the symbolic sizes of torch.compile)
+      grad_b = grad_y.sum(dims, false, at::toOpMathType(grad_y.scalar_type())).to(grad_y.scalar_type());
+    }
+    return {grad_x, grad_w, grad_b, at::Tensor()};
+  }
+};
+
+at::Tensor grouped_pointwise_conv_autograd(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
+                                           int64_t groups) {
+  return GroupedPointwiseConv::apply(x, weight, bias, groups);
 }
 
 // ---- patch_embed / patch_unembed -----------------------------------------------------------------
@@ -349,6 +402,7 @@ TORCH_LIBRARY_IMPL(patchgemm, Autograd, m) {
   m.impl("swiglu", &swiglu_autograd);
   m.impl("grouped_linear", &grouped_linear_autograd);
   m.impl("ragged_grouped_linear", &ragged_grouped_linear_autograd);
+  m.impl("grouped_pointwise_conv", &grouped_pointwise_conv_autograd);
   m.impl("patch_embed", &patch_embed_autograd);
   m.impl("patch_unembed", &patch_unembed_autograd);
 }

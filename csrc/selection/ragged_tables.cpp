@@ -116,6 +116,8 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
          return out;
        }},
 #ifdef PATCHGEMM_WITH_CUDA
+// (hipBLAS's grouped GEMM has another signature: not wired up on ROCm.)
+#ifndef USE_ROCM
       {"cublas_grouped", "cuda", "one cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx, cuBLAS 12.5+) over the non-empty "
                                  "groups; float32, float16, bfloat16; sizes read on the host",
        [](const RaggedProblem& p) -> WhyNot {
@@ -161,6 +163,7 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
          cuda::run_grouped_blas_calls(calls, p.a.scalar_type(), p.a.device(), tf32_allowed(tf32_flag()));
          return out;
        }},
+#endif  // USE_ROCM
 #endif
       {"loop", "cpu cuda rocm", "any problem: one GEMM per group through the planner; sizes read on the host",
        [](const RaggedProblem&) { return WhyNot(); }, nullptr,

@@ -287,7 +287,9 @@ bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at
   return lt_matmul_bias(call, a, b, c, bias, tf32);
 }
 
-#if !defined(USE_ROCM) && defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120500
+#ifndef USE_ROCM
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120500
+#define PATCHGEMM_HAS_GROUPED_GEMM
 bool has_grouped_gemm() { return true; }
 
 void run_grouped_blas_calls(const std::vector<GroupedBlasCall>& calls, at::ScalarType dtype,
@@ -331,7 +333,9 @@ void run_grouped_blas_calls(const std::vector<GroupedBlasCall>& calls, at::Scala
       types.data, lda.data(), array + n, types.data, ldb.data(), beta.data(), array + 2 * n, types.data,
       ldc.data(), static_cast<int>(n), one_each.data(), types.compute));
 }
-#else
+#endif
+#endif  // USE_ROCM
+#ifndef PATCHGEMM_HAS_GROUPED_GEMM
 bool has_grouped_gemm() { return false; }
 
 void run_grouped_blas_calls(const std::vector<GroupedBlasCall>&, at::ScalarType, at::Device, bool) {

@@ -1,0 +1,38 @@
+// Grouped pointwise convolution's problems (ops/grouped_pointwise_conv.cpp builds them after
+// validation; selection/pointwise_tables.cpp runs them). The channels of x are G groups; each op
+// applies one small matrix per group to every position:
+//   channels-first x [B, G, c_in, L] (a contiguous [B, C, *spatial] viewed so), or
+//   tokens x [N, G, c_in] (a channels_last(_3d) x, N = B * spatial, viewed so).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace patchgemm {
+
+struct PointwiseProblem {
+  const char* op = "";
+  bool tokens = false;
+  at::Tensor x;                    // [B, G, c_in, L] or [N, G, c_in]
+  at::Tensor matrix;               // [G, c_out, c_in]: weight (forward) or its transpose (grad_input)
+  std::optional<at::Tensor> bias;  // [G, c_out]; forward only
+  at::Tensor out;                  // the op's output, in x's view ([B, G, c_out, L] / [N, G, c_out])
+  std::vector<int64_t> out_sizes;  // its shape as the op returns it, [B, C_out, *spatial]
+  // The forward's arguments as F.conv takes them (aten_conv): x, weight, groups.
+  at::Tensor conv_x, conv_weight;
+  int64_t groups = 0;
+};
+
+// grad_weight [G, c_out, c_in] = sum over positions of grad_y_g x_g^T.
+struct PointwiseWeightGradProblem {
+  bool tokens = false;
+  at::Tensor grad_y, x;  // [B, G, c_out, L] / [N, G, c_out], and x likewise with c_in
+};
+
+// Fills p.out and returns it, or returns a result of its own of shape out_sizes (any format).
+at::Tensor select_pointwise(const PointwiseProblem& p);
+at::Tensor select_pointwise_weight_grad(const PointwiseWeightGradProblem& p);
+
+}  // namespace patchgemm

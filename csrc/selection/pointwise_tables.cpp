@@ -1,0 +1,137 @@
+// Grouped pointwise convolution's tables. Forward and grad_input apply a per-group matrix:
+//   strided_batched  our planner's strided-batched GEMM: one over the groups for tokens x, one per
+//                    sample for channels-first x (the positions of a sample are contiguous, those
+//                    of different samples are not); the bias pre-filled, the GEMMs add onto it;
+//   aten_matmul      torch.matmul broadcasting the [G, c_out, c_in] matrix over the samples;
+//   aten_conv        F.conv*d(groups = G) itself (forward only).
+// The weight gradient: strided_batched (per sample, summed in fp32), else ATen's einsum.
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+#include "kernels/gemm/gemm.h"
+#include "selection/pointwise_problem.h"
+#include "selection/registry.h"
+
+namespace patchgemm {
+namespace {
+
+using selection::Candidate;
+using selection::describe;
+using selection::Table;
+using selection::WhyNot;
+
+// A conv's GEMMs follow torch.backends.cudnn.allow_tf32, as the conv they replace.
+constexpr Tf32Flag kTf32 = Tf32Flag::kCudnn;
+
+std::string signature(const PointwiseProblem& p) {
+  std::ostringstream out;
+  out << "(" << describe("x", p.x) << (p.tokens ? ", tokens" : ", channels-first") << ", " << describe("matrix", p.matrix)
+      << (p.bias ? ", bias" : "") << ")";
+  return out.str();
+}
+
+// Where the default choice passes over strided_batched: 16-bit channels-first x, whose per-sample
+// GEMMs lose to torch.matmul's one batched GEMM (H100, BENCHMARKS.md G2; fp32 and tokens x win).
+WhyNot per_sample_rule(const PointwiseProblem& p) {
+  if (!p.tokens && p.x.element_size() == 2) return "16-bit channels-first x: torch.matmul's one batched GEMM is faster";
+  return "";
+}
+
+Candidate<PointwiseProblem, at::Tensor> strided_batched() {
+  return {"strided_batched", "cpu cuda rocm",
+          "our strided-batched GEMM: one for tokens (channels_last) x, one per sample for channels-first x",
+          [](const PointwiseProblem&) { return WhyNot(); }, per_sample_rule,
+          [](const PointwiseProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+            if (p.tokens) {  // [G, N, c_in] @ [G, c_in, c_out] -> [G, N, c_out]
+              run_gemm(p.x.transpose(0, 1), p.matrix.transpose(1, 2), p.out.transpose(0, 1), p.bias, false, kTf32);
+              return p.out;
+            }
+            if (p.bias) p.out.copy_(p.bias->view({1, p.bias->size(0), p.bias->size(1), 1}).expand_as(p.out));
+            for (int64_t b = 0; b < p.x.size(0); ++b) {  // [G, c_out, c_in] @ [G, c_in, L] -> [G, c_out, L]
+              run_gemm(p.matrix, p.x[b], p.out[b], std::nullopt, p.bias.has_value(), kTf32);
+            }
+            return p.out;
+          }};
+}
+
+Candidate<PointwiseProblem, at::Tensor> aten_matmul() {
+  return {"aten_matmul", "cpu cuda rocm", "any problem: torch.matmul broadcasting the per-group matrix",
+          [](const PointwiseProblem&) { return WhyNot(); }, nullptr,
+          [](const PointwiseProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+            if (p.tokens) {  // [N, G, 1, c_in] @ [G, c_in, c_out] -> [N, G, 1, c_out]
+              at::Tensor y = at::matmul(p.x.unsqueeze(2), p.matrix.transpose(1, 2)).squeeze(2);
+              p.out.copy_(p.bias ? y + *p.bias : y);
+              return p.out;
+            }
+            at::Tensor y = at::matmul(p.matrix, p.x);  // [B, G, c_out, L], contiguous
+            if (p.bias) y.add_(p.bias->unsqueeze(-1));
+            return y.view(p.out_sizes);
+          }};
+}
+
+std::vector<Candidate<PointwiseProblem, at::Tensor>> forward_candidates() {
+  auto candidates = std::vector<Candidate<PointwiseProblem, at::Tensor>>{strided_batched(), aten_matmul()};
+  candidates.push_back(
+      {"aten_conv", "cpu cuda rocm", "any problem: F.conv*d with groups (cuDNN / MIOpen / ATen)",
+       [](const PointwiseProblem&) { return WhyNot(); }, nullptr,
+       [](const PointwiseProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+         const std::optional<at::Tensor> bias = p.bias ? std::optional<at::Tensor>(p.bias->reshape(-1)) : std::nullopt;
+         const int64_t rank = p.conv_x.dim() - 2;
+         const std::vector<int64_t> ones(rank, 1), zeros(rank, 0);
+         return at::convolution(p.conv_x, p.conv_weight, bias, ones, zeros, ones, false, zeros, p.groups);
+       }});
+  return candidates;
+}
+
+const Table<PointwiseProblem, at::Tensor> kForward("grouped_pointwise_conv", forward_candidates(), signature);
+const Table<PointwiseProblem, at::Tensor> kGradInput(
+    "grouped_pointwise_conv_grad_input", std::vector<Candidate<PointwiseProblem, at::Tensor>>{strided_batched(), aten_matmul()},
+    signature);
+
+const Table<PointwiseWeightGradProblem, at::Tensor> kGradWeight(
+    "grouped_pointwise_conv_grad_weight",
+    {
+        {"strided_batched", "cpu cuda rocm",
+         "our strided-batched GEMM: one for tokens x; per sample for channels-first x, summed in fp32",
+         [](const PointwiseWeightGradProblem&) { return WhyNot(); }, nullptr,
+         [](const PointwiseWeightGradProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+           const int64_t groups = p.x.size(1), c_out = p.grad_y.size(2), c_in = p.x.size(2);
+           at::Tensor grad_w = at::empty({groups, c_out, c_in}, p.x.options());
+           if (p.tokens) {  // [G, c_out, N] @ [G, N, c_in]
+             run_gemm(p.grad_y.transpose(0, 1).transpose(1, 2), p.x.transpose(0, 1), grad_w, std::nullopt, false, kTf32);
+             return grad_w;
+           }
+           // Per sample [G, c_out, L] @ [G, L, c_in], summed into an fp32 scratch for 16-bit data.
+           at::Tensor sum = p.x.element_size() == 2 ? at::empty_like(grad_w, grad_w.options().dtype(at::kFloat)) : grad_w;
+           if (p.x.size(0) == 0) sum.zero_();
+           for (int64_t b = 0; b < p.x.size(0); ++b) {
+             run_gemm(p.grad_y[b], p.x[b].transpose(1, 2), sum, std::nullopt, b > 0, kTf32);
+           }
+           if (!sum.is_same(grad_w)) grad_w.copy_(sum);
+           return grad_w;
+         }},
+        {"aten_einsum", "cpu cuda rocm", "any problem: ATen's einsum over the positions",
+         [](const PointwiseWeightGradProblem&) { return WhyNot(); }, nullptr,
+         [](const PointwiseWeightGradProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+           return p.tokens ? at::einsum("ngo,ngi->goi", {p.grad_y, p.x}) : at::einsum("bgol,bgil->goi", {p.grad_y, p.x});
+         }},
+    },
+    [](const PointwiseWeightGradProblem& p) {
+      std::ostringstream out;
+      out << "(" << describe("grad_y", p.grad_y) << ", " << describe("x", p.x) << (p.tokens ? ", tokens" : "") << ")";
+      return out.str();
+    });
+
+}  // namespace
+
+at::Tensor select_pointwise(const PointwiseProblem& p) {
+  const std::string op = p.op;
+  if (op == "grouped_pointwise_conv") return kForward.run(p);
+  TORCH_INTERNAL_ASSERT(op == "grouped_pointwise_conv_grad_input", "no pointwise table for ", op);
+  return kGradInput.run(p);
+}
+
+at::Tensor select_pointwise_weight_grad(const PointwiseWeightGradProblem& p) { return kGradWeight.run(p); }
+
+}  // namespace patchgemm

@@ -1,0 +1,116 @@
+"""grouped_pointwise_conv (F.conv*d with kernel 1 and groups > 1): values and gradients of every
+implementation against float64, memory formats, convert(), gradcheck, opcheck, compile, bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import patchgemm
+from conftest import DEVICES, DTYPES, assert_close_to_ref, poison_allocator, randn
+
+ops = torch.ops.patchgemm
+CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+OPS = ("grouped_pointwise_conv", "grouped_pointwise_conv_grad_input", "grouped_pointwise_conv_grad_weight")
+# A forced candidate per op (grad_input has no aten_conv; grad_weight has its own second candidate).
+FORCES = {
+    "strided_batched": dict.fromkeys(OPS, "strided_batched"),
+    "aten_matmul": {OPS[0]: "aten_matmul", OPS[1]: "aten_matmul", OPS[2]: "aten_einsum"},
+    "aten_conv": {OPS[0]: "aten_conv", OPS[1]: "aten_matmul", OPS[2]: "aten_einsum"},
+}
+
+
+def make_x(batch, channels, spatial, dtype, device, channels_last):
+    x = randn(batch, channels, *spatial, dtype=dtype, device=device)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last if len(spatial) == 2 else torch.channels_last_3d)
+    return x.requires_grad_()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", list(FORCES))
+@pytest.mark.parametrize("spatial, channels_last", [((9,), False), ((4, 5), False), ((4, 5), True), ((2, 3, 4), True)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_impl_matches_float64_conv(device, dtype, impl, spatial, channels_last, bias):
+    groups, c_in, c_out, batch = 4, 12, 8, 3
+    x = make_x(batch, c_in, spatial, dtype, device, channels_last)
+    weight = randn(c_out, c_in // groups, *(1,) * len(spatial), dtype=dtype, device=device, requires_grad=True)
+    b = randn(c_out, dtype=dtype, device=device, requires_grad=True) if bias else None
+    inputs = [x, weight] + ([b] if bias else [])
+    poison_allocator(x.numel() * x.element_size(), device)
+    with patchgemm.force(**FORCES[impl]):
+        y = patchgemm.grouped_pointwise_conv(x, weight, b, groups)
+        grad_y = randn(*y.shape, dtype=dtype, device=device)
+        grads = torch.autograd.grad(y, inputs, grad_y)
+    refs = [t.detach().double().cpu().requires_grad_(True) for t in inputs]
+    ref = CONV[len(spatial)](refs[0], refs[1], refs[2] if bias else None, groups=groups)
+    ref_grads = torch.autograd.grad(ref, refs, grad_y.double().cpu())
+    # The conv's memory format: channels_last in, channels_last out (and for dx).
+    fmt = (torch.channels_last if len(spatial) == 2 else torch.channels_last_3d) if channels_last else torch.contiguous_format
+    assert y.is_contiguous(memory_format=fmt) and grads[0].is_contiguous(memory_format=fmt)
+    assert y.dtype == dtype
+    assert_close_to_ref(y, ref, dtype, "y")
+    for name, g, r in zip(["x", "weight", "bias"], grads, ref_grads):
+        assert_close_to_ref(g, r, dtype, f"grad {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_and_unbatched_input(device):
+    weight = randn(6, 2, 1, device=device)
+    x = randn(2, 10, 7, device=device)[:, 2:8]  # a channel slice: copied once
+    assert_close_to_ref(patchgemm.grouped_pointwise_conv(x, weight, groups=3), F.conv1d(x, weight, groups=3),
+                        torch.float32)
+    x = randn(6, 7, device=device)
+    assert_close_to_ref(patchgemm.grouped_pointwise_conv(x, weight, groups=3), F.conv1d(x, weight, groups=3),
+                        torch.float32)
+
+
+def test_gradcheck_opcheck_and_compile():
+    x = randn(2, 6, 5, dtype=torch.float64, requires_grad=True)
+    weight = randn(4, 3, 1, dtype=torch.float64, requires_grad=True)
+    bias = randn(4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: patchgemm.grouped_pointwise_conv(*a, groups=2), (x, weight, bias))
+    torch.library.opcheck(ops.grouped_pointwise_conv.default, (x, weight, bias, 2))
+    x4 = randn(2, 6, 3, 4, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    torch.library.opcheck(ops.grouped_pointwise_conv.default, (x4, weight.detach().view(4, 3, 1, 1), None, 2))
+    torch.library.opcheck(ops.grouped_pointwise_conv_grad_input.default, (randn(2, 4, 5, dtype=torch.float64), weight.detach(), 2))
+    torch.library.opcheck(ops.grouped_pointwise_conv_grad_weight.default, (randn(2, 4, 5, dtype=torch.float64), x.detach(), 2))
+    model = patchgemm.GroupedPointwiseConv(6, 4, 2, dtype=torch.float64)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.sum().backward()
+    assert_close_to_ref(out, F.conv1d(x, model.weight, model.bias, groups=2), torch.float64)
+    assert model.weight.grad is not None
+
+
+def test_convert_swaps_grouped_pointwise_convs():
+    model = nn.Sequential(nn.Conv2d(8, 8, 1, groups=4), nn.Conv2d(8, 8, 3, padding=1, groups=4), nn.Conv1d(8, 8, 1),
+                          nn.Conv2d(8, 16, 1, groups=2, bias=False))
+    report = patchgemm.convert(model, inplace=False)
+    converted = report.model
+    assert isinstance(converted[0], patchgemm.GroupedPointwiseConv)
+    assert isinstance(converted[3], patchgemm.GroupedPointwiseConv) and converted[3].bias is None
+    assert isinstance(converted[1], nn.Conv2d) and any(name == "1" for name, _ in report.skipped)
+    assert converted[0].weight is not model[0].weight  # a copy: inplace=False
+    assert set(converted.state_dict()) == set(model.state_dict())  # checkpoints still load
+    x = randn(2, 8, 5, 6)
+    assert_close_to_ref(converted[3](converted[0](x)), model[3](model[0](x)), torch.float32)
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: patchgemm.grouped_pointwise_conv(torch.randn(2, 6, 5), torch.randn(4, 3, 3), groups=2), RuntimeError,
+     "kernel must be 1"),
+    (lambda: patchgemm.grouped_pointwise_conv(torch.randn(2, 6, 5), torch.randn(4, 2, 1), groups=2), RuntimeError,
+     "expects 4"),
+    (lambda: patchgemm.grouped_pointwise_conv(torch.randn(2, 6, 5), torch.randn(5, 3, 1), groups=2), RuntimeError,
+     "multiple of groups"),
+    (lambda: patchgemm.grouped_pointwise_conv(torch.randn(2, 6, 5), torch.randn(4, 3, 1), torch.randn(3), groups=2),
+     RuntimeError, r"bias must be \[C_out\]"),
+    (lambda: patchgemm.grouped_pointwise_conv(torch.randn(2, 6, 5), torch.randn(4, 3, 1), groups=0), RuntimeError,
+     "groups must be >= 1"),
+    (lambda: patchgemm.GroupedPointwiseConv(6, 4, 4), ValueError, "must divide"),
+])
+def test_bad_input_is_a_clear_error(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
