@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include "kernels/gemm/gemm.h"
+#include "selection/ragged_problem.h"
 
 namespace patchgemm {
 namespace {
@@ -141,9 +142,8 @@ struct RaggedGroupedLinear : Function<RaggedGroupedLinear> {
     if (needs_bias_grad(ctx)) {
       // Per-group sums of grad_y's rows, accumulated in the op-math dtype (ATen's segment sums of
       // 16-bit data accumulate in 16 bits).
-      const at::Tensor ends = offsets.to(grad_y.device(), at::kLong, /*non_blocking=*/true);
-      const at::Tensor sizes = at::diff(ends, 1, 0, at::zeros({1}, ends.options()));
-      grad_b = at::segment_reduce(grad_y.to(at::toOpMathType(grad_y.scalar_type())), "sum", sizes)
+      grad_b = at::segment_reduce(grad_y.to(at::toOpMathType(grad_y.scalar_type())), "sum",
+                                  ragged_sizes(offsets, grad_y.device()))
                    .to(grad_y.scalar_type());
     }
     return {grad_x, grad_w, grad_b, at::Tensor()};

@@ -28,4 +28,10 @@ inline void check_dim(const char* op, const char* name, const at::Tensor& t, int
               t.sizes());
 }
 
+// Whether x [B, C, *S] lies channels-last (channels_last / channels_last_3d, as ATen suggests): a
+// conv replacement's output then takes x's memory format, as PyTorch's convolutions do.
+inline bool lies_channels_last(const at::Tensor& x) {
+  return x.numel() > 0 && x.suggest_memory_format() != at::MemoryFormat::Contiguous;
+}
+
 }  // namespace patchgemm

@@ -12,17 +12,9 @@
 namespace patchgemm {
 namespace {
 
-bool lies_channels_last(const at::Tensor& t) {
-  if (t.dim() < 4 || t.numel() == 0) return false;
-  const auto format = t.suggest_memory_format();
-  return format == at::MemoryFormat::ChannelsLast || format == at::MemoryFormat::ChannelsLast3d;
-}
-
-// An empty [B, C, *spatial] in `tokens` (channels-last) or contiguous format.
-at::Tensor empty_in_format(at::IntArrayRef sizes, bool tokens, const at::TensorOptions& options) {
-  if (!tokens) return at::empty(sizes, options);
-  return at::empty(sizes, options.memory_format(sizes.size() == 4 ? at::MemoryFormat::ChannelsLast
-                                                                    : at::MemoryFormat::ChannelsLast3d));
+// The memory format of the op's output: x's where it lies channels-last (the tokens problem).
+at::MemoryFormat output_format(const at::Tensor& x) {
+  return lies_channels_last(x) ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
 }
 
 // The problem's view of a [B, C, *S] tensor with C = G * c: [B, G, c, L] or (tokens) [N, G, c].
@@ -71,11 +63,12 @@ at::Tensor grouped_pointwise_conv(const at::Tensor& x_in, const at::Tensor& weig
                 "], got ", bias->sizes());
     check_like(op, "bias", *bias, "weight", weight);
   }
-  const bool tokens = lies_channels_last(x_in);
-  const at::Tensor x = tokens ? x_in : x_in.contiguous();
+  const at::MemoryFormat format = output_format(x_in);
+  const bool tokens = format != at::MemoryFormat::Contiguous;
+  const at::Tensor x = x_in.contiguous(format);
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes[1] = weight.size(0);
-  at::Tensor y = empty_in_format(sizes, tokens, x.options());
+  at::Tensor y = at::empty(sizes, x.options().memory_format(format));
   std::optional<at::Tensor> bias_g;
   if (bias) bias_g = bias->view({groups, -1});
   PointwiseProblem p{op, tokens, grouped_view(x, tokens, groups), group_matrix(weight, groups), bias_g,
@@ -84,7 +77,7 @@ at::Tensor grouped_pointwise_conv(const at::Tensor& x_in, const at::Tensor& weig
   if (out.is_same(p.out)) return y;
   // A result of its own (aten_conv) in the format decided here (ATen's CPU conv3d, e.g., ignores
   // channels_last_3d): one copy where they differ.
-  return out.is_contiguous(tokens ? x.suggest_memory_format() : at::MemoryFormat::Contiguous) ? out : y.copy_(out);
+  return out.is_contiguous(format) ? out : y.copy_(out);
 }
 
 at::Tensor grouped_pointwise_conv_grad_input(const at::Tensor& grad_y_in, const at::Tensor& weight, int64_t groups) {
@@ -94,11 +87,12 @@ at::Tensor grouped_pointwise_conv_grad_input(const at::Tensor& grad_y_in, const 
   check_like(op, "grad_y", grad_y_in, "weight", weight);
   TORCH_CHECK(grad_y_in.size(1) == weight.size(0), op, ": grad_y has ", grad_y_in.size(1), " channels (shape ",
               grad_y_in.sizes(), ") but weight ", weight.sizes(), " has C_out = ", weight.size(0));
-  const bool tokens = lies_channels_last(grad_y_in);
-  const at::Tensor grad_y = tokens ? grad_y_in : grad_y_in.contiguous();
+  const at::MemoryFormat format = output_format(grad_y_in);
+  const bool tokens = format != at::MemoryFormat::Contiguous;
+  const at::Tensor grad_y = grad_y_in.contiguous(format);
   std::vector<int64_t> sizes = grad_y.sizes().vec();
   sizes[1] = groups * weight.size(1);
-  at::Tensor grad_x = empty_in_format(sizes, tokens, grad_y.options());
+  at::Tensor grad_x = at::empty(sizes, grad_y.options().memory_format(format));
   PointwiseProblem p{op, tokens, grouped_view(grad_y, tokens, groups), group_matrix(weight, groups).transpose(1, 2),
                      std::nullopt, grouped_view(grad_x, tokens, groups), sizes, at::Tensor(), at::Tensor(), groups};
   const at::Tensor out = select_pointwise(p);
@@ -115,8 +109,8 @@ at::Tensor grouped_pointwise_conv_grad_weight(const at::Tensor& grad_y_in, const
   TORCH_CHECK(grad_y_in.dim() == x_in.dim() && grad_y_in.size(0) == x_in.size(0) &&
                   grad_y_in.sizes().slice(2) == x_in.sizes().slice(2),
               op, ": grad_y ", grad_y_in.sizes(), " and x ", x_in.sizes(), " must agree in batch and spatial sizes");
-  const bool tokens = lies_channels_last(x_in);
-  const auto format = tokens ? x_in.suggest_memory_format() : at::MemoryFormat::Contiguous;
+  const at::MemoryFormat format = output_format(x_in);
+  const bool tokens = format != at::MemoryFormat::Contiguous;
   const at::Tensor x = x_in.contiguous(format), grad_y = grad_y_in.contiguous(format);
   at::Tensor grad_w = select_pointwise_weight_grad({tokens, grouped_view(grad_y, tokens, groups), grouped_view(x, tokens, groups)});
   std::vector<int64_t> sizes(x.dim(), 1);

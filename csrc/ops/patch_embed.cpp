@@ -93,13 +93,6 @@ PatchGeometry embed_geometry(const char* op, const char* name, const at::Tensor&
   return g;
 }
 
-// Whether x [B, C, *S] lies channels-last (channels_last / channels_last_3d, as ATen suggests): the
-// GEMM paths then gather in (i, j, l, c) order, and a channels-first output takes x's memory format,
-// as PyTorch's convolutions do.
-bool lies_channels_last(const at::Tensor& x) {
-  return x.numel() > 0 && x.suggest_memory_format() != at::MemoryFormat::Contiguous;
-}
-
 }  // namespace
 
 at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,

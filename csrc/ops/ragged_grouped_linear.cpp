@@ -19,18 +19,7 @@ void check_offsets(const char* op, const at::Tensor& offsets, const at::Tensor& 
               " groups");
   TORCH_CHECK(offsets.is_cpu() || offsets.device() == x.device(), op, ": offsets must be on the CPU or on x's device (",
               x.device(), "), got ", offsets.device());
-  if (offsets.is_cpu() && groups > 0) {  // free to check here; GPU offsets are checked where read
-    const at::Tensor ends = offsets.to(at::kLong).contiguous();
-    const int64_t* e = ends.const_data_ptr<int64_t>();
-    int64_t previous = 0;
-    for (int64_t g = 0; g < groups; ++g) {
-      TORCH_CHECK(e[g] >= previous, op, ": group sizes must be >= 0 (offsets non-decreasing), got offsets[", g,
-                  "] = ", e[g], " after ", previous);
-      previous = e[g];
-    }
-    TORCH_CHECK(previous == x.size(0), op, ": the group sizes add up to ", previous, " but x has ", x.size(0),
-                " rows (shape ", x.sizes(), ")");
-  }
+  if (offsets.is_cpu()) ragged_bounds(op, offsets, x.size(0));  // free here; GPU offsets: where read
 }
 
 void check_weight(const char* op, const at::Tensor& weight) {
@@ -47,6 +36,24 @@ void check_rows(const char* op, const char* name, const at::Tensor& t, const at:
 }
 
 }  // namespace
+
+std::vector<int64_t> ragged_bounds(const char* op, const at::Tensor& offsets, int64_t rows) {
+  const at::Tensor ends = offsets.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* e = ends.const_data_ptr<int64_t>();
+  std::vector<int64_t> bounds{0};
+  for (int64_t g = 0; g < ends.numel(); ++g) {
+    TORCH_CHECK(e[g] >= bounds.back(), op, ": group sizes must be >= 0 (offsets non-decreasing), got offsets[", g,
+                "] = ", e[g], " after ", bounds.back());
+    bounds.push_back(e[g]);
+  }
+  TORCH_CHECK(bounds.back() == rows, op, ": the group sizes add up to ", bounds.back(), " but x has ", rows, " rows");
+  return bounds;
+}
+
+at::Tensor ragged_sizes(const at::Tensor& offsets, at::Device device) {
+  const at::Tensor ends = offsets.to(device, at::kLong, /*non_blocking=*/true);
+  return at::diff(ends, 1, 0, at::zeros({1}, ends.options()));
+}
 
 at::Tensor ragged_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                  const at::Tensor& offsets) {

@@ -31,21 +31,14 @@ std::string signature(const RaggedProblem& p) {
   return out.str();
 }
 
-// The rows each group spans in the ragged dim, read on the host, checked (non-decreasing, ending at
-// `total`): the op could not check offsets that live on the GPU without a sync.
+// The rows each group spans in the ragged dim, read on the host.
 std::vector<int64_t> host_offsets(const RaggedProblem& p) {
-  const at::Tensor ends = p.offsets.to(at::kCPU, at::kLong).contiguous();
-  const int64_t* e = ends.const_data_ptr<int64_t>();
-  const int64_t total = p.ragged_k ? p.a.size(1) : p.a.size(0);
-  std::vector<int64_t> starts_and_ends{0};
-  for (int64_t g = 0; g < p.groups; ++g) {
-    TORCH_CHECK(e[g] >= starts_and_ends.back(), p.op, ": offsets must be non-decreasing and start at >= 0 (group sizes >= 0), got ",
-                ends.sizes(), " offsets with offsets[", g, "] = ", e[g], " after ", starts_and_ends.back());
-    starts_and_ends.push_back(e[g]);
-  }
-  TORCH_CHECK(starts_and_ends.back() == total, p.op, ": the group sizes must add up to the ", total,
-              " rows of x, got ", starts_and_ends.back());
-  return starts_and_ends;
+  return ragged_bounds(p.op, p.offsets, p.ragged_k ? p.a.size(1) : p.a.size(0));
+}
+
+// bias [G, Nc] repeated over each group's rows: [N, Nc].
+at::Tensor bias_rows(const RaggedProblem& p) {
+  return p.bias->repeat_interleave(ragged_sizes(p.offsets, p.a.device()), 0, p.a.size(0));
 }
 
 // The [N, Nc] output of a rows problem, or [G, M, Nc] of a ragged-k one.
@@ -109,10 +102,7 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
        [](const RaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
          const at::Tensor offsets = p.offsets.to(p.a.device(), at::kInt, /*non_blocking=*/true);
          at::Tensor out = at::_grouped_mm(p.a, p.b, offsets);
-         if (p.bias) {
-           const at::Tensor sizes = at::diff(offsets, 1, 0, at::zeros({1}, offsets.options()));
-           out.add_(p.bias->repeat_interleave(sizes, 0, p.a.size(0)));
-         }
+         if (p.bias) out.add_(bias_rows(p));
          return out;
        }},
 #ifdef PATCHGEMM_WITH_CUDA
@@ -155,9 +145,7 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
          if (p.ragged_k) {
            for (int64_t g : empty_groups) out[g].zero_();
          } else if (p.bias) {  // the bias rows first, then every GEMM adds onto them
-           const at::Tensor sizes = at::tensor(std::vector<int64_t>(bounds.begin() + 1, bounds.end()), at::kLong)
-                                        .diff(1, 0, at::zeros({1}, at::kLong));
-           out.copy_(p.bias->repeat_interleave(sizes.to(p.a.device(), /*non_blocking=*/true), 0, p.a.size(0)));
+           out.copy_(bias_rows(p));
            for (auto& call : calls) call.call.accumulate = true;
          }
          cuda::run_grouped_blas_calls(calls, p.a.scalar_type(), p.a.device(), tf32_allowed(tf32_flag()));

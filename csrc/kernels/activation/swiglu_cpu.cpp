@@ -4,6 +4,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/activation/swiglu.h"

@@ -20,7 +20,7 @@ bool tf32_allowed(Tf32Flag flag);
 // `accumulate` (no bias then).
 // a: [batch, M, K], b: [batch, K, N], c: [batch, M, N], bias: [batch, N] — any strides for a, b
 // (an operand no BLAS layout can express is copied once); c must have unit column stride (the ops
-// allocate it), of a and b's dtype (fp32 for their partial sums inside run_gemm). Runs on c's device
+// allocate it), of a and b's dtype, or fp32 for 16-bit a and b (sums the caller rounds once). Runs on c's device
 // through that device's backend.
 void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
               const std::optional<at::Tensor>& bias = std::nullopt, bool accumulate = false,
