@@ -10,7 +10,7 @@ import tempfile
 
 from torch.utils.hipify import hipify_python
 
-NVIDIA_ONLY = ("csrc/kernels/patch/sm80/", "csrc/kernels/patch/sm90/", "csrc/kernels/primitives/")  # as setup.py
+NVIDIA_ONLY = ("csrc/kernels/gemm/sm80/", "csrc/kernels/patch/sm80/", "csrc/kernels/patch/sm90/", "csrc/kernels/primitives/")  # as setup.py
 CUDA_API = re.compile(r"\b(cuda[A-Z]\w*|cublas\w*|CUBLAS_\w+|CUDA_R_\w+|cusparse\w*|cusolver\w*)\b")
 
 

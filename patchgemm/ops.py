@@ -77,8 +77,9 @@ def _(grad_y, weight, groups):
 
 
 @torch.library.register_fake("patchgemm::grouped_pointwise_conv_grad_weight")
-def _(grad_y, x, groups):
-    return x.new_empty((grad_y.shape[1], x.shape[1] // groups, *(1,) * (x.dim() - 2)))
+def _(grad_y, x, groups, with_bias=False):
+    return (x.new_empty((grad_y.shape[1], x.shape[1] // groups, *(1,) * (x.dim() - 2))),
+            x.new_empty((grad_y.shape[1],) if with_bias else (0,)))
 
 
 @torch.library.register_fake("patchgemm::swiglu")

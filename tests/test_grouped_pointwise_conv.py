@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import patchgemm
-from conftest import DEVICES, DTYPES, assert_close_to_ref, poison_allocator, randn
+from conftest import DEVICES, DTYPES, assert_close_to_ref, needs_gpu, poison_allocator, randn
 
 ops = torch.ops.patchgemm
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -66,6 +66,68 @@ def test_strided_and_unbatched_input(device):
                         torch.float32)
 
 
+# The small-group kernels (csrc/kernels/gemm/sm80/small_group_gemm.cu, CUDA, 16-bit, channels-first
+# x): (batch, groups, c_in, c_out, spatial) covering 1 to 8 k-steps, dead warps (c_out <= 96, 64, 32),
+# ragged position tiles (L % 128 != 0), tiles whose block meets a second group, several position
+# ranges per group in the weight gradient, and a single range (few positions).
+SMALL_GROUP_CASES = [
+    (3, 5, 16, 16, (136,)),
+    (2, 64, 100, 100, (1024,)),
+    (1, 3, 128, 128, (8, 40)),
+    (4, 7, 3, 33, (1000,)),
+    (2, 9, 72, 8, (24,)),
+    (8, 2, 40, 120, (16, 16, 16)),
+    (1, 1, 128, 64, (8,)),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", SMALL_GROUP_CASES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_small_group_kernels_match_float64(dtype, case, bias):
+    batch, groups, c_in, c_out, spatial = case
+    x = make_x(batch, groups * c_in, spatial, dtype, "cuda", False)
+    weight = randn(groups * c_out, c_in, *(1,) * len(spatial), dtype=dtype, device="cuda", requires_grad=True)
+    b = randn(groups * c_out, dtype=dtype, device="cuda", requires_grad=True) if bias else None
+    inputs = [x, weight] + ([b] if bias else [])
+    poison_allocator(x.numel() // c_in * c_out * x.element_size(), "cuda")
+    with patchgemm.force(**dict.fromkeys(OPS, "small_groups")), patchgemm.explain() as e:
+        y = patchgemm.grouped_pointwise_conv(x, weight, b, groups)
+        grad_y = randn(*y.shape, dtype=dtype, device="cuda")
+        grads = torch.autograd.grad(y, inputs, grad_y)
+    assert {c.chosen for c in e} == {"small_groups"} and len(e) == 3, [str(c) for c in e]
+    refs = [t.detach().double().cpu().requires_grad_(True) for t in inputs]
+    ref = CONV[len(spatial)](refs[0], refs[1], refs[2] if bias else None, groups=groups)
+    ref_grads = torch.autograd.grad(ref, refs, grad_y.double().cpu())
+    assert y.is_contiguous() and grads[0].is_contiguous()
+    assert_close_to_ref(y, ref, dtype, "y")
+    for name, g, r in zip(["x", "weight", "bias"], grads, ref_grads):
+        assert_close_to_ref(g, r, dtype, f"grad {name}")
+
+
+@needs_gpu
+def test_small_group_kernels_are_the_default_and_decline_clearly():
+    x = randn(2, 256, 64, dtype=torch.bfloat16, device="cuda")
+    weight = randn(256, 32, 1, dtype=torch.bfloat16, device="cuda")
+    (choice,) = patchgemm.explain(patchgemm.grouped_pointwise_conv, x, weight, None, 8)
+    assert choice.chosen == "small_groups", str(choice)
+    # Positions per sample not a multiple of 8: another candidate runs; forcing it names the reason.
+    x = randn(2, 256, 60, dtype=torch.bfloat16, device="cuda")
+    (choice,) = patchgemm.explain(patchgemm.grouped_pointwise_conv, x, weight, None, 8)
+    assert choice.chosen != "small_groups", str(choice)
+    with patchgemm.force(grouped_pointwise_conv="small_groups"):
+        with pytest.raises(RuntimeError, match="does not apply.*multiple of 8"):
+            patchgemm.grouped_pointwise_conv(x, weight, None, 8)
+    # Groups wider than 128 channels, fp32, channels_last: not this kernel's.
+    for x, w in [(randn(2, 512, 64, dtype=torch.bfloat16, device="cuda"), randn(512, 256, 1, dtype=torch.bfloat16, device="cuda")),
+                 (randn(2, 256, 64, device="cuda"), randn(256, 128, 1, device="cuda")),
+                 (randn(2, 256, 8, 8, dtype=torch.bfloat16, device="cuda").contiguous(memory_format=torch.channels_last),
+                  randn(256, 128, 1, 1, dtype=torch.bfloat16, device="cuda"))]:
+        (choice,) = patchgemm.explain(patchgemm.grouped_pointwise_conv, x, w, None, 2)
+        assert choice.chosen != "small_groups", str(choice)
+
+
 def test_gradcheck_opcheck_and_compile():
     x = randn(2, 6, 5, dtype=torch.float64, requires_grad=True)
     weight = randn(4, 3, 1, dtype=torch.float64, requires_grad=True)
@@ -75,7 +137,9 @@ def test_gradcheck_opcheck_and_compile():
     x4 = randn(2, 6, 3, 4, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     torch.library.opcheck(ops.grouped_pointwise_conv.default, (x4, weight.detach().view(4, 3, 1, 1), None, 2))
     torch.library.opcheck(ops.grouped_pointwise_conv_grad_input.default, (randn(2, 4, 5, dtype=torch.float64), weight.detach(), 2))
-    torch.library.opcheck(ops.grouped_pointwise_conv_grad_weight.default, (randn(2, 4, 5, dtype=torch.float64), x.detach(), 2))
+    for with_bias in (False, True):
+        torch.library.opcheck(ops.grouped_pointwise_conv_grad_weight.default,
+                              (randn(2, 4, 5, dtype=torch.float64), x.detach(), 2, with_bias))
     model = patchgemm.GroupedPointwiseConv(6, 4, 2, dtype=torch.float64)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     out = compiled(x)

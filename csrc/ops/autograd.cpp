@@ -8,7 +8,7 @@
 //
 //   grouped_linear  dx = grouped_linear_grad_input, dW = grouped_linear_grad_weight, db = sum
 //   ragged_grouped_linear  the same through its ragged ops, db = per-group sums (segment_reduce)
-//   grouped_pointwise_conv  its _grad_input and _grad_weight ops, db = sum over all but the channels
+//   grouped_pointwise_conv  its _grad_input and _grad_weight ops (db from the latter, with_bias)
 //   patch_embed     dx = patch_unembed with the same weight, (dW, db) = patch_weight_grad
 //   patch_unembed   dx = patch_embed with the same weight, (dW, db) = patch_weight_grad (roles
 //                   swapped, transposed = true)
@@ -159,6 +159,7 @@ at::Tensor ragged_grouped_linear_autograd(const at::Tensor& x, const at::Tensor&
 
 using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t);
 using PointwiseGrad = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+using PointwiseWeightGrad = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t, bool);
 
 struct GroupedPointwiseConv : Function<GroupedPointwiseConv> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -188,15 +189,18 @@ struct GroupedPointwiseConv : Function<GroupedPointwiseConv> {
       const auto format = static_cast<at::MemoryFormat>(ctx->saved_data["format"].toInt());
       grad_x = op.call(grad_y.contiguous(format), weight, groups);
     }
-    if (ctx->needs_input_grad(kWeight)) {
-      static const auto op = find_op<PointwiseGrad>("patchgemm::grouped_pointwise_conv_grad_weight");
-      grad_w = op.call(grad_y, x, groups);
-    }
-    if (needs_bias_grad(ctx)) {
+    if (ctx->needs_input_grad(kWeight)) {  // with the bias gradient, which some kernels sum in the same pass
+      static const auto op = find_op<PointwiseWeightGrad>("patchgemm::grouped_pointwise_conv_grad_weight");
+      std::tie(grad_w, grad_b) = op.call(grad_y, x, groups, needs_bias_grad(ctx));
+      if (!needs_bias_grad(ctx)) grad_b = at::Tensor();
+    } else if (needs_bias_grad(ctx)) {
       std::vector<int64_t> dims{0};
       for (int64_t d = 2; d < grad_y.dim(); ++d) dims.push_back(d);
-      // (one reduction in the op-math dtype: it also traces with the symbolic sizes of torch.compile)
-      grad_b = grad_y.sum(dims, false, at::toOpMathType(grad_y.scalar_type())).to(grad_y.scalar_type());
+      // Concrete sizes: the bias-gradient sum of the linear ops (contiguous rows first, near the
+      // memory bandwidth); symbolic ones (torch.compile's tracing), one reduction in the op-math dtype.
+      grad_b = grad_y.unsafeGetTensorImpl()->has_symbolic_sizes_strides()
+                   ? grad_y.sum(dims, false, at::toOpMathType(grad_y.scalar_type())).to(grad_y.scalar_type())
+                   : sum_for_bias_grad(grad_y, dims);
     }
     return {grad_x, grad_w, grad_b, at::Tensor()};
   }

@@ -99,7 +99,8 @@ at::Tensor grouped_pointwise_conv_grad_input(const at::Tensor& grad_y_in, const 
   return out.is_same(p.out) ? grad_x : out;  // (a result of its own is contiguous, as grad_y)
 }
 
-at::Tensor grouped_pointwise_conv_grad_weight(const at::Tensor& grad_y_in, const at::Tensor& x_in, int64_t groups) {
+std::tuple<at::Tensor, at::Tensor> grouped_pointwise_conv_grad_weight(const at::Tensor& grad_y_in, const at::Tensor& x_in,
+                                                                      int64_t groups, bool with_bias) {
   constexpr const char* op = "grouped_pointwise_conv_grad_weight";
   check_activation(op, "grad_y", grad_y_in);
   check_activation(op, "x", x_in);
@@ -112,11 +113,12 @@ at::Tensor grouped_pointwise_conv_grad_weight(const at::Tensor& grad_y_in, const
   const at::MemoryFormat format = output_format(x_in);
   const bool tokens = format != at::MemoryFormat::Contiguous;
   const at::Tensor x = x_in.contiguous(format), grad_y = grad_y_in.contiguous(format);
-  at::Tensor grad_w = select_pointwise_weight_grad({tokens, grouped_view(grad_y, tokens, groups), grouped_view(x, tokens, groups)});
+  auto [grad_w, grad_b] = select_pointwise_weight_grad(
+      {tokens, grouped_view(grad_y, tokens, groups), grouped_view(x, tokens, groups), with_bias});
   std::vector<int64_t> sizes(x.dim(), 1);
   sizes[0] = grad_y.size(1);
   sizes[1] = x.size(1) / groups;
-  return grad_w.reshape(sizes);
+  return {grad_w.reshape(sizes), with_bias ? grad_b.reshape({-1}) : at::empty({0}, x.options())};
 }
 
 TORCH_LIBRARY_IMPL(patchgemm, CPU, m) {

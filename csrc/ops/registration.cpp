@@ -41,10 +41,12 @@ TORCH_LIBRARY(patchgemm, m) {
 
   // Grouped pointwise convolution: F.conv{1,2,3}d(x, weight, bias, groups=groups) with kernel 1;
   // x [B, C_in, *S], weight [C_out, C_in / groups, 1, ...], bias [C_out]; y [B, C_out, *S] in the
-  // memory format x suggests. Backward: grad_x (grad_y's format), grad_weight (weight's shape).
+  // memory format x suggests. Backward: grad_x (grad_y's format), grad_weight (weight's shape) and,
+  // where with_bias, the bias gradient [C_out] (else an empty tensor), which some kernels sum in the
+  // same pass.
   m.def("grouped_pointwise_conv(Tensor x, Tensor weight, Tensor? bias, int groups) -> Tensor");
   m.def("grouped_pointwise_conv_grad_input(Tensor grad_y, Tensor weight, int groups) -> Tensor");
-  m.def("grouped_pointwise_conv_grad_weight(Tensor grad_y, Tensor x, int groups) -> Tensor");
+  m.def("grouped_pointwise_conv_grad_weight(Tensor grad_y, Tensor x, int groups, bool with_bias=False) -> (Tensor, Tensor)");
 
   // SwiGLU, the activation of gated MLPs: gate_up [..., 2H] holds gate and up side by side;
   // h [..., H] = silu(gate) * up, and its backward grad_gate_up [..., 2H] from grad_h and gate_up.

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace patchgemm {
@@ -25,14 +26,17 @@ struct PointwiseProblem {
   int64_t groups = 0;
 };
 
-// grad_weight [G, c_out, c_in] = sum over positions of grad_y_g x_g^T.
+// grad_weight [G, c_out, c_in] = sum over positions of grad_y_g x_g^T; with_bias: also the bias
+// gradient [G, c_out], grad_y summed over the positions.
 struct PointwiseWeightGradProblem {
   bool tokens = false;
   at::Tensor grad_y, x;  // [B, G, c_out, L] / [N, G, c_out], and x likewise with c_in
+  bool with_bias = false;
 };
 
 // Fills p.out and returns it, or returns a result of its own of shape out_sizes (any format).
 at::Tensor select_pointwise(const PointwiseProblem& p);
-at::Tensor select_pointwise_weight_grad(const PointwiseWeightGradProblem& p);
+// (grad_w, grad_b): grad_b undefined without with_bias.
+std::tuple<at::Tensor, at::Tensor> select_pointwise_weight_grad(const PointwiseWeightGradProblem& p);
 
 }  // namespace patchgemm

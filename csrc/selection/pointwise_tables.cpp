@@ -1,10 +1,14 @@
 // Grouped pointwise convolution's tables. Forward and grad_input apply a per-group matrix:
+//   small_groups     our kernel for channels-first x in groups of at most 128 channels: x streamed
+//                    once, each group's matrix on chip (kernels/gemm/small_group_gemm.h);
 //   strided_batched  our planner's strided-batched GEMM: one over the groups for tokens x, one per
 //                    sample for channels-first x (the positions of a sample are contiguous, those
 //                    of different samples are not); the bias pre-filled, the GEMMs add onto it;
 //   aten_matmul      torch.matmul broadcasting the [G, c_out, c_in] matrix over the samples;
 //   aten_conv        F.conv*d(groups = G) itself (forward only).
-// The weight gradient: strided_batched (per sample, summed in fp32), else ATen's einsum.
+// The weight gradient (and the bias gradient where asked): small_groups (the same regime, one pass
+// over grad_y and x, the bias gradient in it), strided_batched (per sample, summed in fp32), else
+// ATen's einsum; the bias gradient outside small_groups is one sum over the positions.
 #include <ATen/ATen.h>
 
 #include <sstream>
@@ -12,6 +16,11 @@
 #include "kernels/gemm/gemm.h"
 #include "selection/pointwise_problem.h"
 #include "selection/registry.h"
+
+#if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
+#include "kernels/gemm/small_group_gemm.h"
+#define PATCHGEMM_PTX_KERNELS 1  // the small-group kernels are NVIDIA PTX; ROCm tables have none
+#endif
 
 namespace patchgemm {
 namespace {
@@ -37,6 +46,28 @@ WhyNot per_sample_rule(const PointwiseProblem& p) {
   if (!p.tokens && p.x.element_size() == 2) return "16-bit channels-first x: torch.matmul's one batched GEMM is faster";
   return "";
 }
+
+#ifdef PATCHGEMM_PTX_KERNELS
+constexpr const char* kSmallGroupConditions =
+    "16-bit channels-first x on sm_80+, groups of at most 128 channels in and out, positions per sample % 8 == 0";
+
+WhyNot small_groups_apply(const at::Tensor& x, bool tokens, int64_t c_out, int64_t c_in) {
+  if (!x.is_cuda()) return "CUDA tensors only";
+  if (tokens) return "channels-first x only";
+  if (x.scalar_type() != at::kHalf && x.scalar_type() != at::kBFloat16) return "16-bit dtypes only";
+  return c_out > 128 || c_in > 128 ? "groups of at most 128 channels in and out only" : WhyNot();
+}
+
+Candidate<PointwiseProblem, at::Tensor> small_groups() {
+  return {"small_groups", "cuda sm_80+", kSmallGroupConditions,
+          [](const PointwiseProblem& p) { return small_groups_apply(p.x, p.tokens, p.matrix.size(1), p.matrix.size(2)); },
+          nullptr,
+          [](const PointwiseProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
+            if (!cuda::small_group_apply(p.matrix, p.x, p.bias, p.out, why)) return std::nullopt;
+            return p.out;
+          }};
+}
+#endif
 
 Candidate<PointwiseProblem, at::Tensor> strided_batched() {
   return {"strided_batched", "cpu cuda rocm",
@@ -70,8 +101,15 @@ Candidate<PointwiseProblem, at::Tensor> aten_matmul() {
           }};
 }
 
-std::vector<Candidate<PointwiseProblem, at::Tensor>> forward_candidates() {
-  auto candidates = std::vector<Candidate<PointwiseProblem, at::Tensor>>{strided_batched(), aten_matmul()};
+// The forward's candidates (with aten_conv), or the input gradient's.
+std::vector<Candidate<PointwiseProblem, at::Tensor>> apply_candidates(bool forward) {
+  std::vector<Candidate<PointwiseProblem, at::Tensor>> candidates;
+#ifdef PATCHGEMM_PTX_KERNELS
+  candidates.push_back(small_groups());
+#endif
+  candidates.push_back(strided_batched());
+  candidates.push_back(aten_matmul());
+  if (!forward) return candidates;
   candidates.push_back(
       {"aten_conv", "cpu cuda rocm", "any problem: F.conv*d with groups (cuDNN / MIOpen / ATen)",
        [](const PointwiseProblem&) { return WhyNot(); }, nullptr,
@@ -84,23 +122,47 @@ std::vector<Candidate<PointwiseProblem, at::Tensor>> forward_candidates() {
   return candidates;
 }
 
-const Table<PointwiseProblem, at::Tensor> kForward("grouped_pointwise_conv", forward_candidates(), signature);
-const Table<PointwiseProblem, at::Tensor> kGradInput(
-    "grouped_pointwise_conv_grad_input", std::vector<Candidate<PointwiseProblem, at::Tensor>>{strided_batched(), aten_matmul()},
-    signature);
+const Table<PointwiseProblem, at::Tensor> kForward("grouped_pointwise_conv", apply_candidates(true), signature);
+const Table<PointwiseProblem, at::Tensor> kGradInput("grouped_pointwise_conv_grad_input", apply_candidates(false), signature);
 
-const Table<PointwiseWeightGradProblem, at::Tensor> kGradWeight(
+using Grads = std::tuple<at::Tensor, at::Tensor>;  // (grad_w, grad_b or undefined)
+
+// The bias gradient where the weight-gradient GEMM does not sum it: grad_y summed over positions.
+at::Tensor bias_grad(const PointwiseWeightGradProblem& p) {
+  if (!p.with_bias) return at::Tensor();
+  if (p.tokens) return sum_for_bias_grad(p.grad_y, {0});
+  const at::Tensor rows = p.grad_y.view({p.grad_y.size(0), -1, p.grad_y.size(3)});  // [B, C_out, L]
+  return sum_for_bias_grad(rows, {0, 2}).view({p.grad_y.size(1), p.grad_y.size(2)});
+}
+
+const Table<PointwiseWeightGradProblem, Grads> kGradWeight(
     "grouped_pointwise_conv_grad_weight",
     {
+#ifdef PATCHGEMM_PTX_KERNELS
+        {"small_groups", "cuda sm_80+", kSmallGroupConditions,
+         [](const PointwiseWeightGradProblem& p) {
+           return small_groups_apply(p.x, p.tokens, p.grad_y.size(2), p.x.size(2));
+         },
+         nullptr,
+         [](const PointwiseWeightGradProblem& p, bool, WhyNot& why) -> std::optional<Grads> {
+           const int64_t groups = p.x.size(1), c_out = p.grad_y.size(2), c_in = p.x.size(2);
+           at::Tensor grad_w = at::empty({groups, c_out, c_in}, p.x.options());
+           // The bias gradient in the same pass where a spare column allows (c_in < 128).
+           const bool fused = p.with_bias && c_in < 128;
+           at::Tensor grad_b = fused ? at::empty({groups, c_out}, p.x.options()) : at::Tensor();
+           if (!cuda::small_group_weight_grad(p.grad_y, p.x, grad_w, grad_b, why)) return std::nullopt;
+           return Grads{grad_w, fused ? grad_b : bias_grad(p)};
+         }},
+#endif
         {"strided_batched", "cpu cuda rocm",
          "our strided-batched GEMM: one for tokens x; per sample for channels-first x, summed in fp32",
          [](const PointwiseWeightGradProblem&) { return WhyNot(); }, nullptr,
-         [](const PointwiseWeightGradProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+         [](const PointwiseWeightGradProblem& p, bool, WhyNot&) -> std::optional<Grads> {
            const int64_t groups = p.x.size(1), c_out = p.grad_y.size(2), c_in = p.x.size(2);
            at::Tensor grad_w = at::empty({groups, c_out, c_in}, p.x.options());
            if (p.tokens) {  // [G, c_out, N] @ [G, N, c_in]
              run_gemm(p.grad_y.transpose(0, 1).transpose(1, 2), p.x.transpose(0, 1), grad_w, std::nullopt, false, kTf32);
-             return grad_w;
+             return Grads{grad_w, bias_grad(p)};
            }
            // Per sample [G, c_out, L] @ [G, L, c_in], summed into an fp32 scratch for 16-bit data.
            at::Tensor sum = p.x.element_size() == 2 ? at::empty_like(grad_w, grad_w.options().dtype(at::kFloat)) : grad_w;
@@ -109,17 +171,19 @@ const Table<PointwiseWeightGradProblem, at::Tensor> kGradWeight(
              run_gemm(p.grad_y[b], p.x[b].transpose(1, 2), sum, std::nullopt, b > 0, kTf32);
            }
            if (!sum.is_same(grad_w)) grad_w.copy_(sum);
-           return grad_w;
+           return Grads{grad_w, bias_grad(p)};
          }},
         {"aten_einsum", "cpu cuda rocm", "any problem: ATen's einsum over the positions",
          [](const PointwiseWeightGradProblem&) { return WhyNot(); }, nullptr,
-         [](const PointwiseWeightGradProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
-           return p.tokens ? at::einsum("ngo,ngi->goi", {p.grad_y, p.x}) : at::einsum("bgol,bgil->goi", {p.grad_y, p.x});
+         [](const PointwiseWeightGradProblem& p, bool, WhyNot&) -> std::optional<Grads> {
+           return Grads{p.tokens ? at::einsum("ngo,ngi->goi", {p.grad_y, p.x}) : at::einsum("bgol,bgil->goi", {p.grad_y, p.x}),
+                        bias_grad(p)};
          }},
     },
     [](const PointwiseWeightGradProblem& p) {
       std::ostringstream out;
-      out << "(" << describe("grad_y", p.grad_y) << ", " << describe("x", p.x) << (p.tokens ? ", tokens" : "") << ")";
+      out << "(" << describe("grad_y", p.grad_y) << ", " << describe("x", p.x) << (p.tokens ? ", tokens" : "")
+          << (p.with_bias ? ", with bias" : "") << ")";
       return out.str();
     });
 
@@ -132,6 +196,8 @@ at::Tensor select_pointwise(const PointwiseProblem& p) {
   return kGradInput.run(p);
 }
 
-at::Tensor select_pointwise_weight_grad(const PointwiseWeightGradProblem& p) { return kGradWeight.run(p); }
+std::tuple<at::Tensor, at::Tensor> select_pointwise_weight_grad(const PointwiseWeightGradProblem& p) {
+  return kGradWeight.run(p);
+}
 
 }  // namespace patchgemm

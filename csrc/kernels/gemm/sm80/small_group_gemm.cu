@@ -1,0 +1,472 @@
+// The small-group GEMMs of small_group_gemm.h, on mma.sync (m16n8k16, fp32 accumulation).
+//
+// Apply (forward and input gradient): out[b, g] = matrix[g] [M, K] @ x[b, g] [K, L]. The work is
+// cut into tiles of one (group, sample) and 128 positions (64 for short samples), numbered
+// group-major; a persistent block takes a contiguous range of them and steps through it, so it
+// meets a new group once or twice. 8 warps as 4 (rows) x 2 (positions): a warp owns 32 output rows
+// and keeps their part of the group's matrix in registers (at most 2 x 8 fragments, read from
+// global memory when the group changes). x tiles [K][positions] stream through a cp.async pipeline
+// (3 or 4 slots), so the next tiles are in flight while one is multiplied; the rows K..16k of every
+// slot stay zero. The accumulators start at the bias; the output tile is staged in shared memory and
+// leaves in whole 16-byte vectors.
+//
+// Weight gradient: grad_w[g] [M, K] = sum over (b, l) of grad_y[b, g] [M, L] @ x[b, g]^T [L, K], a
+// GEMM whose reduction runs over all positions of all samples. Each block owns one group and a
+// range of 64-position slices (grid: splits x G, enough blocks to fill every SM), accumulates the
+// whole [<= 128 x 128] product in registers through the implicit GEMMs' pipelined main loop, and
+// writes fp32 partial sums; one sum over the ranges finishes (deterministic, unlike atomics). The
+// bias gradient rides along as one more column of x, all ones.
+#include "kernels/gemm/small_group_gemm.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "kernels/primitives/launch_setup.cuh"
+#include "kernels/primitives/mma.cuh"
+
+namespace patchgemm {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxRows = 128;  // M and K: 4 warps x 32 rows; 8 k-steps of 16
+
+template <typename T>
+struct ApplyArgs {
+  const T* x;
+  int64_t x_b, x_g, x_k;  // strides; positions contiguous
+  const T* matrix;
+  int64_t m_g, m_m, m_k;
+  const T* bias;  // nullptr: none
+  int64_t bias_g, bias_m;
+  T* out;
+  int64_t out_b, out_g, out_m;
+  int batch, rows, depth, length;  // B, M, K, L
+  int l_tiles;                     // tiles per (group, sample)
+  int64_t tiles;                   // G * B * l_tiles
+};
+
+// A tile's coordinates, stepped through a block's contiguous range (no 64-bit division per tile).
+struct TileCursor {
+  int g, b, lt;  // group, sample, position tile
+  __device__ __forceinline__ void advance(int batch, int l_tiles) {
+    if (++lt == l_tiles) {
+      lt = 0;
+      if (++b == batch) b = 0, ++g;
+    }
+  }
+};
+
+// matrix[g][r][k] as a 16-bit pair (k, k + 1) of an mma A fragment; zero past M and K.
+template <typename T>
+__device__ __forceinline__ uint32_t matrix_pair(const T* m, int64_t m_m, int64_t m_k, int rows, int depth, int r, int k) {
+  const T lo = r < rows && k < depth ? m[r * m_m + k * m_k] : zero<T>();
+  const T hi = r < rows && k + 1 < depth ? m[r * m_m + (k + 1) * m_k] : zero<T>();
+  return pack2<T>(to_float(lo), to_float(hi));
+}
+
+// kTileL positions per tile (2 warps x kTileL / 2), kStages slots in the x pipeline.
+template <typename T, int kKSteps, int kTileL, int kStages>
+__global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_apply_kernel(const ApplyArgs<T> a) {
+#if __CUDA_ARCH__ >= 800
+  constexpr int kK = kKSteps * 16, kChunks = kTileL / 8, kPairs = kTileL / 32;  // n8-tile pairs per warp
+  constexpr int kLPitch = kTileL + 8;  // elements per shared row: an odd multiple of 16 bytes, conflict-free ldmatrix
+  constexpr int kSlot = kK * kLPitch;
+  constexpr int kRowsPerPass = kThreads / kChunks;  // rows a block's 16-byte copies cover at once
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* stage = reinterpret_cast<T*>(smem);  // [kMaxRows][kLPitch]: the output tile
+  T* xs = stage + kMaxRows * kLPitch;     // kStages slots of [kK][kLPitch]
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int warp_m = warp % 4, warp_n = warp / 4;
+  const int64_t begin = blockIdx.x * a.tiles / gridDim.x, end = (blockIdx.x + 1) * a.tiles / gridDim.x;
+
+  // Zero rows depth..kK of every slot: the matrix's padding columns are zero, but 0 * garbage may be NaN.
+  for (int i = tid; i < kStages * (kK - a.depth) * kChunks; i += kThreads) {
+    const int slot = i / ((kK - a.depth) * kChunks), row = a.depth + i / kChunks % (kK - a.depth);
+    *reinterpret_cast<uint4*>(xs + slot * kSlot + row * kLPitch + i % kChunks * 8) = make_uint4(0, 0, 0, 0);
+  }
+
+  // A thread copies (and stores) the 16-byte chunk `chunk` of rows first_row, + kRowsPerPass, ...
+  const int chunk = tid % kChunks, first_row = tid / kChunks;
+  const uint32_t copy_dst = smem_address(xs + first_row * kLPitch + chunk * 8);
+  TileCursor next{0, 0, 0};
+  {
+    const int64_t per_group = int64_t{a.batch} * a.l_tiles;
+    next.g = static_cast<int>(begin / per_group);
+    next.b = static_cast<int>(begin % per_group / a.l_tiles);
+    next.lt = static_cast<int>(begin % a.l_tiles);
+  }
+  TileCursor cur = next;
+  // Issues the copies of the tile at `next` into `slot`, and steps `next` on.
+  auto load_next = [&](int slot) {
+    const int l = next.lt * kTileL + chunk * 8;
+    const bool valid = l < a.length;
+    const T* src = a.x + next.b * a.x_b + next.g * a.x_g + first_row * a.x_k + (valid ? l : 0);
+    uint32_t dst = copy_dst + slot * kSlot * 2;
+    for (int row = first_row; row < a.depth; row += kRowsPerPass) {
+      cp_async<16>(dst, src, valid);
+      src += kRowsPerPass * a.x_k;
+      dst += kRowsPerPass * kLPitch * 2;
+    }
+    next.advance(a.batch, a.l_tiles);
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (begin + s < end) load_next(s);
+    cp_async_commit();
+  }
+  // This warp's rows: m-tile mt covers r0 + mt * 16 ..; a lane's are r0 + mt * 16 + lane / 4 (+ 8).
+  const int r0 = warp_m * 32, n0 = warp_n * (kTileL / 2);
+  const bool live[2] = {r0 < a.rows, r0 + 16 < a.rows};
+  uint32_t af[2][kKSteps][4];
+  float bias_v[2][2] = {};
+  int group = -1;
+  for (int64_t t = begin, i = 0; t < end; ++t, ++i) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile t has landed; the slot of tile t - 1 and the stage are free again
+    if (t + kStages - 1 < end) load_next((i + kStages - 1) % kStages);
+    cp_async_commit();
+    if (cur.g != group) {  // the block's first tile of a group: the warp's rows of its matrix into registers
+      group = cur.g;
+      const T* m = a.matrix + group * a.m_g;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const int row = r0 + mt * 16 + lane / 4;
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          const int k = ks * 16 + 2 * (lane % 4);
+          af[mt][ks][0] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row, k);
+          af[mt][ks][1] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row + 8, k);
+          af[mt][ks][2] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row, k + 8);
+          af[mt][ks][3] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row + 8, k + 8);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = row + h * 8;
+          bias_v[mt][h] = a.bias && r < a.rows ? to_float(a.bias[group * a.bias_g + r * a.bias_m]) : 0.f;
+        }
+      }
+    }
+    if (live[0]) {
+      const T* xslot = xs + i % kStages * kSlot;
+      // acc[mt][j]: rows lane / 4 (c0, c1) and + 8 (c2, c3), positions 2 (lane % 4) and + 1 of n-tile j;
+      // it starts at the bias.
+      float acc[2][kPairs * 2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int j = 0; j < kPairs * 2; ++j) {
+          acc[mt][j][0] = acc[mt][j][1] = bias_v[mt][0];
+          acc[mt][j][2] = acc[mt][j][3] = bias_v[mt][1];
+        }
+      }
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+        for (int np = 0; np < kPairs; ++np) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, smem_address(xslot + (ks * 16 + lane % 16) * kLPitch + n0 + np * 16 + lane / 16 * 8));
+          const uint32_t b_lo[2] = {r[0], r[1]}, b_hi[2] = {r[2], r[3]};
+          mma_16816<T>(acc[0][2 * np], af[0][ks], b_lo);
+          mma_16816<T>(acc[0][2 * np + 1], af[0][ks], b_hi);
+          if (live[1]) {
+            mma_16816<T>(acc[1][2 * np], af[1][ks], b_lo);
+            mma_16816<T>(acc[1][2 * np + 1], af[1][ks], b_hi);
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        if (!live[mt]) continue;
+        const int row = r0 + mt * 16 + lane / 4;
+#pragma unroll
+        for (int j = 0; j < kPairs * 2; ++j) {
+          const int col = n0 + j * 8 + 2 * (lane % 4);
+          *reinterpret_cast<uint32_t*>(stage + row * kLPitch + col) = pack2<T>(acc[mt][j][0], acc[mt][j][1]);
+          *reinterpret_cast<uint32_t*>(stage + (row + 8) * kLPitch + col) = pack2<T>(acc[mt][j][2], acc[mt][j][3]);
+        }
+      }
+    }
+    __syncthreads();
+    const int l = cur.lt * kTileL + chunk * 8;
+    if (l < a.length) {
+      T* dst = a.out + cur.b * a.out_b + cur.g * a.out_g + first_row * a.out_m + l;
+      const T* src = stage + first_row * kLPitch + chunk * 8;
+      for (int row = first_row; row < a.rows; row += kRowsPerPass) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        dst += kRowsPerPass * a.out_m;
+        src += kRowsPerPass * kLPitch;
+      }
+    }
+    cur.advance(a.batch, a.l_tiles);
+  }
+  cp_async_wait<0>();
+#endif
+}
+
+constexpr int kGradTileL = 64;  // positions per weight-gradient slice
+constexpr int kGradStages = 3;
+constexpr int kGradPitch = kGradTileL + 8;  // 144 bytes: conflict-free ldmatrix
+constexpr int kGradSlot = kMaxRows * kGradPitch;
+
+template <typename T>
+struct GradArgs {
+  const T* dy;
+  int64_t dy_b, dy_g, dy_m;  // strides; positions contiguous
+  const T* x;
+  int64_t x_b, x_g, x_k;
+  float* partial;  // [splits, G, M, columns]
+  int groups, rows, depth, length;  // G, M, K, L
+  int columns;                      // K, or K + 1 with the bias gradient (its sums of grad_y's rows)
+  int l_tiles;                      // slices per sample
+  int slices;                       // B * l_tiles, per group
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) small_group_weight_grad_kernel(const GradArgs<T> a) {
+#if __CUDA_ARCH__ >= 800
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sa = reinterpret_cast<T*>(smem);       // kGradStages slots of grad_y [kMaxRows][kGradPitch]
+  T* sb = sa + kGradStages * kGradSlot;     // and of x, the same
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int warp_m = warp % 4, warp_n = warp / 4;
+  const int64_t g = blockIdx.y, split = blockIdx.x;
+  const int begin = static_cast<int>(split * a.slices / gridDim.x), end = static_cast<int>((split + 1) * a.slices / gridDim.x);
+  constexpr int kChunksG = kGradTileL / 8;
+
+  // Rows past M and K are never loaded; zero keeps the products they feed (discarded) defined. With
+  // the bias gradient, x's row K is all ones: column K of the product sums grad_y's rows (exactly,
+  // in fp32; the positions past L are zero in grad_y).
+  const uint32_t ones = pack2<T>(1.f, 1.f);
+  for (int i = tid; i < kGradStages * kMaxRows * kChunksG; i += kThreads) {
+    const int slot = i / (kMaxRows * kChunksG), row = i / kChunksG % kMaxRows, chunk = i % kChunksG;
+    const uint4 zeros = make_uint4(0, 0, 0, 0);
+    if (row >= a.rows) *reinterpret_cast<uint4*>(sa + slot * kGradSlot + row * kGradPitch + chunk * 8) = zeros;
+    if (row >= a.depth) {
+      *reinterpret_cast<uint4*>(sb + slot * kGradSlot + row * kGradPitch + chunk * 8) =
+          row < a.columns ? make_uint4(ones, ones, ones, ones) : zeros;
+    }
+  }
+  __syncthreads();
+
+  auto load_slice = [&](int kt, int slot) {
+    const int q = begin + kt, b = q / a.l_tiles;
+    const int l0 = (q - b * a.l_tiles) * kGradTileL;
+    const T* dy = a.dy + b * a.dy_b + g * a.dy_g + l0;
+    const T* x = a.x + b * a.x_b + g * a.x_g + l0;
+    const uint32_t dst_a = smem_address(sa + slot * kGradSlot), dst_b = smem_address(sb + slot * kGradSlot);
+    for (int idx = tid; idx < (a.rows + a.depth) * kChunksG; idx += kThreads) {
+      const int row = idx / kChunksG, chunk = idx % kChunksG;
+      const bool valid = l0 + chunk * 8 < a.length;
+      const int offset = valid ? chunk * 8 : 0;
+      if (row < a.rows) {
+        cp_async<16>(dst_a + (row * kGradPitch + chunk * 8) * 2, dy + row * a.dy_m + offset, valid);
+      } else {
+        const int k = row - a.rows;
+        cp_async<16>(dst_b + (k * kGradPitch + chunk * 8) * 2, x + k * a.x_k + offset, valid);
+      }
+    }
+  };
+
+  // A = grad_y [m][l] (ldmatrix), B = x as [k][l], the column-major B operand (ldmatrix, no transpose).
+  const int r0 = warp_m * 32, c0 = warp_n * 64;
+  const bool live = r0 < a.rows && c0 < a.columns;
+  const uint32_t a_frag = smem_address(sa + (r0 + lane % 16) * kGradPitch + lane / 16 * 8);
+  const uint32_t b_frag = smem_address(sb + (c0 + lane / 16 * 8 + lane % 8) * kGradPitch + lane / 8 % 2 * 8);
+  uint32_t af[2][2][4], bf[2][8][2];
+  auto load_fragments = [&](int buf, int slot, int kk) {
+    if (!live) return;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(af[buf][mt], a_frag + (slot * kGradSlot + mt * 16 * kGradPitch + kk) * 2);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t r[4];
+      ldmatrix_x4(r, b_frag + (slot * kGradSlot + np * 16 * kGradPitch + kk) * 2);
+      bf[buf][2 * np][0] = r[0], bf[buf][2 * np][1] = r[1], bf[buf][2 * np + 1][0] = r[2], bf[buf][2 * np + 1][1] = r[3];
+    }
+  };
+  float acc[2][8][4] = {};
+  pipelined_main_loop<kGradStages, kGradTileL>(end - begin, load_slice, load_fragments, [&](int buf) {
+    if (!live) return;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) mma_16816<T>(acc[mt][j], af[buf][mt], bf[buf][j]);
+    }
+  });
+
+  // acc[mt][j]: rows lane / 4 (c0, c1) and + 8 (c2, c3), columns 2 (lane % 4) and + 1 of n-tile j.
+  float* out = a.partial + (split * a.groups + g) * a.rows * a.columns;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = r0 + mt * 16 + h * 8 + lane / 4;
+      if (row >= a.rows) continue;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = c0 + j * 8 + 2 * (lane % 4);
+        if (col < a.columns) out[row * a.columns + col] = acc[mt][j][2 * h];
+        if (col + 1 < a.columns) out[row * a.columns + col + 1] = acc[mt][j][2 * h + 1];
+      }
+    }
+  }
+#endif
+}
+
+bool decline(std::string& why, const char* reason) {
+  why = reason;
+  return false;
+}
+
+// Where the kernels apply: 16-bit, sm_80+, and the positions of every operand in 16-byte runs.
+bool positions_aligned(const at::Tensor& t) {
+  if (t.stride(3) != 1 || reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16) return false;
+  for (int d = 0; d < 3; ++d) {
+    if (t.size(d) > 1 && t.stride(d) % 8) return false;
+  }
+  return true;
+}
+
+bool common_checks(const at::Tensor& x, int64_t rows, int64_t depth, std::string& why, std::initializer_list<at::Tensor> operands) {
+  const auto dtype = x.scalar_type();
+  if (dtype != at::kHalf && dtype != at::kBFloat16) return decline(why, "16-bit dtypes only");
+  if (rows > kMaxRows || depth > kMaxRows) return decline(why, "groups of at most 128 channels in and out only");
+  if (x.numel() == 0 || rows == 0) return decline(why, "empty problem");
+  if (x.size(3) % 8) return decline(why, "positions per sample must be a multiple of 8");
+  if (x.size(0) >= INT_MAX || x.size(1) >= INT_MAX || x.size(3) >= INT_MAX) return decline(why, "sizes past 32-bit indices");
+  for (const at::Tensor& t : operands) {
+    if (!positions_aligned(t)) return decline(why, "positions must be contiguous, in 16-byte aligned runs of 8");
+  }
+  if (at::cuda::getDeviceProperties(x.get_device())->major < 8) return decline(why, "needs sm_80 or newer");
+  return true;
+}
+
+template <typename T, int kKSteps, int kTileL, int kStages>
+void launch_apply(ApplyArgs<T> args) {
+  constexpr int smem = (kMaxRows + kStages * kKSteps * 16) * (kTileL + 8) * 2;
+  const auto kernel = small_group_apply_kernel<T, kKSteps, kTileL, kStages>;
+  const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, smem);
+  TORCH_CHECK(shape.blocks_per_sm > 0, "small_group_apply: ", smem, " bytes of shared memory fit no block on this GPU");
+  args.l_tiles = (args.length + kTileL - 1) / kTileL;
+  args.tiles *= args.l_tiles;
+  const int64_t blocks = std::min<int64_t>(args.tiles, int64_t{shape.blocks_per_sm} * shape.sms);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Two tilings: 128 positions, one block per SM; for at most 64 positions per sample, where half of
+// such a tile would be idle, 64 positions with two blocks per SM (slower on long samples: twice the
+// tiles, and the 128-register limit of two blocks spills at K > 80).
+template <typename T, int kKSteps>
+void launch_variant(const ApplyArgs<T>& args) {
+  if (args.length <= 64) return launch_apply<T, kKSteps, 64, 4>(args);
+  launch_apply<T, kKSteps, 128, 3>(args);
+}
+
+template <typename T>
+void dispatch_apply(const ApplyArgs<T>& args) {
+  switch ((args.depth + 15) / 16) {
+    case 1: return launch_variant<T, 1>(args);
+    case 2: return launch_variant<T, 2>(args);
+    case 3: return launch_variant<T, 3>(args);
+    case 4: return launch_variant<T, 4>(args);
+    case 5: return launch_variant<T, 5>(args);
+    case 6: return launch_variant<T, 6>(args);
+    case 7: return launch_variant<T, 7>(args);
+    default: return launch_variant<T, 8>(args);
+  }
+}
+
+template <typename T>
+void run_apply(const at::Tensor& matrix, const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+  ApplyArgs<T> a;
+  a.x = static_cast<const T*>(x.const_data_ptr());
+  a.x_b = x.stride(0), a.x_g = x.stride(1), a.x_k = x.stride(2);
+  a.matrix = static_cast<const T*>(matrix.const_data_ptr());
+  a.m_g = matrix.stride(0), a.m_m = matrix.stride(1), a.m_k = matrix.stride(2);
+  a.bias = bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr;
+  a.bias_g = bias ? bias->stride(0) : 0, a.bias_m = bias ? bias->stride(1) : 0;
+  a.out = static_cast<T*>(out.data_ptr());
+  a.out_b = out.stride(0), a.out_g = out.stride(1), a.out_m = out.stride(2);
+  a.batch = static_cast<int>(x.size(0));
+  a.rows = static_cast<int>(matrix.size(1));
+  a.depth = static_cast<int>(x.size(2));
+  a.length = static_cast<int>(x.size(3));
+  a.tiles = x.size(1) * x.size(0);  // times the tiles per sample (launch_apply)
+  dispatch_apply(a);
+}
+
+template <typename T>
+void run_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& grad_w, const at::Tensor& grad_b) {
+  GradArgs<T> a;
+  a.dy = static_cast<const T*>(grad_y.const_data_ptr());
+  a.dy_b = grad_y.stride(0), a.dy_g = grad_y.stride(1), a.dy_m = grad_y.stride(2);
+  a.x = static_cast<const T*>(x.const_data_ptr());
+  a.x_b = x.stride(0), a.x_g = x.stride(1), a.x_k = x.stride(2);
+  a.groups = static_cast<int>(x.size(1));
+  a.rows = static_cast<int>(grad_y.size(2));
+  a.depth = static_cast<int>(x.size(2));
+  a.length = static_cast<int>(x.size(3));
+  a.l_tiles = (a.length + kGradTileL - 1) / kGradTileL;
+  a.slices = static_cast<int>(x.size(0) * a.l_tiles);
+  a.columns = a.depth + (grad_b.defined() ? 1 : 0);
+  constexpr int smem = 2 * kGradStages * kGradSlot * 2;
+  const auto kernel = small_group_weight_grad_kernel<T>;
+  const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, smem);
+  TORCH_CHECK(shape.blocks_per_sm > 0, "small_group_weight_grad: ", smem, " bytes of shared memory fit no block on this GPU");
+  // The ranges per group: the count of at most 16, each of at least 4 slices, whose blocks finish in
+  // the fewest waves of resident blocks for the work (waves / splits), the smaller on ties.
+  const int64_t resident = int64_t{shape.blocks_per_sm} * shape.sms;
+  int64_t splits = 1;
+  for (int64_t s = 2; s <= std::min<int64_t>(16, a.slices / 4); ++s) {
+    const int64_t waves = (a.groups * s + resident - 1) / resident, best = (a.groups * splits + resident - 1) / resident;
+    if (waves * splits < best * s) splits = s;
+  }
+  const at::Tensor partial = at::empty({splits, a.groups, a.rows, a.columns}, x.options().dtype(at::kFloat));
+  a.partial = partial.data_ptr<float>();
+  kernel<<<dim3(static_cast<unsigned>(splits), static_cast<unsigned>(a.groups)), kThreads, smem,
+           at::cuda::getCurrentCUDAStream()>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor sums = splits == 1 ? partial[0] : partial.sum(0);
+  grad_w.copy_(sums.narrow(2, 0, a.depth));
+  if (grad_b.defined()) grad_b.copy_(sums.select(2, a.depth));
+}
+
+}  // namespace
+
+bool small_group_apply(const at::Tensor& matrix, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                       const at::Tensor& out, std::string& why) {
+  if (!common_checks(x, matrix.size(1), x.size(2), why, {x, out})) return false;
+  if (x.size(1) >= 65536) return decline(why, "at most 65535 groups");
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (x.scalar_type() == at::kHalf) {
+    run_apply<__half>(matrix, x, bias, out);
+  } else {
+    run_apply<__nv_bfloat16>(matrix, x, bias, out);
+  }
+  return true;
+}
+
+bool small_group_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& grad_w,
+                             const at::Tensor& grad_b, std::string& why) {
+  if (!common_checks(x, grad_y.size(2), x.size(2), why, {x, grad_y})) return false;
+  if (grad_b.defined() && x.size(2) == kMaxRows) return decline(why, "the bias gradient needs groups of at most 127 channels in");
+  if (x.size(0) * ((x.size(3) + kGradTileL - 1) / kGradTileL) >= INT_MAX) return decline(why, "sizes past 32-bit indices");
+  if (x.size(1) >= 65536) return decline(why, "at most 65535 groups");
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (x.scalar_type() == at::kHalf) {
+    run_weight_grad<__half>(grad_y, x, grad_w, grad_b);
+  } else {
+    run_weight_grad<__nv_bfloat16>(grad_y, x, grad_w, grad_b);
+  }
+  return true;
+}
+
+}  // namespace cuda
+}  // namespace patchgemm
