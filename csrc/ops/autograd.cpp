@@ -193,14 +193,11 @@ struct GroupedPointwiseConv : Function<GroupedPointwiseConv> {
       static const auto op = find_op<PointwiseWeightGrad>("patchgemm::grouped_pointwise_conv_grad_weight");
       std::tie(grad_w, grad_b) = op.call(grad_y, x, groups, needs_bias_grad(ctx));
       if (!needs_bias_grad(ctx)) grad_b = at::Tensor();
-    } else if (needs_bias_grad(ctx)) {
+    } else if (needs_bias_grad(ctx)) {  // (a frozen weight: rare)
       std::vector<int64_t> dims{0};
       for (int64_t d = 2; d < grad_y.dim(); ++d) dims.push_back(d);
-      // Concrete sizes: the bias-gradient sum of the linear ops (contiguous rows first, near the
-      // memory bandwidth); symbolic ones (torch.compile's tracing), one reduction in the op-math dtype.
-      grad_b = grad_y.unsafeGetTensorImpl()->has_symbolic_sizes_strides()
-                   ? grad_y.sum(dims, false, at::toOpMathType(grad_y.scalar_type())).to(grad_y.scalar_type())
-                   : sum_for_bias_grad(grad_y, dims);
+      // (one reduction in the op-math dtype: it also traces with the symbolic sizes of torch.compile)
+      grad_b = grad_y.sum(dims, false, at::toOpMathType(grad_y.scalar_type())).to(grad_y.scalar_type());
     }
     return {grad_x, grad_w, grad_b, at::Tensor()};
   }

@@ -10,9 +10,8 @@
 #include "selection/patch_problem.h"
 #include "selection/registry.h"
 
-#if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
+#ifdef PATCHGEMM_PTX_KERNELS
 #include <ATen/cuda/CUDAContext.h>
-#define PATCHGEMM_PTX_KERNELS 1  // the fused kernels are NVIDIA PTX; ROCm tables have none
 #endif
 
 namespace patchgemm {

@@ -17,9 +17,8 @@
 #include "selection/pointwise_problem.h"
 #include "selection/registry.h"
 
-#if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
+#ifdef PATCHGEMM_PTX_KERNELS
 #include "kernels/gemm/small_group_gemm.h"
-#define PATCHGEMM_PTX_KERNELS 1  // the small-group kernels are NVIDIA PTX; ROCm tables have none
 #endif
 
 namespace patchgemm {

@@ -21,6 +21,12 @@
 #include <utility>
 #include <vector>
 
+// Candidates built from NVIDIA PTX (mma.sync, wgmma, TMA) exist in CUDA builds only; ROCm tables
+// have none.
+#if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
+#define PATCHGEMM_PTX_KERNELS 1
+#endif
+
 namespace patchgemm::selection {
 
 // Why a candidate does not apply (or why the rule passes over it); empty when it does.

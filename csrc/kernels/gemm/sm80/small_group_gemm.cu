@@ -45,9 +45,9 @@ struct ApplyArgs {
   int64_t bias_g, bias_m;
   T* out;
   int64_t out_b, out_g, out_m;
-  int batch, rows, depth, length;  // B, M, K, L
-  int l_tiles;                     // tiles per (group, sample)
-  int64_t tiles;                   // G * B * l_tiles
+  int groups, batch, rows, depth, length;  // G, B, M, K, L
+  int l_tiles;                             // tiles per (group, sample): set by the tiling's launch
+  int64_t tiles;                           // G * B * l_tiles
 };
 
 // A tile's coordinates, stepped through a block's contiguous range (no 64-bit division per tile).
@@ -354,7 +354,7 @@ void launch_apply(ApplyArgs<T> args) {
   const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, smem);
   TORCH_CHECK(shape.blocks_per_sm > 0, "small_group_apply: ", smem, " bytes of shared memory fit no block on this GPU");
   args.l_tiles = (args.length + kTileL - 1) / kTileL;
-  args.tiles *= args.l_tiles;
+  args.tiles = int64_t{args.groups} * args.batch * args.l_tiles;
   const int64_t blocks = std::min<int64_t>(args.tiles, int64_t{shape.blocks_per_sm} * shape.sms);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -398,7 +398,7 @@ void run_apply(const at::Tensor& matrix, const at::Tensor& x, const std::optiona
   a.rows = static_cast<int>(matrix.size(1));
   a.depth = static_cast<int>(x.size(2));
   a.length = static_cast<int>(x.size(3));
-  a.tiles = x.size(1) * x.size(0);  // times the tiles per sample (launch_apply)
+  a.groups = static_cast<int>(x.size(1));
   dispatch_apply(a);
 }
 
@@ -456,7 +456,8 @@ bool small_group_apply(const at::Tensor& matrix, const at::Tensor& x, const std:
 bool small_group_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& grad_w,
                              const at::Tensor& grad_b, std::string& why) {
   if (!common_checks(x, grad_y.size(2), x.size(2), why, {x, grad_y})) return false;
-  if (grad_b.defined() && x.size(2) == kMaxRows) return decline(why, "the bias gradient needs groups of at most 127 channels in");
+  TORCH_CHECK(!grad_b.defined() || x.size(2) < kMaxRows, "small_group_weight_grad: the bias gradient's column needs K < ",
+              kMaxRows, ", got K = ", x.size(2));
   if (x.size(0) * ((x.size(3) + kGradTileL - 1) / kGradTileL) >= INT_MAX) return decline(why, "sizes past 32-bit indices");
   if (x.size(1) >= 65536) return decline(why, "at most 65535 groups");
   const c10::cuda::CUDAGuard guard(x.device());
