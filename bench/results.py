@@ -2,9 +2,9 @@
 
     python bench/results.py [--out bench/RESULTS.md] RUN.json ...
 
-Each RUN.json is what `python -m patchgemm bench --json` (the suite) or `python bench/heldout.py
---json` (held-out shapes) wrote; bench/results/ keeps the current ones per GPU, named
-<gpu>-suite.json / <gpu>-heldout.json. Every section says the date, GPU, versions and command of
+Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m patchgemm bench
+--models --json` (models) or `python bench/heldout.py --json` (held-out shapes) wrote; bench/results/
+keeps the current ones per GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-heldout.json. Every section says the date, GPU, versions and command of
 its run.
 """
 
@@ -16,6 +16,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from patchgemm.bench import Row, format_table  # noqa: E402
+from patchgemm.model_bench import ModelRow, format_rows  # noqa: E402
 
 import heldout  # noqa: E402
 
@@ -52,6 +53,20 @@ def heldout_section(saved: dict, name: str) -> str:
     return f"## {title}: {_where(saved.get('environment', {}))}\n\n(`{name}`) {body}"
 
 
+def models_section(saved: dict, name: str) -> str:
+    env = saved.get("environment", {})
+    rows = [ModelRow(**r) for r in saved["models"]]
+    return "\n".join([
+        f"## Models, a training step: {_where(env)}", "",
+        f"`python -m patchgemm bench --models --json {name}`: forward + backward under bf16 autocast, random "
+        "weights, models built from their libraries' configs. GPU ms is the profiler's sum of kernel times per "
+        "step; wall ms the wall time per step with steps back to back; peak MB what a step allocates above the "
+        "weights; `GPU x` / `wall x` = the first form's time / this form's. Where the host is the limit (wall ms "
+        "well above GPU ms) the wall times vary by up to a third from run to run on the lent machines; the GPU "
+        "times within a few per cent.", "",
+        "```", format_rows(rows), "```", ""])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+")
@@ -61,7 +76,12 @@ def main(argv=None) -> int:
     for path in sorted(args.runs):
         saved = json.loads(pathlib.Path(path).read_text())
         name = pathlib.Path(path).name
-        sections.append(suite_section(saved, name) if "rows" in saved else heldout_section(saved, name))
+        if "models" in saved:
+            sections.append(models_section(saved, name))
+        elif "rows" in saved:
+            sections.append(suite_section(saved, name))
+        else:
+            sections.append(heldout_section(saved, name))
     pathlib.Path(args.out).write_text("\n".join(sections))
     print(f"results: wrote {args.out} from {len(args.runs)} runs")
     return 0

@@ -41,11 +41,16 @@ def main(argv=None) -> int:
     bench = sub.add_parser("bench", help="run the benchmark suite (ours vs PyTorch baselines vs the floor)")
     bench.add_argument("--device", help="cuda or cpu (default: cuda if present)")
     bench.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
-    bench.add_argument("--filter", help="run only cases whose id contains this text (comma-separated: any of them)")
+    bench.add_argument("--filter", help="run only these cases, comma-separated: a case id (\"G1 fp32\") or "
+                       "its first word for the family (\"G1\")")
     bench.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 cases (default: torch's setting)")
     bench.add_argument("--plot", metavar="PATH", help="also draw the results (speedup over PyTorch, %% of floor); "
                        "needs matplotlib")
     bench.add_argument("--from-json", metavar="PATH", help="do not run: print (and --plot) a saved --json file")
+    bench.add_argument("--models", nargs="?", const="all", metavar="NAMES",
+                       help="instead of the suite: a training step of real models, original vs converted "
+                       "(comma-separated names, default all: ViT-B/16, ViT-L/14, ConvNeXt-T, Swin-T, VideoMAE-S, "
+                       "MATEY-3D)")
     sub.add_parser("info", help="version, build flavour, torch/CUDA/BLAS versions")
     kernels = sub.add_parser("kernels", help="every op's implementations, in the order the default choice tries them")
     kernels.add_argument("op", nargs="?", help="only this op's")
@@ -60,6 +65,11 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.from_json:
         return suite.replay(args.from_json, plot_path=args.plot)
+    if args.models:
+        from . import model_bench
+
+        names = None if args.models == "all" else [n.strip() for n in args.models.split(",") if n.strip()]
+        return model_bench.main(names, device=args.device, json_path=args.json)
     return suite.main(device=args.device, json_path=args.json, filter=args.filter, plot_path=args.plot)
 
 

@@ -326,6 +326,13 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
+def _conv_name(device) -> str:
+    """What runs F.conv*d on this device: cuDNN (MIOpen on ROCm) on a GPU, ATen's own on the CPU."""
+    if torch.device(device).type != "cuda":
+        return "ATen conv"
+    return "MIOpen conv" if torch.version.hip else "cuDNN conv"
+
+
 def patch_embed_case(case_id, x_shape, embed, kernel, dtype, device, tokens=False, needs_dx=False) -> Case:
     kernel = tuple(kernel)
     elt = torch.finfo(dtype).bits // 8
@@ -343,7 +350,7 @@ def patch_embed_case(case_id, x_shape, embed, kernel, dtype, device, tokens=Fals
     fmt = "tokens" if tokens else "channels_first"
     impls = {
         "patchgemm": lambda x, w, b: pg.patch_embed(x, w, b, out_format=fmt),
-        "cuDNN conv": lambda x, w, b: (lambda y: y.flatten(2).transpose(1, 2) if tokens else y)(
+        _conv_name(device): lambda x, w, b: (lambda y: y.flatten(2).transpose(1, 2) if tokens else y)(
             conv(x, w, b, stride=kernel)),
         "linear": lambda x, w, b: linear_patch_embed(x, w, b, tokens),
     }
@@ -373,7 +380,7 @@ def patch_unembed_case(case_id, x_shape, out_channels, kernel, dtype, device) ->
     conv_t = _CONV_T[rank]
     impls = {
         "patchgemm": lambda x, w, b: pg.patch_unembed(x, w, b),
-        "cuDNN conv": lambda x, w, b: conv_t(x, w, b, stride=kernel),
+        _conv_name(device): lambda x, w, b: conv_t(x, w, b, stride=kernel),
         "linear": linear_patch_unembed,
     }
     x_n, w_n = math.prod(x_shape), c_in * out_channels * math.prod(kernel)
@@ -433,7 +440,7 @@ def hmlp_stem_case(case_id, x_shape, widths, kernels, dtype, device) -> Case:
     impls = {
         "patchgemm": ours,
         "patchgemm per stage": stack(lambda x, w, b: pg.patch_embed(x, w, b)),
-        "cuDNN conv": stack(lambda x, w, b: conv(x, w, b, stride=w.shape[2:])),
+        _conv_name(device): stack(lambda x, w, b: conv(x, w, b, stride=w.shape[2:])),
         "linear": stack(lambda x, w, b: linear_patch_embed(x, w, b, False)),
     }
     flops = flops_fb = bytes_f = bytes_fb = 0.0
@@ -606,13 +613,19 @@ def _plot(rows: List[dict], env: dict, path: str) -> None:
     print(f"plot written to {path}")
 
 
+def _matches(case_id: str, wanted: str) -> bool:
+    """A --filter term names a case ("G1 fp32") or a family of cases (its first word: "G1")."""
+    case_id = case_id.lower()
+    return wanted == case_id or wanted == case_id.split()[0]
+
+
 def main(device: Optional[str] = None, json_path: Optional[str] = None, filter: Optional[str] = None,
          plot_path: Optional[str] = None) -> int:
     from tqdm import tqdm
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     wanted = [f.strip().lower() for f in (filter or "").split(",") if f.strip()]
-    cases = [c for c in suite(dev) if not wanted or any(f in c.id.lower() for f in wanted)]
+    cases = [c for c in suite(dev) if not wanted or any(_matches(c.id, f) for f in wanted)]
     if not cases:
         print(f"patchgemm bench: no case matches --filter {filter!r}; cases: {[c.id for c in suite(dev)]}")
         return 2

@@ -2,23 +2,34 @@
 
 import itertools
 import math
+import operator
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from .ops import ops
+from ._functorch import call as _call
 
 LAYOUTS = ("bgd", "gbd")
 
 
 def _autocast(*tensors):
-    """Cast floating tensors to the autocast dtype, as torch.autocast does for nn.Linear."""
-    ref = tensors[0]
-    if not torch.is_autocast_enabled(ref.device.type):
+    """Cast floating tensors to the autocast dtype, as torch.autocast does for nn.Linear and the
+    convs: float64 stays float64, and devices without autocast (meta) are left alone."""
+    device_type = tensors[0].device.type
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return tensors
-    dtype = torch.get_autocast_dtype(ref.device.type)
-    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in tensors)
+
+
+def _grid(grid, where: str) -> list:
+    """A patch grid as ints; floats, strings and other non-integers are a TypeError, not truncated."""
+    try:
+        return [operator.index(g) for g in grid]
+    except TypeError:
+        raise TypeError(f"{where}: grid must be a sequence of ints, got {grid!r}") from None
 
 
 def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, layout: str = "bgd", *,
@@ -53,7 +64,7 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
     if not isinstance(x, Tensor) or not isinstance(weight, Tensor):
         raise TypeError("grouped_linear: x and weight must be tensors")
     if weight.dim() != 3:
-        raise ValueError(f"grouped_linear: weight must be [G, Dout, Din], got shape {tuple(weight.shape)}")
+        raise RuntimeError(f"grouped_linear: weight must be [G, Dout, Din], got shape {tuple(weight.shape)}")
     if bias is not None and not isinstance(bias, Tensor):
         raise TypeError("grouped_linear: bias must be a tensor or None")
     groups, out_features, _ = weight.shape
@@ -63,23 +74,23 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
 
     if layout == "bgd":
         if x.dim() == 2:  # [B*G, Din]
-            if groups == 0 or x.shape[0] % groups != 0:
-                raise ValueError(
+            if x.shape[0] % max(groups, 1) != 0 or (groups == 0 and x.shape[0] != 0):
+                raise RuntimeError(
                     f"grouped_linear: flattened x {tuple(x.shape)} must have a multiple of G={groups} "
                     f"rows (weight {tuple(weight.shape)})")
-            x3 = x.reshape(x.shape[0] // groups, groups, x.shape[1])
+            x3 = x.reshape(x.shape[0] // groups if groups else 1, groups, x.shape[1])
         elif x.dim() >= 3:
             x3 = x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
         else:
-            raise ValueError(
+            raise RuntimeError(
                 f"grouped_linear: x must be [..., G, Din] or [B*G, Din] for layout 'bgd', got shape {tuple(x.shape)}")
     else:
         if x.dim() < 2:
-            raise ValueError(
+            raise RuntimeError(
                 f"grouped_linear: x must be [G, ..., Din] for layout 'gbd', got shape {tuple(x.shape)}")
         x3 = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
-    y = ops.grouped_linear(x3, weight, bias, layout == "gbd")
+    y = _call("grouped_linear", x3, weight, bias, layout == "gbd")
     return y.view(*x.shape[:-1], out_features)
 
 
@@ -87,12 +98,12 @@ def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):
     if group_sizes is not None and offsets is not None:
         raise ValueError("grouped_linear: give group_sizes or offsets, not both")
     if x.dim() != 2:
-        raise ValueError(f"grouped_linear: with group sizes, x must be [N, Din] sorted by group, got shape {tuple(x.shape)}")
+        raise RuntimeError(f"grouped_linear: with group sizes, x must be [N, Din] sorted by group, got shape {tuple(x.shape)}")
     given = group_sizes if group_sizes is not None else offsets
     name = "group_sizes" if group_sizes is not None else "offsets"
     if isinstance(given, Tensor):
         if given.dim() != 1 or given.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"grouped_linear: {name} must be a 1-D int32/int64 tensor, got {given.dtype} {tuple(given.shape)}")
+            raise RuntimeError(f"grouped_linear: {name} must be a 1-D int32/int64 tensor, got {given.dtype} {tuple(given.shape)}")
         if group_sizes is not None:
             ends = torch.cumsum(given, 0, dtype=torch.int32 if given.is_cuda else torch.int64)
         else:
@@ -101,13 +112,13 @@ def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):
         values = [int(v) for v in given]
         if group_sizes is not None:
             if any(v < 0 for v in values):
-                raise ValueError(f"grouped_linear: group_sizes must be >= 0, got {values}")
+                raise RuntimeError(f"grouped_linear: group_sizes must be >= 0, got {values}")
             values = list(itertools.accumulate(values))
         ends = torch.tensor(values, dtype=torch.int64)
     if ends.shape[0] != weight.shape[0]:
-        raise ValueError(f"grouped_linear: {name} has {ends.shape[0]} entries but weight {tuple(weight.shape)} "
+        raise RuntimeError(f"grouped_linear: {name} has {ends.shape[0]} entries but weight {tuple(weight.shape)} "
                          f"has {weight.shape[0]} groups")
-    return ops.ragged_grouped_linear(x, weight, bias, ends)
+    return _call("ragged_grouped_linear", x, weight, bias, ends)
 
 
 def grouped_pointwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, groups: int = 1) -> Tensor:
@@ -128,7 +139,7 @@ def grouped_pointwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = N
     if unbatched:
         x = x.unsqueeze(0)
     x, weight, bias = _autocast(x, weight, bias)
-    y = ops.grouped_pointwise_conv(x, weight, bias, int(groups))
+    y = _call("grouped_pointwise_conv", x, weight, bias, int(groups))
     return y.squeeze(0) if unbatched else y
 
 
@@ -141,7 +152,7 @@ def swiglu(gate_up: Tensor) -> Tensor:
     """
     if not isinstance(gate_up, Tensor):
         raise TypeError("swiglu: gate_up must be a tensor")
-    return ops.swiglu(gate_up)
+    return _call("swiglu", gate_up)
 
 
 ACTIVATIONS = ("swiglu",)
@@ -168,11 +179,11 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
         raise ValueError(f"grouped_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if not isinstance(w, Tensor) or w.dim() != 3:
-            raise ValueError(f"grouped_mlp: {name} must be a 3-D tensor, got "
+            raise RuntimeError(f"grouped_mlp: {name} must be a 3-D tensor, got "
                              f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
     groups, two_hidden, _ = w_gate_up.shape
     if two_hidden % 2 or w_down.shape[0] != groups or w_down.shape[2] * 2 != two_hidden:
-        raise ValueError(
+        raise RuntimeError(
             f"grouped_mlp: w_gate_up must be [G, 2H, D] and w_down [G, D_out, H] with the same G and H, got "
             f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
     gate_up = grouped_linear(x, w_gate_up, bias_gate_up, layout)
@@ -193,7 +204,7 @@ def _check_weight(op, weight, layout):
     if not isinstance(weight, Tensor):
         raise TypeError(f"{op}: weight must be a tensor")
     if not 3 <= weight.dim() <= 5:
-        raise ValueError(f"{op}: weight must be {layout} with 1, 2 or 3 kernel dims, got shape {tuple(weight.shape)}")
+        raise RuntimeError(f"{op}: weight must be {layout} with 1, 2 or 3 kernel dims, got shape {tuple(weight.shape)}")
 
 
 def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
@@ -208,7 +219,7 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
         out_format: ``"channels_first"`` returns ``[B, E, *grid]`` (what the conv returns);
             ``"tokens"`` returns ``[B, N, E]`` with N in row-major patch-grid order, i.e.
             ``conv(x).flatten(2).transpose(1, 2)``, written directly.
-        pad: None: spatial sizes must be divisible by the patch size (else a ValueError naming the
+        pad: None: spatial sizes must be divisible by the patch size (else a RuntimeError naming the
             shapes). ``"dynamic"``: zero-pad at the end of each spatial dim up to a multiple, like
             timm's ``dynamic_img_pad`` (one copy of x).
 
@@ -226,7 +237,7 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
         x = x.unsqueeze(0)
     kernel = weight.shape[2:]
     if x.dim() != weight.dim():
-        raise ValueError(
+        raise RuntimeError(
             f"patch_embed: x must be [B, C, *S] or [C, *S] with {len(kernel)} spatial dims to match "
             f"weight {tuple(weight.shape)}, got shape {tuple(x.shape)}")
     if pad == "dynamic":
@@ -234,7 +245,7 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
         if any(extra):
             x = torch.nn.functional.pad(x, [p for e in reversed(extra) for p in (0, e)])
     x, weight, bias = _autocast(x, weight, bias)
-    y = ops.patch_embed(x, weight, bias, out_format == "tokens", [])
+    y = _call("patch_embed", x, weight, bias, out_format == "tokens", [])
     return y.squeeze(0) if unbatched else y
 
 
@@ -264,13 +275,13 @@ def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     if tokens:
         if grid is None:
             raise ValueError("patch_unembed: in_format='tokens' needs grid=(n_d, n_h, n_w), one size per kernel dim")
-        grid = [int(g) for g in grid]
+        grid = _grid(grid, "patch_unembed")
         if len(grid) != rank:
-            raise ValueError(f"patch_unembed: grid {tuple(grid)} must have {rank} entries for weight {tuple(weight.shape)}")
-    elif grid is not None and tuple(grid) != tuple(x.shape[2:]):
-        raise ValueError(f"patch_unembed: grid {tuple(grid)} does not match x {tuple(x.shape)}")
+            raise RuntimeError(f"patch_unembed: grid {tuple(grid)} must have {rank} entries for weight {tuple(weight.shape)}")
+    elif grid is not None and tuple(_grid(grid, "patch_unembed")) != tuple(x.shape[2:]):
+        raise RuntimeError(f"patch_unembed: grid {tuple(grid)} does not match x {tuple(x.shape)}")
     x, weight, bias = _autocast(x, weight, bias)
-    y = ops.patch_unembed(x, weight, bias, tokens, grid if tokens else [])
+    y = _call("patch_unembed", x, weight, bias, tokens, grid if tokens else [])
     return y.squeeze(0) if unbatched else y
 
 
@@ -296,4 +307,4 @@ def instance_norm_act(x: Tensor, weight: Optional[Tensor] = None, bias: Optional
     if not isinstance(x, Tensor):
         raise TypeError("instance_norm_act: x must be a tensor")
     weight, bias = (None if t is None else t.to(x.dtype) for t in (weight, bias))
-    return ops.instance_norm_act(x, weight, bias, float(eps), act == "gelu", layout == "tokens")[0]
+    return _call("instance_norm_act", x, weight, bias, float(eps), act == "gelu", layout == "tokens")[0]

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F
-from .ops import ops
+from ._functorch import call as _call
 
 __all__ = ["GroupedLinear", "GroupedMLP", "GroupedPointwiseConv", "PatchEmbed", "PatchUnembed", "HierarchicalPatchEmbed",
            "HierarchicalPatchUnembed", "convert", "ConvertReport"]
@@ -153,6 +153,39 @@ def _as_tuple(value, rank: int, name: str) -> Tuple[int, ...]:
     return t
 
 
+def _patch_size(patch_size, dims: Optional[int], name: str) -> Tuple[int, ...]:
+    """The patch size as a tuple of 1 to 3 sizes (``dims`` of them where given)."""
+    rank = dims or (len(patch_size) if isinstance(patch_size, (tuple, list)) else 2)
+    if rank not in (1, 2, 3):
+        raise ValueError(f"{name}: patches have 1, 2 or 3 dims, got patch_size={patch_size!r}, dims={dims!r}")
+    return _as_tuple(patch_size, rank, f"{name}: patch_size")
+
+
+class _ConvAttributes:
+    """The attributes code reads off an ``nn.Conv*d`` / ``nn.ConvTranspose*d`` (``in_channels``,
+    ``out_channels`` and ``kernel_size`` are set by the module): the stride is the kernel, no
+    padding, dilation 1, one group (GroupedPointwiseConv sets its own ``groups``)."""
+    transposed = False
+    padding_mode = "zeros"
+    groups = 1
+
+    @property
+    def stride(self) -> Tuple[int, ...]:
+        return tuple(self.kernel_size)
+
+    @property
+    def padding(self) -> Tuple[int, ...]:
+        return (0,) * len(self.kernel_size)
+
+    @property
+    def output_padding(self) -> Tuple[int, ...]:
+        return (0,) * len(self.kernel_size)
+
+    @property
+    def dilation(self) -> Tuple[int, ...]:
+        return (1,) * len(self.kernel_size)
+
+
 def _ineligible(module: nn.Module) -> Optional[str]:
     """Why a conv / conv-transpose module is not a kernel == stride patch (un)embedding, or None."""
     if type(module) not in _CONVS + _CONV_TRANSPOSES:
@@ -199,7 +232,7 @@ def _init_like_conv(weight: Tensor, bias: Optional[Tensor], fan_in: int) -> None
         nn.init.uniform_(bias, -bound, bound)
 
 
-class PatchEmbed(nn.Module):
+class PatchEmbed(_ConvAttributes, nn.Module):
     """Drop-in ``nn.Conv{1,2,3}d(in_channels, embed_dim, patch_size, stride=patch_size)``.
 
     Parameters ``weight[E, C, *k]`` and ``bias[E]`` have the conv's names and shapes, so a conv's
@@ -211,9 +244,8 @@ class PatchEmbed(nn.Module):
                  dims: Optional[int] = None, out_format: str = "channels_first",
                  pad: Optional[str] = None, device=None, dtype=None):
         super().__init__()
-        rank = dims or (len(patch_size) if isinstance(patch_size, (tuple, list)) else 2)
         F._check_format("PatchEmbed: out_format", out_format)
-        self.kernel_size = _as_tuple(patch_size, rank, "PatchEmbed: patch_size")
+        self.kernel_size = _patch_size(patch_size, dims, "PatchEmbed")
         self.in_channels, self.embed_dim = in_channels, embed_dim
         self.out_format, self.pad = out_format, pad
         factory = {"device": device, "dtype": dtype}
@@ -222,8 +254,8 @@ class PatchEmbed(nn.Module):
         _init_like_conv(self.weight, self.bias, in_channels * math.prod(self.kernel_size))
 
     @property
-    def stride(self) -> Tuple[int, ...]:
-        return self.kernel_size
+    def out_channels(self) -> int:
+        return self.embed_dim
 
     def forward(self, x: Tensor) -> Tensor:
         return F.patch_embed(x, self.weight, self.bias, out_format=self.out_format, pad=self.pad)
@@ -246,7 +278,7 @@ class PatchEmbed(nn.Module):
         return module
 
 
-class GroupedPointwiseConv(nn.Module):
+class GroupedPointwiseConv(_ConvAttributes, nn.Module):
     """Drop-in ``nn.Conv{1,2,3}d(in_channels, out_channels, 1, groups=groups)``: G independent
     small linears over the channel groups of every position, through grouped_pointwise_conv.
 
@@ -263,6 +295,7 @@ class GroupedPointwiseConv(nn.Module):
             raise ValueError(f"GroupedPointwiseConv: dims must be 1, 2 or 3, got {dims}")
         factory = {"device": device, "dtype": dtype}
         self.in_channels, self.out_channels, self.groups, self.dims = in_channels, out_channels, groups, dims
+        self.kernel_size = (1,) * dims
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, *(1,) * dims, **factory))
         self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
         _init_like_conv(self.weight, self.bias, in_channels // groups)
@@ -286,7 +319,7 @@ class GroupedPointwiseConv(nn.Module):
         return module
 
 
-class PatchUnembed(nn.Module):
+class PatchUnembed(_ConvAttributes, nn.Module):
     """Drop-in ``nn.ConvTranspose{1,2,3}d(in_channels, out_channels, patch_size, stride=patch_size)``.
 
     Parameters ``weight[C_in, C_out, *k]`` and ``bias[C_out]`` as in the ConvTranspose.
@@ -297,20 +330,17 @@ class PatchUnembed(nn.Module):
                  dims: Optional[int] = None, in_format: str = "channels_first",
                  grid: Optional[Sequence[int]] = None, device=None, dtype=None):
         super().__init__()
-        rank = dims or (len(patch_size) if isinstance(patch_size, (tuple, list)) else 2)
         F._check_format("PatchUnembed: in_format", in_format)
-        self.kernel_size = _as_tuple(patch_size, rank, "PatchUnembed: patch_size")
+        self.kernel_size = _patch_size(patch_size, dims, "PatchUnembed")
         self.in_channels, self.out_channels = in_channels, out_channels
-        self.in_format, self.grid = in_format, None if grid is None else tuple(grid)
+        self.in_format, self.grid = in_format, None if grid is None else tuple(F._grid(grid, "PatchUnembed"))
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(in_channels, out_channels, *self.kernel_size, **factory))
         self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
         # ConvTranspose's fan_in, as torch computes it from the weight: dim 1 times the kernel.
         _init_like_conv(self.weight, self.bias, out_channels * math.prod(self.kernel_size))
 
-    @property
-    def stride(self) -> Tuple[int, ...]:
-        return self.kernel_size
+    transposed = True
 
     def forward(self, x: Tensor, grid: Optional[Sequence[int]] = None) -> Tensor:
         return F.patch_unembed(x, self.weight, self.bias, in_format=self.in_format,
@@ -351,12 +381,24 @@ class ConvertReport:
         return "\n".join(lines)
 
 
+def _patch_convs(seq: nn.Module) -> int:
+    """How many of ``seq``'s children are kernel == stride convs (or conv-transposes)."""
+    return sum(type(m) in _CONVS + _CONV_TRANSPOSES and not _ineligible(m) for m in seq.children())
+
+
 def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
-    """Swap every eligible ``nn.Conv{1,2,3}d`` / ``nn.ConvTranspose{1,2,3}d`` (kernel == stride,
-    padding 0, dilation 1, groups 1, zeros padding, output_padding 0) for PatchEmbed / PatchUnembed,
-    and every grouped pointwise ``nn.Conv{1,2,3}d`` (kernel 1, stride 1, groups > 1) for
-    GroupedPointwiseConv, sharing its parameters. Returns a :class:`ConvertReport` (``report.model`` is the model; with
-    ``inplace=False`` a converted deep copy, the original untouched)."""
+    """Swap, sharing parameters:
+
+    - every ``nn.Sequential`` stem — two kernel == stride convs or more, each followed by an optional
+      norm and an optional activation (hMLP stems) — for HierarchicalPatchEmbed /
+      HierarchicalPatchUnembed, keeping its parameter names;
+    - every other eligible ``nn.Conv{1,2,3}d`` / ``nn.ConvTranspose{1,2,3}d`` (kernel == stride,
+      padding 0, dilation 1, groups 1, zeros padding, output_padding 0) for PatchEmbed / PatchUnembed;
+    - every grouped pointwise ``nn.Conv{1,2,3}d`` (kernel 1, stride 1, groups > 1) for
+      GroupedPointwiseConv.
+
+    Returns a :class:`ConvertReport` (``report.model`` is the model; with ``inplace=False`` a
+    converted deep copy, the original untouched)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected an nn.Module, got {type(model).__name__}")
     if not inplace:
@@ -364,6 +406,18 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
     report = ConvertReport(model)
 
     def replacement(name: str, module: nn.Module) -> Optional[nn.Module]:
+        if type(module) is nn.Sequential and _patch_convs(module) >= 2:
+            first = next(iter(module.children()))
+            stem = HierarchicalPatchEmbed if type(first) in _CONVS else HierarchicalPatchUnembed
+            try:
+                new = stem.from_sequential(module)
+            except _StemNormError as e:  # laid out as a stem: say why its convs are swapped one by one
+                report.skipped.append((name, f"not a whole stem: {e}"))
+                return None
+            except ValueError:  # not laid out as a stem
+                return None
+            report.swapped.append((name, f"Sequential of {len(new._plan.stages)} convs -> {stem.__name__}"))
+            return new
         if not isinstance(module, _CONVS + _CONV_TRANSPOSES):
             return None
         reason = _ineligible(module)
@@ -382,27 +436,114 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
     if root is not None:
         report.model = root
         return report
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            new = replacement(f"{parent_name}.{child_name}" if parent_name else child_name, child)
+    # Top-down, so a replaced module's children are not visited. A module held under several names
+    # (or by several parents) is converted once, and every holder gets the same replacement, as the
+    # model shared it.
+    done = {}  # id(original) -> (its first name, replacement or None)
+
+    def visit(parent: nn.Module, prefix: str) -> None:
+        for child_name, child in list(parent._modules.items()):  # (named_children skips repeats)
+            if child is None:
+                continue
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if id(child) in done:
+                first, new = done[id(child)]
+                if new is not None:
+                    setattr(parent, child_name, new)
+                    report.swapped.append((name, f"the same module as {first}"))
+                continue
+            new = replacement(name, child)
+            done[id(child)] = (name, new)
             if new is not None:
                 setattr(parent, child_name, new)
+            else:
+                visit(child, name)
+
+    visit(model, "")
     return report
 
 
 # ---- hierarchical (hMLP) stems --------------------------------------------------------------------
 
 _ACTS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu, "silu": nn.functional.silu, None: None}
+# Activation modules that act on each element alone: on tokens they give what they give on a
+# channels-first map.
+_ACT_MODULES = (nn.GELU, nn.ReLU, nn.ReLU6, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
+                nn.Hardswish, nn.Identity)
+_INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 
-def _norm_act_tokens(y: Tensor, norm: Optional[nn.Module], act: Optional[str]) -> Tensor:
-    """InstanceNorm over tokens [B, N, C] (per sample and channel, over the N tokens), then the
-    activation: one fused op for GELU or none, else the fused norm and then the activation."""
+def _instance_like(norm: nn.Module) -> bool:
+    """Whether ``norm`` normalizes each sample and channel over all positions, with per-channel
+    affine parameters: what instance_norm_act computes. InstanceNorm*d without running statistics,
+    and GroupNorm with one group per channel."""
+    if type(norm) in _INSTANCE_NORMS:
+        return not norm.track_running_stats
+    return type(norm) is nn.GroupNorm and norm.num_groups == norm.num_channels
+
+
+def _norm_problem(norm: nn.Module, channels: int, rank: int) -> Optional[str]:
+    """Why ``norm`` cannot normalize a stem's tokens of ``channels`` channels, or None.
+
+    Inside a stem the positions arrive patch-major, not in spatial order. The instance norms do not
+    mind. Any other norm module runs on a channels-first view of the tokens, so it must not depend on
+    where positions are: a copy of it runs once on random input, with and without the positions
+    shuffled. Per-position norms and per-channel statistics over positions (RMS instance norms,
+    BatchNorm) pass; a norm that mixes neighbours fails."""
+    if _instance_like(norm):
+        features = norm.num_channels if type(norm) is nn.GroupNorm else norm.num_features
+        if (norm.weight is not None or type(norm) is nn.GroupNorm) and features != channels:
+            return f"{norm} does not match {channels} channels"
+        return None
+    probe = copy.deepcopy(norm)
+    state = next(iter([*probe.parameters(), *probe.buffers()]), None)
+    device = state.device if state is not None else torch.device("cpu")
+    dtype = state.dtype if state is not None and state.is_floating_point() else torch.float32
+    if device.type == "meta":
+        return f"{type(norm).__name__} is on the meta device: cannot check it"
+    shape = (2, channels, *((12,), (4, 3), (3, 2, 2))[rank - 1])
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator).to(device, dtype)
+    order = torch.randperm(12, generator=generator).to(device)
+
+    def shuffle(t):
+        return t.flatten(2)[:, :, order].reshape(t.shape)
+
+    try:
+        with torch.no_grad():
+            shuffled_after, shuffled_before = shuffle(probe(x)), probe(shuffle(x))
+    except Exception as e:  # noqa: BLE001 (any failure means: not this norm)
+        return f"{type(norm).__name__} failed on a [B, {channels}, *S] input: {type(e).__name__}: {e}"
+    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    if shuffled_after.shape != x.shape or not torch.allclose(shuffled_after.float(), shuffled_before.float(),
+                                                             rtol=tol, atol=tol):
+        return f"{type(norm).__name__} depends on the order of positions (it mixes neighbours?)"
+    return None
+
+
+def _act(y: Tensor, act) -> Tensor:
+    """``act``: an _ACTS key, an activation module, or None."""
+    if act is None:
+        return y
+    return _ACTS[act](y) if isinstance(act, str) else act(y)
+
+
+def _norm_act(y: Tensor, norm: Optional[nn.Module], act, grid: Optional[Sequence[int]]) -> Tensor:
+    """``act(norm(y))`` for tokens ``y [B, N, C]`` whose N positions cover ``grid`` in some order, or,
+    with ``grid=None``, for a channels-first map ``y [B, C, *S]``. The instance norms run as
+    instance_norm_act (one fused pass with an exact GELU after them); any other norm is the module
+    itself, on a channels-first view of the tokens."""
+    tokens = grid is not None
     if norm is None:
-        return y if act is None else _ACTS[act](y)
-    if act in ("gelu", None):
-        return F.instance_norm_act(y, norm.weight, norm.bias, eps=norm.eps, act=act, layout="tokens")
-    return _ACTS[act](F.instance_norm_act(y, norm.weight, norm.bias, eps=norm.eps, act=None, layout="tokens"))
+        return _act(y, act)
+    if _instance_like(norm):
+        fused = act == "gelu" or (type(act) is nn.GELU and act.approximate == "none")
+        y = F.instance_norm_act(y, norm.weight, norm.bias, eps=norm.eps, act="gelu" if fused else None,
+                                layout="tokens" if tokens else "channels_first")
+        return y if fused else _act(y, act)
+    if tokens:
+        return _act(norm(y.transpose(1, 2).unflatten(2, list(grid))).flatten(2).transpose(1, 2), act)
+    return _act(norm(y), act)
 
 
 def _make_norm(kind: Optional[str], channels: int, rank: int, factory) -> Optional[nn.Module]:
@@ -410,24 +551,7 @@ def _make_norm(kind: Optional[str], channels: int, rank: int, factory) -> Option
         return None
     if kind != "instance":
         raise ValueError(f"norm must be 'instance' or None, got {kind!r}")
-    return (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)[rank - 1](channels, affine=True, **factory)
-
-
-def _norms_between(norms: Optional[Sequence[Optional[nn.Module]]], channels: Sequence[int],
-                   where: str) -> nn.ModuleList:
-    """The norms between consecutive stages (``channels[i]`` features after stage i), checked;
-    None (or a None entry) means no norm there."""
-    norms = list(norms) if norms is not None else [None] * len(channels)
-    if len(norms) != len(channels):
-        raise ValueError(f"{where}: need one norm (or None) between each pair of convs")
-    for norm, c in zip(norms, channels):
-        if norm is None:
-            continue
-        if not isinstance(norm, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)) or norm.track_running_stats:
-            raise ValueError(f"{where}: norms must be nn.InstanceNorm*d without running stats, got {norm}")
-        if norm.affine and norm.num_features != c:
-            raise ValueError(f"{where}: norm {norm} does not match {c} channels")
-    return nn.ModuleList(n if n is not None else nn.Identity() for n in norms)
+    return _INSTANCE_NORMS[rank - 1](channels, affine=True, **factory)
 
 
 def _tokens_weight(weight: Tensor, transposed: bool) -> Tensor:
@@ -438,13 +562,129 @@ def _tokens_weight(weight: Tensor, transposed: bool) -> Tensor:
     return weight.reshape(out, inner, -1).transpose(1, 2).reshape(out, -1)
 
 
+@dataclass(frozen=True)
+class _StemPlan:
+    """Where a stem's pieces live, as submodule names, so that a stem made from an ``nn.Sequential``
+    keeps the Sequential's parameter names: the stages in the order they apply, and after each
+    stage its norm (a name or None) and its activation (("fn", an _ACTS key), ("module", a name) or
+    None). The entries after the last stage are the stem's trailing norm and activation."""
+    stages: Tuple[str, ...]
+    norms: Tuple[Optional[str], ...]
+    acts: Tuple[Optional[Tuple[str, str]], ...]
+
+    @staticmethod
+    def native(layers: int, has_norm: bool, act: Optional[str]) -> "_StemPlan":
+        """The plan of the constructors: ``stages.i``, ``norms.i`` between stages, one act."""
+        between = layers - 1
+        return _StemPlan(tuple(f"stages.{i}" for i in range(layers)),
+                         tuple(f"norms.{i}" if has_norm else None for i in range(between)) + (None,),
+                         tuple(("fn", act) if act else None for i in range(between)) + (None,))
+
+    def resolve(self, module: nn.Module):
+        """(stages, norms, acts) as modules and _ACTS keys."""
+        get = module.get_submodule
+        return ([get(n) for n in self.stages], [None if n is None else get(n) for n in self.norms],
+                [None if a is None else (a[1] if a[0] == "fn" else get(a[1])) for a in self.acts])
+
+
+class _StemNormError(ValueError):
+    """A Sequential laid out as a stem whose norm cannot run on tokens (convert reports it)."""
+
+
+def _stem_from_sequential(cls, seq: nn.Module, conv_types, swap, **attributes):
+    """A ``cls`` (a hierarchical stem) computing ``seq`` = conv (norm)? (act)? conv (norm)? (act)? ...
+    with two convs or more, holding ``seq``'s own modules under their own names (the convs swapped by
+    ``swap``, sharing their parameters). ValueError naming the layer that does not fit."""
+    where = f"{cls.__name__}.from_sequential"
+    if not isinstance(seq, nn.Sequential):
+        raise ValueError(f"{where}: expected an nn.Sequential, got {type(seq).__name__}")
+    layers = list(seq._modules.items())
+    stages, norms, acts, i = [], [], [], 0
+    while i < len(layers):
+        name, conv = layers[i]
+        if type(conv) not in conv_types:
+            raise ValueError(f"{where}: layer {name} is {type(conv).__name__}, where a "
+                             f"{'/'.join(t.__name__ for t in conv_types)} should come")
+        reason = _ineligible(conv)
+        if reason:
+            raise ValueError(f"{where}: layer {name} is not kernel == stride: {reason}")
+        stages.append(name)
+        i += 1
+        norm = act = None
+        if i < len(layers) and type(layers[i][1]) not in conv_types + _ACT_MODULES:
+            norm, i = layers[i][0], i + 1
+        if i < len(layers) and type(layers[i][1]) in _ACT_MODULES:
+            act, i = ("module", layers[i][0]), i + 1
+        norms.append(norm)
+        acts.append(act)
+    if len(stages) < 2:
+        raise ValueError(f"{where}: a stem needs two convs or more, {seq} has {len(stages)}")
+    modules = dict(layers)
+    convs = [modules[n] for n in stages]
+    for i in range(1, len(convs)):
+        if convs[i].in_channels != convs[i - 1].out_channels or len(convs[i].kernel_size) != len(convs[0].kernel_size):
+            raise ValueError(f"{where}: layer {stages[i]} {convs[i]} does not follow layer {stages[i - 1]} {convs[i - 1]}")
+    rank = len(convs[0].kernel_size)
+    for conv, norm in zip(convs, norms):
+        problem = None if norm is None else _norm_problem(modules[norm], conv.out_channels, rank)
+        if problem:
+            raise _StemNormError(f"{where}: layer {norm}: {problem}")
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    for name, layer in layers:
+        module.add_module(name, swap(layer) if name in stages else layer)
+    module._plan = _StemPlan(tuple(stages), tuple(norms), tuple(acts))
+    module.dims = rank
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    return module
+
+
+def _stem_from_convs(cls, convs, norms, act, final_norm, swap, **kwargs):
+    """A ``cls`` over ``convs`` with ``norms`` between them (InstanceNorm or any norm that
+    _norm_problem accepts; None for none) and ``final_norm`` after the last."""
+    where = f"{cls.__name__}.from_convs"
+    convs = list(convs)
+    if not convs:
+        raise ValueError(f"{where}: convs must not be empty")
+    stages = [swap(c) for c in convs]
+    for i in range(1, len(stages)):
+        if stages[i].in_channels != stages[i - 1].out_channels or len(stages[i].kernel_size) != len(stages[0].kernel_size):
+            raise ValueError(f"{where}: convs[{i}] {convs[i]} does not follow {convs[i - 1]}")
+    norms = list(norms) if norms is not None else [None] * (len(stages) - 1)
+    if len(norms) != len(stages) - 1:
+        raise ValueError(f"{where}: need one norm (or None) between each pair of convs")
+    rank = len(stages[0].kernel_size)
+    for norm, stage in zip(norms + [final_norm], stages):
+        problem = None if norm is None else _norm_problem(norm, stage.out_channels, rank)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
+    kernels = [s.kernel_size for s in stages]
+    if issubclass(cls, HierarchicalPatchUnembed):  # whose constructor lists the stages finest first
+        kernels.reverse()
+    module = cls(stages[0].in_channels, stages[-1].out_channels, kernels, norm=None, act=act, dims=rank,
+                 device="meta", **kwargs)
+    module.stages = nn.ModuleList(stages)
+    module.norms = nn.ModuleList(n if n is not None else nn.Identity() for n in norms)
+    if final_norm is not None:
+        module.final_norm = final_norm
+    module._plan = _StemPlan(module._plan.stages,
+                             tuple(None if n is None else f"norms.{i}" for i, n in enumerate(norms))
+                             + (None if final_norm is None else "final_norm",),
+                             module._plan.acts)
+    return module
+
+
 class HierarchicalPatchEmbed(nn.Module):
     """A stack of kernel == stride convs (an hMLP stem): ``Conv(k1) -> norm -> act -> Conv(k2) ->
-    ... -> Conv(kL)``, returning the conv stack's result.
+    ... -> Conv(kL)`` (and optionally a norm and an activation after the last), returning the conv
+    stack's result.
 
     The input is gathered once, with tokens ordered patch-major for the later stages (every group
     of stage-s patches forming a stage-(s+1) patch is a run of contiguous rows), so stages 2..L are
-    plain GEMMs on *views* of the previous stage's output, with no gather at all.
+    plain GEMMs on *views* of the previous stage's output, with no gather at all. The channels-first
+    result is a view of those tokens (strided like channels_last), so ``flatten(2).transpose(1, 2)``
+    after it is free.
     """
 
     def __init__(self, in_chans: int, embed_dim: int, stages: Sequence = (4, 2, 2), *,
@@ -456,6 +696,8 @@ class HierarchicalPatchEmbed(nn.Module):
             raise ValueError("HierarchicalPatchEmbed: stages must not be empty")
         if act not in _ACTS:
             raise ValueError(f"HierarchicalPatchEmbed: act must be one of {list(_ACTS)}, got {act!r}")
+        if dims not in (1, 2, 3):
+            raise ValueError(f"HierarchicalPatchEmbed: dims must be 1, 2 or 3, got {dims!r}")
         F._check_format("HierarchicalPatchEmbed: out_format", out_format)
         factory = {"device": device, "dtype": dtype}
         hidden = hidden_dim or max(1, embed_dim // 4)
@@ -465,46 +707,53 @@ class HierarchicalPatchEmbed(nn.Module):
             PatchEmbed(widths[i], widths[i + 1], kernels[i], bias, dims=dims, **factory)
             for i in range(len(kernels)))
         self.norms = nn.ModuleList(_make_norm(norm, w, dims, factory) or nn.Identity() for w in widths[1:-1])
-        self.act, self.out_format, self.dims = act, out_format, dims
+        self.out_format, self.dims = out_format, dims
+        self._plan = _StemPlan.native(len(kernels), norm is not None, act)
 
     @classmethod
-    def from_convs(cls, convs: Sequence[nn.Module], norms: Optional[Sequence[nn.Module]] = None,
-                   act: Optional[str] = "gelu", out_format: str = "channels_first") -> "HierarchicalPatchEmbed":
-        """The stem computing ``convs[0] -> norms[0] -> act -> convs[1] -> ...``, sharing their
-        parameters (``norms``: InstanceNorm modules, or None for no norm)."""
-        convs = list(convs)
-        if not convs:
-            raise ValueError("HierarchicalPatchEmbed.from_convs: convs must not be empty")
-        stages = [PatchEmbed.from_conv(c) for c in convs]
-        for i in range(1, len(stages)):
-            if stages[i].in_channels != stages[i - 1].embed_dim or len(stages[i].kernel_size) != len(stages[0].kernel_size):
-                raise ValueError(f"HierarchicalPatchEmbed.from_convs: convs[{i}] {convs[i]} does not follow {convs[i - 1]}")
-        norms = _norms_between(norms, [s.embed_dim for s in stages[:-1]], "HierarchicalPatchEmbed.from_convs")
-        module = cls(stages[0].in_channels, stages[-1].embed_dim, [s.kernel_size for s in stages],
-                     norm=None, act=act, dims=len(stages[0].kernel_size), out_format=out_format, device="meta")
-        module.stages = nn.ModuleList(stages)
-        module.norms = norms
-        return module
+    def from_convs(cls, convs: Sequence[nn.Module], norms: Optional[Sequence[Optional[nn.Module]]] = None,
+                   act: Optional[str] = "gelu", out_format: str = "channels_first",
+                   final_norm: Optional[nn.Module] = None) -> "HierarchicalPatchEmbed":
+        """The stem computing ``convs[0] -> norms[0] -> act -> convs[1] -> ... -> convs[-1] ->
+        final_norm``, sharing their parameters. A norm is an InstanceNorm (or GroupNorm with a group
+        per channel), fused with the activation, or any other norm module that does not depend on
+        the order of positions (a custom RMS instance norm, say), run as it is; None for none."""
+        return _stem_from_convs(cls, convs, norms, act, final_norm, PatchEmbed.from_conv, out_format=out_format)
+
+    @classmethod
+    def from_sequential(cls, seq: nn.Sequential, out_format: str = "channels_first") -> "HierarchicalPatchEmbed":
+        """The stem computing ``seq``, an ``nn.Sequential`` of kernel == stride convs, each followed
+        by an optional norm and an optional activation (as MATEY's or Multiple Physics
+        Pretraining's ``hMLP_stem``), two convs or more. It holds ``seq``'s own modules under their
+        names, so ``seq``'s ``state_dict`` loads into it unchanged. ValueError where ``seq`` is not
+        such a stem."""
+        F._check_format("HierarchicalPatchEmbed: out_format", out_format)
+        return _stem_from_sequential(cls, seq, _CONVS, PatchEmbed.from_conv, out_format=out_format)
 
     def forward(self, x: Tensor) -> Tensor:
-        first = self.stages[0]
-        kernels = [s.kernel_size for s in self.stages]
-        total = [math.prod(k[d] for k in kernels) for d in range(self.dims)]
+        stages, norms, acts = self._plan.resolve(self)
+        first = stages[0]
+        kernels = [s.kernel_size for s in stages]
+        total = [math.prod([k[d] for k in kernels]) for d in range(self.dims)]
         if x.dim() != self.dims + 2 or any(s % t for s, t in zip(x.shape[2:], total)):
-            raise ValueError(
+            raise RuntimeError(
                 f"HierarchicalPatchEmbed: x must be [B, {first.in_channels}, *S] with S divisible by the "
                 f"total patch {tuple(total)}, got shape {tuple(x.shape)}")
         grid = [s // t for s, t in zip(x.shape[2:], total)]
         # Stage-1 tokens ordered (final grid, k_L, ..., k_2): coarse first.
         levels = grid + [v for k in reversed(kernels[1:]) for v in k]
         x, w, b = F._autocast(x, first.weight, first.bias)
-        y = ops.patch_embed(x, w, b, True, levels)  # [B, N1, C1]
-        for stage, norm in zip(self.stages[1:], self.norms):
-            y = _norm_act_tokens(y, None if isinstance(norm, nn.Identity) else norm, self.act)
-            patch = math.prod(stage.kernel_size)
-            rows = y.reshape(y.shape[0], y.shape[1] // patch, patch * y.shape[2])  # a view
-            y = nn.functional.linear(rows, _tokens_weight(stage.weight, False).to(rows.dtype),
-                                     None if stage.bias is None else stage.bias.to(rows.dtype))
+        y = _call("patch_embed", x, w, b, True, levels)  # [B, N1, C1]
+        for i, stage in enumerate(stages):
+            if i > 0:
+                patch = math.prod(stage.kernel_size)
+                rows = y.reshape(y.shape[0], y.shape[1] // patch, patch * y.shape[2])  # a view
+                y = nn.functional.linear(rows, _tokens_weight(stage.weight, False).to(rows.dtype),
+                                         None if stage.bias is None else stage.bias.to(rows.dtype))
+            if norms[i] is not None or acts[i] is not None:
+                # stage i's tokens cover the final grid times the later stages' kernels
+                stage_grid = [g * math.prod([k[d] for k in kernels[i + 1:]]) for d, g in enumerate(grid)]
+                y = _norm_act(y, norms[i], acts[i], stage_grid)
         if self.out_format == "tokens":
             return y
         return y.transpose(1, 2).reshape(y.shape[0], y.shape[2], *grid)
@@ -512,8 +761,9 @@ class HierarchicalPatchEmbed(nn.Module):
 
 class HierarchicalPatchUnembed(nn.Module):
     """The inverse stack: ``ConvTranspose(kL) -> norm -> act -> ... -> ConvTranspose(k1)`` (``stages``
-    listed finest first, as for :class:`HierarchicalPatchEmbed`). Stages L..2 are GEMMs producing
-    rows in patch-major order; the last is one GEMM + one scatter."""
+    listed finest first, as for :class:`HierarchicalPatchEmbed`), optionally with a norm and an
+    activation after the last. Stages L..2 are GEMMs producing rows in patch-major order; the last
+    is one GEMM + one scatter."""
 
     def __init__(self, embed_dim: int, out_chans: int, stages: Sequence = (4, 2, 2), *,
                  hidden_dim: Optional[int] = None, norm: Optional[str] = "instance",
@@ -524,6 +774,8 @@ class HierarchicalPatchUnembed(nn.Module):
             raise ValueError("HierarchicalPatchUnembed: stages must not be empty")
         if act not in _ACTS:
             raise ValueError(f"HierarchicalPatchUnembed: act must be one of {list(_ACTS)}, got {act!r}")
+        if dims not in (1, 2, 3):
+            raise ValueError(f"HierarchicalPatchUnembed: dims must be 1, 2 or 3, got {dims!r}")
         F._check_format("HierarchicalPatchUnembed: in_format", in_format)
         factory = {"device": device, "dtype": dtype}
         hidden = hidden_dim or max(1, embed_dim // 4)
@@ -535,52 +787,58 @@ class HierarchicalPatchUnembed(nn.Module):
             PatchUnembed(widths[i], widths[i + 1], order[i], bias, dims=dims, **factory)
             for i in range(len(order)))
         self.norms = nn.ModuleList(_make_norm(norm, w, dims, factory) or nn.Identity() for w in widths[1:-1])
-        self.act, self.in_format, self.dims = act, in_format, dims
+        self.in_format, self.dims = in_format, dims
+        self._plan = _StemPlan.native(len(kernels), norm is not None, act)
 
     @classmethod
-    def from_convs(cls, convs: Sequence[nn.Module], norms: Optional[Sequence[nn.Module]] = None,
-                   act: Optional[str] = "gelu", in_format: str = "channels_first") -> "HierarchicalPatchUnembed":
-        """The stack computing ``convs[0] -> norms[0] -> act -> convs[1] -> ...`` (ConvTranspose
-        modules in application order, coarse first), sharing their parameters."""
-        convs = list(convs)
-        if not convs:
-            raise ValueError("HierarchicalPatchUnembed.from_convs: convs must not be empty")
-        stages = [PatchUnembed.from_conv_transpose(c) for c in convs]
-        for i in range(1, len(stages)):
-            if stages[i].in_channels != stages[i - 1].out_channels:
-                raise ValueError(f"HierarchicalPatchUnembed.from_convs: convs[{i}] {convs[i]} does not follow {convs[i - 1]}")
-        norms = _norms_between(norms, [s.out_channels for s in stages[:-1]], "HierarchicalPatchUnembed.from_convs")
-        module = cls(stages[0].in_channels, stages[-1].out_channels, [s.kernel_size for s in reversed(stages)],
-                     norm=None, act=act, dims=len(stages[0].kernel_size), in_format=in_format, device="meta")
-        module.stages = nn.ModuleList(stages)
-        module.norms = norms
-        return module
+    def from_convs(cls, convs: Sequence[nn.Module], norms: Optional[Sequence[Optional[nn.Module]]] = None,
+                   act: Optional[str] = "gelu", in_format: str = "channels_first",
+                   final_norm: Optional[nn.Module] = None) -> "HierarchicalPatchUnembed":
+        """The stack computing ``convs[0] -> norms[0] -> act -> convs[1] -> ... -> final_norm``
+        (ConvTranspose modules in application order, coarse first), sharing their parameters; norms
+        as for :meth:`HierarchicalPatchEmbed.from_convs`."""
+        return _stem_from_convs(cls, convs, norms, act, final_norm, PatchUnembed.from_conv_transpose,
+                                in_format=in_format)
+
+    @classmethod
+    def from_sequential(cls, seq: nn.Sequential, in_format: str = "channels_first") -> "HierarchicalPatchUnembed":
+        """The stack computing ``seq``, an ``nn.Sequential`` of kernel == stride ConvTranspose
+        modules, each followed by an optional norm and an optional activation (as the
+        ``hMLP_output`` of MATEY or Multiple Physics Pretraining), keeping ``seq``'s parameter names;
+        as :meth:`HierarchicalPatchEmbed.from_sequential`."""
+        F._check_format("HierarchicalPatchUnembed: in_format", in_format)
+        return _stem_from_sequential(cls, seq, _CONV_TRANSPOSES, PatchUnembed.from_conv_transpose,
+                                     in_format=in_format)
 
     def forward(self, x: Tensor, grid: Optional[Sequence[int]] = None) -> Tensor:
-        first = self.stages[0]
+        stages, norms, acts = self._plan.resolve(self)
+        first = stages[0]
         if self.in_format == "channels_first":
             if x.dim() != self.dims + 2 or x.shape[1] != first.in_channels:
-                raise ValueError(f"HierarchicalPatchUnembed: x must be [B, {first.in_channels}, *grid], got {tuple(x.shape)}")
+                raise RuntimeError(f"HierarchicalPatchUnembed: x must be [B, {first.in_channels}, *grid], got {tuple(x.shape)}")
             grid = list(x.shape[2:])
             y = x.flatten(2).transpose(1, 2)
         else:
             if grid is None or len(grid) != self.dims:
                 raise ValueError(f"HierarchicalPatchUnembed: tokens input needs grid with {self.dims} sizes")
-            grid = [int(g) for g in grid]
+            grid = F._grid(grid, "HierarchicalPatchUnembed")
             if x.dim() != 3 or x.shape[1] != math.prod(grid) or x.shape[2] != first.in_channels:
-                raise ValueError(
+                raise RuntimeError(
                     f"HierarchicalPatchUnembed: x must be [B, {math.prod(grid)}, {first.in_channels}] for grid "
                     f"{tuple(grid)}, got {tuple(x.shape)}")
             y = x
         y, = F._autocast(y)
-        for stage, norm in zip(self.stages[:-1], self.norms):
+        for i, stage in enumerate(stages[:-1]):
             patch = math.prod(stage.kernel_size)
             bias = None if stage.bias is None else stage.bias.repeat(patch).to(y.dtype)
             y = nn.functional.linear(y, _tokens_weight(stage.weight, True).t().to(y.dtype), bias)
             y = y.reshape(y.shape[0], y.shape[1] * patch, stage.out_channels)  # a view
-            y = _norm_act_tokens(y, None if isinstance(norm, nn.Identity) else norm, self.act)
-        last = self.stages[-1]
+            if norms[i] is not None or acts[i] is not None:
+                stage_grid = [g * math.prod([s.kernel_size[d] for s in stages[:i + 1]]) for d, g in enumerate(grid)]
+                y = _norm_act(y, norms[i], acts[i], stage_grid)
+        last = stages[-1]
         # Scatter with the token order the stages produced: (grid, k_L, ..., k_2).
-        levels = grid + [v for s in self.stages[:-1] for v in s.kernel_size]
+        levels = grid + [v for s in stages[:-1] for v in s.kernel_size]
         _, w, b = F._autocast(y, last.weight, last.bias)
-        return ops.patch_unembed(y, w, b, True, levels)
+        out = _call("patch_unembed", y, w, b, True, levels)
+        return _norm_act(out, norms[-1], acts[-1], None)

@@ -54,6 +54,9 @@ def summarize(rows: Iterable[Mapping]) -> List[Summary]:
 
 def plot(rows: Iterable[Mapping], path: str, title: Optional[str] = None) -> List[Summary]:
     """Draws the summary of `rows` into `path` (any format matplotlib writes) and returns it."""
+    summaries = summarize(rows)
+    if not summaries:
+        raise ValueError("nothing to plot: no case has both a patchgemm row and a baseline row")
     try:
         import matplotlib
     except ImportError as e:
@@ -61,9 +64,6 @@ def plot(rows: Iterable[Mapping], path: str, title: Optional[str] = None) -> Lis
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summaries = summarize(rows)
-    if not summaries:
-        raise ValueError("nothing to plot: no case has both a patchgemm row and a baseline row")
     labels = [s.label for s in summaries][::-1]  # the first case on top
     ys = range(len(labels))
     rev = summaries[::-1]

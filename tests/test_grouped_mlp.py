@@ -136,9 +136,9 @@ def test_module_matches_loop_of_linears():
 
 @pytest.mark.parametrize("make, error, match", [
     (lambda: patchgemm.GroupedMLP(2, 4, 4, activation="gelu"), ValueError, "activation"),
-    (lambda: patchgemm.grouped_mlp(torch.randn(3, 2, 4), torch.randn(2, 7, 4), torch.randn(2, 4, 3)), ValueError,
+    (lambda: patchgemm.grouped_mlp(torch.randn(3, 2, 4), torch.randn(2, 7, 4), torch.randn(2, 4, 3)), RuntimeError,
      r"\[G, 2H, D\]"),
-    (lambda: patchgemm.grouped_mlp(torch.randn(3, 2, 4), torch.randn(2, 8, 4), torch.randn(3, 4, 4)), ValueError,
+    (lambda: patchgemm.grouped_mlp(torch.randn(3, 2, 4), torch.randn(2, 8, 4), torch.randn(3, 4, 4)), RuntimeError,
      "same G and H"),
     (lambda: patchgemm.grouped_mlp(torch.randn(3, 2, 5), torch.randn(2, 8, 4), torch.randn(2, 4, 4)), RuntimeError,
      "features per group"),

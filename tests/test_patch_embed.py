@@ -394,7 +394,7 @@ def test_hierarchical_defaults():
     assert y.shape == (1, 64, 1, 1, 1)
     head = patchgemm.HierarchicalPatchUnembed(64, 4, stages=[2, 2, 4])
     assert head(y).shape == (1, 4, 16, 16, 16)
-    with pytest.raises(ValueError, match="divisible by the total patch"):
+    with pytest.raises(RuntimeError, match="divisible by the total patch"):
         stem(randn(1, 4, 16, 16, 8))
 
 

@@ -40,6 +40,7 @@ def png_size(path):
 
 
 def test_from_json_prints_the_table_and_draws_the_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
     saved = tmp_path / "bench.json"
     saved.write_text(json.dumps({"environment": {"gpu": "TestGPU", "torch": "x", "date": "d"}, "rows": rows()}))
     out = tmp_path / "out.png"
@@ -65,3 +66,16 @@ def test_time_ms_reports_the_median_and_the_host_time():
     t = time_ms(lambda i: calls.append(i), torch.device("cpu"), warmup=2, reps=5)
     assert calls == [0, 1, 0, 1, 2, 3, 4]  # warm-ups, then one call per rep with its input index
     assert t.ms >= 0 and t.host_ms == t.ms  # on the CPU the host time is the time
+
+
+def test_filter_names_cases_or_families_not_substrings():
+    from patchgemm.bench import _matches
+
+    assert _matches("G1 fp32", "g1") and _matches("G1 fp32", "g1 fp32") and _matches("P3", "p3")
+    assert not _matches("G1 fp32", "p3") and not _matches("P10", "p1")
+
+
+def test_the_cpu_bench_names_atens_conv():
+    from patchgemm.bench import _conv_name
+
+    assert _conv_name("cpu") == "ATen conv"

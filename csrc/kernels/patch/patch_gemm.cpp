@@ -175,10 +175,14 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
   } else if (g.batch <= 16 && (g.batch - 1) * pm.size(2) < g.batch * N) {
     // Channels-first grad_y cannot merge B and N: one accumulating GEMM per sample. Each after
     // the first re-reads and re-writes dW [E, ld], so this wins only while that traffic is below
-    // the copy of grad_y [B, E, N] the other branch makes.
+    // the copy of grad_y [B, E, N] the other branch makes. 16-bit sums stay fp32 between the
+    // GEMMs and are rounded once, as one GEMM's are.
+    const bool wide_sums = dw.element_size() == 2;
+    const at::Tensor sums = wide_sums ? at::empty(dw.sizes(), dw.options().dtype(at::kFloat)) : dw;
     for (int64_t b = 0; b < g.batch; ++b) {
-      run_gemm(dy.narrow(0, b, 1).transpose(1, 2), pm.narrow(0, b, 1), dw, std::nullopt, /*accumulate=*/b > 0, kConv);
+      run_gemm(dy.narrow(0, b, 1).transpose(1, 2), pm.narrow(0, b, 1), sums, std::nullopt, /*accumulate=*/b > 0, kConv);
     }
+    if (wide_sums) dw.copy_(sums);
   } else {
     // One copy of grad_y into tokens order, then one GEMM over all B * N tokens.
     run_gemm(merge_batch(dy.contiguous()).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);

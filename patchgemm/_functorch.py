@@ -1,0 +1,199 @@
+"""The differentiable ops under torch.func transforms (grad, vjp, jacrev, jacfwd's vjp half, vmap).
+
+The ops' autograd is C++ (csrc/ops/autograd.cpp) to keep host time per call low, and PyTorch
+refuses C++ autograd functions while a functorch transform is active. So while one is, the
+functional API calls these Python autograd Functions instead: the same backward ops, the same
+gradients. functorch applies a Function once per transform level; its forward runs the op's
+backend kernel (vmap batches it by PyTorch's per-sample fallback). The input gradients of the
+patch ops are patch ops again, called through `call`, so they are differentiable in turn; the
+weight and bias gradients are not differentiable again.
+"""
+
+import torch
+
+from .ops import ops
+
+
+def active() -> bool:
+    """True inside a torch.func transform (torch.compile reads it as a constant)."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def _below(op, *args):
+    """The op's backend kernel (under vmap: per sample), skipping its C++ autograd."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def _opmath_sum(t, dims):
+    """A bias gradient: a sum in the op-math dtype, rounded once."""
+    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+    return t.sum(dims, dtype=wide).to(t.dtype)
+
+
+class _Function(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        # (x, weight, bias, *rest): x and weight saved, tensors of rest saved after them, the
+        # other arguments of rest kept as they are.
+        x, weight, bias, *rest = inputs
+        ctx.has_bias = bias is not None
+        ctx.args = [None if isinstance(a, torch.Tensor) else a for a in rest]
+        ctx.save_for_backward(x, weight, *(a for a in rest if isinstance(a, torch.Tensor)))
+
+
+class GroupedLinear(_Function):
+    @staticmethod
+    def forward(x, weight, bias, group_major):
+        return _below(ops.grouped_linear, x, weight, bias, group_major)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        group_major, = ctx.args
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = ops.grouped_linear_grad_input(grad_y, weight, group_major) if need_x else None
+        grad_w = ops.grouped_linear_grad_weight(grad_y, x, group_major) if need_w else None
+        grad_b = _opmath_sum(grad_y, (1 if group_major else 0,)) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+class RaggedGroupedLinear(_Function):
+    @staticmethod
+    def forward(x, weight, bias, offsets):
+        return _below(ops.ragged_grouped_linear, x, weight, bias, offsets)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, offsets = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = ops.ragged_grouped_linear_grad_input(grad_y, weight, offsets) if need_x else None
+        grad_w = ops.ragged_grouped_linear_grad_weight(grad_y, x, offsets) if need_w else None
+        grad_b = None
+        if need_b and ctx.has_bias:
+            ends = offsets.to(device=grad_y.device, dtype=torch.int64)
+            sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+            wide = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
+            grad_b = torch.segment_reduce(grad_y.to(wide), "sum", lengths=sizes).to(grad_y.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class GroupedPointwiseConv(_Function):
+    @staticmethod
+    def forward(x, weight, bias, groups):
+        return _below(ops.grouped_pointwise_conv, x, weight, bias, groups)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        groups, = ctx.args
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
+        grad_x = grad_w = grad_b = None
+        if need_x:  # dx in x's memory format, as the conv's
+            fmt = torch._prims_common.suggest_memory_format(x) if x.numel() else torch.contiguous_format
+            grad_x = ops.grouped_pointwise_conv_grad_input(grad_y.contiguous(memory_format=fmt), weight,
+                            groups)
+        if need_w:
+            grad_w, grad_b = ops.grouped_pointwise_conv_grad_weight(grad_y, x, groups, need_b)
+        elif need_b:
+            grad_b = _opmath_sum(grad_y, (0, *range(2, grad_y.dim())))
+        return grad_x, grad_w, grad_b if need_b else None, None
+
+
+class PatchEmbed(_Function):
+    @staticmethod
+    def forward(x, weight, bias, tokens, levels):
+        return _below(ops.patch_embed, x, weight, bias, tokens, levels)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        tokens, levels = ctx.args
+        kernel = list(weight.shape[2:])
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
+        grad_x = grad_w = grad_b = None
+        if need_x:  # row-major tokens unpatchify with one level, the grid
+            unembed_levels = [s // k for s, k in zip(x.shape[2:], kernel)] if tokens and not levels else levels
+            grad_x = call("patch_unembed", grad_y, weight, None, tokens, unembed_levels)
+        if need_w or need_b:
+            grad_w, grad_b = ops.patch_weight_grad(grad_y, x, kernel, tokens, levels, need_b, False)
+        return grad_x, grad_w if need_w else None, grad_b if need_b else None, None, None
+
+
+class PatchUnembed(_Function):
+    @staticmethod
+    def forward(x, weight, bias, tokens, levels):
+        return _below(ops.patch_unembed, x, weight, bias, tokens, levels)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        tokens, levels = ctx.args
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = call("patch_embed", grad_y, weight, None, tokens, levels)
+        if need_w:
+            grad_w, grad_b = ops.patch_weight_grad(x, grad_y, list(weight.shape[2:]), tokens, levels,
+                                    need_b, True)
+        elif need_b:
+            grad_b = _opmath_sum(grad_y, (0, *range(2, grad_y.dim())))
+        return grad_x, grad_w, grad_b if need_b else None, None, None
+
+
+class Swiglu(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(gate_up):
+        return _below(ops.swiglu, gate_up)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        return ops.swiglu_backward(grad_h, ctx.saved_tensors[0])
+
+
+class InstanceNormAct(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, bias, eps, gelu, tokens):
+        return _below(ops.instance_norm_act, x, weight, bias, eps, gelu, tokens)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, _, gelu, tokens = inputs
+        ctx.gelu, ctx.tokens, ctx.has_weight, ctx.has_bias = gelu, tokens, weight is not None, bias is not None
+        ctx.save_for_backward(x, weight, bias, output[1], output[2])
+        ctx.mark_non_differentiable(output[1], output[2])
+
+    @staticmethod
+    def backward(ctx, grad_y, _grad_mean, _grad_rstd):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        grad_x, grad_w, grad_b = ops.instance_norm_act_backward(grad_y, x, weight, bias, mean, rstd,
+                                        ctx.gelu, ctx.tokens)
+        return (grad_x, grad_w if ctx.has_weight else None, grad_b if ctx.has_bias else None, None, None, None)
+
+
+_FUNCTIONS = {
+    "grouped_linear": GroupedLinear, "ragged_grouped_linear": RaggedGroupedLinear,
+    "grouped_pointwise_conv": GroupedPointwiseConv, "patch_embed": PatchEmbed, "patch_unembed": PatchUnembed,
+    "swiglu": Swiglu, "instance_norm_act": InstanceNormAct,
+}
+
+
+def call(name: str, *args):
+    """``torch.ops.patchgemm.<name>(*args)``: through its C++ autograd normally, through the Python
+    Function above inside a torch.func transform."""
+    if active():
+        return _FUNCTIONS[name].apply(*args)
+    return getattr(ops, name)(*args)

@@ -1,0 +1,279 @@
+"""`python -m patchgemm bench --models`: a training step of real models, original and converted, in one run.
+
+A step is forward + backward under bf16 autocast (loss: the mean of the output; no optimizer). Per
+model and form it reports the GPU time per step (the profiler's sum of kernel, copy and memset
+times, so host gaps do not count), the wall time per step (steps issued back to back, the host
+included), the peak memory a step allocates (activations, gradients, workspace: above the weights
+held before it), and the ratios original / converted. Models are built from
+their libraries' configs with random weights (nothing is downloaded); a model whose library is
+missing is skipped with a line saying so.
+"""
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .bench import kernel_ms
+from .nn import convert
+
+
+# ---- a MATEY-style 3-D model ----------------------------------------------------------------------
+
+class LinearPatchStage(nn.Module):
+    """One stage of a patch stem as MATEY's ``use_linear`` writes it: the kernel == stride patches
+    copied out by a reshape and a permute, then an ``nn.Linear``. Channels-first in and out."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel: int, transposed: bool = False):
+        super().__init__()
+        self.kernel, self.out_channels, self.transposed = kernel, out_channels, transposed
+        patch = kernel ** 3
+        self.linear = (nn.Linear(in_channels, out_channels * patch, bias=False) if transposed
+                       else nn.Linear(in_channels * patch, out_channels, bias=False))
+
+    def forward(self, x):
+        b, c, d, h, w = x.shape
+        k = self.kernel
+        if self.transposed:  # [B, C, D, H, W] -> [B, C_out, D k, H k, W k]
+            y = self.linear(x.permute(0, 2, 3, 4, 1)).reshape(b, d, h, w, k, k, k, self.out_channels)
+            return y.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, self.out_channels, d * k, h * k, w * k)
+        patches = x.reshape(b, c, d // k, k, h // k, k, w // k, k).permute(0, 2, 4, 6, 3, 5, 7, 1)
+        y = self.linear(patches.reshape(b, d // k, h // k, w // k, k * k * k * c))
+        return y.permute(0, 4, 1, 2, 3)
+
+
+class MateyStyle3d(nn.Module):
+    """The 3-D physics model of MATEY's shape: an hMLP stem (Conv3d k4 -> InstanceNorm -> GELU ->
+    Conv3d k2 -> ... -> Conv3d k2 -> InstanceNorm), transformer blocks over the tokens, and an hMLP
+    output (ConvTranspose3d k2 -> InstanceNorm -> GELU -> ... -> ConvTranspose3d k4).
+    ``stem="conv"`` writes the stages as convs, ``"linear"`` as MATEY's use_linear rewrite."""
+
+    def __init__(self, channels: int = 4, dim: int = 768, hidden: int = 192, depth: int = 4, heads: int = 12,
+                 stem: str = "conv", trailing_norm: bool = True):
+        super().__init__()
+        if stem not in ("conv", "linear"):
+            raise ValueError(f"MateyStyle3d: stem must be 'conv' or 'linear', got {stem!r}")
+        linear = stem == "linear"
+
+        def down(cin, cout, k):
+            return LinearPatchStage(cin, cout, k) if linear else nn.Conv3d(cin, cout, k, k, bias=False)
+
+        def up(cin, cout, k):
+            return LinearPatchStage(cin, cout, k, True) if linear else nn.ConvTranspose3d(cin, cout, k, k, bias=False)
+
+        def norm(c):
+            return nn.InstanceNorm3d(c, affine=True)
+
+        self.embed = nn.Sequential(down(channels, hidden, 4), norm(hidden), nn.GELU(), down(hidden, hidden, 2),
+                                   norm(hidden), nn.GELU(), down(hidden, dim, 2), *([norm(dim)] if trailing_norm else []))
+        self.blocks = nn.Sequential(*[nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, activation="gelu",
+                                                                 batch_first=True, norm_first=True)
+                                      for _ in range(depth)])
+        self.debed = nn.Sequential(up(dim, hidden, 2), norm(hidden), nn.GELU(), up(hidden, hidden, 2), norm(hidden),
+                                   nn.GELU(), up(hidden, channels, 4))
+
+    def forward(self, x):
+        t = self.embed(x)
+        grid = t.shape[2:]
+        t = self.blocks(t.flatten(2).transpose(1, 2))
+        return self.debed(t.transpose(1, 2).reshape(t.shape[0], t.shape[2], *grid))
+
+
+# ---- the models -----------------------------------------------------------------------------------
+
+@dataclass
+class ModelSpec:
+    name: str
+    library: Optional[str]          # the package it needs (None: torch alone)
+    build: Callable[[], nn.Module]
+    input_shape: Sequence[int]
+    forms: Sequence[str] = ("original", "converted")
+
+
+def _timm(name: str) -> Callable[[], nn.Module]:
+    def build():
+        import timm
+        return timm.create_model(name, pretrained=False)
+    return build
+
+
+def _videomae() -> nn.Module:
+    from transformers import VideoMAEConfig, VideoMAEModel
+    config = VideoMAEConfig(image_size=224, num_frames=16, tubelet_size=2, hidden_size=384, num_hidden_layers=12,
+                            num_attention_heads=6, intermediate_size=1536)
+    return VideoMAEModel(config)
+
+
+def specs(tiny: bool = False) -> List[ModelSpec]:
+    """The benchmark's models; ``tiny``: small sizes for a CPU smoke run."""
+    if tiny:
+        return [ModelSpec("MATEY-3D", None, lambda: MateyStyle3d(2, 64, 16, 1, 4), (1, 2, 32, 32, 32),
+                          ("conv", "use_linear", "converted"))]
+    return [
+        ModelSpec("ViT-B/16", "timm", _timm("vit_base_patch16_224"), (128, 3, 224, 224)),
+        ModelSpec("ViT-L/14", "timm", _timm("vit_large_patch14_clip_224"), (32, 3, 224, 224)),
+        ModelSpec("ConvNeXt-T", "timm", _timm("convnext_tiny"), (64, 3, 224, 224)),
+        ModelSpec("Swin-T", "timm", _timm("swin_tiny_patch4_window7_224"), (64, 3, 224, 224)),
+        ModelSpec("VideoMAE-S", "transformers", _videomae, (8, 16, 3, 224, 224)),
+        ModelSpec("MATEY-3D", None, MateyStyle3d, (8, 4, 128, 128, 128), ("conv", "use_linear", "converted")),
+    ]
+
+
+def _make(form: str, original: nn.Module) -> nn.Module:
+    if form in ("original", "conv"):
+        return original
+    # use_linear: the same stem and output written as reshapes + nn.Linear (random weights of its own)
+    conv = original
+    return MateyStyle3d(conv.embed[0].in_channels, conv.blocks[0].linear1.in_features, conv.embed[0].out_channels,
+                        len(conv.blocks), conv.blocks[0].self_attn.num_heads, stem="linear",
+                        trailing_norm=len(conv.embed) == 8).to(next(conv.parameters()).device)
+
+
+def _output(out) -> torch.Tensor:
+    """The tensor a model returns (a ModelOutput's first field, a tuple's first element)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "to_tuple"):
+        return out.to_tuple()[0]
+    return out[0]
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+
+@dataclass
+class ModelRow:
+    model: str
+    form: str
+    gpu_ms: Optional[float]   # sum of the step's kernel times
+    wall_ms: Optional[float]  # wall time per step, steps back to back
+    peak_mb: Optional[float]  # peak memory a step allocates above what the model held before it
+    vs_original_gpu: Optional[float] = None   # the original form's gpu_ms / this form's
+    vs_original_wall: Optional[float] = None
+    note: str = ""
+
+
+def _wall_ms(step: Callable[[int], object], device: torch.device, steps: int = 10, rounds: int = 3) -> float:
+    """Median over ``rounds`` of the wall time of ``steps`` steps issued back to back, per step."""
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3 / steps)
+    return statistics.median(times)
+
+
+def measure(model: nn.Module, x: torch.Tensor, device: torch.device, steps: int = 10) -> ModelRow:
+    model.train()
+    x = x.requires_grad_(False)
+
+    def step(_i):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = _output(model(x)).float().mean()
+        loss.backward()
+
+    step(0)
+    gpu = kernel_ms(step, device, warmup=2, reps=max(2, steps // 2))
+    wall = _wall_ms(step, device, steps)
+    peak = None
+    if device.type == "cuda":
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step(0)
+        torch.cuda.synchronize(device)
+        peak = (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
+    model.zero_grad(set_to_none=True)  # (a converted copy of the model must not copy its gradients)
+    return ModelRow("", "", gpu, wall, peak)
+
+
+def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tiny: bool = False,
+        progress=print) -> List[ModelRow]:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    wanted = [n.lower() for n in names or []]
+    rows = []
+    for spec in specs(tiny):
+        if wanted and spec.name.lower() not in wanted:
+            continue
+        if spec.library:
+            try:
+                __import__(spec.library)
+            except ImportError:
+                progress(f"skipped {spec.name}: {spec.library} is not installed")
+                continue
+        torch.manual_seed(0)
+        original = spec.build().to(dev)
+        x = torch.randn(*spec.input_shape, device=dev)
+        base = None
+        for form in spec.forms:
+            note = ""
+            if form == "converted":
+                report = convert(original, inplace=False)
+                model = report.model
+                original.eval(), model.eval()  # (no dropout or drop-path: the same function twice)
+                with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
+                    want, got = _output(original(x)).float(), _output(model(x)).float()
+                diff = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+                note = f"{len(report.swapped)} swapped; output rel. diff {diff:.1e}"
+            else:
+                model = _make(form, original)
+            row = measure(model, x, dev)
+            row.model, row.form, row.note = spec.name, form, note
+            if base is None:
+                base = row
+            else:
+                row.vs_original_gpu = base.gpu_ms / row.gpu_ms
+                row.vs_original_wall = base.wall_ms / row.wall_ms
+            progress(format_rows([row], header=False))
+            rows.append(row)
+            del model
+        del original
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def format_rows(rows: List[ModelRow], header: bool = True) -> str:
+    def num(v, fmt):
+        width = int(fmt.split(".")[0])
+        return f"{'-':>{width}}" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+    lines = [f"{'model':<12} {'form':<11} {'GPU ms':>8} {'wall ms':>8} {'peak MB':>8} {'GPU x':>6} {'wall x':>6}  note"]
+    lines = lines if header else []
+    for r in rows:
+        lines.append(f"{r.model:<12} {r.form:<11} {num(r.gpu_ms, '8.2f')} {num(r.wall_ms, '8.2f')} "
+                     f"{num(r.peak_mb, '8.0f')} {num(r.vs_original_gpu, '6.3f')} {num(r.vs_original_wall, '6.3f')}  "
+                     f"{r.note}")
+    return "\n".join(lines)
+
+
+def main(names: Optional[Sequence[str]] = None, device: Optional[str] = None, json_path: Optional[str] = None,
+         tiny: bool = False) -> int:
+    import json
+    from dataclasses import asdict
+
+    from .bench import environment
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    known = [s.name.lower() for s in specs(tiny)]
+    unknown = [n for n in names or [] if n.lower() not in known]
+    if unknown:
+        print(f"patchgemm bench --models: unknown model(s) {unknown}; the models are {[s.name for s in specs(tiny)]}")
+        return 2
+    print(format_rows([]))
+    rows = run(names, device=str(dev), tiny=tiny)
+    print("\n" + format_rows(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"environment": environment(dev), "models": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
