@@ -3,9 +3,10 @@
     python bench/results.py [--out bench/RESULTS.md] RUN.json ...
 
 Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m patchgemm bench
---models --json` (models) or `python bench/heldout.py --json` (held-out shapes) wrote; bench/results/
-keeps the current ones per GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-heldout.json. Every section says the date, GPU, versions and command of
-its run.
+--models --json` (models), `python -m patchgemm bench --host --json` (host time per call) or
+`python bench/heldout.py --json` (held-out shapes) wrote; bench/results/ keeps the current ones per
+GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-host.json / <gpu>-heldout.json. Every
+section says the date, GPU, versions and command of its run.
 """
 
 import argparse
@@ -16,6 +17,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from patchgemm.bench import Row, format_table  # noqa: E402
+from patchgemm.host_bench import HostRow  # noqa: E402
+from patchgemm.host_bench import format_rows as format_host_rows  # noqa: E402
 from patchgemm.model_bench import ModelRow, format_rows  # noqa: E402
 
 import heldout  # noqa: E402
@@ -53,18 +56,29 @@ def heldout_section(saved: dict, name: str) -> str:
     return f"## {title}: {_where(saved.get('environment', {}))}\n\n(`{name}`) {body}"
 
 
+def _table_section(saved: dict, title: str, command: str, method: str, table: str) -> str:
+    return "\n".join([f"## {title}: {_where(saved.get('environment', {}))}", "", f"`{command}`: {method}", "",
+                      "```", table, "```", ""])
+
+
 def models_section(saved: dict, name: str) -> str:
-    env = saved.get("environment", {})
-    rows = [ModelRow(**r) for r in saved["models"]]
-    return "\n".join([
-        f"## Models, a training step: {_where(env)}", "",
-        f"`python -m patchgemm bench --models --json {name}`: forward + backward under bf16 autocast, random "
-        "weights, models built from their libraries' configs. GPU ms is the profiler's sum of kernel times per "
-        "step; wall ms the wall time per step with steps back to back; peak MB what a step allocates above the "
-        "weights; `GPU x` / `wall x` = the first form's time / this form's. Where the host is the limit (wall ms "
-        "well above GPU ms) the wall times vary by up to a third from run to run on the lent machines; the GPU "
-        "times within a few per cent.", "",
-        "```", format_rows(rows), "```", ""])
+    return _table_section(
+        saved, "Models, a training step", f"python -m patchgemm bench --models --json {name}",
+        "forward + backward under bf16 autocast, random weights, models built from their libraries' configs. GPU "
+        "ms is the profiler's sum of kernel times per step; wall ms the wall time per step with steps back to "
+        "back; peak MB what a step allocates above the weights; `GPU x` / `wall x` = the first form's time / this "
+        "form's. Where the host is the limit (wall ms well above GPU ms) the wall times vary by up to a third from "
+        "run to run on the lent machines; the GPU times within a few per cent.",
+        format_rows([ModelRow(**r) for r in saved["models"]]))
+
+
+def host_section(saved: dict, name: str) -> str:
+    return _table_section(
+        saved, "Host time per call", f"python -m patchgemm bench --host --json {name}",
+        "the time the calling thread spends issuing one call (bf16; forward under no_grad, or forward + "
+        "backward), the GPU kept busy so no call waits for it; both sides timed alternately, call by call, "
+        "medians of 100 pairs. `torch/ours` >= 1: ours costs the host no more than the PyTorch op it replaces.",
+        format_host_rows([HostRow(**r) for r in saved["host"]]))
 
 
 def main(argv=None) -> int:
@@ -78,6 +92,8 @@ def main(argv=None) -> int:
         name = pathlib.Path(path).name
         if "models" in saved:
             sections.append(models_section(saved, name))
+        elif "host" in saved:
+            sections.append(host_section(saved, name))
         elif "rows" in saved:
             sections.append(suite_section(saved, name))
         else:

@@ -51,6 +51,8 @@ def main(argv=None) -> int:
                        help="instead of the suite: a training step of real models, original vs converted "
                        "(comma-separated names, default all: ViT-B/16, ViT-L/14, ConvNeXt-T, Swin-T, VideoMAE-S, "
                        "MATEY-3D)")
+    bench.add_argument("--host", action="store_true",
+                       help="instead of the suite: the host time per call of every op vs the PyTorch op it replaces")
     sub.add_parser("info", help="version, build flavour, torch/CUDA/BLAS versions")
     kernels = sub.add_parser("kernels", help="every op's implementations, in the order the default choice tries them")
     kernels.add_argument("op", nargs="?", help="only this op's")
@@ -65,6 +67,10 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.from_json:
         return suite.replay(args.from_json, plot_path=args.plot)
+    if args.host:
+        from . import host_bench
+
+        return host_bench.main(device=args.device, json_path=args.json)
     if args.models:
         from . import model_bench
 

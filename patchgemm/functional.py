@@ -67,11 +67,13 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         raise RuntimeError(f"grouped_linear: weight must be [G, Dout, Din], got shape {tuple(weight.shape)}")
     if bias is not None and not isinstance(bias, Tensor):
         raise TypeError("grouped_linear: bias must be a tensor or None")
-    groups, out_features, _ = weight.shape
     x, weight, bias = _autocast(x, weight, bias)
     if group_sizes is not None or offsets is not None:
         return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets)
+    if x.dim() == 3:  # the op's own form, in either layout
+        return _call("grouped_linear", x, weight, bias, layout == "gbd")
 
+    groups, out_features, _ = weight.shape
     if layout == "bgd":
         if x.dim() == 2:  # [B*G, Din]
             if x.shape[0] % max(groups, 1) != 0 or (groups == 0 and x.shape[0] != 0):
@@ -193,11 +195,12 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
 # ---- kernel == stride convolutions ----------------------------------------------------------------
 
 FORMATS = ("channels_first", "tokens")
+EMBED_FORMATS = ("channels_first", "channels_last", "tokens")  # patch_embed's out_format
 
 
-def _check_format(name, value):
-    if value not in FORMATS:
-        raise ValueError(f"{name} must be one of {FORMATS}, got {value!r}")
+def _check_format(name, value, allowed=FORMATS):
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 def _check_weight(op, weight, layout):
@@ -216,9 +219,12 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
             ``channels_last`` / ``channels_last_3d`` and other strides (those are copied once).
         weight: ``[E, C, *k]``, the conv layout (conv checkpoints load unchanged).
         bias: ``[E]`` or None.
-        out_format: ``"channels_first"`` returns ``[B, E, *grid]`` (what the conv returns);
-            ``"tokens"`` returns ``[B, N, E]`` with N in row-major patch-grid order, i.e.
-            ``conv(x).flatten(2).transpose(1, 2)``, written directly.
+        out_format: ``"channels_first"`` returns ``[B, E, *grid]`` (what the conv returns, in the
+            memory format x suggests, as the conv's); ``"tokens"`` returns ``[B, N, E]`` with N in
+            row-major patch-grid order, i.e. ``conv(x).flatten(2).transpose(1, 2)``, written
+            directly; ``"channels_last"`` returns ``[B, E, *grid]`` strided like channels_last(_3d)
+            whatever x is: a view of those tokens, so ``.flatten(2).transpose(1, 2)`` (or a
+            permute to channels-last order) after it costs nothing.
         pad: None: spatial sizes must be divisible by the patch size (else a RuntimeError naming the
             shapes). ``"dynamic"``: zero-pad at the end of each spatial dim up to a multiple, like
             timm's ``dynamic_img_pad`` (one copy of x).
@@ -226,7 +232,7 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     Backward computes dW and dbias always and dx only when x requires grad, recomputing the patch
     matrix from x instead of saving it.
     """
-    _check_format("patch_embed: out_format", out_format)
+    _check_format("patch_embed: out_format", out_format, EMBED_FORMATS)
     _check_weight("patch_embed", weight, "[E, C, *kernel]")
     if pad not in (None, "dynamic"):
         raise ValueError(f"patch_embed: pad must be None or 'dynamic', got {pad!r}")
@@ -245,7 +251,9 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
         if any(extra):
             x = torch.nn.functional.pad(x, [p for e in reversed(extra) for p in (0, e)])
     x, weight, bias = _autocast(x, weight, bias)
-    y = _call("patch_embed", x, weight, bias, out_format == "tokens", [])
+    y = _call("patch_embed", x, weight, bias, out_format != "channels_first", [])
+    if out_format == "channels_last":
+        y = y.transpose(1, 2).unflatten(2, [s // k for s, k in zip(x.shape[2:], kernel)])
     return y.squeeze(0) if unbatched else y
 
 

@@ -237,14 +237,16 @@ class PatchEmbed(_ConvAttributes, nn.Module):
 
     Parameters ``weight[E, C, *k]`` and ``bias[E]`` have the conv's names and shapes, so a conv's
     ``state_dict`` loads unchanged. ``out_format="tokens"`` returns ``[B, N, E]`` directly (what
-    ``conv(x).flatten(2).transpose(1, 2)`` gives); ``pad="dynamic"`` zero-pads non-divisible inputs.
+    ``conv(x).flatten(2).transpose(1, 2)`` gives), ``"channels_last"`` the conv's shape as a view of
+    those tokens (see :func:`patchgemm.functional.patch_embed`); ``pad="dynamic"`` zero-pads
+    non-divisible inputs.
     """
 
     def __init__(self, in_channels: int, embed_dim: int, patch_size, bias: bool = True, *,
                  dims: Optional[int] = None, out_format: str = "channels_first",
                  pad: Optional[str] = None, device=None, dtype=None):
         super().__init__()
-        F._check_format("PatchEmbed: out_format", out_format)
+        F._check_format("PatchEmbed: out_format", out_format, F.EMBED_FORMATS)
         self.kernel_size = _patch_size(patch_size, dims, "PatchEmbed")
         self.in_channels, self.embed_dim = in_channels, embed_dim
         self.out_format, self.pad = out_format, pad
@@ -386,12 +388,49 @@ def _patch_convs(seq: nn.Module) -> int:
     return sum(type(m) in _CONVS + _CONV_TRANSPOSES and not _ineligible(m) for m in seq.children())
 
 
+# Patch-embedding modules of timm and transformers whose kernel == stride conv feeds only a
+# flatten-to-tokens (``proj(x).flatten(2).transpose(1, 2)``, a permute to channels-last order, or a
+# ``.view`` of a one-patch grid): (module, class) -> the conv's attribute. Matched by name, so
+# neither library is imported; subclasses are not matched (they may change forward). convert()
+# gives them a PatchEmbed with out_format="channels_last": the GEMM writes the tokens and the
+# flatten/transpose that follows is a free view. The module itself (its options, checks, norm and
+# state_dict keys) stays.
+_TOKEN_PATCH_EMBEDS = {
+    ("timm.layers.patch_embed", "PatchEmbed"): "proj",
+    ("timm.layers.patch_embed", "PatchEmbedWithSize"): "proj",
+    ("transformers.models.vit.modeling_vit", "ViTPatchEmbeddings"): "projection",
+    ("transformers.models.deit.modeling_deit", "DeiTPatchEmbeddings"): "projection",
+    ("transformers.models.vit_mae.modeling_vit_mae", "ViTMAEPatchEmbeddings"): "projection",
+    ("transformers.models.dinov2.modeling_dinov2", "Dinov2PatchEmbeddings"): "projection",
+    ("transformers.models.videomae.modeling_videomae", "VideoMAEPatchEmbeddings"): "projection",
+    ("transformers.models.clip.modeling_clip", "CLIPVisionEmbeddings"): "patch_embedding",
+    ("transformers.models.siglip.modeling_siglip", "SiglipVisionEmbeddings"): "patch_embedding",
+    ("transformers.models.qwen2_vl.modeling_qwen2_vl", "PatchEmbed"): "proj",
+    ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionPatchEmbed"): "proj",
+}
+
+
+def _token_patch_embed(module: nn.Module) -> Optional[str]:
+    """The attribute holding the conv of a known flatten-to-tokens patch embedding, or None."""
+    attr = _TOKEN_PATCH_EMBEDS.get((type(module).__module__, type(module).__qualname__))
+    if attr is None or type(getattr(module, attr, None)) not in _CONVS:
+        return None
+    # timm's PatchEmbed can also return the conv's own NCHW map (flatten=False, output_fmt NCHW):
+    # that output keeps the conv's memory format.
+    if not getattr(module, "flatten", True) and getattr(module, "output_fmt", "NCHW") == "NCHW":
+        return None
+    return attr
+
+
 def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
     """Swap, sharing parameters:
 
     - every ``nn.Sequential`` stem — two kernel == stride convs or more, each followed by an optional
       norm and an optional activation (hMLP stems) — for HierarchicalPatchEmbed /
       HierarchicalPatchUnembed, keeping its parameter names;
+    - the conv of every known patch embedding that flattens to tokens (timm's ``PatchEmbed``;
+      transformers' ViT, DeiT, ViT-MAE, DINOv2, VideoMAE, CLIP, SigLIP and Qwen2-VL patch
+      embeddings) for a PatchEmbed that writes the tokens directly, the module itself kept;
     - every other eligible ``nn.Conv{1,2,3}d`` / ``nn.ConvTranspose{1,2,3}d`` (kernel == stride,
       padding 0, dilation 1, groups 1, zeros padding, output_padding 0) for PatchEmbed / PatchUnembed;
     - every grouped pointwise ``nn.Conv{1,2,3}d`` (kernel 1, stride 1, groups > 1) for
@@ -406,6 +445,14 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
     report = ConvertReport(model)
 
     def replacement(name: str, module: nn.Module) -> Optional[nn.Module]:
+        attr = _token_patch_embed(module)
+        if attr is not None and not _ineligible(getattr(module, attr)):
+            conv = getattr(module, attr)
+            setattr(module, attr, PatchEmbed.from_conv(conv, out_format="channels_last"))
+            report.swapped.append((f"{name}.{attr}" if name else attr,
+                                   f"{type(conv).__name__} -> PatchEmbed writing tokens "
+                                   f"(in {type(module).__module__.split('.')[0]} {type(module).__name__})"))
+            return module  # its other children stay as they are
         if type(module) is nn.Sequential and _patch_convs(module) >= 2:
             first = next(iter(module.children()))
             stem = HierarchicalPatchEmbed if type(first) in _CONVS else HierarchicalPatchUnembed

@@ -62,7 +62,7 @@ def grads(out, inputs, grad_out):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,kernel", SHAPES)
-@pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
+@pytest.mark.parametrize("out_format", ["channels_first", "tokens", "channels_last"])
 @pytest.mark.parametrize("has_bias", [True, False])
 def test_patch_embed_matches_float64_conv(device, dtype, shape, kernel, out_format, has_bias):
     x, w, b = make(shape, kernel, dtype, device, bias=has_bias)
@@ -75,7 +75,9 @@ def test_patch_embed_matches_float64_conv(device, dtype, shape, kernel, out_form
     b64 = None if b is None else b.detach().double().cpu().requires_grad_()
     ref = CONV[len(kernel)](x64, w64, b64, stride=kernel)
     ref = conv_tokens(ref) if out_format == "tokens" else ref
-    assert y.dtype == dtype and y.is_contiguous()
+    assert y.dtype == dtype
+    # channels_last: the conv's shape over the token matrix, so flattening to tokens is free
+    assert (y.flatten(2).transpose(1, 2) if out_format == "channels_last" else y).is_contiguous()
     assert_close_to_ref(y, ref, dtype)
     grad_y = randn(*ref.shape, dtype=dtype).double()  # the values the op sees, exactly
     got = grads(y, [x, w, b], grad_y.to(device, dtype))

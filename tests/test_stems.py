@@ -209,3 +209,25 @@ def test_model_bench_runs_every_form_on_the_cpu(capsys):
     assert model_bench.main(["nope"], device="cpu", tiny=True) == 2
     assert "unknown model" in capsys.readouterr().out
     assert "swapped 2" in str(report)
+
+
+def test_host_bench_times_every_op_against_its_pytorch_op(tmp_path):
+    """`python -m patchgemm bench --host` on tiny sizes: a row per op and pass, and the JSON renders
+    as a section of RESULTS.md."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from patchgemm import host_bench
+
+    out = tmp_path / "cpu-host.json"
+    assert host_bench.main(device="cpu", json_path=str(out), pairs=1, tiny=True) == 0
+    saved = json.loads(out.read_text())
+    ops = {(r["op"], r["pass_"]) for r in saved["host"]}
+    assert {case.op for case in host_bench.cases()} - {"ragged grouped_linear"} == {op for op, _ in ops}
+    assert all(r["ours_us"] > 0 and r["baseline_us"] > 0 and r["ratio"] > 0 for r in saved["host"])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import results
+
+    assert results.main([str(out), "--out", str(tmp_path / "RESULTS.md")]) == 0
+    assert "## Host time per call" in (tmp_path / "RESULTS.md").read_text()

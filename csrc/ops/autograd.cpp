@@ -56,6 +56,19 @@ at::Tensor call_below_autograd(const Op& op, Args&&... args) {
 
 bool has_value(const OptionalTensor& t) { return t.has_value() && t->defined(); }
 
+// Whether a call must go through its autograd Function: grad mode on and an input that requires
+// grad, or an input with a forward-mode tangent (which Function::apply reports as unsupported).
+// Otherwise the op runs its backend directly, as ATen's own ops do under no_grad: no graph node,
+// context or saved data per call.
+bool tracked(const at::Tensor& t) {
+  return t.defined() && ((t.requires_grad() && at::GradMode::is_enabled()) || t._fw_grad(0).defined());
+}
+bool tracked(const OptionalTensor& t) { return t.has_value() && tracked(*t); }
+template <typename... Inputs>
+bool needs_autograd(const Inputs&... inputs) {
+  return (tracked(inputs) || ...);
+}
+
 // Sizes as plain integers; under torch.compile with dynamic shapes this specializes them (the
 // ops take int[] arguments).
 std::vector<int64_t> concrete(c10::SymIntArrayRef sizes) {
@@ -75,11 +88,15 @@ bool needs_bias_grad(AutogradContext* ctx) {
 
 // ---- grouped_linear ------------------------------------------------------------------------------
 
+const auto& grouped_linear_op() {
+  static const auto op = find_op<Weighted>("patchgemm::grouped_linear");
+  return op;
+}
+
 struct GroupedLinear : Function<GroupedLinear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const OptionalTensor& bias, bool group_major) {
-    static const auto op = find_op<Weighted>("patchgemm::grouped_linear");
-    at::Tensor y = call_below_autograd(op, x, weight, bias, group_major);
+    at::Tensor y = call_below_autograd(grouped_linear_op(), x, weight, bias, group_major);
     // Keep only what backward reads: x for dW, the weight for dx (inputs: no copies).
     ctx->save_for_backward({weight.requires_grad() ? x : at::Tensor(),
                             x.requires_grad() ? weight : at::Tensor()});
@@ -108,6 +125,7 @@ struct GroupedLinear : Function<GroupedLinear> {
 
 at::Tensor grouped_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                                    const OptionalTensor& bias, bool group_major) {
+  if (!needs_autograd(x, weight, bias)) return call_below_autograd(grouped_linear_op(), x, weight, bias, group_major);
   return GroupedLinear::apply(x, weight, bias, group_major);
 }
 
@@ -116,11 +134,15 @@ at::Tensor grouped_linear_autograd(const at::Tensor& x, const at::Tensor& weight
 using Ragged = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&);
 using RaggedGrad = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
+const auto& ragged_grouped_linear_op() {
+  static const auto op = find_op<Ragged>("patchgemm::ragged_grouped_linear");
+  return op;
+}
+
 struct RaggedGroupedLinear : Function<RaggedGroupedLinear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const OptionalTensor& bias, const at::Tensor& offsets) {
-    static const auto op = find_op<Ragged>("patchgemm::ragged_grouped_linear");
-    at::Tensor y = call_below_autograd(op, x, weight, bias, offsets);
+    at::Tensor y = call_below_autograd(ragged_grouped_linear_op(), x, weight, bias, offsets);
     ctx->save_for_backward({weight.requires_grad() ? x : at::Tensor(),
                             x.requires_grad() ? weight : at::Tensor(), offsets});
     ctx->saved_data["has_bias"] = has_value(bias);
@@ -152,6 +174,7 @@ struct RaggedGroupedLinear : Function<RaggedGroupedLinear> {
 
 at::Tensor ragged_grouped_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
                                           const at::Tensor& offsets) {
+  if (!needs_autograd(x, weight, bias)) return call_below_autograd(ragged_grouped_linear_op(), x, weight, bias, offsets);
   return RaggedGroupedLinear::apply(x, weight, bias, offsets);
 }
 
@@ -161,11 +184,15 @@ using Pointwise = at::Tensor(const at::Tensor&, const at::Tensor&, const Optiona
 using PointwiseGrad = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
 using PointwiseWeightGrad = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t, bool);
 
+const auto& grouped_pointwise_conv_op() {
+  static const auto op = find_op<Pointwise>("patchgemm::grouped_pointwise_conv");
+  return op;
+}
+
 struct GroupedPointwiseConv : Function<GroupedPointwiseConv> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const OptionalTensor& bias, int64_t groups) {
-    static const auto op = find_op<Pointwise>("patchgemm::grouped_pointwise_conv");
-    at::Tensor y = call_below_autograd(op, x, weight, bias, groups);
+    at::Tensor y = call_below_autograd(grouped_pointwise_conv_op(), x, weight, bias, groups);
     ctx->save_for_backward({weight.requires_grad() ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor()});
     ctx->saved_data["groups"] = groups;
     ctx->saved_data["has_bias"] = has_value(bias);
@@ -205,6 +232,7 @@ struct GroupedPointwiseConv : Function<GroupedPointwiseConv> {
 
 at::Tensor grouped_pointwise_conv_autograd(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
                                            int64_t groups) {
+  if (!needs_autograd(x, weight, bias)) return call_below_autograd(grouped_pointwise_conv_op(), x, weight, bias, groups);
   return GroupedPointwiseConv::apply(x, weight, bias, groups);
 }
 
@@ -314,21 +342,27 @@ struct PatchUnembed : Function<PatchUnembed> {
 
 at::Tensor patch_embed_autograd(const at::Tensor& x, const at::Tensor& weight,
                                 const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
+  if (!needs_autograd(x, weight, bias)) return call_below_autograd(patch_embed_op(), x, weight, bias, tokens, levels);
   return PatchEmbed::apply(x, weight, bias, tokens, levels);
 }
 
 at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   const OptionalTensor& bias, bool tokens,
                                   c10::IntArrayRef levels) {
+  if (!needs_autograd(x, weight, bias)) return call_below_autograd(patch_unembed_op(), x, weight, bias, tokens, levels);
   return PatchUnembed::apply(x, weight, bias, tokens, levels);
 }
 
 // ---- swiglu --------------------------------------------------------------------------------------
 
+const auto& swiglu_op() {
+  static const auto op = find_op<at::Tensor(const at::Tensor&)>("patchgemm::swiglu");
+  return op;
+}
+
 struct Swiglu : Function<Swiglu> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_up) {
-    static const auto op = find_op<at::Tensor(const at::Tensor&)>("patchgemm::swiglu");
-    at::Tensor h = call_below_autograd(op, gate_up);
+    at::Tensor h = call_below_autograd(swiglu_op(), gate_up);
     ctx->save_for_backward({gate_up});
     return h;
   }
@@ -339,7 +373,10 @@ struct Swiglu : Function<Swiglu> {
   }
 };
 
-at::Tensor swiglu_autograd(const at::Tensor& gate_up) { return Swiglu::apply(gate_up); }
+at::Tensor swiglu_autograd(const at::Tensor& gate_up) {
+  if (!needs_autograd(gate_up)) return call_below_autograd(swiglu_op(), gate_up);
+  return Swiglu::apply(gate_up);
+}
 
 // ---- instance_norm_act ---------------------------------------------------------------------------
 
@@ -350,16 +387,22 @@ using NormBackward = NormResult(const at::Tensor&, const at::Tensor&, const Opti
                                 const OptionalTensor&, const at::Tensor&, const at::Tensor&, bool,
                                 bool);
 
+const auto& instance_norm_act_op() {
+  static const auto op = find_op<Norm>("patchgemm::instance_norm_act");
+  return op;
+}
+
+NormResult instance_norm_act_below_autograd(const at::Tensor& x, const OptionalTensor& weight,
+                                            const OptionalTensor& bias, double eps, bool gelu, bool tokens) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return instance_norm_act_op().call(x, weight, bias, eps, gelu, tokens);
+}
+
 struct InstanceNormAct : Function<InstanceNormAct> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const OptionalTensor& weight, const OptionalTensor& bias,
                                double eps, bool gelu, bool tokens) {
-    static const auto op = find_op<Norm>("patchgemm::instance_norm_act");
-    NormResult result;
-    {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      result = op.call(x, weight, bias, eps, gelu, tokens);
-    }
+    const NormResult result = instance_norm_act_below_autograd(x, weight, bias, eps, gelu, tokens);
     const auto& [y, mean, rstd] = result;
     ctx->save_for_backward({x, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), mean, rstd});
     ctx->saved_data["gelu"] = gelu;
@@ -392,6 +435,7 @@ struct InstanceNormAct : Function<InstanceNormAct> {
 NormResult instance_norm_act_autograd(const at::Tensor& x, const OptionalTensor& weight,
                                       const OptionalTensor& bias, double eps, bool gelu,
                                       bool tokens) {
+  if (!needs_autograd(x, weight, bias)) return instance_norm_act_below_autograd(x, weight, bias, eps, gelu, tokens);
   const variable_list out = InstanceNormAct::apply(x, weight, bias, eps, gelu, tokens);
   return {out[0], out[1], out[2]};
 }

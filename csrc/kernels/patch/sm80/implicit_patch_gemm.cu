@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 
 namespace patchgemm {
@@ -182,7 +183,7 @@ bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& w, const s
   const int64_t smem = kTileM * 8 + kStages * (kTileM + kTileN) * kPitch * 2 + runs * 4;
   if (runs > kMaxRuns || smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
   auto kernel = implicit_embed_kernel<T, kTileN, V, kPairMajor>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
   const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.E + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       p, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(w.const_data_ptr()),

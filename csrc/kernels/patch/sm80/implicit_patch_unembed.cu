@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 
 namespace patchgemm {
@@ -182,7 +183,7 @@ void launch(const Problem& p, const at::Tensor& x, const at::Tensor& wt, const s
             const at::Tensor& y5) {
   constexpr int smem = smem_bytes(kTokensIn);
   auto kernel = implicit_unembed_kernel<T, kTokensIn>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.K + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       p, static_cast<const T*>(x.const_data_ptr()), static_cast<const T*>(wt.const_data_ptr()),

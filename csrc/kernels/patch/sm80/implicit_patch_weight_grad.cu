@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 
 namespace patchgemm {
@@ -192,7 +193,7 @@ void launch(const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_
             const at::Tensor& partial) {
   constexpr int64_t smem = kStages * (kPairs * kPairPitch * 4 + (kTokensDy ? kTileK * (kTileN + 8) : kTileN * kPitch) * 2);
   auto kernel = implicit_weight_grad_kernel<T, kTileN, kTokensDy>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
   const int64_t blocks = splits * ((p.K + kTileM - 1) / kTileM) * ((p.E + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       p, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(dy.const_data_ptr()), chunk,

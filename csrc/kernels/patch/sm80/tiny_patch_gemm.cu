@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 
 namespace patchgemm {
@@ -276,13 +277,11 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
         return tiny_embed_kernel<T>;
       }
     }();
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-    TORCH_CHECK(per_sm > 0, "tiny_embed: ", smem, " bytes of shared memory fit no block on this GPU");
+    const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, static_cast<int>(smem));
+    TORCH_CHECK(shape.blocks_per_sm > 0, "tiny_embed: ", smem, " bytes of shared memory fit no block on this GPU");
     const int64_t tiles = g.batch * ((N + kTileTokens - 1) / kTileTokens);
     const int64_t blocks =
-        std::min<int64_t>(tiles, int64_t{per_sm} * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+        std::min<int64_t>(tiles, int64_t{shape.blocks_per_sm} * shape.sms);
     kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
         v, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(w.const_data_ptr()), static_cast<int>(E),
         bias ? static_cast<const T*>(b.const_data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()));

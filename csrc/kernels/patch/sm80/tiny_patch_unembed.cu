@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 
 namespace patchgemm {
@@ -183,12 +184,10 @@ void launch(int tiles_n, const Output& o, const Layout& s, int slices, const at:
   // (Two tile shapes: K <= 32 and K <= 64.)
   auto kernel = tiles_n == 2 ? tiny_unembed_kernel<T, kTokensX, 2> : tiny_unembed_kernel<T, kTokensX, 4>;
   const int smem = s.w_bytes + kStages * s.slot_bytes;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, static_cast<int>(smem));
   // Two blocks per SM (where they fit): U2 was 249 us with two, 254 with three (the most that fit).
   const int64_t blocks = std::min<int64_t>(
-      slices, int64_t{std::clamp(per_sm, 1, 2)} * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+      slices, int64_t{std::clamp(shape.blocks_per_sm, 1, 2)} * shape.sms);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       o, s, FastDiv(static_cast<uint32_t>((g.tokens() + kSlice - 1) / kSlice)), FastDiv(static_cast<uint32_t>(g.grid[2])),
       FastDiv(static_cast<uint32_t>(g.grid[1])), slices, static_cast<const T*>(x.const_data_ptr()),

@@ -32,6 +32,7 @@
 #include <cstdint>
 
 #include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 
 namespace patchgemm {
@@ -223,7 +224,7 @@ template <typename T, bool kTokensDy, int kTilesM, int kTilesN, BiasGrad kBias>
 void launch(const Launch& a) {
   auto kernel = tiny_weight_grad_kernel<T, kTokensDy, kTilesM, kTilesN, kBias>;
   constexpr int smem = kStages * Tile<kTokensDy, kTilesM, kTilesN>::kBytes;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   kernel<<<static_cast<unsigned>(a.blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       a.p, a.per_sample, a.gw, a.gh, a.slices, static_cast<const T*>(a.x), static_cast<const T*>(a.dy), a.dw_partial,
       a.db_pitch, a.db_partial);

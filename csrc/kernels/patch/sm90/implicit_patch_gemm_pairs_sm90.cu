@@ -33,6 +33,7 @@
 
 #include "kernels/primitives/dependent_launch.cuh"
 #include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 #include "kernels/primitives/tma.cuh"
 #include "kernels/primitives/wgmma.cuh"
@@ -183,7 +184,7 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
     return false;
   }
   auto kernel = implicit_embed_kernel_sm90_pairs<T, kTileN>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), L::kBytes);
   const int blocks = std::min(g.tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   launch_dependent(kernel, blocks, kThreads, L::kBytes, at::cuda::getCurrentCUDAStream(), g, x_map, w_map, y_map,
                    bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr);

@@ -38,6 +38,7 @@
 
 #include "kernels/primitives/dependent_launch.cuh"
 #include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 #include "kernels/primitives/tma.cuh"
 #include "kernels/primitives/wgmma.cuh"
@@ -255,7 +256,7 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
     return false;
   }
   auto kernel = stage_blocks == 2 ? implicit_embed_kernel_sm90_rows<T, 2> : implicit_embed_kernel_sm90_rows<T, 1>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   const int blocks = std::min(g.tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   launch_dependent(kernel, blocks, kThreads, smem, at::cuda::getCurrentCUDAStream(), g, x_map, w_map, y_lo, y_hi,
                    bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr);

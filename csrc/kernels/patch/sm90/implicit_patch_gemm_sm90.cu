@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 #include "kernels/primitives/tma.cuh"
 #include "kernels/primitives/wgmma.cuh"
@@ -185,7 +186,7 @@ bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& w, const s
   const uint32_t box[2] = {kTileK, kTileN};
   if (!encode_tensor_map(w_map, w.const_data_ptr(), 2, dims, strides, box)) return false;
   auto kernel = implicit_embed_kernel_sm90<T, kTileN, V, kPairMajor>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
   const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.E + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       p, static_cast<const T*>(x5.const_data_ptr()), w_map, bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr,

@@ -34,6 +34,7 @@
 #include <cstdint>
 
 #include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 #include "kernels/primitives/tma.cuh"
 #include "kernels/primitives/wgmma.cuh"
@@ -290,7 +291,7 @@ bool launch(const Problem& p, const at::Tensor& x, const at::Tensor& w, const st
   CUtensorMap x_map, w_map;
   if (!encode_maps(p, kTokensIn, x, w, x_map, w_map)) return false;
   auto kernel = implicit_unembed_kernel_sm90<T, kTokensIn, kRun, kBoxStore>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kSmemBytes);
   const int64_t blocks = std::min<int64_t>(tiles, device.multiProcessorCount);
   kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(
       p, PatchDivs(p), static_cast<int>(tiles_n), static_cast<int>(tiles), x_map, w_map,

@@ -33,6 +33,7 @@
 
 #include "kernels/primitives/dependent_launch.cuh"
 #include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 #include "kernels/primitives/tma.cuh"
 #include "kernels/primitives/wgmma.cuh"
@@ -219,7 +220,7 @@ void launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& dy, int s
   const at::Tensor db_partial = at::empty({db_ranges, g.E}, x5.options().dtype(at::kFloat));
   const int smem = 1024 + kStages * g.slot + 2 * kStages * 8;
   auto kernel = implicit_weight_grad_kernel_sm90_rows<T, kStages>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   launch_dependent(kernel, splits * g.tiles_m * g.tiles_n, kThreads, smem, stream, g, x_map, dy_map,
                    dw_partial.data_ptr<float>(), db_partial.data_ptr<float>());
   sum_token_ranges(dw_partial, db_partial, dw, db);

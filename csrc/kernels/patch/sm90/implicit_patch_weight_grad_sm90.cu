@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 #include "kernels/primitives/tma.cuh"
 #include "kernels/primitives/wgmma.cuh"
@@ -339,7 +340,7 @@ bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_
     if (!encode_tensor_map(dy_map, dy.const_data_ptr(), 3, dims, strides, box)) return false;
   }
   auto kernel = implicit_weight_grad_kernel_sm90<T, kTileN, kDyPiece, kRun>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   const int64_t blocks = splits * ((p.K + kTileM - 1) / kTileM) * ((p.E + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       p, static_cast<const T*>(x5.const_data_ptr()), static_cast<const T*>(dy.const_data_ptr()), dy_map, chunk,
