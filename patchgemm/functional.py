@@ -16,7 +16,7 @@ LAYOUTS = ("bgd", "gbd")
 def _autocast(*tensors):
     """Cast floating tensors to the autocast dtype, as torch.autocast does for nn.Linear and the
     convs: float64 stays float64, and devices without autocast (meta) are left alone."""
-    device_type = tensors[0].device.type
+    device_type = "cuda" if tensors[0].is_cuda else tensors[0].device.type  # (is_cuda: no device object)
     if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
