@@ -9,6 +9,7 @@ sides are timed alternately, call by call, and the medians of many such pairs ar
 shapes are small (a ViT-S/16 stem, small groups): where host time matters.
 """
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import functional as pg
-from .bench import _sleep_ms, environment
+from .bench import _sleep_ms, environment, randn
 from .nn import PatchEmbed
 
 
@@ -36,17 +37,13 @@ class HostRow:
 class HostCase:
     op: str
     baseline: str
-    make: Callable[[torch.device, torch.dtype, bool], dict]  # (device, dtype, tiny) -> {pass: (ours, theirs)}
+    make: Callable[[Callable, bool], dict]  # (randn on the device and dtype, tiny) -> {pass: (ours, theirs)}
 
 
-def _r(*shape, device, dtype, grad=False):
-    return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
-
-
-def _pair(ours, theirs, inputs, grad_shape, device, dtype):
+def _pair(ours, theirs, inputs, grad_shape, r):
     """(fwd, fwd+bwd) callables for both sides: forward under no_grad, or forward + backward of a
     fixed output gradient."""
-    grad = torch.randn(*grad_shape, device=device, dtype=dtype)
+    grad = r(*grad_shape)
 
     def forward(fn):
         def run():
@@ -61,71 +58,71 @@ def _pair(ours, theirs, inputs, grad_shape, device, dtype):
 
 
 def cases() -> List[HostCase]:
-    def patch_embed(device, dtype, tiny):  # ViT-S/16, batch 64: the images need no gradient
+    def patch_embed(r, tiny):  # ViT-S/16, batch 64: the images need no gradient
         n = 2 if tiny else 64
-        x = _r(n, 3, 224, 224, device=device, dtype=dtype)
-        w, b = _r(384, 3, 16, 16, device=device, dtype=dtype, grad=True), _r(384, device=device, dtype=dtype, grad=True)
+        x = r(n, 3, 224, 224)
+        w, b = r(384, 3, 16, 16, requires_grad=True), r(384, requires_grad=True)
         return _pair(lambda x, w, b: pg.patch_embed(x, w, b), lambda x, w, b: F.conv2d(x, w, b, stride=16),
-                     (x, w, b), (n, 384, 14, 14), device, dtype)
+                     (x, w, b), (n, 384, 14, 14), r)
 
-    def patch_embed_module(device, dtype, tiny):
-        conv = torch.nn.Conv2d(3, 384, 16, stride=16, device=device, dtype=dtype)
+    def patch_embed_module(r, tiny):
+        n = 2 if tiny else 64
+        x = r(n, 3, 224, 224)
+        conv = torch.nn.Conv2d(3, 384, 16, stride=16, device=x.device, dtype=x.dtype)
         ours = PatchEmbed.from_conv(conv)
-        n = 2 if tiny else 64
-        x = _r(n, 3, 224, 224, device=device, dtype=dtype)
-        return _pair(lambda x: ours(x), lambda x: conv(x), (x,), (n, 384, 14, 14), device, dtype)
+        return _pair(lambda x: ours(x), lambda x: conv(x), (x,), (n, 384, 14, 14), r)
 
-    def patch_embed_3d(device, dtype, tiny):  # VideoMAE-S tubelets, batch 8
+    def patch_embed_3d(r, tiny):  # VideoMAE-S tubelets, batch 8
         n = 1 if tiny else 8
-        x = _r(n, 3, 16, 224, 224, device=device, dtype=dtype)
-        w, b = _r(384, 3, 2, 16, 16, device=device, dtype=dtype, grad=True), _r(384, device=device, dtype=dtype, grad=True)
+        x = r(n, 3, 16, 224, 224)
+        w, b = r(384, 3, 2, 16, 16, requires_grad=True), r(384, requires_grad=True)
         return _pair(lambda x, w, b: pg.patch_embed(x, w, b), lambda x, w, b: F.conv3d(x, w, b, stride=(2, 16, 16)),
-                     (x, w, b), (n, 384, 8, 14, 14), device, dtype)
+                     (x, w, b), (n, 384, 8, 14, 14), r)
 
-    def patch_unembed(device, dtype, tiny):  # a decoder's last layer: tokens of a 14 x 14 grid back to 4-channel 56 x 56
+    def patch_unembed(r, tiny):  # a decoder's last layer: tokens of a 14 x 14 grid back to 4-channel 56 x 56
         n = 2 if tiny else 64
-        x = _r(n, 384, 14, 14, device=device, dtype=dtype, grad=True)
-        w, b = _r(384, 4, 4, 4, device=device, dtype=dtype, grad=True), _r(4, device=device, dtype=dtype, grad=True)
+        x = r(n, 384, 14, 14, requires_grad=True)
+        w, b = r(384, 4, 4, 4, requires_grad=True), r(4, requires_grad=True)
         return _pair(lambda x, w, b: pg.patch_unembed(x, w, b), lambda x, w, b: F.conv_transpose2d(x, w, b, stride=4),
-                     (x, w, b), (n, 4, 56, 56), device, dtype)
+                     (x, w, b), (n, 4, 56, 56), r)
 
-    def patch_unembed_3d(device, dtype, tiny):  # the suite's U1: ConvTranspose3d(768, 192, 4) on [8, 768, 8^3]
+    def patch_unembed_3d(r, tiny):  # the suite's U1: ConvTranspose3d(768, 192, 4) on [8, 768, 8^3]
         n = 1 if tiny else 8
-        x = _r(n, 768, 8, 8, 8, device=device, dtype=dtype, grad=True)
-        w, b = _r(768, 192, 4, 4, 4, device=device, dtype=dtype, grad=True), _r(192, device=device, dtype=dtype, grad=True)
+        x = r(n, 768, 8, 8, 8, requires_grad=True)
+        w, b = r(768, 192, 4, 4, 4, requires_grad=True), r(192, requires_grad=True)
         return _pair(lambda x, w, b: pg.patch_unembed(x, w, b), lambda x, w, b: F.conv_transpose3d(x, w, b, stride=4),
-                     (x, w, b), (n, 192, 32, 32, 32), device, dtype)
+                     (x, w, b), (n, 192, 32, 32, 32), r)
 
-    def grouped_linear(device, dtype, tiny):  # 16 groups of 64 -> 64, batch 8
-        x = _r(8, 16, 64, device=device, dtype=dtype, grad=True)
-        w, b = _r(16, 64, 64, device=device, dtype=dtype, grad=True), _r(16, 64, device=device, dtype=dtype, grad=True)
+    def grouped_linear(r, tiny):  # 16 groups of 64 -> 64, batch 8
+        x = r(8, 16, 64, requires_grad=True)
+        w, b = r(16, 64, 64, requires_grad=True), r(16, 64, requires_grad=True)
         return _pair(lambda x, w, b: pg.grouped_linear(x, w, b),
                      lambda x, w, b: torch.baddbmm(b.unsqueeze(1), x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1),
-                     (x, w, b), (8, 16, 64), device, dtype)
+                     (x, w, b), (8, 16, 64), r)
 
-    def ragged(device, dtype, tiny):  # 8 experts, 4096 routed rows, 256 -> 256
-        x = _r(4096, 256, device=device, dtype=dtype, grad=True)
-        w = _r(8, 256, 256, device=device, dtype=dtype, grad=True)
-        offsets = torch.arange(1, 9, device=device, dtype=torch.int32) * 512
+    def ragged(r, tiny):  # 8 experts, 4096 routed rows, 256 -> 256
+        x = r(4096, 256, requires_grad=True)
+        w = r(8, 256, 256, requires_grad=True)
+        offsets = torch.arange(1, 9, device=x.device, dtype=torch.int32) * 512
         return _pair(lambda x, w: pg.grouped_linear(x, w, offsets=offsets),
                      lambda x, w: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets),
-                     (x, w), (4096, 256), device, dtype)
+                     (x, w), (4096, 256), r)
 
-    def pointwise(device, dtype, tiny):  # 8 groups of 64 channels, length 256
-        x = _r(8, 512, 256, device=device, dtype=dtype, grad=True)
-        w, b = _r(512, 64, 1, device=device, dtype=dtype, grad=True), _r(512, device=device, dtype=dtype, grad=True)
+    def pointwise(r, tiny):  # 8 groups of 64 channels, length 256
+        x = r(8, 512, 256, requires_grad=True)
+        w, b = r(512, 64, 1, requires_grad=True), r(512, requires_grad=True)
         return _pair(lambda x, w, b: pg.grouped_pointwise_conv(x, w, b, 8), lambda x, w, b: F.conv1d(x, w, b, groups=8),
-                     (x, w, b), (8, 512, 256), device, dtype)
+                     (x, w, b), (8, 512, 256), r)
 
-    def norm(device, dtype, tiny):  # an hMLP stem's norm: [8, 64, 32^3]
-        x = _r(1 if tiny else 8, 64, 32, 32, 32, device=device, dtype=dtype, grad=True)
-        w, b = _r(64, device=device, dtype=dtype, grad=True), _r(64, device=device, dtype=dtype, grad=True)
+    def norm(r, tiny):  # an hMLP stem's norm: [8, 64, 32^3]
+        x = r(1 if tiny else 8, 64, 32, 32, 32, requires_grad=True)
+        w, b = r(64, requires_grad=True), r(64, requires_grad=True)
         return _pair(lambda x, w, b: pg.instance_norm_act(x, w, b),
-                     lambda x, w, b: F.gelu(F.instance_norm(x, weight=w, bias=b)), (x, w, b), x.shape, device, dtype)
+                     lambda x, w, b: F.gelu(F.instance_norm(x, weight=w, bias=b)), (x, w, b), x.shape, r)
 
-    def swiglu(device, dtype, tiny):
-        h = _r(4096, 2048, device=device, dtype=dtype, grad=True)
-        return _pair(pg.swiglu, lambda h: F.silu(h[:, :1024]) * h[:, 1024:], (h,), (4096, 1024), device, dtype)
+    def swiglu(r, tiny):
+        h = r(4096, 2048, requires_grad=True)
+        return _pair(pg.swiglu, lambda h: F.silu(h[:, :1024]) * h[:, 1024:], (h,), (4096, 1024), r)
 
     return [HostCase("patch_embed", "conv2d", patch_embed), HostCase("PatchEmbed module", "nn.Conv2d", patch_embed_module),
             HostCase("patch_embed 3-D", "conv3d", patch_embed_3d),
@@ -174,7 +171,7 @@ def run(device: Optional[str] = None, dtype: torch.dtype = torch.bfloat16, pairs
         if case.baseline == "_grouped_mm" and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
             progress(f"skipped {case.op}: torch._grouped_mm runs on sm_90+ GPUs only")
             continue
-        for pass_, (ours, theirs) in case.make(dev, dtype, tiny).items():
+        for pass_, (ours, theirs) in case.make(functools.partial(randn, device=dev, dtype=dtype), tiny).items():
             o, t = host_us(ours, theirs, dev, pairs)
             rows.append(HostRow(case.op, pass_, case.baseline, o, t, t / o))
             progress(format_rows(rows[-1:], header=False))

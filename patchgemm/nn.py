@@ -446,8 +446,8 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
 
     def replacement(name: str, module: nn.Module) -> Optional[nn.Module]:
         attr = _token_patch_embed(module)
-        if attr is not None and not _ineligible(getattr(module, attr)):
-            conv = getattr(module, attr)
+        conv = getattr(module, attr) if attr is not None else None
+        if conv is not None and not _ineligible(conv):
             setattr(module, attr, PatchEmbed.from_conv(conv, out_format="channels_last"))
             report.swapped.append((f"{name}.{attr}" if name else attr,
                                    f"{type(conv).__name__} -> PatchEmbed writing tokens "
