@@ -1,16 +1,21 @@
 """patchgemm: layers that are really one GEMM over strided views."""
 
+import os as _os
+
 from . import ops as _ops  # noqa: F401  (loads the compiled library, registers the fake kernels)
 from .functional import (grouped_linear, grouped_mlp, grouped_pointwise_conv, instance_norm_act, patch_embed,
                          patch_unembed, swiglu)
 from .nn import (ConvertReport, GroupedLinear, GroupedMLP, GroupedPointwiseConv, HierarchicalPatchEmbed, HierarchicalPatchUnembed,
                  PatchEmbed, PatchUnembed, convert)
-from .selection import explain, force, kernels
+from .selection import explain, force, get_selection, kernels, set_selection
 
 __version__ = "0.2.0.dev0"
 __all__ = [
     "grouped_linear", "grouped_mlp", "grouped_pointwise_conv", "swiglu", "GroupedLinear", "GroupedMLP",
     "GroupedPointwiseConv", "patch_embed", "patch_unembed", "instance_norm_act", "PatchEmbed", "PatchUnembed",
     "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "explain", "force", "kernels",
-    "__version__",
+    "set_selection", "get_selection", "__version__",
 ]
+
+if _os.environ.get("PATCHGEMM_SELECTION"):
+    set_selection(_os.environ["PATCHGEMM_SELECTION"])

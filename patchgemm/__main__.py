@@ -1,4 +1,4 @@
-"""`python -m patchgemm bench | info | kernels`."""
+"""`python -m patchgemm bench | info | kernels | tune`."""
 
 import argparse
 import sys
@@ -56,11 +56,29 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="version, build flavour, torch/CUDA/BLAS versions")
     kernels = sub.add_parser("kernels", help="every op's implementations, in the order the default choice tries them")
     kernels.add_argument("op", nargs="?", help="only this op's")
+    tune = sub.add_parser("tune", help="autotune shape sets, train the learned selector, report regret per mode")
+    tune.add_argument("--train-on", default="tuning,random", help="sets whose records train the model "
+                      "(tuning, random, heldout; default tuning,random)")
+    tune.add_argument("--evaluate-on", default="heldout", help="sets whose records judge it (default heldout)")
+    tune.add_argument("--random", type=int, default=200, help="shapes in the random set (default 200)")
+    tune.add_argument("--seed", type=int, default=0, help="the random set's seed")
+    tune.add_argument("--cache-dir", help="autotune's directory (default ~/.cache/patchgemm or $PATCHGEMM_CACHE_DIR)")
+    tune.add_argument("--model", metavar="PATH", help="write the trained model here")
+    tune.add_argument("--json", metavar="PATH", help="write the records and the report")
+    tune.add_argument("--from-json", metavar="PATHS", help="do not sweep: train and judge on saved --json files "
+                      "(comma-separated)")
+    tune.add_argument("--train-device", metavar="TEXT", help="train only on records of GPUs whose name has TEXT")
+    tune.add_argument("--evaluate-device", metavar="TEXT", help="judge only on records of GPUs whose name has TEXT")
+    tune.add_argument("--device", help="cuda or cpu (default: cuda if present)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
     if args.command == "kernels":
         return list_kernels(args.op)
+    if args.command == "tune":
+        from . import tune as tuning
+
+        return tuning.main(args)
     from . import bench as suite
 
     if args.tf32:

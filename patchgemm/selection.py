@@ -1,20 +1,33 @@
-"""Which implementation each op call runs: see it (``explain``, ``kernels``, ``PATCHGEMM_LOG_DISPATCH=1``)
-and pin it (``force``, ``PATCHGEMM_FORCE="op=name,..."``).
+"""Which implementation each op call runs: see it (``explain``, ``kernels``, ``PATCHGEMM_LOG_DISPATCH=1``),
+choose how it is chosen (``set_selection``, ``PATCHGEMM_SELECTION``) and pin it (``force``,
+``PATCHGEMM_FORCE="op=name,..."``).
 
 Every op has a table of candidates, ours and PyTorch's own (``python -m patchgemm kernels`` prints
-them). The default choice takes the first candidate, in table order, that applies to the call and
-whose rule expects it to win. The state is process-wide, so calls made by autograd's backward
-threads are seen and forced too.
+them). Three modes choose among those that apply to a call:
+
+- ``"heuristic"`` (the default): the first candidate, in table order, whose rule expects it to win.
+- ``"autotune"``: the first call of each problem signature (shapes, strides, dtype, device, TF32 and
+  determinism flags) times every candidate that applies and keeps the fastest, in memory and in a
+  cache file per GPU and software versions under ``~/.cache/patchgemm`` (``PATCHGEMM_CACHE_DIR``),
+  so later processes start tuned. Never during CUDA-graph capture (the heuristic chooses there).
+- ``"learned"``: a small model trained on autotune records (``python -m patchgemm tune``; one trained
+  on an H100 ships with the package) predicts the fastest; a signature already in the autotune
+  cache takes the measured choice.
+
+The state is process-wide, so calls made by autograd's backward threads follow it too.
 """
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 
 from .ops import ops
+
+MODES = ("heuristic", "autotune", "learned")
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,72 @@ def force(**choices: str) -> Iterator[None]:
             ops._force(op, name)
 
 
+def default_cache_dir() -> str:
+    """Where autotune keeps its files: ``$PATCHGEMM_CACHE_DIR``, else ``$XDG_CACHE_HOME/patchgemm``,
+    else ``~/.cache/patchgemm``."""
+    if os.environ.get("PATCHGEMM_CACHE_DIR"):
+        return os.environ["PATCHGEMM_CACHE_DIR"]
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "patchgemm")
+
+
+def _software_key() -> str:
+    from . import __version__
+
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return (f"torch {torch.__version__}; CUDA {torch.version.cuda}; HIP {torch.version.hip}; cuDNN {cudnn}; "
+            f"patchgemm {__version__}")
+
+
+_selection = {"mode": "heuristic", "pins": {}}  # pins: op -> the name forced before set_selection pinned it
+
+
+def get_selection() -> str:
+    """The current selection: a mode, or the implementation name ``set_selection`` pinned."""
+    return _selection["mode"]
+
+
+def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional[str] = None) -> str:
+    """Choose how every op picks its implementation; returns the previous setting.
+
+    ``mode``: ``"heuristic"``, ``"autotune"``, ``"learned"`` (see the module's doc), or the name of an
+    implementation (``"aten_conv"``, ``"gather_gemm"``...; ``python -m patchgemm kernels`` lists them),
+    which is then forced for every op that has one of that name, the others staying heuristic.
+    ``cache_dir``: autotune's directory (default ``default_cache_dir()``; ``""`` keeps the choices in
+    memory only). ``model``: a learned model file (default: the one shipped with the package).
+    Also set at import from ``PATCHGEMM_SELECTION``.
+    """
+    if not isinstance(mode, str) or not mode:
+        raise ValueError(f"patchgemm.set_selection: mode must be one of {', '.join(MODES)} or an "
+                         f"implementation name, got {mode!r}")
+    previous = _selection["mode"]
+    if mode not in MODES:
+        ops_with_it = sorted({c.op for c in kernels() if c.name == mode})
+        if not ops_with_it:
+            names = sorted({c.name for c in kernels()})
+            raise ValueError(f"patchgemm.set_selection: {mode!r} is neither a mode ({', '.join(MODES)}) nor an "
+                             f"implementation name ({', '.join(names)})")
+    if mode == "learned":
+        from . import learned
+
+        learned.install(learned.load(model))
+    directory = default_cache_dir() if cache_dir is None else cache_dir
+    ops._set_selection_mode(mode if mode in MODES else "heuristic", directory if mode in MODES else "",
+                            _software_key())
+    for op, name in _selection["pins"].items():  # undo the previous pins
+        ops._force(op, name)
+    _selection["pins"] = {}
+    if mode not in MODES:
+        _selection["pins"] = {op: ops._force(op, mode) for op in ops_with_it}
+    _selection["mode"] = mode
+    return previous
+
+
+def autotune_records() -> List[str]:
+    """The autotune records this process holds (its own and those read from cache files), one
+    tab-separated line each: op, flags, signature, chosen, candidate=ms;..., feature=value;..."""
+    return list(ops._autotune_records())
+
+
 @dataclass
 class Verdict:
     name: str
@@ -65,19 +144,28 @@ class Verdict:
 
 @dataclass
 class Choice:
-    """One op call: the candidate that ran, and every candidate's verdict."""
+    """One op call: the candidate that ran, how it was chosen, and every candidate's verdict.
+
+    ``how``: ``"forced"``, ``"heuristic"`` (with the reason in parentheses where another mode could not
+    choose), ``"autotune: timed now"``, ``"autotune: cached in <file>"``, ``"learned: predicted now"``...
+    """
 
     op: str
     signature: str
     chosen: str
-    forced: bool
+    how: str
     candidates: List[Verdict] = field(default_factory=list)
 
+    @property
+    def forced(self) -> bool:
+        return self.how == "forced"
+
     def __str__(self) -> str:
-        lines = [f"{self.op} {self.signature} -> {self.chosen}" + (" (forced)" if self.forced else "")]
+        lines = [f"{self.op} {self.signature} -> {self.chosen} ({self.how})"]
         for v in self.candidates:
-            if v.status != "chosen":
-                lines.append(f"    {v.name}: {v.status}" + (f" ({v.reason})" if v.reason else ""))
+            shown = "chosen" if v.status == "chosen" else v.status
+            if v.status != "chosen" or v.reason:
+                lines.append(f"    {v.name}: {shown}" + (f" ({v.reason})" if v.reason else ""))
         return "\n".join(lines)
 
 
@@ -90,7 +178,7 @@ class Explanation(list):
 
 def _parse(record: str) -> Choice:
     d = json.loads(record)
-    return Choice(d["op"], d["signature"], d["chosen"], d["forced"],
+    return Choice(d["op"], d["signature"], d["chosen"], d["how"],
                   [Verdict(v["name"], v["status"], v["reason"]) for v in d["candidates"]])
 
 

@@ -209,9 +209,11 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
     spec = importlib.util.spec_from_file_location("heldout", path)
     heldout = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(heldout)
-    shapes = [heldout._embed("e", (2, 4, 8, 8), 16, (2, 2), channels_last=True),
-              heldout._unembed("u", (2, 3, 12), 4, (4,), tokens=True, grid=(3,)),
-              heldout._grouped("g", (4, 3, 8), 5, bias=False)]
+    from patchgemm.shapes import _embed, _grouped, _unembed
+
+    shapes = [_embed("e", (2, 4, 8, 8), 16, (2, 2), channels_last=True),
+              _unembed("u", (2, 3, 12), 4, (4,), tokens=True, grid=(3,)),
+              _grouped("g", (4, 3, 8), 5, bias=False)]
     results = [r for s in shapes for r in heldout.measure(s, "tuning", torch.device("cpu"), candidates=True)]
     assert [(r.id, r.pass_) for r in results] == [(s.id, p) for s in shapes for p in ("fwd", "fwd+bwd")]
     for r in results:

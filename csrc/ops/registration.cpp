@@ -112,4 +112,23 @@ TORCH_LIBRARY(patchgemm, m) {
         });
   m.def("_explain_start() -> int", []() { return patchgemm::selection::start_recording(); });
   m.def("_explain_stop(int mark) -> str[]", [](int64_t mark) { return patchgemm::selection::stop_recording(mark); });
+  // The selection mode (patchgemm.set_selection): "heuristic", "autotune" or "learned", with the
+  // autotune cache directory ("" for memory only) and the software part of its files' key.
+  m.def("_set_selection_mode(str mode, str cache_dir, str environment) -> ()",
+        [](const std::string& mode, const std::string& cache_dir, const std::string& environment) {
+          using patchgemm::selection::Mode;
+          TORCH_CHECK_VALUE(mode == "heuristic" || mode == "autotune" || mode == "learned",
+                            "_set_selection_mode: unknown mode \"", mode, "\"");
+          const Mode m = mode == "autotune" ? Mode::kAutotune : mode == "learned" ? Mode::kLearned : Mode::kHeuristic;
+          patchgemm::selection::set_mode(m, cache_dir, environment);
+        });
+  m.def("_forget_selections() -> ()", []() { patchgemm::selection::forget(); });
+  m.def("_autotune_records() -> str[]", []() { return patchgemm::selection::autotune_records(); });
+  // A learned model for one op (selection/learned.cpp has the layout of params); no candidates removes it.
+  m.def("_set_learned_model(str op, str[] candidates, str[] features, int hidden, float[] params) -> ()",
+        [](const std::string& op, std::vector<std::string> candidates, std::vector<std::string> features,
+           int64_t hidden, std::vector<double> params) {
+          patchgemm::selection::set_learned_model(op, std::move(candidates), std::move(features), hidden,
+                                                  std::move(params));
+        });
 }

@@ -22,6 +22,12 @@ std::string signature(const SwigluProblem& p) {
   return out.str();
 }
 
+selection::ProblemFeatures features(const SwigluProblem& p) {
+  const int64_t width = p.gate_up.size(-1);
+  return selection::features_on(p.gate_up, {{"rows", double(width ? p.gate_up.numel() / width : 0)},
+                                            {"hidden", double(width / 2)}});
+}
+
 at::Tensor half_shaped(const at::Tensor& gate_up) {
   std::vector<int64_t> sizes = gate_up.sizes().vec();
   sizes.back() /= 2;
@@ -65,7 +71,7 @@ const Table<SwigluProblem, at::Tensor> kForward(
            return at::silu(parts[0]) * parts[1];
          }},
     },
-    signature);
+    signature, features);
 
 const Table<SwigluProblem, at::Tensor> kBackward(
     "swiglu_backward",
@@ -91,7 +97,7 @@ const Table<SwigluProblem, at::Tensor> kBackward(
            return at::cat({at::silu_backward(p.grad_h * u, g), p.grad_h * at::silu(g)}, -1);
          }},
     },
-    signature);
+    signature, features);
 
 }  // namespace
 

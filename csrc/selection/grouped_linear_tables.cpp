@@ -23,6 +23,14 @@ std::string signature(const GroupedProblem& p) {
   return out.str();
 }
 
+// c_g [M, N] = a_g [M, K] @ b_g [K, N] over G groups, and which operands are transposed in memory.
+selection::ProblemFeatures features(const GroupedProblem& p) {
+  return selection::features_on(p.a, {{"groups", double(p.a.size(0))}, {"m", double(p.a.size(1))},
+                                      {"k", double(p.a.size(2))}, {"n", double(p.b.size(2))},
+                                      {"bias", p.bias ? 1.0 : 0.0}, {"a_rows_contiguous", p.a.stride(2) == 1 ? 1.0 : 0.0},
+                                      {"b_rows_contiguous", p.b.stride(2) == 1 ? 1.0 : 0.0}});
+}
+
 std::vector<Candidate<GroupedProblem, at::Tensor>> candidates() {
   return {
       {"strided_batched", "cpu cuda rocm", "any problem: one cuBLAS / hipBLAS strided-batched GEMM (guarded "
@@ -43,9 +51,9 @@ std::vector<Candidate<GroupedProblem, at::Tensor>> candidates() {
   };
 }
 
-const Table<GroupedProblem, at::Tensor> kForward("grouped_linear", candidates(), signature);
-const Table<GroupedProblem, at::Tensor> kGradInput("grouped_linear_grad_input", candidates(), signature);
-const Table<GroupedProblem, at::Tensor> kGradWeight("grouped_linear_grad_weight", candidates(), signature);
+const Table<GroupedProblem, at::Tensor> kForward("grouped_linear", candidates(), signature, features);
+const Table<GroupedProblem, at::Tensor> kGradInput("grouped_linear_grad_input", candidates(), signature, features);
+const Table<GroupedProblem, at::Tensor> kGradWeight("grouped_linear_grad_weight", candidates(), signature, features);
 
 }  // namespace
 

@@ -23,6 +23,12 @@ std::string signature(const at::Tensor& x, const NormShape& s, bool gelu, bool a
   return out.str();
 }
 
+selection::ProblemFeatures features(const at::Tensor& x, const NormShape& s, bool gelu, bool affine) {
+  return selection::features_on(x, {{"batch", double(s.batch)}, {"channels", double(s.channels)},
+                                    {"spatial", double(s.spatial)}, {"tokens_layout", s.tokens ? 1.0 : 0.0},
+                                    {"gelu", gelu ? 1.0 : 0.0}, {"affine", affine ? 1.0 : 0.0}});
+}
+
 #ifdef PATCHGEMM_WITH_CUDA
 // The CUDA kernels' grid: tokens problems put the batch on grid.y.
 WhyNot fused_supports(const at::Tensor& x, const NormShape& s) {
@@ -54,7 +60,8 @@ const Table<NormProblem, Result> kForward(
            return instance_norm_act_aten(p.x, p.weight, p.bias, p.eps, p.gelu, p.s);
          }},
     },
-    [](const NormProblem& p) { return signature(p.x, p.s, p.gelu, p.weight.defined()); });
+    [](const NormProblem& p) { return signature(p.x, p.s, p.gelu, p.weight.defined()); },
+    [](const NormProblem& p) { return features(p.x, p.s, p.gelu, p.weight.defined()); });
 
 const Table<NormBackwardProblem, Result> kBackward(
     "instance_norm_act_backward",
@@ -79,7 +86,8 @@ const Table<NormBackwardProblem, Result> kBackward(
            return instance_norm_act_backward_aten(p.grad_y, p.x, p.weight, p.bias, p.mean, p.rstd, p.gelu, p.s);
          }},
     },
-    [](const NormBackwardProblem& p) { return signature(p.x, p.s, p.gelu, p.weight.defined()); });
+    [](const NormBackwardProblem& p) { return signature(p.x, p.s, p.gelu, p.weight.defined()); },
+    [](const NormBackwardProblem& p) { return features(p.x, p.s, p.gelu, p.weight.defined()); });
 
 }  // namespace
 

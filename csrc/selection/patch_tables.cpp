@@ -21,6 +21,8 @@ using selection::Candidate;
 using selection::describe;
 using selection::Table;
 using selection::WhyNot;
+using selection::ProblemFeatures;
+using selection::features_on;
 
 // Where the fused kernels and ATen's path need the default row-major token order.
 WhyNot row_major_tokens(const PatchGeometry& g) {
@@ -108,6 +110,20 @@ std::string patch_signature(const Problem& p) {
   out << "(" << describe("x", p.x) << ", weight " << p.weight.sizes() << (p.bias ? ", bias" : "")
       << (p.tokens ? ", tokens" : ", channels-first") << (p.g.levels.size() > 1 ? ", levels" : "") << ")";
   return out.str();
+}
+
+// What the patch ops' records and the learned model know of a problem: the GEMM's sizes, the patch
+// and grid shape, layouts. `width`: E (embed, weight gradient) or C_out (unembed).
+ProblemFeatures patch_features(const at::Tensor& x, const PatchGeometry& g, int64_t width, bool tokens,
+                               std::vector<std::pair<std::string, double>> more) {
+  std::vector<std::pair<std::string, double>> v{
+      {"batch", double(g.batch)}, {"channels", double(g.channels)}, {"tokens", double(g.tokens())},
+      {"patch", double(g.patch_size())}, {"width", double(width)}, {"rows", double(g.batch * g.tokens())},
+      {"kd", double(g.kernel[0])}, {"kh", double(g.kernel[1])}, {"kw", double(g.kernel[2])},
+      {"gh", double(g.grid[1])}, {"gw", double(g.grid[2])}, {"tokens_layout", tokens ? 1.0 : 0.0},
+      {"channels_last", g.channels_last ? 1.0 : 0.0}, {"levels", double(g.levels.size())}};
+  v.insert(v.end(), more.begin(), more.end());
+  return features_on(x, std::move(v));
 }
 
 WhyNot not_a_view(const at::Tensor& x5, const PatchGeometry& g) {
@@ -208,7 +224,11 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            return y.contiguous(p.g.channels_last ? p.x.suggest_memory_format() : at::MemoryFormat::Contiguous);
          }},
     },
-    patch_signature<EmbedProblem>);
+    patch_signature<EmbedProblem>,
+    [](const EmbedProblem& p) {
+      return patch_features(p.x, p.g, p.w2.size(0), p.tokens, {{"bias", p.bias ? 1.0 : 0.0},
+                                                              {"tokens_out", p.tokens_out ? 1.0 : 0.0}});
+    });
 
 // ---- patch_unembed -------------------------------------------------------------------------------
 
@@ -265,7 +285,10 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
            return aten_conv(x, p.weight, p.bias, kernel_of(p.g, p.rank), true).contiguous(p.out_format);
          }},
     },
-    patch_signature<UnembedProblem>);
+    patch_signature<UnembedProblem>,
+    [](const UnembedProblem& p) {
+      return patch_features(p.x, p.g, p.w2.size(0), p.tokens, {{"bias", p.bias ? 1.0 : 0.0}});
+    });
 
 // ---- patch_weight_grad ---------------------------------------------------------------------------
 
@@ -366,7 +389,12 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
            return WeightGrads{grad_w.contiguous(), conv_bias ? grad_b : bias_grad_by_sum(p)};
          }},
     },
-    weight_grad_signature);
+    weight_grad_signature,
+    [](const WeightGradProblem& p) {
+      return patch_features(p.x, p.g, p.embed, p.tokens, {{"bias", p.with_bias ? 1.0 : 0.0},
+                                                          {"transposed", p.transposed ? 1.0 : 0.0},
+                                                          {"grad_y_tokens", p.dy.stride(2) == 1 ? 1.0 : 0.0}});
+    });
 
 }  // namespace
 

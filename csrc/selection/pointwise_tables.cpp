@@ -39,6 +39,19 @@ std::string signature(const PointwiseProblem& p) {
   return out.str();
 }
 
+// x [B, G, c_in, L] or [N, G, c_in]: positions per GEMM, groups, the small matrices' sizes.
+selection::ProblemFeatures features(bool tokens, const at::Tensor& x, int64_t c_out, bool bias) {
+  const double positions = tokens ? double(x.size(0)) : double(x.size(0)) * double(x.size(3));
+  return selection::features_on(x, {{"batch", double(x.size(0))}, {"positions", positions},
+                                    {"groups", double(x.size(1))}, {"c_in", double(x.size(2))},
+                                    {"c_out", double(c_out)}, {"tokens_layout", tokens ? 1.0 : 0.0},
+                                    {"bias", bias ? 1.0 : 0.0}});
+}
+
+selection::ProblemFeatures apply_features(const PointwiseProblem& p) {
+  return features(p.tokens, p.x, p.matrix.size(1), p.bias.has_value());
+}
+
 // Where the default choice passes over strided_batched: 16-bit channels-first x, whose per-sample
 // GEMMs lose to torch.matmul's one batched GEMM (H100, BENCHMARKS.md G2; fp32 and tokens x win).
 WhyNot per_sample_rule(const PointwiseProblem& p) {
@@ -121,8 +134,8 @@ std::vector<Candidate<PointwiseProblem, at::Tensor>> apply_candidates(bool forwa
   return candidates;
 }
 
-const Table<PointwiseProblem, at::Tensor> kForward("grouped_pointwise_conv", apply_candidates(true), signature);
-const Table<PointwiseProblem, at::Tensor> kGradInput("grouped_pointwise_conv_grad_input", apply_candidates(false), signature);
+const Table<PointwiseProblem, at::Tensor> kForward("grouped_pointwise_conv", apply_candidates(true), signature, apply_features);
+const Table<PointwiseProblem, at::Tensor> kGradInput("grouped_pointwise_conv_grad_input", apply_candidates(false), signature, apply_features);
 
 using Grads = std::tuple<at::Tensor, at::Tensor>;  // (grad_w, grad_b or undefined)
 
@@ -184,7 +197,8 @@ const Table<PointwiseWeightGradProblem, Grads> kGradWeight(
       out << "(" << describe("grad_y", p.grad_y) << ", " << describe("x", p.x) << (p.tokens ? ", tokens" : "")
           << (p.with_bias ? ", with bias" : "") << ")";
       return out.str();
-    });
+    },
+    [](const PointwiseWeightGradProblem& p) { return features(p.tokens, p.x, p.grad_y.size(2), p.with_bias); });
 
 }  // namespace
 

@@ -31,6 +31,14 @@ std::string signature(const RaggedProblem& p) {
   return out.str();
 }
 
+// a [N, K] @ b [G, K, Nc] split by rows, or a [M, N] @ b [N, Nc] split along the reduction.
+selection::ProblemFeatures features(const RaggedProblem& p) {
+  return selection::features_on(p.a, {{"groups", double(p.groups)}, {"a_rows", double(p.a.size(0))},
+                                      {"a_cols", double(p.a.size(1))}, {"n", double(p.b.size(-1))},
+                                      {"ragged_k", p.ragged_k ? 1.0 : 0.0}, {"bias", p.bias ? 1.0 : 0.0},
+                                      {"offsets_on_host", p.offsets.is_cpu() ? 1.0 : 0.0}});
+}
+
 // The rows each group spans in the ragged dim, read on the host.
 std::vector<int64_t> host_offsets(const RaggedProblem& p) {
   return ragged_bounds(p.op, p.offsets, p.ragged_k ? p.a.size(1) : p.a.size(0));
@@ -167,9 +175,9 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
   };
 }
 
-const Table<RaggedProblem, at::Tensor> kForward("ragged_grouped_linear", candidates(), signature);
-const Table<RaggedProblem, at::Tensor> kGradInput("ragged_grouped_linear_grad_input", candidates(), signature);
-const Table<RaggedProblem, at::Tensor> kGradWeight("ragged_grouped_linear_grad_weight", candidates(), signature);
+const Table<RaggedProblem, at::Tensor> kForward("ragged_grouped_linear", candidates(), signature, features);
+const Table<RaggedProblem, at::Tensor> kGradInput("ragged_grouped_linear_grad_input", candidates(), signature, features);
+const Table<RaggedProblem, at::Tensor> kGradWeight("ragged_grouped_linear_grad_weight", candidates(), signature, features);
 
 }  // namespace
 

@@ -140,7 +140,8 @@ bool excluded(const std::string& name) {
 
 bool observed() { return g_recording.load(std::memory_order_relaxed) > 0 || log_dispatch(); }
 
-void note(const std::string& op, const std::string& signature, bool forced, std::vector<Verdict> verdicts) {
+void note(const std::string& op, const std::string& signature, const std::string& how,
+          std::vector<Verdict> verdicts) {
   std::string chosen;
   for (const auto& v : verdicts) {
     if (v.kind == Verdict::kChosen) chosen = v.name;
@@ -149,11 +150,11 @@ void note(const std::string& op, const std::string& signature, bool forced, std:
   std::lock_guard<std::mutex> lock(s.mutex);
   if (log_dispatch() && s.logged.insert(op + signature).second) {
     std::fprintf(stderr, "patchgemm: %s %s -> %s%s\n", op.c_str(), signature.c_str(), chosen.c_str(),
-                 forced ? " (forced)" : "");
+                 how == "heuristic" ? "" : (" (" + how + ")").c_str());
   }
   if (g_recording.load() == 0) return;
   std::string json = "{\"op\": " + json_string(op) + ", \"signature\": " + json_string(signature) +
-                     ", \"chosen\": " + json_string(chosen) + ", \"forced\": " + (forced ? "true" : "false") +
+                     ", \"chosen\": " + json_string(chosen) + ", \"how\": " + json_string(how) +
                      ", \"candidates\": [";
   for (size_t i = 0; i < verdicts.size(); ++i) {
     json += (i ? ", " : "") + std::string("{\"name\": ") + json_string(verdicts[i].name) +

@@ -5,16 +5,26 @@
 // problem runs. The last candidate of every table supports every valid problem, so a choice always
 // exists.
 //
+// That is the heuristic mode. Two other modes choose per problem signature, once, and remember the
+// choice (set_mode): autotune times every candidate that applies on the first call of a signature
+// and keeps the fastest, in memory and in a cache file per device (selection/autotune.cpp); learned
+// asks a small model trained on such timings (selection/learned.cpp). Both run the chosen candidate
+// without its rule, as it was timed, and fall back to the heuristic where they cannot choose (no
+// timing during CUDA-graph capture, no model for the op).
+//
 // Around that choice: `force` pins a candidate per op (process-wide; also PATCHGEMM_FORCE="op=name,
 // ..."), forcing one that does not apply is an error naming the reason; `explain` records every
-// choice with the verdict of every candidate; PATCHGEMM_LOG_DISPATCH=1 logs each new choice once
-// per problem signature to stderr. Python reaches all of it through the ops in registration.cpp.
+// choice with the verdict of every candidate and the mode that chose; PATCHGEMM_LOG_DISPATCH=1 logs
+// each new choice once per problem signature to stderr. Python reaches all of it through the ops in
+// registration.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <optional>
 #include <string>
@@ -44,6 +54,24 @@ struct Verdict {
   std::string reason;
 };
 
+// How the default choice is made (set_mode).
+enum class Mode { kHeuristic, kAutotune, kLearned };
+
+// What the learned model and the autotune records know of a problem: its device and named sizes
+// and flags (raw values; the model takes log2(1 + v)). The device's own properties are added by
+// the selection code.
+struct ProblemFeatures {
+  at::Device device = at::kCPU;
+  std::vector<std::pair<std::string, double>> values;
+};
+
+// Features on `t`'s device, with its element size and whether it is fp32 (TF32 flags matter then).
+inline ProblemFeatures features_on(const at::Tensor& t, std::vector<std::pair<std::string, double>> values) {
+  values.emplace_back("dtype_bytes", static_cast<double>(t.element_size()));
+  values.emplace_back("fp32", t.scalar_type() == at::kFloat ? 1.0 : 0.0);
+  return {t.device(), std::move(values)};
+}
+
 namespace detail {
 // Registers a table's rows for the listing (tables are namespace-scope statics).
 void register_table(std::vector<CandidateInfo> rows);
@@ -54,8 +82,39 @@ bool observed();
 // The testing hook's state (set_testing): whether rules apply, and whether `name` is excluded.
 bool rules_apply();
 bool excluded(const std::string& name);
-// Records a choice for explain() and the dispatch log.
-void note(const std::string& op, const std::string& signature, bool forced, std::vector<Verdict> verdicts);
+// Records a choice for explain() and the dispatch log; `how`: "forced", "heuristic", "autotune: ...",
+// "learned: ...".
+void note(const std::string& op, const std::string& signature, const std::string& how,
+          std::vector<Verdict> verdicts);
+
+Mode mode();
+// The key of a problem in the autotune / learned memory: op, signature and the flags that change
+// which candidate wins (TF32, reduced-precision reductions, determinism).
+std::string memory_key(const std::string& op, const std::string& signature);
+// A choice remembered for `key` on `device` (autotune loads the device's cache file on first use):
+// the candidate and how it was made, for explain().
+struct Remembered {
+  std::string name, how;
+};
+std::optional<Remembered> recall(const at::Device& device, const std::string& key);
+// Remembers a measured choice (and writes it to the device's cache file): every candidate's time
+// in ms, negative where it does not apply.
+void remember_measured(const ProblemFeatures& f, const std::string& op, const std::string& key,
+                       const std::string& signature, const std::vector<std::pair<std::string, double>>& times,
+                       const std::string& chosen);
+// Remembers a predicted choice (memory only).
+void remember_predicted(const at::Device& device, const std::string& key, const std::string& name);
+// Whether candidates may be timed now: not while the current stream is capturing a CUDA graph.
+bool timing_allowed(const at::Device& device);
+// Each function's time in ms (median over rounds in which they take turns), on `device`'s current
+// stream (CUDA events) or the host's clock.
+std::vector<double> time_in_turns(const at::Device& device, const std::vector<std::function<void()>>& fns);
+// The device's properties as features: SMs, compute capability, L2 size, memory bandwidth.
+std::vector<std::pair<std::string, double>> device_features(const at::Device& device);
+// The learned model's score of each of `names` for the problem (higher: expected faster; -inf
+// for a name the model does not know), or empty without a model for `op`.
+std::vector<double> learned_scores(const std::string& op, const std::vector<std::string>& names,
+                                   const ProblemFeatures& f);
 }  // namespace detail
 
 template <typename Problem, typename Result>
@@ -76,39 +135,56 @@ struct Candidate {
 template <typename Problem, typename Result>
 class Table {
  public:
-  // `signature` names a problem in the log and explain() (shapes, strides, dtype, device, flags).
+  // `signature` names a problem in the log and explain() (shapes, strides, dtype, device, flags);
+  // `features` describes it to the autotune records and the learned model.
   Table(std::string op, std::vector<Candidate<Problem, Result>> candidates,
-        std::function<std::string(const Problem&)> signature)
-      : op_(std::move(op)), candidates_(std::move(candidates)), signature_(std::move(signature)) {
+        std::function<std::string(const Problem&)> signature, std::function<ProblemFeatures(const Problem&)> features)
+      : op_(std::move(op)),
+        candidates_(std::move(candidates)),
+        signature_(std::move(signature)),
+        features_(std::move(features)) {
     std::vector<CandidateInfo> rows;
-    for (const auto& c : candidates_) rows.push_back({op_, c.name, c.backends, c.conditions});
+    for (const auto& c : candidates_) {
+      rows.push_back({op_, c.name, c.backends, c.conditions});
+      names_.push_back(c.name);
+    }
     detail::register_table(std::move(rows));
   }
 
   Result run(const Problem& p) const {
     const std::string forced = detail::forced(op_);
-    const bool observed = detail::observed();
-    std::vector<Verdict> verdicts;
-    if (!forced.empty()) {
-      const auto& c = find(forced);
-      WhyNot why = c.supports(p);
-      std::optional<Result> result;
-      if (why.empty()) result = c.run(p, /*ruled=*/false, why);
-      TORCH_CHECK(result, op_, ": the forced implementation \"", forced, "\" does not apply to this call (",
-                  signature_(p), "): ", why);
-      if (observed) {
-        for (const auto& other : candidates_) {
-          verdicts.push_back(other.name == forced ? Verdict{other.name, Verdict::kChosen, "forced"}
-                                                  : Verdict{other.name, Verdict::kNotReached, "another is forced"});
-        }
-        detail::note(op_, signature_(p), true, std::move(verdicts));
-      }
-      return std::move(*result);
+    if (!forced.empty()) return run_forced(p, forced);
+    std::string fallback;  // why the mode's own choice was not made
+    const Mode mode = detail::mode();
+    if (mode != Mode::kHeuristic) {
+      std::optional<Result> result = run_chosen_by_mode(p, mode, fallback);
+      if (result) return std::move(*result);
     }
+    return run_heuristic(p, fallback.empty() ? "heuristic" : "heuristic (" + fallback + ")");
+  }
+
+ private:
+  using Candidates = std::vector<Candidate<Problem, Result>>;
+
+  Result run_forced(const Problem& p, const std::string& forced) const {
+    const auto& c = *find(forced, /*required=*/true);
+    WhyNot why = c.supports(p);
+    std::optional<Result> result;
+    if (why.empty()) result = c.run(p, /*ruled=*/false, why);
+    TORCH_CHECK(result, op_, ": the forced implementation \"", forced, "\" does not apply to this call (",
+                signature_(p), "): ", why);
+    if (detail::observed()) note_single(p, c.name, "forced", "another is forced");
+    return std::move(*result);
+  }
+
+  // The first supported candidate, in table order, whose rule accepts the problem.
+  Result run_heuristic(const Problem& p, const std::string& how) const {
+    const bool observed = detail::observed();
     const bool rules = detail::rules_apply();
+    std::vector<Verdict> verdicts;
     for (size_t i = 0; i < candidates_.size(); ++i) {
       const auto& c = candidates_[i];
-      WhyNot why = detail::excluded(c.name) ? "excluded (testing hook)" : c.supports(p);
+      WhyNot why = why_not(c, p);
       if (!why.empty()) {
         if (observed) verdicts.push_back({c.name, Verdict::kUnsupported, std::move(why)});
         continue;
@@ -126,28 +202,161 @@ class Table {
       if (observed) {
         verdicts.push_back({c.name, Verdict::kChosen, ""});
         for (size_t j = i + 1; j < candidates_.size(); ++j) {
-          const WhyNot later = candidates_[j].supports(p);
+          const WhyNot later = why_not(candidates_[j], p);
           verdicts.push_back(later.empty() ? Verdict{candidates_[j].name, Verdict::kNotReached, c.name + " comes first"}
                                            : Verdict{candidates_[j].name, Verdict::kUnsupported, later});
         }
-        detail::note(op_, signature_(p), false, std::move(verdicts));
+        detail::note(op_, signature_(p), how, std::move(verdicts));
       }
       return std::move(*result);
     }
     TORCH_CHECK(false, op_, ": no implementation applies to this call (", signature_(p), "); please report it");
   }
 
- private:
-  const Candidate<Problem, Result>& find(const std::string& name) const {
-    for (const auto& c : candidates_) {
-      if (c.name == name) return c;
+  // Autotune or learned: the remembered choice for this signature, else a new one (remembered).
+  // nullopt, with the reason in `fallback`, where the mode cannot choose.
+  std::optional<Result> run_chosen_by_mode(const Problem& p, Mode mode, std::string& fallback) const {
+    const ProblemFeatures f = features_(p);
+    const std::string signature = signature_(p);
+    const std::string key = detail::memory_key(op_, signature);
+    if (const auto remembered = detail::recall(f.device, key)) {
+      // A choice of another build may name a candidate this one lacks or that no longer applies.
+      const auto* c = find(remembered->name, /*required=*/false);
+      WhyNot why = c ? why_not(*c, p) : "not in this build";
+      std::optional<Result> result;
+      if (why.empty()) result = c->run(p, /*ruled=*/false, why);
+      if (result) {
+        if (detail::observed()) note_single(p, c->name, remembered->how, "not chosen for this signature");
+        return result;
+      }
+      fallback = "the remembered \"" + remembered->name + "\" does not apply: " + why;
+      return std::nullopt;
     }
-    TORCH_CHECK(false, op_, ": no implementation named \"", name, "\"");
+    if (mode == Mode::kAutotune) {
+      if (!detail::timing_allowed(f.device)) {
+        fallback = "autotune: no timing during CUDA-graph capture";
+        return std::nullopt;
+      }
+      return run_autotuned(p, f, signature, key);
+    }
+    return run_learned(p, f, key, fallback);
+  }
+
+  // Times every candidate that applies (each runs once first: a kernel declining in `run`, or
+  // failing, drops out), remembers the fastest and returns its result.
+  std::optional<Result> run_autotuned(const Problem& p, const ProblemFeatures& f, const std::string& signature,
+                                      const std::string& key) const {
+    std::vector<std::string> why(candidates_.size());
+    std::vector<size_t> timed;
+    std::vector<std::function<void()>> calls;
+    for (size_t i = 0; i < candidates_.size(); ++i) {
+      const auto& c = candidates_[i];
+      why[i] = why_not(c, p);
+      if (!why[i].empty()) continue;
+      try {
+        if (!c.run(p, /*ruled=*/false, why[i])) continue;
+      } catch (const c10::Error& e) {  // e.g. out of memory: another candidate may still run
+        why[i] = std::string("failed: ") + e.what_without_backtrace();
+        continue;
+      }
+      timed.push_back(i);
+      calls.push_back([&p, &c] {
+        WhyNot unused;
+        c.run(p, /*ruled=*/false, unused);
+      });
+    }
+    if (timed.empty()) return std::nullopt;  // the heuristic's error names the problem
+    const std::vector<double> ms = detail::time_in_turns(f.device, calls);
+    const size_t best = timed[std::min_element(ms.begin(), ms.end()) - ms.begin()];
+    std::vector<std::pair<std::string, double>> times;
+    for (size_t i = 0, t = 0; i < candidates_.size(); ++i) {
+      const bool was_timed = t < timed.size() && timed[t] == i;
+      times.emplace_back(candidates_[i].name, was_timed ? ms[t++] : -1.0);
+    }
+    detail::remember_measured(f, op_, key, signature, times, candidates_[best].name);
+    WhyNot unused;
+    std::optional<Result> result = candidates_[best].run(p, /*ruled=*/false, unused);
+    TORCH_CHECK(result, op_, ": the autotuned \"", candidates_[best].name, "\" declined on its second run");
+    if (detail::observed()) {
+      std::vector<Verdict> verdicts;
+      for (size_t i = 0; i < candidates_.size(); ++i) {
+        if (times[i].second < 0) {
+          verdicts.push_back({candidates_[i].name, Verdict::kUnsupported, why[i]});
+        } else {
+          verdicts.push_back({candidates_[i].name, i == best ? Verdict::kChosen : Verdict::kRuledOut,
+                              format_ms(times[i].second)});
+        }
+      }
+      detail::note(op_, signature, "autotune: timed now", std::move(verdicts));
+    }
+    return result;
+  }
+
+  // The model's best-scored candidate that applies and runs; remembered in memory.
+  std::optional<Result> run_learned(const Problem& p, const ProblemFeatures& f, const std::string& key,
+                                    std::string& fallback) const {
+    const std::vector<double> scores = detail::learned_scores(op_, names_, f);
+    if (scores.empty()) {
+      fallback = "learned: no model for " + op_;
+      return std::nullopt;
+    }
+    std::vector<size_t> order(candidates_.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return scores[a] > scores[b]; });
+    for (size_t i : order) {
+      const auto& c = candidates_[i];
+      WhyNot why = why_not(c, p);
+      std::optional<Result> result;
+      if (why.empty()) result = c.run(p, /*ruled=*/false, why);
+      if (!result) continue;
+      detail::remember_predicted(f.device, key, c.name);
+      if (detail::observed()) note_single(p, c.name, "learned: predicted now", "scored lower");
+      return result;
+    }
+    fallback = "learned: no candidate applies";
+    return std::nullopt;
+  }
+
+  WhyNot why_not(const Candidate<Problem, Result>& c, const Problem& p) const {
+    return detail::excluded(c.name) ? "excluded (testing hook)" : c.supports(p);
+  }
+
+  // explain()'s record of a choice made without trying the others: their verdicts say only
+  // whether they apply.
+  void note_single(const Problem& p, const std::string& chosen, const std::string& how,
+                   const std::string& applies_but) const {
+    std::vector<Verdict> verdicts;
+    for (const auto& c : candidates_) {
+      if (c.name == chosen) {
+        verdicts.push_back({c.name, Verdict::kChosen, ""});
+      } else {
+        const WhyNot why = why_not(c, p);
+        verdicts.push_back(why.empty() ? Verdict{c.name, Verdict::kNotReached, applies_but}
+                                       : Verdict{c.name, Verdict::kUnsupported, why});
+      }
+    }
+    detail::note(op_, signature_(p), how, std::move(verdicts));
+  }
+
+  static std::string format_ms(double ms) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.4f ms", ms);
+    return buf;
+  }
+
+  const Candidate<Problem, Result>* find(const std::string& name, bool required) const {
+    for (const auto& c : candidates_) {
+      if (c.name == name) return &c;
+    }
+    TORCH_CHECK(!required, op_, ": no implementation named \"", name, "\"");
+    return nullptr;
   }
 
   std::string op_;
-  std::vector<Candidate<Problem, Result>> candidates_;
+  Candidates candidates_;
+  std::vector<std::string> names_;
   std::function<std::string(const Problem&)> signature_;
+  std::function<ProblemFeatures(const Problem&)> features_;
 };
 
 // A tensor in a signature: dtype[sizes] (strides when not contiguous) and its device.
@@ -157,6 +366,17 @@ std::string describe(const char* name, const at::Tensor& t);
 std::vector<CandidateInfo> candidates();
 // Pins `name` for `op` ("" unpins); returns the previous one. Unknown names are errors.
 std::string force(const std::string& op, const std::string& name);
+// The selection mode, and where autotune keeps its cache files ("" for none: memory only) with the
+// software part of their key (torch, cuDNN, patchgemm versions; the device part is added here).
+void set_mode(Mode mode, const std::string& cache_dir, const std::string& environment);
+// The measured records held (this process's and those read from cache files), one line each.
+std::vector<std::string> autotune_records();
+// Forgets every remembered choice (the cache files stay).
+void forget();
+// Installs the learned model of `op` (selection/learned.cpp has the layout of `params`); an empty
+// `candidates` removes it.
+void set_learned_model(const std::string& op, std::vector<std::string> candidates, std::vector<std::string> features,
+                       int64_t hidden, std::vector<double> params);
 // Testing hook: the default choice without its rules (the first candidate that applies runs), and
 // without the candidates named in `excluded` (any op's). Returns nothing; reset with (true, {}).
 void set_testing(bool rules, std::vector<std::string> excluded);

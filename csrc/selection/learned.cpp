@@ -1,0 +1,109 @@
+// The learned selector's inference (registry.h: learned_scores). One small MLP per op, trained by
+// patchgemm/learned.py on autotune records and installed from Python (set_learned_model):
+//   x = (log2(1 + max(v, 0)) - mean) / scale    over the model's features, by name
+//   scores = W2 relu(W1 x + b1) + b2            one score per candidate the model knows
+// `params` holds mean [F], scale [F], W1 [H, F], b1 [H], W2 [C, H], b2 [C], row-major, in that order.
+// A query costs F * H + H * C multiply-adds (about 2,000): a few microseconds, once per signature.
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "selection/registry.h"
+
+namespace patchgemm::selection {
+namespace {
+
+struct Model {
+  std::vector<std::string> candidates, features;
+  int64_t hidden = 0;
+  std::vector<double> mean, scale, w1, b1, w2, b2;
+};
+
+struct Models {
+  std::mutex mutex;
+  std::map<std::string, Model> by_op;
+};
+
+Models& models() {
+  static Models* m = new Models;  // never destroyed: ops may run during interpreter shutdown
+  return *m;
+}
+
+}  // namespace
+
+void set_learned_model(const std::string& op, std::vector<std::string> candidates, std::vector<std::string> features,
+                       int64_t hidden, std::vector<double> params) {
+  Models& m = models();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  if (candidates.empty()) {
+    m.by_op.erase(op);
+    return;
+  }
+  const int64_t f = static_cast<int64_t>(features.size()), c = static_cast<int64_t>(candidates.size());
+  TORCH_CHECK(f > 0 && hidden > 0, "patchgemm learned model for ", op, ": needs features and hidden units, got ", f,
+              " and ", hidden);
+  const int64_t expected = 2 * f + hidden * f + hidden + c * hidden + c;
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == expected, "patchgemm learned model for ", op, ": expected ",
+              expected, " parameters for ", f, " features, ", hidden, " hidden units and ", c, " candidates, got ",
+              params.size());
+  Model model{std::move(candidates), std::move(features), hidden};
+  auto take = [&, at = size_t(0)](int64_t n) mutable {
+    std::vector<double> part(params.begin() + at, params.begin() + at + n);
+    at += n;
+    return part;
+  };
+  model.mean = take(f);
+  model.scale = take(f);
+  model.w1 = take(hidden * f);
+  model.b1 = take(hidden);
+  model.w2 = take(c * hidden);
+  model.b2 = take(c);
+  for (double s : model.scale) TORCH_CHECK(s > 0, "patchgemm learned model for ", op, ": scales must be positive");
+  m.by_op[op] = std::move(model);
+}
+
+namespace detail {
+
+std::vector<double> learned_scores(const std::string& op, const std::vector<std::string>& names,
+                                   const ProblemFeatures& f) {
+  Models& m = models();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  const auto it = m.by_op.find(op);
+  if (it == m.by_op.end()) return {};
+  const Model& model = it->second;
+  std::map<std::string, double> values(f.values.begin(), f.values.end());
+  for (const auto& [name, v] : device_features(f.device)) values[name] = v;
+  const size_t nf = model.features.size(), nh = static_cast<size_t>(model.hidden);
+  std::vector<double> x(nf), h(nh);
+  for (size_t i = 0; i < nf; ++i) {
+    const auto v = values.find(model.features[i]);
+    if (v == values.end()) {
+      TORCH_WARN_ONCE("patchgemm learned model for ", op, ": the problem has no feature \"", model.features[i],
+                      "\" (a model of another version?); using the heuristic");
+      return {};
+    }
+    x[i] = (std::log2(1.0 + std::max(v->second, 0.0)) - model.mean[i]) / model.scale[i];
+  }
+  for (size_t j = 0; j < nh; ++j) {
+    double a = model.b1[j];
+    for (size_t i = 0; i < nf; ++i) a += model.w1[j * nf + i] * x[i];
+    h[j] = a > 0 ? a : 0;
+  }
+  std::vector<double> scores(names.size(), -std::numeric_limits<double>::infinity());
+  for (size_t c = 0; c < model.candidates.size(); ++c) {
+    double s = model.b2[c];
+    for (size_t j = 0; j < nh; ++j) s += model.w2[c * nh + j] * h[j];
+    for (size_t n = 0; n < names.size(); ++n) {
+      if (names[n] == model.candidates[c]) scores[n] = s;
+    }
+  }
+  return scores;
+}
+
+}  // namespace detail
+}  // namespace patchgemm::selection

@@ -1,0 +1,314 @@
+"""Shape sets for choosing implementations, and each shape's inputs and PyTorch paths.
+
+The split between the sets is the point of this file:
+
+- ``TUNING``: the shapes reported slow against PyTorch, and every shape a selection rule has been
+  fitted to or checked against (the first held-out set became tuning data once rules were revised
+  after measuring it). Rules (csrc/selection/) and the learned selector may be tuned on these.
+- ``HELDOUT``: 44 other ViT / CLIP / DINOv2 / video / 3-D / audio stems and heads, patch merging
+  inside networks, grouped linears from 16 x 8 x 128 to 8192 x 8 x 8 and 1024 x 4 x 2048; bf16,
+  fp16 and fp32 with PyTorch's default flags. Written once and never tuned or trained on: they
+  measure whether the rules and the learned selector generalize. Do not edit them to make a number
+  look better; add a new shape to TUNING instead, and once a rule is fitted to a held-out result,
+  move that shape to TUNING.
+- ``random_shapes(n, seed)``: shapes drawn at random over the same families, more training data
+  for the learned selector (``python -m patchgemm tune``).
+
+``bench/heldout.py`` measures the default choice against PyTorch on these sets.
+"""
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from . import functional as pg
+from .bench import _CONV, _CONV_T, linear_patch_embed, linear_patch_unembed, randn
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Shape:
+    id: str
+    op: str  # "patch_embed", "patch_unembed" or "grouped_linear"
+    x: Tuple[int, ...]  # embed: [B, C, *S]; unembed: [B, C_in, *grid] or tokens [B, N, C_in]; grouped: [B, G, D]
+    width: int  # embed: E; unembed: C_out; grouped: the output features per group
+    kernel: Tuple[int, ...] = ()
+    dtype: str = "bf16"
+    tokens: bool = False  # embed: tokens out; unembed: tokens in (then `grid` is needed)
+    grid: Tuple[int, ...] = ()
+    channels_last: bool = False  # x and the weight in channels_last(_3d), as after model.to(memory_format=...)
+    dx: bool = True  # the backward also computes x's gradient (a layer inside a network)
+    bias: bool = True
+
+
+def _embed(*args, **kw):
+    return Shape(args[0], "patch_embed", *args[1:], **kw)
+
+
+def _unembed(*args, **kw):
+    return Shape(args[0], "patch_unembed", *args[1:], **kw)
+
+
+def _grouped(*args, **kw):
+    return Shape(args[0], "grouped_linear", *args[1:], **kw)
+
+
+TUNING = [
+    _embed("convnext-ds-384-cl", (64, 384, 14, 14), 768, (2, 2), channels_last=True),
+    _embed("audio-conv1d-80", (32, 80, 3000), 512, (4,), dx=False),
+    _embed("conv2d-64-fp32", (32, 64, 64, 64), 128, (2, 2), "fp32"),
+    _embed("p5-fp32", (8, 192, 32, 32, 32), 768, (4, 4, 4), "fp32"),
+    _grouped("grouped-1000x3x333", (1000, 3, 333), 77),
+    # The first held-out set, which rules were then revised against.
+    # Image and video patch stems: the input needs no gradient.
+    _embed("vit-b16", (256, 3, 224, 224), 768, (16, 16), tokens=True, dx=False),
+    _embed("vit-l14", (64, 3, 224, 224), 1024, (14, 14), tokens=True, dx=False),
+    _embed("vit-h14-fp16", (32, 3, 224, 224), 1280, (14, 14), "fp16", tokens=True, dx=False),
+    _embed("clip-b32-fp16", (512, 3, 224, 224), 768, (32, 32), "fp16", tokens=True, dx=False),
+    _embed("siglip-so400m-378", (16, 3, 378, 378), 1152, (14, 14), tokens=True, dx=False),
+    _embed("siglip-b16-256", (128, 3, 256, 256), 768, (16, 16), tokens=True, dx=False),
+    _embed("deit-tiny-fp32", (128, 3, 224, 224), 192, (16, 16), "fp32", dx=False),
+    _embed("vit-s8", (64, 3, 224, 224), 384, (8, 8), tokens=True, dx=False),
+    _embed("vit-b16-batch1", (1, 3, 224, 224), 768, (16, 16), tokens=True, dx=False),
+    _embed("vit-b16-fp32", (32, 3, 224, 224), 768, (16, 16), "fp32", tokens=True, dx=False),
+    _embed("vivit-tubelet", (8, 3, 16, 224, 224), 768, (2, 16, 16), tokens=True, dx=False),
+    _embed("videomae-l-fp16", (4, 3, 16, 224, 224), 1024, (2, 16, 16), "fp16", tokens=True, dx=False),
+    _embed("qwen-vl-patches", (1024, 3, 2, 14, 14), 1152, (2, 14, 14), tokens=True, dx=False),
+    _embed("3d-stem-k4", (2, 4, 64, 64, 64), 96, (4, 4, 4), dx=False),
+    _embed("3d-odd-c-fp32", (4, 5, 64, 64, 64), 128, (2, 2, 2), "fp32", dx=False),
+    _embed("3d-k8-tokens", (1, 3, 96, 96, 96), 384, (8, 8, 8), tokens=True, dx=False),
+    _embed("3d-wide-e2048", (2, 16, 32, 32, 32), 2048, (4, 4, 4), dx=False),
+    _embed("swin-stem", (64, 3, 224, 224), 96, (4, 4), dx=False),
+    _embed("convnext-stem-fp32", (64, 3, 224, 224), 96, (4, 4), "fp32", dx=False),
+    _embed("conv1d-raw-audio-fp32", (8, 1, 16384), 512, (16,), "fp32", dx=False),
+    _embed("odd-c-fp16", (32, 7, 128, 128), 64, (8, 8), "fp16", dx=False),
+    _embed("small-e32", (128, 3, 64, 64), 32, (4, 4), dx=False),
+    _embed("kw7-tokens", (32, 3, 224, 224), 256, (7, 7), tokens=True, dx=False),
+    _embed("cifar-vit-b512", (512, 3, 32, 32), 192, (4, 4), tokens=True, dx=False),
+    _embed("sentinel-13-band", (16, 13, 256, 256), 768, (16, 16), tokens=True, dx=False),
+    _embed("vit-l16-384-fp16", (64, 3, 384, 384), 1024, (16, 16), "fp16", dx=False),
+    # Patch merging / downsampling inside a network: the input needs its gradient too.
+    _embed("convnext-ds-192-cl", (32, 192, 28, 28), 384, (2, 2), channels_last=True),
+    _embed("convnext-ds-96-fp32", (32, 96, 56, 56), 192, (2, 2), "fp32"),
+    _embed("conv1d-k2", (64, 64, 4096), 256, (2,)),
+    _embed("merge-k2-512", (16, 256, 32, 32), 512, (2, 2)),
+    _embed("3d-merge-k2", (2, 96, 32, 32, 32), 192, (2, 2, 2)),
+    _embed("3d-merge-k2-cl", (2, 64, 32, 32, 32), 128, (2, 2, 2), channels_last=True),
+    # Patch heads (ConvTranspose, kernel == stride).
+    _unembed("mae-pixel-head", (64, 768, 14, 14), 3, (16, 16)),
+    _unembed("3d-head-k8", (2, 768, 8, 8, 8), 4, (8, 8, 8)),
+    _unembed("3d-up2", (4, 384, 16, 16, 16), 96, (2, 2, 2)),
+    _unembed("up2-fp32", (8, 256, 32, 32), 128, (2, 2), "fp32"),
+    _unembed("up2-fp16", (16, 512, 16, 16), 256, (2, 2), "fp16"),
+    _unembed("head-k32", (32, 1024, 7, 7), 3, (32, 32)),
+    _unembed("conv1d-transpose-k4", (16, 512, 256), 80, (4,)),
+    _unembed("head-k14-batch1", (1, 1152, 27, 27), 3, (14, 14)),
+    _unembed("3d-head-fp32", (2, 192, 16, 16, 16), 4, (4, 4, 4), "fp32"),
+    _unembed("swin-head-k4", (32, 96, 56, 56), 3, (4, 4)),
+    _unembed("tokens-head-k16", (32, 196, 768), 3, (16, 16), tokens=True, grid=(14, 14)),
+    _unembed("tokens-3d-head-fp16", (2, 512, 384), 4, (4, 4, 4), "fp16", tokens=True, grid=(8, 8, 8)),
+    # Grouped linear, [B, G, D] -> [B, G, width].
+    _grouped("grouped-8x4x32", (8, 4, 32), 32),
+    _grouped("grouped-8192x64x64", (8192, 64, 64), 64),
+    _grouped("grouped-512x16x256-fp32", (512, 16, 256), 256, dtype="fp32"),
+    _grouped("grouped-2048x8x1024-fp16", (2048, 8, 1024), 1024, dtype="fp16"),
+    _grouped("grouped-8192x64x4096", (8192, 64, 4096), 64),
+    _grouped("grouped-4096x12x768-nobias", (4096, 12, 768), 768, bias=False),
+    _grouped("grouped-256x32x128-fp32", (256, 32, 128), 512, dtype="fp32"),
+    _grouped("grouped-64x256x64", (64, 256, 64), 16),
+    # The second held-out set's shapes that rules were then revised against (under-filled grids, kw = 14
+    # into thin GEMMs).
+    _embed("vit-b16-batch4", (4, 3, 224, 224), 768, (16, 16), tokens=True, dx=False),
+    _embed("3d-ct-k16", (2, 1, 128, 128, 128), 768, (16, 16, 16), tokens=True, dx=False),
+    _embed("k14-e64-tokens", (32, 3, 224, 224), 64, (14, 14), tokens=True, dx=False),
+    _unembed("mae-head-k16-batch8", (8, 768, 14, 14), 3, (16, 16)),
+    _unembed("tokens-3d-head-k8", (4, 216, 768), 4, (8, 8, 8), tokens=True, grid=(6, 6, 6)),
+]
+
+HELDOUT = [
+    # Image and video patch stems: the input needs no gradient.
+    _embed("deit-s16-fp16", (96, 3, 224, 224), 384, (16, 16), "fp16", tokens=True, dx=False),
+    _embed("vit-b32-384", (32, 3, 384, 384), 768, (32, 32), tokens=True, dx=False),
+    _embed("eva-g14", (8, 3, 224, 224), 1408, (14, 14), tokens=True, dx=False),
+    _embed("beit-b16-channels-first", (64, 3, 224, 224), 768, (16, 16), dx=False),
+    _embed("pixtral-k16", (2, 3, 1024, 1024), 1024, (16, 16), tokens=True, dx=False),
+    _embed("dinov2-s14-518", (16, 3, 518, 518), 384, (14, 14), tokens=True, dx=False),
+    _embed("timesformer-fp16", (4, 3, 8, 224, 224), 768, (1, 16, 16), "fp16", tokens=True, dx=False),
+    _embed("videomae-b-batch2", (2, 3, 16, 224, 224), 768, (2, 16, 16), tokens=True, dx=False),
+    _embed("3d-stem-k2-c4-fp16", (4, 4, 64, 64, 64), 64, (2, 2, 2), "fp16", dx=False),
+    _embed("3d-stem-k4-fp32-tokens", (2, 4, 64, 64, 64), 192, (4, 4, 4), "fp32", tokens=True, dx=False),
+    _embed("mixer-k32-fp32", (64, 3, 224, 224), 512, (32, 32), "fp32", tokens=True, dx=False),
+    _embed("k7-channels-first", (16, 3, 224, 224), 128, (7, 7), dx=False),
+    _embed("odd-c11-tokens", (16, 11, 120, 120), 256, (8, 8), tokens=True, dx=False),
+    _embed("conv1d-k8-speech", (16, 1, 32000), 256, (8,), dx=False),
+    _embed("e2048-k2", (8, 64, 64, 64), 2048, (2, 2), dx=False),
+    _embed("batch512-k4-e96", (512, 3, 32, 32), 96, (4, 4), dx=False),
+    _embed("levit-k16-fp32", (16, 3, 224, 224), 256, (16, 16), "fp32", dx=False),
+    _embed("vit-b16-batch16", (16, 3, 224, 224), 768, (16, 16), tokens=True, dx=False),
+    _embed("3d-k8-e768-fp16", (2, 2, 64, 64, 64), 768, (8, 8, 8), "fp16", tokens=True, dx=False),
+    _embed("k14-e128-fp16", (16, 3, 224, 224), 128, (14, 14), "fp16", tokens=True, dx=False),
+    # Patch merging / downsampling inside a network: the input needs its gradient too.
+    _embed("conv1d-k4-fp16", (32, 128, 2048), 256, (4,), "fp16"),
+    _embed("convnext-ds-96-cl", (64, 96, 56, 56), 192, (2, 2), channels_last=True),
+    _embed("merge-k2-fp16", (32, 128, 64, 64), 256, (2, 2), "fp16"),
+    _embed("3d-merge-k2-fp32", (2, 48, 32, 32, 32), 96, (2, 2, 2), "fp32"),
+    _embed("merge-k4-cl", (16, 64, 64, 64), 256, (4, 4), channels_last=True),
+    _embed("3d-merge-k2-tokens", (2, 96, 16, 16, 16), 192, (2, 2, 2), tokens=True),
+    # Patch heads (ConvTranspose, kernel == stride).
+    _unembed("3d-head-k4", (2, 384, 16, 16, 16), 4, (4, 4, 4)),
+    _unembed("3d-head-k16", (1, 768, 8, 8, 8), 1, (16, 16, 16)),
+    _unembed("up4-fp16", (8, 256, 32, 32), 64, (4, 4), "fp16"),
+    _unembed("conv1d-transpose-k2-fp32", (16, 256, 1024), 128, (2,), "fp32"),
+    _unembed("tokens-head-k14", (16, 256, 1024), 3, (14, 14), tokens=True, grid=(16, 16)),
+    _unembed("head-k16-e1024-fp16", (16, 1024, 16, 16), 3, (16, 16), "fp16"),
+    _unembed("mae-head-k16-batch32", (32, 768, 14, 14), 3, (16, 16)),
+    _unembed("tokens-head-k16-fp16", (8, 256, 512), 3, (16, 16), "fp16", tokens=True, grid=(16, 16)),
+    _unembed("up2-odd-c", (8, 250, 32, 32), 125, (2, 2)),
+    _unembed("up2-wide", (4, 1024, 64, 64), 512, (2, 2)),
+    # Grouped linear, [B, G, D] -> [B, G, width].
+    _grouped("grouped-16x8x128", (16, 8, 128), 128),
+    _grouped("grouped-4096x32x96-fp16", (4096, 32, 96), 96, dtype="fp16"),
+    _grouped("grouped-1024x4x2048", (1024, 4, 2048), 2048),
+    _grouped("grouped-128x64x32-fp32", (128, 64, 32), 32, dtype="fp32"),
+    _grouped("grouped-2048x16x512-nobias", (2048, 16, 512), 256, bias=False),
+    _grouped("grouped-32x128x256", (32, 128, 256), 256),
+    _grouped("grouped-8192x8x8", (8192, 8, 8), 8),
+    _grouped("grouped-512x4x4096-fp16", (512, 4, 4096), 1024, dtype="fp16"),
+]
+
+
+# ---- each shape's inputs and implementations -----------------------------------------------------
+
+
+@dataclass
+class Problem:
+    make_inputs: Callable[[], Dict[str, torch.Tensor]]
+    ours: Callable[..., torch.Tensor]
+    torch_paths: Dict[str, Callable[..., torch.Tensor]]
+    grad_inputs: List[str]
+    backward_ops: List[str]  # the ops the backward calls, whose candidates --candidates forces
+
+
+def _memory_format(rank: int) -> torch.memory_format:
+    return torch.channels_last if rank == 2 else torch.channels_last_3d
+
+
+def problem(s: Shape, device: torch.device) -> Problem:
+    dtype = DTYPES[s.dtype]
+    rank = len(s.kernel)
+    fmt = (lambda t: t.contiguous(memory_format=_memory_format(rank))) if s.channels_last else (lambda t: t)
+    if s.op == "patch_embed":
+        channels, k = s.x[1], s.kernel
+        fan_in = channels * math.prod(k)
+
+        def make_inputs():
+            w = randn(s.width, channels, *k, dtype=dtype, device=device) / math.sqrt(fan_in)
+            return {"x": fmt(randn(*s.x, dtype=dtype, device=device)).requires_grad_(s.dx),
+                    "w": fmt(w).requires_grad_(),
+                    "b": randn(s.width, dtype=dtype, device=device, requires_grad=True) if s.bias else None}
+
+        out = "tokens" if s.tokens else "channels_first"
+        conv = _CONV[rank]
+        paths = {"conv": lambda x, w, b: (lambda y: y.flatten(2).transpose(1, 2) if s.tokens else y)(
+                     conv(x, w, b, stride=k)),
+                 # A drop-in returns the conv's memory format (linear_patch_embed: a permuted view).
+                 "linear": lambda x, w, b: linear_patch_embed(x, w, b, s.tokens).contiguous(
+                     memory_format=_memory_format(rank) if s.channels_last and not s.tokens else torch.contiguous_format)}
+        return Problem(make_inputs, lambda x, w, b: pg.patch_embed(x, w, b, out_format=out), paths,
+                       (["x"] if s.dx else []) + ["w"] + (["b"] if s.bias else []),
+                       ["patch_weight_grad"] + (["patch_unembed"] if s.dx else []))
+    if s.op == "patch_unembed":
+        c_in, k = s.x[-1] if s.tokens else s.x[1], s.kernel
+        grid = s.grid if s.tokens else s.x[2:]
+
+        def make_inputs():
+            w = randn(c_in, s.width, *k, dtype=dtype, device=device) / math.sqrt(c_in)
+            return {"x": randn(*s.x, dtype=dtype, device=device, requires_grad=True),
+                    "w": w.requires_grad_(),
+                    "b": randn(s.width, dtype=dtype, device=device, requires_grad=True) if s.bias else None}
+
+        def channels_first(x):
+            return x.transpose(1, 2).reshape(x.shape[0], c_in, *grid) if s.tokens else x
+
+        conv_t = _CONV_T[rank]
+        paths = {"conv_transpose": lambda x, w, b: conv_t(channels_first(x), w, b, stride=k),
+                 "linear": lambda x, w, b: linear_patch_unembed(channels_first(x), w, b)}
+        ours = (lambda x, w, b: pg.patch_unembed(x, w, b, in_format="tokens", grid=grid)) if s.tokens else \
+            (lambda x, w, b: pg.patch_unembed(x, w, b))
+        return Problem(make_inputs, ours, paths, ["x", "w"] + (["b"] if s.bias else []),
+                       ["patch_embed", "patch_weight_grad"])
+    batch, groups, din = s.x
+
+    def make_inputs():
+        w = randn(groups, s.width, din, dtype=dtype, device=device) / math.sqrt(din)
+        return {"x": randn(batch, groups, din, dtype=dtype, device=device, requires_grad=True),
+                "w": w.requires_grad_(),
+                "b": randn(groups, s.width, dtype=dtype, device=device, requires_grad=True) if s.bias else None}
+
+    def bmm(x, w, b):
+        xg, wt = x.transpose(0, 1), w.transpose(1, 2)
+        return (torch.baddbmm(b.unsqueeze(1), xg, wt) if b is not None else torch.bmm(xg, wt)).transpose(0, 1)
+
+    return Problem(make_inputs, lambda x, w, b: pg.grouped_linear(x, w, b), {"bmm": bmm}, ["x", "w"] + (["b"] if s.bias else []),
+                   ["grouped_linear_grad_input", "grouped_linear_grad_weight"])
+
+
+
+
+# ---- random shapes -------------------------------------------------------------------------------
+
+_MAX_ELEMENTS = 1 << 25  # per input or output tensor: keeps a sweep's memory and time small
+
+
+def _pick(rng: random.Random, values):
+    return values[rng.randrange(len(values))]
+
+
+def _random_patch(rng: random.Random, i: int, dtype: str) -> Shape:
+    rank = _pick(rng, (1, 2, 2, 2, 3, 3))
+    k = {1: _pick(rng, (2, 4, 8, 16)), 2: _pick(rng, (2, 2, 4, 7, 8, 14, 16, 32)), 3: _pick(rng, (2, 2, 4, 8, 16))}[rank]
+    kernel = (k,) * rank if rank != 3 or rng.random() < 0.8 else (_pick(rng, (1, 2)), k, k)
+    grid = tuple(_pick(rng, {1: (64, 256, 1024), 2: (4, 7, 14, 16, 28, 32, 56), 3: (4, 8, 16)}[rank]) for _ in range(rank))
+    size = tuple(g * kk for g, kk in zip(grid, kernel))
+    embed = rng.random() < 0.7
+    channels = _pick(rng, (1, 3, 3, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024))
+    width = _pick(rng, (3, 4, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048))
+    if not embed:  # heads: many channels in, few out, or upsampling inside a network
+        channels, width = max(channels, 32), width if rng.random() < 0.5 else _pick(rng, (1, 3, 4))
+    tokens_grid = math.prod(grid)
+    per_sample = max(channels * math.prod(size), width * tokens_grid) if embed else max(
+        channels * tokens_grid, width * math.prod(size))
+    batch = max(1, min(_pick(rng, (1, 2, 4, 8, 16, 32, 64, 128, 256)), _MAX_ELEMENTS // per_sample))
+    if per_sample > _MAX_ELEMENTS:
+        return _random_patch(rng, i, dtype)
+    channels_last = rank > 1 and rng.random() < 0.2
+    if embed:
+        tokens = not channels_last and rng.random() < 0.5
+        return _embed(f"random-embed-{i}", (batch, channels) + size, width, kernel, dtype, tokens=tokens,
+                      channels_last=channels_last, dx=rng.random() < 0.4, bias=rng.random() < 0.8)
+    tokens = rng.random() < 0.3
+    x = (batch, tokens_grid, channels) if tokens else (batch, channels) + grid
+    return _unembed(f"random-unembed-{i}", x, width, kernel, dtype, tokens=tokens, grid=grid if tokens else (),
+                    bias=rng.random() < 0.8)
+
+
+def random_shapes(n: int, seed: int = 0) -> List[Shape]:
+    """``n`` shapes over the patch and grouped-linear families (sizes, dtypes, layouts at random)."""
+    rng = random.Random(seed)
+    shapes = []
+    for i in range(n):
+        dtype = _pick(rng, ("bf16", "bf16", "fp16", "fp32"))
+        if rng.random() < 0.75:
+            shapes.append(_random_patch(rng, i, dtype))
+            continue
+        groups = _pick(rng, (2, 3, 4, 8, 12, 16, 32, 64, 128, 256))
+        din, dout = (_pick(rng, (8, 16, 32, 64, 96, 128, 256, 333, 512, 768, 1024, 2048)) for _ in range(2))
+        batch = _pick(rng, (1, 8, 64, 256, 1024, 4096, 8192))
+        while batch > 1 and batch * groups * max(din, dout) > _MAX_ELEMENTS:
+            batch //= 2
+        shapes.append(_grouped(f"random-grouped-{i}", (batch, groups, din), dout, dtype=dtype, bias=rng.random() < 0.7))
+    return shapes

@@ -1,0 +1,189 @@
+"""``python -m patchgemm tune``: time every implementation over shape sets, keep the records, train the
+learned selector on some sets and report every mode's regret on the others.
+
+    python -m patchgemm tune [--sets tuning,random,heldout] [--random N] [--train-on tuning,random]
+                             [--evaluate-on heldout] [--model PATH] [--json PATH] [--cache-dir DIR]
+    python -m patchgemm tune --from-json A.json[,B.json] [--train-device TEXT] [--evaluate-device TEXT] ...
+
+Each shape (patchgemm/shapes.py) runs forward and forward + backward twice: under the heuristic, to
+note its choice, then under autotune, which times every candidate of every op call it makes and
+writes the records to the autotune cache (so a tuned machine's later processes start tuned). The
+records of the ``--train-on`` sets train the model; those of the ``--evaluate-on`` sets, which it
+never sees, judge it. Regret = t(selected) / t(fastest candidate) per record; reported per mode as
+geometric mean and worst case, with the speedup of each mode over "always the single best
+implementation" (per op, the candidate of least mean regret on the training records, the heuristic's
+choice where it does not apply).
+"""
+
+import json
+import math
+import statistics
+from typing import Dict, List, Optional
+
+import torch
+
+from . import learned, selection
+from .learned import Record
+from .shapes import HELDOUT, TUNING, Shape, problem, random_shapes
+
+SETS = ("tuning", "heldout", "random")
+
+
+def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, log=print) -> List[Record]:
+    """Autotunes every shape of the sets (name -> shapes); returns their records, tagged with the sets
+    that produced them, the heuristic's choice, the shape and the device."""
+    tags: Dict[str, Dict[str, str]] = {}  # (op, signature) -> tags
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    previous = selection.get_selection()
+    failures: List[str] = []
+    try:
+        for set_name, shapes in sets.items():
+            for i, s in enumerate(shapes):
+                try:
+                    _tune_shape(s, device, cache_dir, set_name, device_name, tags)
+                except torch.OutOfMemoryError:
+                    log(f"  {s.id}: out of memory, skipped")
+                    torch.cuda.empty_cache()
+                except RuntimeError as e:  # reported, and the sweep goes on
+                    log(f"  {s.id}: FAILED: {e}")
+                    failures.append(s.id)
+                if (i + 1) % 25 == 0 or i + 1 == len(shapes):
+                    log(f"  {set_name}: {i + 1}/{len(shapes)} shapes")
+    finally:
+        selection.set_selection(previous, cache_dir=cache_dir)
+    if failures:
+        log(f"  {len(failures)} shape(s) failed: {', '.join(failures)}")
+    records = []
+    for r in learned.parse_records(selection.autotune_records()):
+        t = tags.get(f"{r.op}\t{r.signature}")
+        if t is not None:
+            r.tags = dict(t)
+            records.append(r)
+    return records
+
+
+def _tune_shape(s, device, cache_dir, set_name, device_name, tags) -> None:
+    prob = problem(s, device)
+    inputs = prob.make_inputs()
+    with torch.no_grad():
+        dy = torch.randn_like(prob.ours(**inputs))
+
+    def forward():
+        with torch.no_grad():
+            prob.ours(**inputs)
+
+    def forward_backward():
+        torch.autograd.grad(prob.ours(**inputs), [inputs[k] for k in prob.grad_inputs], dy)
+
+    for run in (forward, forward_backward):
+        selection.set_selection("heuristic")
+        with selection.explain() as heuristic:
+            run()
+        selection.set_selection("autotune", cache_dir=cache_dir)
+        with selection.explain() as tuned:
+            run()
+        chosen = {(c.op, c.signature): c.chosen for c in heuristic}
+        for c in tuned:
+            t = tags.setdefault(f"{c.op}\t{c.signature}", {"device": device_name, "shape": s.id})
+            sets = set(filter(None, t.get("sets", "").split(",")))
+            t["sets"] = ",".join(sorted(sets | {set_name}))
+            if (c.op, c.signature) in chosen:
+                t["heuristic"] = chosen[(c.op, c.signature)]
+
+
+# ---- judging -------------------------------------------------------------------------------------
+
+
+def _geomean(xs: List[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")
+
+
+def single_best(train: List[Record]) -> Dict[str, str]:
+    """Per op, the candidate of least geometric-mean regret over the records (the heuristic's choice
+    standing in where it does not apply)."""
+    best = {}
+    for op in sorted({r.op for r in train}):
+        rs = [r for r in train if r.op == op and r.tags.get("heuristic") in r.times]
+        names = sorted({n for r in rs for n, t in r.times.items() if t is not None})
+        if names:
+            best[op] = min(names, key=lambda n: _geomean([_regret_or_fallback(r, n) for r in rs]))
+    return best
+
+
+def _regret_or_fallback(r: Record, name: Optional[str]) -> float:
+    return r.regret(name) if name is not None and r.times.get(name) is not None else r.regret(r.tags["heuristic"])
+
+
+def judge(records: List[Record], model: dict, best: Dict[str, str]) -> List[dict]:
+    """Per op and overall: each mode's geometric-mean and worst regret."""
+    rows = []
+    rs_all = [r for r in records if r.tags.get("heuristic") in r.times]
+    for op in sorted({r.op for r in rs_all}) + [None]:
+        rs = [r for r in rs_all if op is None or r.op == op]
+        modes = {"heuristic": [r.regret(r.tags["heuristic"]) for r in rs],
+                 "learned": [_regret_or_fallback(r, learned.predict(model, r)) for r in rs],
+                 "single best": [_regret_or_fallback(r, best.get(r.op)) for r in rs]}
+        row = {"op": op or "all", "records": len(rs),
+               "choices": sum(sum(t is not None for t in r.times.values()) > 1 for r in rs)}
+        for mode, regrets in modes.items():
+            row[mode] = {"mean": _geomean(regrets), "worst": max(regrets, default=float("nan"))}
+        row["learned vs single best"] = _geomean([s / l for s, l in zip(modes["single best"], modes["learned"])])
+        row["heuristic vs single best"] = _geomean([s / h for s, h in zip(modes["single best"], modes["heuristic"])])
+        rows.append(row)
+    return rows
+
+
+def format_judgement(rows: List[dict], title: str) -> str:
+    lines = [title, "| op | records (with a choice) | heuristic mean / worst | learned mean / worst | "
+             "single best mean / worst | learned vs single best |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        cells = [f"{row[m]['mean']:.3f} / {row[m]['worst']:.2f}" for m in ("heuristic", "learned", "single best")]
+        lines.append(f"| {row['op']} | {row['records']} ({row['choices']}) | " + " | ".join(cells)
+                     + f" | {row['learned vs single best']:.3f}x |")
+    return "\n".join(lines)
+
+
+def _select(records: List[Record], sets: List[str], device_text: Optional[str], exclude: List[str] = ()) -> List[Record]:
+    out = []
+    for r in records:
+        mine = set(r.tags.get("sets", "").split(","))
+        if mine & set(sets) and not mine & set(exclude) and (not device_text or device_text in r.tags.get("device", "")):
+            out.append(r)
+    return out
+
+
+def main(args) -> int:
+    train_on = [s for s in args.train_on.split(",") if s]
+    evaluate_on = [s for s in args.evaluate_on.split(",") if s]
+    for s in train_on + evaluate_on:
+        if s not in SETS:
+            raise SystemExit(f"patchgemm tune: unknown set {s!r}; the sets are {', '.join(SETS)}")
+    if args.from_json:
+        records = []
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                for d in json.load(f)["records"]:
+                    records.append(Record(**d))
+    else:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        cache_dir = args.cache_dir if args.cache_dir is not None else selection.default_cache_dir()
+        shapes = {"tuning": TUNING, "heldout": HELDOUT, "random": random_shapes(args.random, args.seed)}
+        sets = {name: shapes[name] for name in dict.fromkeys(train_on + evaluate_on)}
+        print(f"tuning {', '.join(sets)} on {device} (cache: {cache_dir or 'memory only'})")
+        records = sweep(sets, device, cache_dir)
+    # A record that a held-out shape also produced never trains.
+    train = _select(records, train_on, args.train_device, exclude=evaluate_on)
+    test = _select(records, evaluate_on, args.evaluate_device)
+    model = learned.train(train, description=f"trained on {len(train)} records of the sets {', '.join(train_on)}"
+                          + (f" on {args.train_device}" if args.train_device else ""))
+    best = single_best(train)
+    report = {"train": judge(train, model, best), "evaluate": judge(test, model, best), "single_best": best}
+    print(format_judgement(report["train"], f"\nTraining records ({', '.join(train_on)}): regret = t(selected) / t(fastest)"))
+    print(format_judgement(report["evaluate"], f"\nHeld-out records ({', '.join(evaluate_on)}), never trained on"))
+    if args.model:
+        learned.save(model, args.model)
+        print(f"\nmodel written to {args.model}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"records": [vars(r) for r in records], "report": report}, f, indent=1)
+    return 0

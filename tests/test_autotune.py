@@ -1,0 +1,315 @@
+"""Selection modes: autotune times every candidate that applies, keeps the fastest and caches it on disk
+(round trip, corrupt and stale files, two processes writing at once, CUDA-graph capture, torch.compile);
+the learned selector trains on the records and runs on the CPU; bad mode and implementation names
+are clear errors."""
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import patchgemm
+from patchgemm import learned, selection, tune
+from patchgemm.ops import ops
+from patchgemm.shapes import _embed, _grouped, _unembed
+from conftest import DEVICES, assert_close_to_ref, needs_gpu, randn
+
+
+@pytest.fixture
+def autotune(tmp_path):
+    """Autotune into a fresh cache directory; heuristic again afterwards, nothing remembered."""
+    patchgemm.set_selection("autotune", cache_dir=str(tmp_path))
+    yield str(tmp_path)
+    patchgemm.set_selection("heuristic")
+    ops._forget_selections()
+
+
+def cache_file(directory):
+    files = glob.glob(os.path.join(directory, "autotune-*.tsv"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def grouped_case(device, batch=8, groups=3, din=16, dout=24, dtype=torch.float32):
+    x = randn(batch, groups, din, dtype=dtype, device=device)
+    w = randn(groups, dout, din, dtype=dtype, device=device)
+    b = randn(groups, dout, dtype=dtype, device=device)
+    ref = torch.einsum("bgi,goi->bgo", x.double(), w.double()) + b.double()
+    return x, w, b, ref
+
+
+def run_explained(fn, *args):
+    with patchgemm.explain() as e:
+        out = fn(*args)
+    return out, e
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autotune_times_caches_and_reads_back(autotune, device):
+    x, w, b, ref = grouped_case(device)
+    y, first = run_explained(patchgemm.grouped_linear, x, w, b)
+    assert_close_to_ref(y, ref, torch.float32)
+    (c,) = first
+    assert c.how == "autotune: timed now"
+    applicable = {v.name for v in c.candidates if v.status != "unsupported"}
+    assert c.chosen in applicable and all(v.reason.endswith(" ms") for v in c.candidates if v.name in applicable)
+    path = cache_file(autotune)
+    with open(path) as f:
+        lines = f.read().splitlines()
+    assert lines[0] == "# patchgemm autotune records, format 1" and lines[1].startswith("# environment: ")
+    (record,) = learned.parse_records(lines[2:])
+    assert record.op == "grouped_linear" and record.chosen == c.chosen
+    assert record.fastest_ms == record.times[c.chosen] and record.features["groups"] == 3
+
+    # Remembered in memory, then read back from the file once memory is forgotten.
+    y, second = run_explained(patchgemm.grouped_linear, x, w, b)
+    assert_close_to_ref(y, ref, torch.float32)
+    assert second[0].chosen == c.chosen and second[0].how == f"autotune: cached in {path}"
+    ops._forget_selections()
+    _, third = run_explained(patchgemm.grouped_linear, x, w, b)
+    assert third[0].chosen == c.chosen and third[0].how == f"autotune: cached in {path}"
+
+
+def test_autotune_never_chooses_an_inapplicable_candidate(autotune):
+    # A hierarchical token order: only the gather + GEMM path applies on the CPU.
+    x = randn(2, 3, 8, 8)
+    w = randn(16, 3, 2, 2)
+    y, e = run_explained(lambda: ops.patch_embed(x, w, None, True, [2, 2, 2, 2]))
+    (c,) = e
+    unsupported = {v.name for v in c.candidates if v.status == "unsupported"}
+    assert c.chosen == "gather_gemm" and {"aten_conv", "aten_linear", "view_gemm"} <= unsupported
+    assert all(v.reason for v in c.candidates if v.status == "unsupported")
+
+    # A record naming a candidate that does not apply (another build's, or edited) is not followed.
+    path = cache_file(autotune)
+    with open(path) as f:
+        lines = f.read().splitlines()
+    fields = lines[2].split("\t")
+    fields[3], fields[4] = "aten_conv", fields[4].replace("aten_conv=-", "aten_conv=0.001")
+    with open(path, "w") as f:
+        f.write("\n".join(lines[:2] + ["\t".join(fields)]) + "\n")
+    ops._forget_selections()
+    y2, e2 = run_explained(lambda: ops.patch_embed(x, w, None, True, [2, 2, 2, 2]))
+    assert e2[0].chosen == "gather_gemm" and "does not apply" in e2[0].how and e2[0].how.startswith("heuristic")
+    torch.testing.assert_close(y2, y)
+
+
+def test_corrupt_and_stale_cache_files_are_ignored_with_a_warning(autotune, capfd):
+    # C++ warnings from custom ops reach stderr (torch.ops installs no Python warning handler).
+    def warned(text):
+        err = capfd.readouterr().err
+        assert text in err and err.count("patchgemm autotune") == 1, err
+
+    x, w, b, ref = grouped_case("cpu")
+    patchgemm.grouped_linear(x, w, b)
+    path = cache_file(autotune)
+    with open(path) as f:
+        lines = f.read().splitlines()
+
+    with open(path, "w") as f:
+        f.write("\x00garbage\nnot a record\n")
+    ops._forget_selections()
+    y, e = run_explained(patchgemm.grouped_linear, x, w, b)
+    warned("not an autotune cache file or is corrupt")
+    assert_close_to_ref(y, ref, torch.float32)
+    assert e[0].how == "autotune: timed now"
+    with open(path) as f:  # rewritten whole and valid
+        assert len(learned.parse_records(f.read().splitlines()[2:])) == 1
+
+    with open(path, "w") as f:  # a valid header, one good line, two broken ones
+        f.write("\n".join(lines[:3] + ["grouped_linear\tflags\tsig", lines[2].replace("=", "~")]) + "\n")
+    ops._forget_selections()
+    _, e = run_explained(patchgemm.grouped_linear, x, w, b)
+    warned("skipped 2 corrupt line")
+    assert e[0].how.startswith("autotune: cached")
+
+    with open(path, "w") as f:  # another environment's records
+        f.write("\n".join([lines[0], "# environment: some other GPU"] + lines[2:]) + "\n")
+    ops._forget_selections()
+    _, e = run_explained(patchgemm.grouped_linear, x, w, b)
+    warned("written for another environment")
+    assert e[0].how == "autotune: timed now"
+
+
+def test_unwritable_cache_keeps_choices_in_memory(tmp_path, capfd):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    patchgemm.set_selection("autotune", cache_dir=str(blocker / "cache"))
+    try:
+        x, w, b, ref = grouped_case("cpu")
+        y = patchgemm.grouped_linear(x, w, b)
+        assert "cannot write the cache file" in capfd.readouterr().err
+        assert_close_to_ref(y, ref, torch.float32)
+        _, e = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert e[0].how.startswith("autotune: cached")
+    finally:
+        patchgemm.set_selection("heuristic")
+        ops._forget_selections()
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch, patchgemm
+    patchgemm.set_selection("autotune", cache_dir=sys.argv[1])
+    first = int(sys.argv[2])
+    for din in range(first, first + 12):
+        x, w = torch.randn(4, 2, din), torch.randn(2, 8, din)
+        patchgemm.grouped_linear(x, w)
+""")
+
+
+def test_two_processes_write_one_cache(tmp_path):
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(first)], stderr=subprocess.PIPE)
+             for first in (1, 101)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()
+    with open(cache_file(str(tmp_path))) as f:
+        records = learned.parse_records(f.read().splitlines()[2:])
+    dins = sorted(int(r.features["k"]) for r in records)
+    assert dins == list(range(1, 13)) + list(range(101, 113))
+
+
+def test_selection_is_stable_under_torch_compile(autotune):
+    x, w, b, ref = grouped_case("cpu")
+    eager, e = run_explained(patchgemm.grouped_linear, x, w, b)
+    compiled = torch.compile(patchgemm.grouped_linear, fullgraph=True)
+    for _ in range(2):
+        y, e2 = run_explained(compiled, x, w, b)
+        assert_close_to_ref(y, ref, torch.float32)
+        assert [c.chosen for c in e2] == [e[0].chosen] and e2[0].how.startswith("autotune: cached")
+
+
+@needs_gpu
+def test_no_timing_during_cuda_graph_capture(autotune):
+    x, w, b, ref = grouped_case("cuda", batch=24)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), patchgemm.explain() as e:
+        with torch.cuda.graph(graph, stream=stream):
+            y = patchgemm.grouped_linear(x, w, b)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_to_ref(y, ref, torch.float32)
+    assert e[0].how == "heuristic (autotune: no timing during CUDA-graph capture)"
+    assert not glob.glob(os.path.join(autotune, "autotune-*.tsv"))
+
+
+# ---- modes and names -----------------------------------------------------------------------------
+
+
+def test_bad_modes_and_names_are_clear_errors():
+    with pytest.raises(ValueError, match="neither a mode .* nor an implementation name"):
+        patchgemm.set_selection("fastest")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        patchgemm.set_selection("")
+    with pytest.raises(RuntimeError, match="cannot read the model file"):
+        patchgemm.set_selection("learned", model="/nonexistent/model.json")
+    assert patchgemm.get_selection() == "heuristic"
+
+
+def test_an_implementation_name_pins_it_where_it_exists():
+    x, w, b, ref = grouped_case("cpu")
+    assert patchgemm.set_selection("aten_bmm") == "heuristic"
+    try:
+        y, e = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert_close_to_ref(y, ref, torch.float32)
+        assert e[0].chosen == "aten_bmm" and e[0].forced
+        _, e = run_explained(lambda: patchgemm.patch_embed(randn(1, 2, 4, 4), randn(8, 2, 2, 2)))
+        assert not e[0].forced  # patch_embed has no aten_bmm: its heuristic
+    finally:
+        assert patchgemm.set_selection("heuristic") == "aten_bmm"
+    _, e = run_explained(patchgemm.grouped_linear, x, w, b)
+    assert not e[0].forced
+
+
+def test_selection_from_the_environment(tmp_path):
+    code = ("import patchgemm, torch; print(patchgemm.get_selection()); "
+            "e = patchgemm.explain(patchgemm.grouped_linear, torch.randn(2, 2, 4), torch.randn(2, 3, 4)); "
+            "print(e[0].how)")
+    env = dict(os.environ, PATCHGEMM_SELECTION="autotune", PATCHGEMM_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["autotune", "autotune: timed now"]
+    assert glob.glob(os.path.join(str(tmp_path), "autotune-cpu-*.tsv"))
+
+
+# ---- the learned selector ------------------------------------------------------------------------
+
+SHAPES = {
+    "train": [_grouped(f"g{i}", (b, g, d), o, dtype="fp32", bias=i % 2 == 0)
+              for i, (b, g, d, o) in enumerate([(4, 2, 8, 8), (64, 4, 32, 16), (16, 8, 64, 64), (2, 3, 5, 7)])]
+    + [_embed("e1", (2, 3, 8, 8), 16, (2, 2), "fp32"), _embed("e2", (2, 4, 16, 16), 8, (4, 4), "fp32", tokens=True),
+       _unembed("u1", (2, 8, 4, 4), 3, (2, 2), "fp32")],
+    "test": [_grouped("g-test", (32, 4, 16), 16, dtype="fp32"), _embed("e-test", (1, 3, 8, 8), 8, (4, 4), "fp32")],
+}
+
+
+def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
+    records = tune.sweep(SHAPES, torch.device("cpu"), str(tmp_path), log=lambda *a: None)
+    assert patchgemm.get_selection() == "heuristic"
+    ops._forget_selections()
+    ops_seen = {r.op for r in records}
+    assert {"grouped_linear", "grouped_linear_grad_input", "patch_embed", "patch_weight_grad"} <= ops_seen
+    for r in records:
+        assert r.tags["sets"] and r.tags["device"] == "cpu" and r.tags["heuristic"] in r.times
+        assert r.chosen == min((t, n) for n, t in r.times.items() if t is not None)[1]
+    train = tune._select(records, ["train"], None, exclude=["test"])
+    test = tune._select(records, ["test"], None)
+    model = learned.train(train, steps=200)
+    assert set(model["ops"]) <= ops_seen and model["ops"]
+    rows = tune.judge(test, model, tune.single_best(train))
+    assert rows[-1]["op"] == "all" and rows[-1]["records"] == len(test)
+    for row in rows:
+        for mode in ("heuristic", "learned", "single best"):
+            assert row[mode]["mean"] >= 1.0 and row[mode]["worst"] >= row[mode]["mean"]
+
+    # Installed, the C++ side picks what the Python mirror predicts.
+    path = str(tmp_path / "model.json")
+    learned.save(model, path)
+    patchgemm.set_selection("learned", cache_dir="", model=path)
+    try:
+        x, w, b, ref = grouped_case("cpu", batch=32, groups=4, din=16, dout=16)
+        y, e = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert_close_to_ref(y, ref, torch.float32)
+        (c,) = e
+        (r,) = [r for r in test if r.op == "grouped_linear" and r.signature == c.signature]
+        expected = learned.predict(model, r)
+        if expected is None:
+            assert c.how == "heuristic (learned: no model for grouped_linear)"
+        else:
+            assert c.how == "learned: predicted now" and c.chosen == expected
+        _, e = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert e[0].chosen == c.chosen
+    finally:
+        patchgemm.set_selection("heuristic")
+        ops._forget_selections()
+
+
+def test_the_shipped_model_loads_and_predicts_on_the_cpu():
+    model = learned.load()
+    assert model["ops"] and model["description"]
+    patchgemm.set_selection("learned", cache_dir="")
+    try:
+        x = randn(2, 3, 32, 32)
+        w = randn(64, 3, 4, 4)
+        y, e = run_explained(lambda: patchgemm.patch_embed(x, w, None))
+        torch.testing.assert_close(y, F.conv2d(x, w, stride=4), rtol=1e-4, atol=1e-4)
+        assert e[0].how in ("learned: predicted now", "heuristic (learned: no model for patch_embed)")
+    finally:
+        patchgemm.set_selection("heuristic")
+        ops._forget_selections()
+
+
+def test_bad_model_files_are_clear_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": 99, "ops": {}}')
+    with pytest.raises(RuntimeError, match="not a model file of format 1"):
+        learned.load(str(bad))
+    with pytest.raises(RuntimeError, match="expected .* parameters"):
+        ops._set_learned_model("grouped_linear", ["strided_batched"], ["m"], 2, [0.0, 1.0])
