@@ -20,6 +20,7 @@ from patchgemm.bench import Row, format_table  # noqa: E402
 from patchgemm.host_bench import HostRow  # noqa: E402
 from patchgemm.host_bench import format_rows as format_host_rows  # noqa: E402
 from patchgemm.model_bench import ModelRow, format_rows  # noqa: E402
+from patchgemm import tune  # noqa: E402
 
 import heldout  # noqa: E402
 
@@ -81,6 +82,22 @@ def host_section(saved: dict, name: str) -> str:
         format_host_rows([HostRow(**r) for r in saved["host"]]))
 
 
+def tune_section(saved: dict, name: str) -> str:
+    report = saved["report"]
+    tables = [tune.format_judgement(report["evaluate"], f"Held-out records ({', '.join(saved['evaluate_on'])}), "
+                                    "never trained on:"),
+              tune.format_judgement(report["train"], f"\nTraining records ({', '.join(saved['train_on'])}):")]
+    return "\n".join([
+        f"## Selection modes, regret: {_where(saved.get('environment', {}))}", "",
+        f"`python -m patchgemm tune --from-json bench/results/{name} --json bench/results/{name}` (the sweep: "
+        "`python -m patchgemm tune --random 800 --json ...`). Regret = t(selected) / t(fastest candidate), GPU "
+        "time of each candidate as autotune measures it (CUDA events around back-to-back calls behind a spin "
+        "kernel); geometric mean / worst over the records (one per op call signature). `single best` = per op "
+        "the one candidate of least mean regret on the training records; `learned vs single best` = its "
+        "time / the learned choice's. The shipped model (`patchgemm/data/selector.json`) is this one.", "",
+        *tables, ""])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+")
@@ -90,7 +107,9 @@ def main(argv=None) -> int:
     for path in sorted(args.runs):
         saved = json.loads(pathlib.Path(path).read_text())
         name = pathlib.Path(path).name
-        if "models" in saved:
+        if "report" in saved:
+            sections.append(tune_section(saved, name))
+        elif "models" in saved:
             sections.append(models_section(saved, name))
         elif "host" in saved:
             sections.append(host_section(saved, name))

@@ -7,7 +7,9 @@ every applicable candidate's measured time. The model sees ``log2(1 + feature)``
 is trained on soft labels made from the times, as MIOpen's learned selector is: the target weight of
 candidate c is ``softmax(-log(t_c / t_fastest) / temperature)`` over the candidates that apply, so a
 candidate 2% slower than the fastest is almost as good a label and one 2x slower is not. Records are
-weighted by what is at stake (the log of the slowest-to-fastest ratio). At run time the C++ side
+weighted by what is at stake (the log of the slowest-to-fastest ratio). The features include, per
+candidate, whether it applies and whether the heuristic's rules pick it (the model starts from what
+the rules know). At run time the C++ side
 (csrc/selection/learned.cpp) computes the same scores and runs the best-scored candidate that applies.
 
 The model file is JSON: per op its candidates, features, normalization and weights.
@@ -65,11 +67,13 @@ def parse_records(lines: Iterable[str]) -> List[Record]:
 
 
 def _inputs(features: List[str], values: Dict[str, float]) -> List[float]:
-    return [math.log2(1.0 + max(values[f], 0.0)) for f in features]
+    # A candidate another build lacks neither applies nor is picked (as in learned.cpp).
+    return [math.log2(1.0 + max(values[f] if f in values or not f.startswith(("applies:", "rules_pick:"))
+                                else 0.0, 0.0)) for f in features]
 
 
-def train(records: List[Record], hidden: int = 32, steps: int = 2000, temperature: float = 0.1,
-          seed: int = 0, description: str = "") -> dict:
+def train(records: List[Record], hidden: int = 32, steps: int = 2000, temperature: float = 0.2,
+          weight_decay: float = 1e-2, seed: int = 0, description: str = "") -> dict:
     """A model per op from its records (ops whose records never offer a choice get none)."""
     model = {"format": FORMAT, "description": description, "ops": {}}
     by_op: Dict[str, List[Record]] = {}
@@ -81,12 +85,12 @@ def train(records: List[Record], hidden: int = 32, steps: int = 2000, temperatur
         features = list(rs[0].features)
         if any(list(r.features) != features for r in rs):
             raise ValueError(f"learned.train: the records of {op} have different features (mixed versions?)")
-        model["ops"][op] = _train_op(rs, candidates, features, hidden, steps, temperature, seed)
+        model["ops"][op] = _train_op(rs, candidates, features, hidden, steps, temperature, weight_decay, seed)
     return model
 
 
 def _train_op(rs: List[Record], candidates: List[str], features: List[str], hidden: int, steps: int,
-              temperature: float, seed: int) -> dict:
+              temperature: float, weight_decay: float, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     x = torch.tensor([_inputs(features, r.features) for r in rs], dtype=torch.float64)
     mean, scale = x.mean(0), x.std(0, unbiased=False)
@@ -103,7 +107,7 @@ def _train_op(rs: List[Record], candidates: List[str], features: List[str], hidd
     with torch.no_grad():
         for p in net.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * (1.0 / math.sqrt(p.shape[-1])))
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2, weight_decay=1e-4)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2, weight_decay=weight_decay)
     for _ in range(steps):
         opt.zero_grad()
         logits = net(x).masked_fill(~applies, -1e9)

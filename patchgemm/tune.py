@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import learned, selection
+from .bench import environment
 from .learned import Record
 from .shapes import HELDOUT, TUNING, Shape, problem, random_shapes
 
@@ -159,11 +160,12 @@ def main(args) -> int:
         if s not in SETS:
             raise SystemExit(f"patchgemm tune: unknown set {s!r}; the sets are {', '.join(SETS)}")
     if args.from_json:
-        records = []
+        records, env = [], {}
         for path in args.from_json.split(","):
             with open(path) as f:
-                for d in json.load(f)["records"]:
-                    records.append(Record(**d))
+                saved = json.load(f)
+            env = env or saved.get("environment", {})
+            records += [Record(**d) for d in saved["records"]]
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cache_dir = args.cache_dir if args.cache_dir is not None else selection.default_cache_dir()
@@ -171,11 +173,13 @@ def main(args) -> int:
         sets = {name: shapes[name] for name in dict.fromkeys(train_on + evaluate_on)}
         print(f"tuning {', '.join(sets)} on {device} (cache: {cache_dir or 'memory only'})")
         records = sweep(sets, device, cache_dir)
+        env = environment(device)
     # A record that a held-out shape also produced never trains.
     train = _select(records, train_on, args.train_device, exclude=evaluate_on)
     test = _select(records, evaluate_on, args.evaluate_device)
-    model = learned.train(train, description=f"trained on {len(train)} records of the sets {', '.join(train_on)}"
-                          + (f" on {args.train_device}" if args.train_device else ""))
+    devices = ", ".join(sorted({r.tags.get("device", "?") for r in train}))
+    model = learned.train(train, description=f"trained on {len(train)} records of the sets {', '.join(train_on)} "
+                          f"({devices})")
     best = single_best(train)
     report = {"train": judge(train, model, best), "evaluate": judge(test, model, best), "single_best": best}
     print(format_judgement(report["train"], f"\nTraining records ({', '.join(train_on)}): regret = t(selected) / t(fastest)"))
@@ -185,5 +189,6 @@ def main(args) -> int:
         print(f"\nmodel written to {args.model}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"records": [vars(r) for r in records], "report": report}, f, indent=1)
+            json.dump({"environment": env, "train_on": train_on, "evaluate_on": evaluate_on, "report": report,
+                       "records": [vars(r) for r in records]}, f, separators=(",", ":"))
     return 0

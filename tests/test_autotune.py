@@ -281,7 +281,7 @@ def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
         (r,) = [r for r in test if r.op == "grouped_linear" and r.signature == c.signature]
         expected = learned.predict(model, r)
         if expected is None:
-            assert c.how == "heuristic (learned: no model for grouped_linear)"
+            assert c.how == "heuristic (learned: no usable model for grouped_linear)"
         else:
             assert c.how == "learned: predicted now" and c.chosen == expected
         _, e = run_explained(patchgemm.grouped_linear, x, w, b)
@@ -300,7 +300,8 @@ def test_the_shipped_model_loads_and_predicts_on_the_cpu():
         w = randn(64, 3, 4, 4)
         y, e = run_explained(lambda: patchgemm.patch_embed(x, w, None))
         torch.testing.assert_close(y, F.conv2d(x, w, stride=4), rtol=1e-4, atol=1e-4)
-        assert e[0].how in ("learned: predicted now", "heuristic (learned: no model for patch_embed)")
+        # Trained on an H100 build: the candidates a CPU build lacks count as not applying.
+        assert e[0].how == "learned: predicted now" and e[0].chosen in {"gather_gemm", "aten_conv"}
     finally:
         patchgemm.set_selection("heuristic")
         ops._forget_selections()

@@ -34,6 +34,7 @@
 
 #ifdef PATCHGEMM_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAGuard.h>
 #if !defined(USE_ROCM)
 #include <cublasLt.h>
@@ -289,26 +290,35 @@ constexpr int kRounds = 5;
 constexpr double kRoundMs = 0.3;  // each function's reps per round fill about this much
 constexpr int kMaxReps = 100;
 
-// One function's time over `reps` calls, in ms.
-double time_reps(const at::Device& device, const std::function<void()>& fn, int reps) {
+// One function's time over `reps` calls, in ms: GPU time on CUDA, as the benchmarks take it. A spin
+// kernel ahead of the calls keeps the GPU busy while the host queues them, so the events measure the
+// kernels back to back, not the host's pace; `spin_ms` grows to cover the queuing time.
+double time_reps(const at::Device& device, const std::function<void()>& fn, int reps, double& spin_ms) {
 #ifdef PATCHGEMM_WITH_CUDA
   if (device.is_cuda()) {
     c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
+    int clock_khz = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device.index()));
     cudaEvent_t start, stop;
     C10_CUDA_CHECK(cudaEventCreate(&start));
     C10_CUDA_CHECK(cudaEventCreate(&stop));
+    at::cuda::sleep(static_cast<int64_t>(spin_ms * std::max(clock_khz, 1000)));
     C10_CUDA_CHECK(cudaEventRecord(start, stream));
+    const auto queued = std::chrono::steady_clock::now();
     for (int i = 0; i < reps; ++i) fn();
+    const double host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - queued).count();
     C10_CUDA_CHECK(cudaEventRecord(stop, stream));
     C10_CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0;
     C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     C10_CUDA_CHECK(cudaEventDestroy(start));
     C10_CUDA_CHECK(cudaEventDestroy(stop));
+    spin_ms = std::min(std::max(spin_ms, 1.5 * host_ms), 50.0);
     return ms;
   }
 #endif
+  (void)spin_ms;
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < reps; ++i) fn();
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -374,13 +384,14 @@ bool timing_allowed(const at::Device& device) {
 
 std::vector<double> time_in_turns(const at::Device& device, const std::vector<std::function<void()>>& fns) {
   std::vector<int> reps(fns.size());
+  double spin_ms = 0.2;
   for (size_t i = 0; i < fns.size(); ++i) {
-    const double once = time_reps(device, fns[i], 1);
+    const double once = time_reps(device, fns[i], 1, spin_ms);
     reps[i] = static_cast<int>(std::clamp(std::ceil(kRoundMs / std::max(once, 1e-4)), 1.0, double(kMaxReps)));
   }
   std::vector<std::vector<double>> samples(fns.size());
   for (int round = 0; round < kRounds; ++round) {
-    for (size_t i = 0; i < fns.size(); ++i) samples[i].push_back(time_reps(device, fns[i], reps[i]) / reps[i]);
+    for (size_t i = 0; i < fns.size(); ++i) samples[i].push_back(time_reps(device, fns[i], reps[i], spin_ms) / reps[i]);
   }
   std::vector<double> medians;
   for (auto& s : samples) {

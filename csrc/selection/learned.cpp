@@ -81,9 +81,15 @@ std::vector<double> learned_scores(const std::string& op, const std::vector<std:
   const size_t nf = model.features.size(), nh = static_cast<size_t>(model.hidden);
   std::vector<double> x(nf), h(nh);
   for (size_t i = 0; i < nf; ++i) {
-    const auto v = values.find(model.features[i]);
+    const std::string& name = model.features[i];
+    const auto v = values.find(name);
+    // A candidate this build lacks (the CPU build has no CUDA kernels) neither applies nor is picked.
+    if (v == values.end() && (name.rfind("applies:", 0) == 0 || name.rfind("rules_pick:", 0) == 0)) {
+      x[i] = (0.0 - model.mean[i]) / model.scale[i];
+      continue;
+    }
     if (v == values.end()) {
-      TORCH_WARN_ONCE("patchgemm learned model for ", op, ": the problem has no feature \"", model.features[i],
+      TORCH_WARN_ONCE("patchgemm learned model for ", op, ": the problem has no feature \"", name,
                       "\" (a model of another version?); using the heuristic");
       return {};
     }

@@ -216,7 +216,7 @@ class Table {
   // Autotune or learned: the remembered choice for this signature, else a new one (remembered).
   // nullopt, with the reason in `fallback`, where the mode cannot choose.
   std::optional<Result> run_chosen_by_mode(const Problem& p, Mode mode, std::string& fallback) const {
-    const ProblemFeatures f = features_(p);
+    const ProblemFeatures f = features(p);
     const std::string signature = signature_(p);
     const std::string key = detail::memory_key(op_, signature);
     if (const auto remembered = detail::recall(f.device, key)) {
@@ -297,7 +297,7 @@ class Table {
                                     std::string& fallback) const {
     const std::vector<double> scores = detail::learned_scores(op_, names_, f);
     if (scores.empty()) {
-      fallback = "learned: no model for " + op_;
+      fallback = "learned: no usable model for " + op_;
       return std::nullopt;
     }
     std::vector<size_t> order(candidates_.size());
@@ -315,6 +315,22 @@ class Table {
     }
     fallback = "learned: no candidate applies";
     return std::nullopt;
+  }
+
+  // The problem's features plus, per candidate, whether it applies and whether the rules pick it
+  // (the first that applies and whose rule accepts; a kernel's finer limits are not asked): the
+  // learned model starts from what the heuristic knows.
+  ProblemFeatures features(const Problem& p) const {
+    ProblemFeatures f = features_(p);
+    bool picked = false;
+    for (const auto& c : candidates_) {
+      const bool applies = why_not(c, p).empty();
+      const bool pick = !picked && applies && (!c.rule || c.rule(p).empty());
+      picked = picked || pick;
+      f.values.emplace_back("applies:" + c.name, applies ? 1.0 : 0.0);
+      f.values.emplace_back("rules_pick:" + c.name, pick ? 1.0 : 0.0);
+    }
+    return f;
   }
 
   WhyNot why_not(const Candidate<Problem, Result>& c, const Problem& p) const {
