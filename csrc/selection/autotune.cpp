@@ -36,7 +36,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAGuard.h>
-#if !defined(USE_ROCM)
+#ifndef USE_ROCM
 #include <cublasLt.h>
 #endif
 #endif
@@ -114,7 +114,7 @@ DeviceInfo describe_device(const at::Device& device) {
     std::ostringstream key;
     key << prop->name << "; cc " << prop->major << "." << prop->minor << "; " << prop->multiProcessorCount
         << " SMs; driver " << driver << "; runtime " << runtime;
-#if !defined(USE_ROCM)
+#ifndef USE_ROCM
     key << "; cublasLt " << cublasLtGetVersion();
 #endif
     info.name = prop->name;
