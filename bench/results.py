@@ -13,6 +13,7 @@ import argparse
 import json
 import pathlib
 import sys
+from typing import List
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -98,6 +99,24 @@ def tune_section(saved: dict, name: str) -> str:
         *tables, ""])
 
 
+def transfer_section(paths: List[pathlib.Path]) -> str:
+    """The learned model trained on one GPU's records, judged on another's held-out records."""
+    records, _ = tune.load_records([str(p) for p in paths])
+    gpus = sorted({r.tags["device"] for r in records})
+    lines = ["## Selection modes across GPUs", "",
+             f"`python bench/results.py` on {', '.join(p.name for p in paths)}: the model trained on one GPU's "
+             "tuning + random records, judged on the other's held-out records (regret as above; `all` rows).", "",
+             "| trained on | judged on | heuristic mean / worst | learned mean / worst | single best mean / worst |",
+             "|---|---|---|---|---|"]
+    for train_gpu in gpus:
+        for eval_gpu in gpus:
+            _, report = tune.train_and_judge(records, ["tuning", "random"], ["heldout"], train_gpu, eval_gpu)
+            row = report["evaluate"][-1]
+            cells = [f"{row[m]['mean']:.3f} / {row[m]['worst']:.2f}" for m in ("heuristic", "learned", "single best")]
+            lines.append(f"| {train_gpu} | {eval_gpu} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + [""])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+")
@@ -117,6 +136,9 @@ def main(argv=None) -> int:
             sections.append(suite_section(saved, name))
         else:
             sections.append(heldout_section(saved, name))
+    tune_runs = [pathlib.Path(p) for p in sorted(args.runs) if pathlib.Path(p).name.startswith("tune-")]
+    if len(tune_runs) > 1:
+        sections.append(transfer_section(tune_runs))
     pathlib.Path(args.out).write_text("\n".join(sections))
     print(f"results: wrote {args.out} from {len(args.runs)} runs")
     return 0

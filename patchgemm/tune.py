@@ -153,6 +153,31 @@ def _select(records: List[Record], sets: List[str], device_text: Optional[str], 
     return out
 
 
+def load_records(paths: List[str]):
+    """Records saved by ``--json`` (the first file's environment with them)."""
+    records, env = [], {}
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        env = env or saved.get("environment", {})
+        records += [Record(**d) for d in saved["records"]]
+    return records, env
+
+
+def train_and_judge(records: List[Record], train_on: List[str], evaluate_on: List[str],
+                    train_device: Optional[str] = None, evaluate_device: Optional[str] = None):
+    """The model trained on the ``train_on`` sets' records (of GPUs named ``train_device``), and each
+    mode's regret on them and on the ``evaluate_on`` sets' records (of ``evaluate_device``)."""
+    # A record that a held-out shape also produced never trains.
+    train = _select(records, train_on, train_device, exclude=evaluate_on)
+    test = _select(records, evaluate_on, evaluate_device)
+    devices = ", ".join(sorted({r.tags.get("device", "?") for r in train}))
+    model = learned.train(train, description=f"trained on {len(train)} records of the sets {', '.join(train_on)} "
+                          f"({devices})")
+    best = single_best(train)
+    return model, {"train": judge(train, model, best), "evaluate": judge(test, model, best), "single_best": best}
+
+
 def main(args) -> int:
     train_on = [s for s in args.train_on.split(",") if s]
     evaluate_on = [s for s in args.evaluate_on.split(",") if s]
@@ -160,12 +185,7 @@ def main(args) -> int:
         if s not in SETS:
             raise SystemExit(f"patchgemm tune: unknown set {s!r}; the sets are {', '.join(SETS)}")
     if args.from_json:
-        records, env = [], {}
-        for path in args.from_json.split(","):
-            with open(path) as f:
-                saved = json.load(f)
-            env = env or saved.get("environment", {})
-            records += [Record(**d) for d in saved["records"]]
+        records, env = load_records(args.from_json.split(","))
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cache_dir = args.cache_dir if args.cache_dir is not None else selection.default_cache_dir()
@@ -174,14 +194,7 @@ def main(args) -> int:
         print(f"tuning {', '.join(sets)} on {device} (cache: {cache_dir or 'memory only'})")
         records = sweep(sets, device, cache_dir)
         env = environment(device)
-    # A record that a held-out shape also produced never trains.
-    train = _select(records, train_on, args.train_device, exclude=evaluate_on)
-    test = _select(records, evaluate_on, args.evaluate_device)
-    devices = ", ".join(sorted({r.tags.get("device", "?") for r in train}))
-    model = learned.train(train, description=f"trained on {len(train)} records of the sets {', '.join(train_on)} "
-                          f"({devices})")
-    best = single_best(train)
-    report = {"train": judge(train, model, best), "evaluate": judge(test, model, best), "single_best": best}
+    model, report = train_and_judge(records, train_on, evaluate_on, args.train_device, args.evaluate_device)
     print(format_judgement(report["train"], f"\nTraining records ({', '.join(train_on)}): regret = t(selected) / t(fastest)"))
     print(format_judgement(report["evaluate"], f"\nHeld-out records ({', '.join(evaluate_on)}), never trained on"))
     if args.model:

@@ -4,7 +4,9 @@ the learned selector trains on the records and runs on the CPU; bad mode and imp
 are clear errors."""
 
 import glob
+import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -268,6 +270,19 @@ def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
     for row in rows:
         for mode in ("heuristic", "learned", "single best"):
             assert row[mode]["mean"] >= 1.0 and row[mode]["worst"] >= row[mode]["mean"]
+
+    # Saved as `tune --json` saves, judged again from the file and rendered into RESULTS.md.
+    saved = tmp_path / "tune-cpu.json"
+    saved.write_text(json.dumps({"environment": {"device": "cpu"}, "train_on": ["train"], "evaluate_on": ["test"],
+                                 "report": {"train": rows, "evaluate": rows}, "records": [vars(r) for r in records]}))
+    again, _ = tune.load_records([str(saved)])
+    _, report = tune.train_and_judge(again, ["train"], ["test"])
+    assert report["evaluate"][-1]["records"] == len(test)
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import results
+
+    assert results.main([str(saved), "--out", str(tmp_path / "RESULTS.md")]) == 0
+    assert "## Selection modes, regret" in (tmp_path / "RESULTS.md").read_text()
 
     # Installed, the C++ side picks what the Python mirror predicts.
     path = str(tmp_path / "model.json")

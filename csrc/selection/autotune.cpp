@@ -348,11 +348,8 @@ std::optional<Remembered> recall(const at::Device& device, const std::string& ke
   return it->second;
 }
 
-void remember_measured(const ProblemFeatures& f, const std::string& op, const std::string& key,
-                       const std::string& signature, const std::vector<std::pair<std::string, double>>& times,
-                       const std::string& chosen) {
-  (void)op;
-  (void)signature;  // both are in the key
+void remember_measured(const ProblemFeatures& f, const std::string& key,
+                       const std::vector<std::pair<std::string, double>>& times, const std::string& chosen) {
   auto features = f.values;
   const DeviceInfo info = describe_device(f.device);
   features.insert(features.end(), info.features.begin(), info.features.end());

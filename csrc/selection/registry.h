@@ -99,9 +99,8 @@ struct Remembered {
 std::optional<Remembered> recall(const at::Device& device, const std::string& key);
 // Remembers a measured choice (and writes it to the device's cache file): every candidate's time
 // in ms, negative where it does not apply.
-void remember_measured(const ProblemFeatures& f, const std::string& op, const std::string& key,
-                       const std::string& signature, const std::vector<std::pair<std::string, double>>& times,
-                       const std::string& chosen);
+void remember_measured(const ProblemFeatures& f, const std::string& key,
+                       const std::vector<std::pair<std::string, double>>& times, const std::string& chosen);
 // Remembers a predicted choice (memory only).
 void remember_predicted(const at::Device& device, const std::string& key, const std::string& name);
 // Whether candidates may be timed now: not while the current stream is capturing a CUDA graph.
@@ -216,7 +215,7 @@ class Table {
   // Autotune or learned: the remembered choice for this signature, else a new one (remembered).
   // nullopt, with the reason in `fallback`, where the mode cannot choose.
   std::optional<Result> run_chosen_by_mode(const Problem& p, Mode mode, std::string& fallback) const {
-    const ProblemFeatures f = features(p);
+    ProblemFeatures f = features_(p);
     const std::string signature = signature_(p);
     const std::string key = detail::memory_key(op_, signature);
     if (const auto remembered = detail::recall(f.device, key)) {
@@ -232,6 +231,7 @@ class Table {
       fallback = "the remembered \"" + remembered->name + "\" does not apply: " + why;
       return std::nullopt;
     }
+    add_rule_features(p, f);  // a new choice: what the heuristic would do
     if (mode == Mode::kAutotune) {
       if (!detail::timing_allowed(f.device)) {
         fallback = "autotune: no timing during CUDA-graph capture";
@@ -273,7 +273,7 @@ class Table {
       const bool was_timed = t < timed.size() && timed[t] == i;
       times.emplace_back(candidates_[i].name, was_timed ? ms[t++] : -1.0);
     }
-    detail::remember_measured(f, op_, key, signature, times, candidates_[best].name);
+    detail::remember_measured(f, key, times, candidates_[best].name);
     WhyNot unused;
     std::optional<Result> result = candidates_[best].run(p, /*ruled=*/false, unused);
     TORCH_CHECK(result, op_, ": the autotuned \"", candidates_[best].name, "\" declined on its second run");
@@ -317,11 +317,10 @@ class Table {
     return std::nullopt;
   }
 
-  // The problem's features plus, per candidate, whether it applies and whether the rules pick it
-  // (the first that applies and whose rule accepts; a kernel's finer limits are not asked): the
-  // learned model starts from what the heuristic knows.
-  ProblemFeatures features(const Problem& p) const {
-    ProblemFeatures f = features_(p);
+  // Adds, per candidate, whether it applies and whether the rules pick it (the first that applies
+  // and whose rule accepts; a kernel's finer limits are not asked): the learned model starts from
+  // what the heuristic knows.
+  void add_rule_features(const Problem& p, ProblemFeatures& f) const {
     bool picked = false;
     for (const auto& c : candidates_) {
       const bool applies = why_not(c, p).empty();
@@ -330,7 +329,6 @@ class Table {
       f.values.emplace_back("applies:" + c.name, applies ? 1.0 : 0.0);
       f.values.emplace_back("rules_pick:" + c.name, pick ? 1.0 : 0.0);
     }
-    return f;
   }
 
   WhyNot why_not(const Candidate<Problem, Result>& c, const Problem& p) const {
