@@ -163,9 +163,8 @@ class Choice:
     def __str__(self) -> str:
         lines = [f"{self.op} {self.signature} -> {self.chosen} ({self.how})"]
         for v in self.candidates:
-            shown = "chosen" if v.status == "chosen" else v.status
-            if v.status != "chosen" or v.reason:
-                lines.append(f"    {v.name}: {shown}" + (f" ({v.reason})" if v.reason else ""))
+            if v.status != "chosen" or v.reason:  # autotune's chosen candidate shows its time
+                lines.append(f"    {v.name}: {v.status}" + (f" ({v.reason})" if v.reason else ""))
         return "\n".join(lines)
 
 

@@ -243,7 +243,8 @@ class Table {
   }
 
   // Times every candidate that applies (each runs once first: a kernel declining in `run`, or
-  // failing, drops out), remembers the fastest and returns its result.
+  // running out of memory, drops out; any other error propagates), remembers the fastest and
+  // returns its result.
   std::optional<Result> run_autotuned(const Problem& p, const ProblemFeatures& f, const std::string& signature,
                                       const std::string& key) const {
     std::vector<std::string> why(candidates_.size());
@@ -255,8 +256,8 @@ class Table {
       if (!why[i].empty()) continue;
       try {
         if (!c.run(p, /*ruled=*/false, why[i])) continue;
-      } catch (const c10::Error& e) {  // e.g. out of memory: another candidate may still run
-        why[i] = std::string("failed: ") + e.what_without_backtrace();
+      } catch (const c10::OutOfMemoryError& e) {  // its workspace: another candidate may still fit
+        why[i] = std::string("out of memory: ") + e.what_without_backtrace();
         continue;
       }
       timed.push_back(i);
