@@ -165,8 +165,9 @@ WRITER = textwrap.dedent("""
 
 
 def test_two_processes_write_one_cache(tmp_path):
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(first)], stderr=subprocess.PIPE)
-             for first in (1, 101)]
+    # From another directory: the installed package, not the source tree.
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(first)], stderr=subprocess.PIPE,
+                              cwd=str(tmp_path)) for first in (1, 101)]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err.decode()
@@ -235,7 +236,8 @@ def test_selection_from_the_environment(tmp_path):
             "e = patchgemm.explain(patchgemm.grouped_linear, torch.randn(2, 2, 4), torch.randn(2, 3, 4)); "
             "print(e[0].how)")
     env = dict(os.environ, PATCHGEMM_SELECTION="autotune", PATCHGEMM_CACHE_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["autotune", "autotune: timed now"]
     assert glob.glob(os.path.join(str(tmp_path), "autotune-cpu-*.tsv"))
