@@ -66,10 +66,15 @@ def parse_records(lines: Iterable[str]) -> List[Record]:
     return [Record.parse(line) for line in lines if line.strip() and not line.startswith("#")]
 
 
-def _inputs(features: List[str], values: Dict[str, float]) -> List[float]:
+def _value(values: Dict[str, float], feature: str) -> float:
     # A candidate another build lacks neither applies nor is picked (as in learned.cpp).
-    return [math.log2(1.0 + max(values[f] if f in values or not f.startswith(("applies:", "rules_pick:"))
-                                else 0.0, 0.0)) for f in features]
+    if feature not in values and feature.startswith(("applies:", "rules_pick:")):
+        return 0.0
+    return values[feature]
+
+
+def _inputs(features: List[str], values: Dict[str, float]) -> List[float]:
+    return [math.log2(1.0 + max(_value(values, f), 0.0)) for f in features]
 
 
 def train(records: List[Record], hidden: int = 32, steps: int = 2000, temperature: float = 0.2,

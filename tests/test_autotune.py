@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import patchgemm
-from patchgemm import learned, selection, tune
+from patchgemm import learned, tune
 from patchgemm.ops import ops
 from patchgemm.shapes import _embed, _grouped, _unembed
 from conftest import DEVICES, assert_close_to_ref, needs_gpu, randn
