@@ -90,8 +90,9 @@ def tune_section(saved: dict, name: str) -> str:
               tune.format_judgement(report["train"], f"\nTraining records ({', '.join(saved['train_on'])}):")]
     return "\n".join([
         f"## Selection modes, regret: {_where(saved.get('environment', {}))}", "",
-        f"`python -m patchgemm tune --from-json bench/results/{name} --json bench/results/{name}` (the sweep: "
-        "`python -m patchgemm tune --random 800 --json ...`). Regret = t(selected) / t(fastest candidate), GPU "
+        f"`python -m patchgemm tune --from-json bench/results/{name} --relabel --json bench/results/{name}` "
+        "(the sweep: `python -m patchgemm tune --random 800 --json ...`; `--relabel` replaces the heuristic's "
+        "recorded choices with today's rules' on the GPU, untimed). Regret = t(selected) / t(fastest candidate), GPU "
         "time of each candidate as autotune measures it (CUDA events around back-to-back calls behind a spin "
         "kernel); geometric mean / worst over the records (one per op call signature). `single best` = per op "
         "the one candidate of least mean regret on the training records; `learned vs single best` = its "

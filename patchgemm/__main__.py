@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     tune.add_argument("--json", metavar="PATH", help="write the records and the report")
     tune.add_argument("--from-json", metavar="PATHS", help="do not sweep: train and judge on saved --json files "
                       "(comma-separated)")
+    tune.add_argument("--relabel", action="store_true", help="with --from-json: replace the records' heuristic "
+                      "choices with today's (runs each shape once, untimed; the GPU should be the records')")
     tune.add_argument("--train-device", metavar="TEXT", help="train only on records of GPUs whose name has TEXT")
     tune.add_argument("--evaluate-device", metavar="TEXT", help="judge only on records of GPUs whose name has TEXT")
     tune.add_argument("--device", help="cuda or cpu (default: cuda if present)")

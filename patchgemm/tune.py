@@ -3,7 +3,7 @@ learned selector on some sets and report every mode's regret on the others.
 
     python -m patchgemm tune [--sets tuning,random,heldout] [--random N] [--train-on tuning,random]
                              [--evaluate-on heldout] [--model PATH] [--json PATH] [--cache-dir DIR]
-    python -m patchgemm tune --from-json A.json[,B.json] [--train-device TEXT] [--evaluate-device TEXT] ...
+    python -m patchgemm tune --from-json A.json[,B.json] [--relabel] [--train-device TEXT] [--evaluate-device TEXT] ...
 
 Each shape (patchgemm/shapes.py) runs forward and forward + backward twice: under the heuristic, to
 note its choice, then under autotune, which times every candidate of every op call it makes and
@@ -12,7 +12,8 @@ records of the ``--train-on`` sets train the model; those of the ``--evaluate-on
 never sees, judge it. Regret = t(selected) / t(fastest candidate) per record; reported per mode as
 geometric mean and worst case, with the speedup of each mode over "always the single best
 implementation" (per op, the candidate of least mean regret on the training records, the heuristic's
-choice where it does not apply).
+choice where it does not apply). ``--relabel`` re-runs saved records' shapes under today's heuristic
+(untimed), so that saved timings judge changed rules.
 """
 
 import json
@@ -63,7 +64,8 @@ def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, lo
     return records
 
 
-def _tune_shape(s, device, cache_dir, set_name, device_name, tags) -> None:
+def _passes(s: Shape, device: torch.device):
+    """The shape's forward and forward + backward, as calls on fresh inputs."""
     prob = problem(s, device)
     inputs = prob.make_inputs()
     with torch.no_grad():
@@ -76,14 +78,66 @@ def _tune_shape(s, device, cache_dir, set_name, device_name, tags) -> None:
     def forward_backward():
         torch.autograd.grad(prob.ours(**inputs), [inputs[k] for k in prob.grad_inputs], dy)
 
-    for run in (forward, forward_backward):
-        selection.set_selection("heuristic")
-        with selection.explain() as heuristic:
-            run()
+    return forward, forward_backward
+
+
+def _heuristic_choices(run) -> Dict[tuple, "selection.Choice"]:
+    selection.set_selection("heuristic")
+    with selection.explain() as heuristic:
+        run()
+    return {(c.op, c.signature): c for c in heuristic}
+
+
+def _relabel_record(r: Record, choice: "selection.Choice") -> None:
+    """The record's heuristic tag and its rule features (``rules_pick:<name>``: the first candidate that
+    applies and whose rule accepts) as today's rules set them."""
+    r.tags["heuristic"] = choice.chosen
+    picked = False
+    for v in choice.candidates:
+        if f"rules_pick:{v.name}" in r.features:
+            pick = not picked and r.features.get(f"applies:{v.name}") == 1.0 and v.status != "passed over"
+            r.features[f"rules_pick:{v.name}"] = 1.0 if pick else 0.0
+            picked = picked or pick
+
+
+def relabel(records: List[Record], device: torch.device, seed: int = 0, shapes: Optional[List[Shape]] = None,
+            log=print) -> int:
+    """Re-runs each record's shape under today's heuristic (nothing timed) and replaces the record's
+    "heuristic" tag and rule features: saved timings then judge changed rules, and train on them.
+    Returns how many records were relabeled; a record whose shape no longer produces its signature
+    keeps its tags."""
+    if shapes is None:  # the sets tune sweeps (a random shape's id ends in its index)
+        ids = {r.tags.get("shape") for r in records}
+        numbered = [int(i.rsplit("-", 1)[1]) for i in ids if i and i.startswith("random-")]
+        shapes = TUNING + HELDOUT + random_shapes(max(numbered, default=-1) + 1, seed)
+    known = {s.id: s for s in shapes}
+    by_shape: Dict[str, List[Record]] = {}
+    for r in records:
+        by_shape.setdefault(r.tags.get("shape"), []).append(r)
+    previous, relabeled = selection.get_selection(), 0
+    try:
+        for shape_id, rs in by_shape.items():
+            if shape_id not in known:
+                log(f"  {shape_id}: not a known shape, left as it was")
+                continue
+            choices: Dict[tuple, selection.Choice] = {}
+            for run in _passes(known[shape_id], device):
+                choices.update(_heuristic_choices(run))
+            for r in rs:
+                if (r.op, r.signature) in choices:
+                    _relabel_record(r, choices[(r.op, r.signature)])
+                    relabeled += 1
+    finally:
+        selection.set_selection(previous)
+    return relabeled
+
+
+def _tune_shape(s, device, cache_dir, set_name, device_name, tags) -> None:
+    for run in _passes(s, device):
+        chosen = {key: c.chosen for key, c in _heuristic_choices(run).items()}
         selection.set_selection("autotune", cache_dir=cache_dir)
         with selection.explain() as tuned:
             run()
-        chosen = {(c.op, c.signature): c.chosen for c in heuristic}
         for c in tuned:
             t = tags.setdefault(f"{c.op}\t{c.signature}", {"device": device_name, "shape": s.id})
             sets = set(filter(None, t.get("sets", "").split(",")))
@@ -186,6 +240,10 @@ def main(args) -> int:
             raise SystemExit(f"patchgemm tune: unknown set {s!r}; the sets are {', '.join(SETS)}")
     if args.from_json:
         records, env = load_records(args.from_json.split(","))
+        if args.relabel:
+            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            n = relabel(records, device, args.seed)
+            print(f"relabeled {n} of {len(records)} records with today's heuristic on {device}")
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cache_dir = args.cache_dir if args.cache_dir is not None else selection.default_cache_dir()

@@ -273,6 +273,16 @@ def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
         for mode in ("heuristic", "learned", "single best"):
             assert row[mode]["mean"] >= 1.0 and row[mode]["worst"] >= row[mode]["mean"]
 
+    # Relabeling re-derives each record's heuristic choice and rule features from today's rules.
+    originals = [(dict(r.tags), dict(r.features)) for r in records]
+    for r in records:
+        r.tags["heuristic"] = "stale"
+        r.features.update({k: 1.0 - v for k, v in r.features.items() if k.startswith("rules_pick:")})
+    shapes = SHAPES["train"] + SHAPES["test"]
+    assert tune.relabel(records, torch.device("cpu"), shapes=shapes, log=lambda *a: None) == len(records)
+    assert [(r.tags, r.features) for r in records] == originals
+    assert patchgemm.get_selection() == "heuristic"
+
     # Saved as `tune --json` saves, judged again from the file and rendered into RESULTS.md.
     saved = tmp_path / "tune-cpu.json"
     saved.write_text(json.dumps({"environment": {"device": "cpu"}, "train_on": ["train"], "evaluate_on": ["test"],

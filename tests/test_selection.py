@@ -220,3 +220,32 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
         assert r.ratio > 0 and r.chosen[r.op] in {c.name for c in patchgemm.kernels(r.op)}
         assert r.candidates_ms  # every op of the pass, each candidate timed or marked unsupported
     assert {row["op"] for row in heldout.summary(results)} == {"patch_embed", "patch_unembed", "grouped_linear"}
+
+
+# The rules' choices on shapes they were fitted to (bench/results/tune-h100.json): what each one is for.
+RULE_CASES = [
+    # channels-last 3-D with long kernels: cuDNN ran 20-90x slower than the GEMM path
+    ((2, 96, 32, 128, 32), (8, 8, 8), 384, "channels_last", {"patch_embed": "gather_gemm",
+                                                             "patch_weight_grad": "gather_gemm"}),
+    # ConvNeXt's k = 2 downsampling, channels-last: cuDNN's channels-last kernels
+    ((32, 192, 28, 28), (2, 2), 384, "channels_last", {"patch_embed": "aten_conv",
+                                                       "patch_weight_grad": "aten_conv_backward"}),
+    # Swin's stem: the wgmma weight gradient below 128 patch values
+    ((64, 3, 224, 224), (4, 4), 96, "channels_first", {"patch_weight_grad": "implicit_sm90"}),
+]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="rules fitted on sm_90 (H100 / H200) choices")
+@pytest.mark.parametrize("shape,kernel,embed,layout,expected", RULE_CASES)
+def test_rules_choose_what_they_were_fitted_to(shape, kernel, embed, layout, expected):
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    x = randn(*shape, dtype=torch.bfloat16, device="cuda")
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=fmt)
+    w = randn(embed, shape[1], *kernel, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    b = randn(embed, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    with patchgemm.explain() as e:
+        patchgemm.patch_embed(x, w, b).sum().backward()
+    chosen = {c.op: c.chosen for c in e}
+    assert {op: chosen.get(op) for op in expected} == expected, str(e)

@@ -92,13 +92,25 @@ WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
 
 // ---- patch_embed ---------------------------------------------------------------------------------
 
+// Multiply-adds of a patch op's GEMM: small ones are launch-bound, where the fewest launches win.
+constexpr double kSmallEmbedMacs = double(1 << 24);  // 16-bit embeddings writing tokens
+
+double gemm_macs(const PatchGeometry& g, int64_t width) {
+  return double(g.batch) * double(g.tokens()) * double(g.patch_size()) * double(width);
+}
+
 // Channels-last x on CUDA: cuDNN's channels-last kernels read x as it lies and write the channels-last
-// output, matching or beating the channels-last gather + GEMM (ConvNeXt's k = 2 downsampling, 2-D and
-// 3-D, forward and backward). Not on the CPU: torch 2.11's oneDNN bf16 convolution returns
-// wrong values for channels-last x [3, 24, 28, 176] with k = (14, 16) (tests/test_fuzz.py).
-WhyNot cudnn_reads_channels_last(const at::Tensor& x, const PatchGeometry& g) {
-  if (x.is_cuda() && g.channels_last && g.levels.size() == 1 && g.channels > 0) {
-    return "rule: channels-last x runs faster on cuDNN's channels-last convolution";
+// output. They beat the channels-last gather + GEMM only for short kernels over many channels and
+// tokens (ConvNeXt's k = 2 downsampling, 2-D and 3-D, forward and backward); with longer kernels or
+// few channels they run up to 90x slower (bench/results/tune-*.json). Not on the CPU: torch 2.11's
+// oneDNN bf16 convolution returns wrong values for channels-last x [3, 24, 28, 176] with
+// k = (14, 16) (tests/test_fuzz.py).
+WhyNot cudnn_wins_channels_last(const at::Tensor& x, const PatchGeometry& g) {
+  if (!x.is_cuda() || !g.channels_last || g.levels.size() != 1) return {};
+  const int64_t window = g.kernel[0] * g.kernel[1] * g.kernel[2];
+  if (window <= 16 && g.channels >= 64 && g.batch * g.tokens() >= 1024) {
+    return "rule: channels-last x with a window of at most 16 over >= 64 channels and >= 1024 tokens runs "
+           "faster on cuDNN's channels-last convolution";
   }
   return {};
 }
@@ -192,13 +204,22 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
         {"gather_gemm", "cpu cuda rocm", "any problem: the patch matrix gathered, then one GEMM",
          [](const EmbedProblem&) { return WhyNot(); },
          [](const EmbedProblem& p) -> WhyNot {
-           // Short fp32 patches into channels-first outputs: the memory-bound GEMM's gather of 4-byte
+           if (!p.x.is_cuda() || p.g.levels.size() != 1) return {};
+           const bool fp32 = p.x.scalar_type() == at::kFloat;
+           // fp32 k = 2 merges into channels-first outputs: memory-bound, where the gather of 4-byte
            // values costs more than cuDNN's implicit TF32 GEMM (e.g. Conv2d(64, 128, k = 2)).
-           if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat && !p.tokens_out && p.g.channels > 0 &&
-               p.g.patch_size() <= 256) {
-             return "rule: fp32 patches of at most 256 values into channels-first outputs run faster on cuDNN";
+           const bool merge = p.g.kernel[0] <= 2 && p.g.kernel[1] <= 2 && p.g.kernel[2] <= 2;
+           if (fp32 && !p.tokens_out && p.g.channels > 0 && merge && p.g.patch_size() <= 256) {
+             return "rule: fp32 k = 2 merges of at most 256 values into channels-first outputs run faster on cuDNN";
            }
-           return cudnn_reads_channels_last(p.x, p.g);
+           WhyNot why = cudnn_wins_channels_last(p.x, p.g);
+           if (!why.empty()) return why;
+           // Small 16-bit problems writing tokens: launch-bound, and ATen's permute copy + linear
+           // makes fewer launches than the gather with its padding.
+           if (!fp32 && p.tokens_out && gemm_macs(p.g, p.w2.size(0)) < kSmallEmbedMacs) {
+             return "rule: 16-bit problems of under 2^24 multiply-adds writing tokens run faster as ATen's copy + linear";
+           }
+           return {};
          },
          [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_gemm(p); }},
         {"aten_linear", "cpu cuda rocm", "tokens-major out, row-major tokens; 16-bit on CUDA: the usual hand rewrite, "
@@ -209,7 +230,12 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat) return "fp32 on CUDA (linear's TF32 flag is not the conv's)";
            return row_major_tokens(p.g);
          },
-         [](const EmbedProblem&) -> WhyNot { return "rule: not measured faster than gather_gemm"; },
+         [](const EmbedProblem& p) -> WhyNot {
+           WhyNot why = cudnn_wins_channels_last(p.x, p.g);
+           if (!why.empty()) return why;
+           if (p.x.is_cuda() && gemm_macs(p.g, p.w2.size(0)) < kSmallEmbedMacs) return {};
+           return "rule: gather_gemm runs larger problems at least as fast";
+         },
          [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_aten_linear(p); }},
         {"aten_conv", "cpu cuda rocm", "PyTorch's convolution (cuDNN on CUDA); row-major tokens, C > 0",
          [](const EmbedProblem& p) -> WhyNot {
@@ -273,7 +299,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
 #endif
         {"gemm_scatter", "cpu cuda rocm", "any problem: one GEMM, then the patches scattered with the bias",
          [](const UnembedProblem&) { return WhyNot(); },
-         [](const UnembedProblem& p) { return cudnn_reads_channels_last(p.x, p.g); },
+         [](const UnembedProblem& p) { return cudnn_wins_channels_last(p.x, p.g); },
          [](const UnembedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return unembed_by_gemm(p); }},
         {"aten_conv_transpose", "cpu cuda rocm", "PyTorch's transposed convolution (cuDNN on CUDA); row-major tokens",
          [](const UnembedProblem& p) { return row_major_tokens(p.g); },
@@ -318,9 +344,11 @@ WeightGrads finish(const WeightGradProblem& p, const WeightGrads& grads) {
 WhyNot implicit_weight_grad_rule(cuda::Implicit kernel, const WeightGradProblem& p) {
   WhyNot why = not_a_view(p.x5, p.g);
   if (!why.empty() || kernel == cuda::Implicit::kRowsSm90) return why;  // rows: its own rule (ruled)
-  // A full 128-column tile (U2's weight gradient, K = 32, loses to gather + cuBLAS).
-  if (p.g.patch_size() < 128) return "rule: patches under 128 elements leave the tiles idle";
-  if (kernel == cuda::Implicit::kMma) return implicit_mma_pays(p.embed, p.g.batch * p.g.tokens(), p.x);
+  if (kernel == cuda::Implicit::kMma) {
+    // mma.sync needs a full 128-column tile of the patch; the wgmma kernel wins below it too.
+    if (p.g.patch_size() < 128) return "rule: patches under 128 elements leave the tiles idle";
+    return implicit_mma_pays(p.embed, p.g.batch * p.g.tokens(), p.x);
+  }
   const bool pairs = p.g.kernel[2] == 2 && p.g.grid[2] % 4 == 0 && runs_aligned(p.x5, 8);
   if (dy_tokens(p) && p.embed > (pairs ? 512 : 256)) {
     return "rule: tokens grad_y with E over 256 (pairs: 512) runs faster as gather + cuBLAS";
@@ -370,7 +398,14 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
         {"gather_gemm", "cpu cuda rocm", "any problem: the patch matrix gathered (or a view of x), one GEMM; the "
                                          "bias gradient from a ones column",
          [](const WeightGradProblem&) { return WhyNot(); },
-         [](const WeightGradProblem& p) { return cudnn_reads_channels_last(p.x, p.g); },
+         [](const WeightGradProblem& p) -> WhyNot {
+           // Tiny channels-first problems: cuDNN's one kernel beats the gather, GEMM and bias launches.
+           if (p.x.is_cuda() && !p.tokens && p.g.levels.size() == 1 && p.g.channels > 0 &&
+               gemm_macs(p.g, p.embed) < double(1 << 21)) {
+             return "rule: channels-first problems of under 2^21 multiply-adds run faster on cuDNN";
+           }
+           return cudnn_wins_channels_last(p.x, p.g);
+         },
          [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> { return weight_grad_by_gemm(p); }},
         {"aten_conv_backward", "cpu cuda rocm", "PyTorch's convolution backward (cuDNN on CUDA); row-major tokens",
          [](const WeightGradProblem& p) { return row_major_tokens(p.g); },

@@ -42,18 +42,16 @@ at::Tensor padded_weight(const at::Tensor& w2, const std::optional<at::Tensor>& 
   return w;
 }
 
-// w2 [O, K] as the GEMM paths read it: for the channels-last patch order, the weight [O, C, *k]
-// with columns in (i, j, l, c) order (a view when the weight is channels-last too, else a copy made
-// only here, where a GEMM path runs).
-at::Tensor gemm_weight(const at::Tensor& weight, const at::Tensor& w2, const PatchGeometry& g) {
-  if (!g.channels_last) return w2;
+}  // namespace
+
+at::Tensor weight_rows(const at::Tensor& weight, bool channels_last) {
+  const int64_t rows = weight.size(0), K = c10::multiply_integers(weight.sizes().slice(1));
+  if (!channels_last) return weight.reshape({rows, K});
   std::vector<int64_t> order{0};
   for (int64_t d = 2; d < weight.dim(); ++d) order.push_back(d);
   order.push_back(1);
-  return weight.permute(order).reshape(w2.sizes());
+  return weight.permute(order).reshape({rows, K});
 }
-
-}  // namespace
 
 std::optional<at::Tensor> patch_matrix_as_view(const at::Tensor& x5, const PatchGeometry& g) {
   if (g.tokens() != 1) return std::nullopt;
@@ -88,8 +86,7 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
     const auto view = patch_matrix_as_view(p.x5, g);
     const at::Tensor pm = view ? *view : patchify(p.x5, g, /*ones_column=*/false);
     // y[B*N, E] = P[B*N, ld] @ W'^T; the bias in the GEMM's epilogue where the backend has one.
-    const at::Tensor w2 = gemm_weight(p.weight, p.w2, g);
-    run_gemm(merge_batch(pm), padded_weight(w2, std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(y),
+    run_gemm(merge_batch(pm), padded_weight(p.w2, std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(y),
              p.bias ? std::optional<at::Tensor>(p.bias->unsqueeze(0)) : std::nullopt, false, kConv);
     return embed_output(p, y);
   }
@@ -112,7 +109,7 @@ at::Tensor embed_by_aten_linear(const EmbedProblem& p) {
                                   g.kernel[2]});
   const at::Tensor pm = g.channels_last ? v.permute({0, 2, 4, 6, 3, 5, 7, 1}) : v.permute({0, 2, 4, 6, 1, 3, 5, 7});
   const at::Tensor y = at::linear(pm.reshape({g.batch * g.tokens(), g.patch_size()}),
-                                  gemm_weight(p.weight, p.w2, g), p.bias);
+                                  p.w2, p.bias);
   return embed_output(p, y.view({g.batch, g.tokens(), p.w2.size(0)}));
 }
 
@@ -130,7 +127,7 @@ at::Tensor unembed_by_gemm(const UnembedProblem& p) {
   const bool few_rows = a.size(0) > 1 && g.tokens() < 256;
   const bool unaligned = a.stride(2) != 1 && a.stride(2) % row_alignment(p.x) != 0;
   if (few_rows || unaligned) a = merge_batch(p.x_tokens.contiguous());
-  const at::Tensor w = padded_weight(gemm_weight(p.weight, p.w2, g), std::nullopt, q.size(2));
+  const at::Tensor w = padded_weight(p.w2, std::nullopt, q.size(2));
   run_gemm(a, w.unsqueeze(0).expand({a.size(0), in_channels, w.size(1)}), a.size(0) == 1 ? merge_batch(q) : q,
            std::nullopt, false, kConv);
   const at::Tensor y5 = to_5d(y);
