@@ -104,8 +104,9 @@ def _level_grid(levels, rank):
 
 
 def _channels_first_output(x, shape):
-    """A channels-first output takes the memory format a non-empty x suggests (channels_last(_3d) or
-    contiguous), as PyTorch's convolutions do (csrc/ops/patch_embed.cpp: lies_channels_last)."""
+    """A channels-first output or weight gradient takes the memory format a non-empty x suggests
+    (channels_last(_3d) or contiguous), as PyTorch's convolutions do (csrc/ops/checks.h:
+    lies_channels_last)."""
     fmt = suggest_memory_format(x) if x.numel() > 0 else torch.contiguous_format
     return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
 
@@ -131,7 +132,7 @@ def _(x, weight, bias, tokens, levels):
 @torch.library.register_fake("patchgemm::patch_weight_grad")
 def _(grad_y, x, kernel_size, tokens, levels, with_bias, transposed=False):
     embed = grad_y.shape[-1] if tokens else grad_y.shape[1]
-    return (x.new_empty((embed, x.shape[1], *kernel_size)),
+    return (_channels_first_output(x, (embed, x.shape[1], *kernel_size)),
             x.new_empty(((x.shape[1] if transposed else embed),) if with_bias else (0,)))
 
 

@@ -429,6 +429,11 @@ def test_channels_last_in_channels_last_out(device, dtype, shape, kernel, force)
             assert got[0].is_contiguous(memory_format=fmt)
         for g, r in zip(got, want):
             assert_close_to_ref(g, r, dtype)
+        # The raw weight gradient is channels-last, as aten.convolution_backward's: a channels-last
+        # weight takes it without a copy.
+        grad_w, _ = torch.ops.patchgemm.patch_weight_grad(dy, xs.detach(), list(kernel), False, [], False, False)
+        assert grad_w.is_contiguous(memory_format=fmt)
+        assert_close_to_ref(grad_w, want[1], dtype)
         # The transpose: channels-last input, channels-last output.
         wt = randn(shape[1], 3, *kernel, dtype=dtype, device=device).requires_grad_()
         u = patchgemm.patch_unembed(xs, wt, bs[:3])
@@ -443,7 +448,8 @@ def test_channels_last_in_channels_last_out(device, dtype, shape, kernel, force)
             assert_close_to_ref(g, r, dtype)
     ran = {c.chosen for c in e}
     assert ran <= set(chosen.values()) if force else not ran & set(FUSED)  # the fused kernels write channels-first
-    for op, args in [("patch_embed", (xs.detach(), w, b, False, [])), ("patch_unembed", (xs.detach(), wt.detach(), None, False, []))]:
+    for op, args in [("patch_embed", (xs.detach(), w, b, False, [])), ("patch_unembed", (xs.detach(), wt.detach(), None, False, [])),
+                     ("patch_weight_grad", (dy, xs.detach(), list(kernel), False, [], True, False))]:
         torch.library.opcheck(getattr(torch.ops.patchgemm, op).default, args)
 
 

@@ -204,7 +204,11 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   p.g.channels_last = lies_channels_last(x);
   // [B, N, E] (the GEMM's A^T); channels-first grad_y is read through its strides.
   p.dy = tokens || N == 1 ? grad_y.reshape({g.batch, N, embed}) : grad_y.reshape({g.batch, embed, N}).transpose(1, 2);
-  return select_patch_weight_grad(p);
+  // As PyTorch's convolution backward: a channels-last x gives a channels-last weight gradient (the
+  // GEMM's own [E, *k, C] order), which a channels-last weight takes without a copy.
+  auto [grad_w, grad_b] = select_patch_weight_grad(p);
+  const auto format = g.channels_last ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
+  return {grad_w.contiguous(format), grad_b};
 }
 
 TORCH_LIBRARY_IMPL(patchgemm, CPU, m) {

@@ -421,7 +421,7 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
                grad, p.x, at::empty(p.w_shape, p.x.options()),
                conv_bias ? std::optional<at::IntArrayRef>(bias_sizes) : std::nullopt, kernel, zeros, ones, false,
                zeros, 1, {false, true, conv_bias});
-           return WeightGrads{grad_w.contiguous(), conv_bias ? grad_b : bias_grad_by_sum(p)};
+           return WeightGrads{grad_w, conv_bias ? grad_b : bias_grad_by_sum(p)};
          }},
     },
     weight_grad_signature,

@@ -193,9 +193,10 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
       order.push_back(1 + d);
     }
     shape.push_back(p.w_shape[1]);
-    grad_w = grad_w.reshape(shape).permute(order);
+    grad_w = grad_w.reshape(shape).permute(order);  // channels-last strides: the op keeps them
+  } else {
+    grad_w = grad_w.reshape(p.w_shape);
   }
-  grad_w = grad_w.reshape(p.w_shape).contiguous();
   at::Tensor grad_b = ones_column ? dw.select(0, 0).select(1, K).contiguous() : bias_grad_by_sum(p);
   return {grad_w, grad_b};
 }
