@@ -177,7 +177,7 @@ def main():
     # the small-group kernels: ragged position tiles, dead warps, a block meeting a second group
     pointwise_ops = ("grouped_pointwise_conv", "grouped_pointwise_conv_grad_input", "grouped_pointwise_conv_grad_weight")
     with patchgemm.force(**dict.fromkeys(pointwise_ops, "small_groups")):
-        for batch, groups, c_in, c_out, length in ((2, 5, 100, 100, 136), (3, 3, 128, 33, 1000), (1, 2, 3, 128, 8)):
+        for batch, groups, c_in, c_out, length in ((2, 5, 100, 100, 136), (3, 3, 128, 33, 1000), (1, 2, 3, 128, 8), (2, 3, 64, 48, 384)):
             x = torch.randn(batch, groups * c_in, length, dtype=torch.bfloat16, device="cuda", requires_grad=True)
             w = torch.randn(groups * c_out, c_in, 1, dtype=torch.bfloat16, device="cuda", requires_grad=True)
             b = torch.randn(groups * c_out, dtype=torch.bfloat16, device="cuda", requires_grad=True)

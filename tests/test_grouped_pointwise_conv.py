@@ -78,6 +78,7 @@ SMALL_GROUP_CASES = [
     (2, 9, 72, 8, (24,)),
     (8, 2, 40, 120, (16, 16, 16)),
     (1, 1, 128, 64, (8,)),
+    (5, 3, 24, 40, (6, 128)),  # 6 position tiles: members of a pair take every other one
 ]
 
 

@@ -2,13 +2,16 @@
 //
 // Apply (forward and input gradient): out[b, g] = matrix[g] [M, K] @ x[b, g] [K, L]. The work is
 // cut into tiles of one (group, sample) and 128 positions (64 for short samples), numbered
-// group-major; a persistent block takes a contiguous range of them and steps through it, so it
-// meets a new group once or twice. 8 warps as 4 (rows) x 2 (positions): a warp owns 32 output rows
-// and keeps their part of the group's matrix in registers (at most 2 x 8 fragments, read from
-// global memory when the group changes). x tiles [K][positions] stream through a cp.async pipeline
-// (3 or 4 slots), so the next tiles are in flight while one is multiplied; the rows K..16k of every
-// slot stay zero. The accumulators start at the bias; the output tile is staged in shared memory and
-// leaves in whole 16-byte vectors.
+// group-major. Persistent blocks form teams of `team` (1 or 2); a team takes a contiguous range of
+// the tiles, and its members the position tiles j, j + team, ... of each (group, sample), so
+// neighbours read and write neighbouring positions at about the same time: the DRAM sees runs of
+// 512 bytes instead of 256. A block meets a new group once or twice. 8 warps as 4 (rows) x 2
+// (positions): a warp owns 32 output rows and keeps their part of the group's matrix in registers
+// (at most 2 x 8 fragments, read from global memory when the group changes). x tiles
+// [K][positions] stream through a cp.async pipeline (3 or 4 slots), so the next tiles are in flight
+// while one is multiplied; the rows K..16k of every slot stay zero. The accumulators start at the
+// bias; the output tile is staged in shared memory (two stages: tile t - 1 leaves while tile t is
+// multiplied, one barrier per tile) and leaves in whole 16-byte vectors.
 //
 // Weight gradient: grad_w[g] [M, K] = sum over (b, l) of grad_y[b, g] [M, L] @ x[b, g]^T [L, K], a
 // GEMM whose reduction runs over all positions of all samples. Each block owns one group and a
@@ -47,15 +50,17 @@ struct ApplyArgs {
   int64_t out_b, out_g, out_m;
   int groups, batch, rows, depth, length;  // G, B, M, K, L
   int l_tiles;                             // tiles per (group, sample): set by the tiling's launch
-  int64_t tiles;                           // G * B * l_tiles
+  int team;                                // blocks per team; divides l_tiles
+  int64_t tiles;                           // tiles per team member: G * B * l_tiles / team
 };
 
-// A tile's coordinates, stepped through a block's contiguous range (no 64-bit division per tile).
+// A tile's coordinates, stepped through a block's range (no 64-bit division per tile): the position
+// tiles first, first, + step, ... of a (group, sample), then the next sample.
 struct TileCursor {
   int g, b, lt;  // group, sample, position tile
-  __device__ __forceinline__ void advance(int batch, int l_tiles) {
-    if (++lt == l_tiles) {
-      lt = 0;
+  __device__ __forceinline__ void advance(int batch, int l_tiles, int step, int first) {
+    if ((lt += step) >= l_tiles) {
+      lt = first;
       if (++b == batch) b = 0, ++g;
     }
   }
@@ -78,11 +83,12 @@ __global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_ap
   constexpr int kSlot = kK * kLPitch;
   constexpr int kRowsPerPass = kThreads / kChunks;  // rows a block's 16-byte copies cover at once
   extern __shared__ __align__(128) unsigned char smem[];
-  T* stage = reinterpret_cast<T*>(smem);  // [kMaxRows][kLPitch]: the output tile
-  T* xs = stage + kMaxRows * kLPitch;     // kStages slots of [kK][kLPitch]
+  T* const stages = reinterpret_cast<T*>(smem);  // 2 x [kMaxRows][kLPitch]: output tiles t and t - 1
+  T* const xs = stages + 2 * kMaxRows * kLPitch;  // kStages slots of [kK][kLPitch]
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int warp_m = warp % 4, warp_n = warp / 4;
-  const int64_t begin = blockIdx.x * a.tiles / gridDim.x, end = (blockIdx.x + 1) * a.tiles / gridDim.x;
+  const int teams = gridDim.x / a.team, team = blockIdx.x / a.team, member = blockIdx.x % a.team;
+  const int64_t begin = team * a.tiles / teams, end = (team + 1) * a.tiles / teams;
 
   // Zero rows depth..kK of every slot: the matrix's padding columns are zero, but 0 * garbage may be NaN.
   for (int i = tid; i < kStages * (kK - a.depth) * kChunks; i += kThreads) {
@@ -94,11 +100,12 @@ __global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_ap
   const int chunk = tid % kChunks, first_row = tid / kChunks;
   const uint32_t copy_dst = smem_address(xs + first_row * kLPitch + chunk * 8);
   TileCursor next{0, 0, 0};
+  const int per_sample = a.l_tiles / a.team;  // a member's position tiles per (group, sample)
   {
-    const int64_t per_group = int64_t{a.batch} * a.l_tiles;
+    const int64_t per_group = int64_t{a.batch} * per_sample;
     next.g = static_cast<int>(begin / per_group);
-    next.b = static_cast<int>(begin % per_group / a.l_tiles);
-    next.lt = static_cast<int>(begin % a.l_tiles);
+    next.b = static_cast<int>(begin % per_group / per_sample);
+    next.lt = static_cast<int>(begin % per_sample) * a.team + member;
   }
   TileCursor cur = next;
   // Issues the copies of the tile at `next` into `slot`, and steps `next` on.
@@ -112,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_ap
       src += kRowsPerPass * a.x_k;
       dst += kRowsPerPass * kLPitch * 2;
     }
-    next.advance(a.batch, a.l_tiles);
+    next.advance(a.batch, a.l_tiles, a.team, member);
   };
 
 #pragma unroll
@@ -126,11 +133,28 @@ __global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_ap
   uint32_t af[2][kKSteps][4];
   float bias_v[2][2] = {};
   int group = -1;
+  // Writes the staged output tile at `at` to out, in 16-byte vectors.
+  auto store_tile = [&](const TileCursor& at, const T* stage) {
+    const int l = at.lt * kTileL + chunk * 8;
+    if (l >= a.length) return;
+    T* dst = a.out + at.b * a.out_b + at.g * a.out_g + first_row * a.out_m + l;
+    const T* src = stage + first_row * kLPitch + chunk * 8;
+    for (int row = first_row; row < a.rows; row += kRowsPerPass) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      dst += kRowsPerPass * a.out_m;
+      src += kRowsPerPass * kLPitch;
+    }
+  };
+  TileCursor prev = cur;
   for (int64_t t = begin, i = 0; t < end; ++t, ++i) {
     cp_async_wait<kStages - 2>();
-    __syncthreads();  // tile t has landed; the slot of tile t - 1 and the stage are free again
+    // Tile t has landed; every warp has staged tile t - 1 and stored tile t - 2, so the slot of
+    // tile t - 1 and the stage of tile t - 2 are free again.
+    __syncthreads();
     if (t + kStages - 1 < end) load_next((i + kStages - 1) % kStages);
     cp_async_commit();
+    if (i > 0) store_tile(prev, stages + (i - 1) % 2 * kMaxRows * kLPitch);
+    T* const stage = stages + i % 2 * kMaxRows * kLPitch;
     if (cur.g != group) {  // the block's first tile of a group: the warp's rows of its matrix into registers
       group = cur.g;
       const T* m = a.matrix + group * a.m_g;
@@ -192,18 +216,12 @@ __global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_ap
         }
       }
     }
+    prev = cur;
+    cur.advance(a.batch, a.l_tiles, a.team, member);
+  }
+  if (end > begin) {
     __syncthreads();
-    const int l = cur.lt * kTileL + chunk * 8;
-    if (l < a.length) {
-      T* dst = a.out + cur.b * a.out_b + cur.g * a.out_g + first_row * a.out_m + l;
-      const T* src = stage + first_row * kLPitch + chunk * 8;
-      for (int row = first_row; row < a.rows; row += kRowsPerPass) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-        dst += kRowsPerPass * a.out_m;
-        src += kRowsPerPass * kLPitch;
-      }
-    }
-    cur.advance(a.batch, a.l_tiles);
+    store_tile(prev, stages + (end - begin - 1) % 2 * kMaxRows * kLPitch);
   }
   cp_async_wait<0>();
 #endif
@@ -349,14 +367,17 @@ bool common_checks(const at::Tensor& x, int64_t rows, int64_t depth, std::string
 
 template <typename T, int kKSteps, int kTileL, int kStages>
 void launch_apply(ApplyArgs<T> args) {
-  constexpr int smem = (kMaxRows + kStages * kKSteps * 16) * (kTileL + 8) * 2;
+  constexpr int smem = (2 * kMaxRows + kStages * kKSteps * 16) * (kTileL + 8) * 2;
   const auto kernel = small_group_apply_kernel<T, kKSteps, kTileL, kStages>;
   const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, smem);
   TORCH_CHECK(shape.blocks_per_sm > 0, "small_group_apply: ", smem, " bytes of shared memory fit no block on this GPU");
   args.l_tiles = (args.length + kTileL - 1) / kTileL;
-  args.tiles = int64_t{args.groups} * args.batch * args.l_tiles;
-  const int64_t blocks = std::min<int64_t>(args.tiles, int64_t{shape.blocks_per_sm} * shape.sms);
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(args);
+  // Pairs where the position tiles pair up and a sample's row is longer than the pipeline's reach
+  // (at two tiles a block reads whole rows by itself). Wider teams measured slower on H100.
+  args.team = args.l_tiles % 2 == 0 && args.l_tiles >= 4 ? 2 : 1;
+  args.tiles = int64_t{args.groups} * args.batch * args.l_tiles / args.team;
+  const int64_t teams = std::max<int64_t>(1, std::min<int64_t>(args.tiles, int64_t{shape.blocks_per_sm} * shape.sms / args.team));
+  kernel<<<static_cast<unsigned>(teams * args.team), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
