@@ -184,6 +184,15 @@ def main():
             y = patchgemm.grouped_pointwise_conv(x, w, b, groups=groups)
             grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
             assert all(torch.isfinite(t).all() for t in (y, *grads))
+    # ... and its fp32 (TF32) apply, forward and input gradient
+    torch.backends.cudnn.allow_tf32 = True
+    with patchgemm.force(**dict.fromkeys(pointwise_ops[:2], "small_groups")):
+        for batch, groups, c_in, c_out, length in ((2, 5, 100, 100, 136), (1, 2, 3, 128, 8), (2, 3, 64, 48, 384)):
+            x = torch.randn(batch, groups * c_in, length, device="cuda", requires_grad=True)
+            w = torch.randn(groups * c_out, c_in, 1, device="cuda")
+            y = patchgemm.grouped_pointwise_conv(x, w, torch.randn(groups * c_out, device="cuda"), groups=groups)
+            (grad_x,) = torch.autograd.grad(y, [x], torch.randn_like(y))
+            assert all(torch.isfinite(t).all() for t in (y, grad_x))
     torch.cuda.synchronize()
     print("sanitize_smoke: ok")
 

@@ -108,6 +108,32 @@ def test_small_group_kernels_match_float64(dtype, case, bias):
 
 
 @needs_gpu
+@pytest.mark.parametrize("case", SMALL_GROUP_CASES)
+def test_small_group_fp32_runs_in_tf32_where_the_conv_would(case):
+    """fp32 forward and input gradient on the small-group kernel in TF32, under
+    torch.backends.cudnn.allow_tf32 as F.conv*d; the weight gradient stays on cuBLAS."""
+    batch, groups, c_in, c_out, spatial = case
+    x = make_x(batch, groups * c_in, spatial, torch.float32, "cuda", False)
+    weight = randn(groups * c_out, c_in, *(1,) * len(spatial), device="cuda", requires_grad=True)
+    b = randn(groups * c_out, device="cuda", requires_grad=True)
+    with patchgemm.force(grouped_pointwise_conv="small_groups"):  # TF32 off (conftest): a clear refusal
+        with pytest.raises(RuntimeError, match="cudnn.allow_tf32 is off"):
+            patchgemm.grouped_pointwise_conv(x, weight, b, groups)
+    torch.backends.cudnn.allow_tf32 = True
+    poison_allocator(x.numel() // c_in * c_out * 4, "cuda")
+    with patchgemm.explain() as e:
+        y = patchgemm.grouped_pointwise_conv(x, weight, b, groups)
+        grad_y = randn(*y.shape, device="cuda")
+        grads = torch.autograd.grad(y, [x, weight, b], grad_y)
+    assert [c.chosen for c in e][:2] == ["small_groups"] * 2, [str(c) for c in e]
+    refs = [t.detach().double().cpu().requires_grad_(True) for t in (x, weight, b)]
+    ref = CONV[len(spatial)](*refs, groups=groups)
+    ref_grads = torch.autograd.grad(ref, refs, grad_y.double().cpu())
+    assert_close_to_ref(y, ref, torch.float32, "y", tol=2e-3)  # TF32: 10-bit mantissas, rounded
+    assert_close_to_ref(grads[0], ref_grads[0], torch.float32, "grad x", tol=2e-3)
+
+
+@needs_gpu
 def test_small_group_kernels_are_the_default_and_decline_clearly():
     x = randn(2, 256, 64, dtype=torch.bfloat16, device="cuda")
     weight = randn(256, 32, 1, dtype=torch.bfloat16, device="cuda")
@@ -120,7 +146,7 @@ def test_small_group_kernels_are_the_default_and_decline_clearly():
     with patchgemm.force(grouped_pointwise_conv="small_groups"):
         with pytest.raises(RuntimeError, match="does not apply.*multiple of 8"):
             patchgemm.grouped_pointwise_conv(x, weight, None, 8)
-    # Groups wider than 128 channels, fp32, channels_last: not this kernel's.
+    # Groups wider than 128 channels, fp32 without TF32 (conftest), channels_last: not this kernel's.
     for x, w in [(randn(2, 512, 64, dtype=torch.bfloat16, device="cuda"), randn(512, 256, 1, dtype=torch.bfloat16, device="cuda")),
                  (randn(2, 256, 64, device="cuda"), randn(256, 128, 1, device="cuda")),
                  (randn(2, 256, 8, 8, dtype=torch.bfloat16, device="cuda").contiguous(memory_format=torch.channels_last),

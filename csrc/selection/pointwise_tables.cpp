@@ -1,6 +1,7 @@
 // Grouped pointwise convolution's tables. Forward and grad_input apply a per-group matrix:
 //   small_groups     our kernel for channels-first x in groups of at most 128 channels: x streamed
-//                    once, each group's matrix on chip (kernels/gemm/small_group_gemm.h);
+//                    once, each group's matrix on chip (kernels/gemm/small_group_gemm.h); 16-bit,
+//                    or fp32 in TF32 where torch.backends.cudnn.allow_tf32 allows, as the conv;
 //   strided_batched  our planner's strided-batched GEMM: one over the groups for tokens x, one per
 //                    sample for channels-first x (the positions of a sample are contiguous, those
 //                    of different samples are not); the bias pre-filled, the GEMMs add onto it;
@@ -63,16 +64,26 @@ WhyNot per_sample_rule(const PointwiseProblem& p) {
 constexpr const char* kSmallGroupConditions =
     "16-bit channels-first x on sm_80+, groups of at most 128 channels in and out, positions per sample % 8 == 0";
 
-WhyNot small_groups_apply(const at::Tensor& x, bool tokens, int64_t c_out, int64_t c_in) {
+// Where the small-group kernels apply; `takes_fp32`: the apply kernel, fp32 in TF32 where allowed.
+WhyNot small_groups_apply(const at::Tensor& x, bool tokens, int64_t c_out, int64_t c_in, bool takes_fp32) {
   if (!x.is_cuda()) return "CUDA tensors only";
   if (tokens) return "channels-first x only";
-  if (x.scalar_type() != at::kHalf && x.scalar_type() != at::kBFloat16) return "16-bit dtypes only";
+  const auto dtype = x.scalar_type();
+  if (dtype == at::kFloat && takes_fp32) {
+    if (!tf32_allowed(kTf32)) return "fp32 runs in TF32, and torch.backends.cudnn.allow_tf32 is off";
+  } else if (dtype != at::kHalf && dtype != at::kBFloat16) {
+    return takes_fp32 ? "float32, float16 and bfloat16 only" : "16-bit dtypes only";
+  }
   return c_out > 128 || c_in > 128 ? "groups of at most 128 channels in and out only" : WhyNot();
 }
 
 Candidate<PointwiseProblem, at::Tensor> small_groups() {
-  return {"small_groups", "cuda sm_80+", kSmallGroupConditions,
-          [](const PointwiseProblem& p) { return small_groups_apply(p.x, p.tokens, p.matrix.size(1), p.matrix.size(2)); },
+  return {"small_groups", "cuda sm_80+",
+          "channels-first x on sm_80+, 16-bit or fp32 with TF32 allowed (torch.backends.cudnn.allow_tf32), groups "
+          "of at most 128 channels in and out, positions per sample % 8 == 0",
+          [](const PointwiseProblem& p) {
+            return small_groups_apply(p.x, p.tokens, p.matrix.size(1), p.matrix.size(2), /*takes_fp32=*/true);
+          },
           nullptr,
           [](const PointwiseProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
             if (!cuda::small_group_apply(p.matrix, p.x, p.bias, p.out, why)) return std::nullopt;
@@ -153,7 +164,7 @@ const Table<PointwiseWeightGradProblem, Grads> kGradWeight(
 #ifdef PATCHGEMM_PTX_KERNELS
         {"small_groups", "cuda sm_80+", kSmallGroupConditions,
          [](const PointwiseWeightGradProblem& p) {
-           return small_groups_apply(p.x, p.tokens, p.grad_y.size(2), p.x.size(2));
+           return small_groups_apply(p.x, p.tokens, p.grad_y.size(2), p.x.size(2), /*takes_fp32=*/false);
          },
          nullptr,
          [](const PointwiseWeightGradProblem& p, bool, WhyNot& why) -> std::optional<Grads> {

@@ -58,6 +58,23 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
+// d += a (16 x 8, row-major) @ b (8 x 8, column-major) in TF32 (fragments from to_tf32), fp32
+// accumulators; the fragment layouts of m16n8k16 with 32-bit elements and half the k.
+__device__ __forceinline__ void mma_1688_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// v rounded to the nearest TF32 value (ties away from zero), as an mma operand.
+__device__ __forceinline__ uint32_t to_tf32(float v) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
+  return r;
+}
+
 // Asynchronous copy of kBytes (4, 8 or 16) from global memory to the shared-memory address dst;
 // zero-fills instead of reading when !valid (src must still be a mapped address).
 template <int kBytes>
@@ -142,6 +159,7 @@ __device__ __forceinline__ T zero() {
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
 
 }  // namespace cuda
 }  // namespace patchgemm

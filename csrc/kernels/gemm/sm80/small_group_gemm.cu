@@ -1,13 +1,14 @@
-// The small-group GEMMs of small_group_gemm.h, on mma.sync (m16n8k16, fp32 accumulation).
+// The small-group GEMMs of small_group_gemm.h, on mma.sync (m16n8k16 for 16-bit data, m16n8k8
+// TF32 for fp32; fp32 accumulation).
 //
 // Apply (forward and input gradient): out[b, g] = matrix[g] [M, K] @ x[b, g] [K, L]. The work is
-// cut into tiles of one (group, sample) and 128 positions (64 for short samples), numbered
+// cut into tiles of one (group, sample) and 128 positions (64 for short samples and fp32), numbered
 // group-major. Persistent blocks form teams of `team` (1 or 2); a team takes a contiguous range of
 // the tiles, and its members the position tiles j, j + team, ... of each (group, sample), so
 // neighbours read and write neighbouring positions at about the same time: the DRAM sees runs of
 // 512 bytes instead of 256. A block meets a new group once or twice. 8 warps as 4 (rows) x 2
 // (positions): a warp owns 32 output rows and keeps their part of the group's matrix in registers
-// (at most 2 x 8 fragments, read from global memory when the group changes). x tiles
+// (at most 2 x 8 fragments, 2 x 16 for fp32, read from global memory when the group changes). x tiles
 // [K][positions] stream through a cp.async pipeline (3 or 4 slots), so the next tiles are in flight
 // while one is multiplied; the rows K..16k of every slot stay zero. The accumulators start at the
 // bias; the output tile is staged in shared memory (two stages: tile t - 1 leaves while tile t is
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
@@ -74,12 +76,23 @@ __device__ __forceinline__ uint32_t matrix_pair(const T* m, int64_t m_m, int64_t
   return pack2<T>(to_float(lo), to_float(hi));
 }
 
-// kTileL positions per tile (2 warps x kTileL / 2), kStages slots in the x pipeline.
-template <typename T, int kKSteps, int kTileL, int kStages>
-__global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_apply_kernel(const ApplyArgs<T> a) {
+// matrix[g][r][k] rounded to TF32, an element of a tf32 mma A fragment; zero past M and K.
+__device__ __forceinline__ uint32_t matrix_tf32(const float* m, int64_t m_m, int64_t m_k, int rows, int depth, int r, int k) {
+  return to_tf32(r < rows && k < depth ? m[r * m_m + k * m_k] : 0.f);
+}
+
+// kTileL positions per tile (2 warps x kTileL / 2), kStages slots in the x pipeline, kKSteps steps
+// of 16 over K. 16-bit: m16n8k16, the B fragments by ldmatrix.trans. fp32 (TF32 math, the inputs
+// rounded to nearest as cuBLAS does): two m16n8k8 per step, B fragments read element by element.
+template <typename T, int kKSteps, int kTileL, int kStages, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) small_group_apply_kernel(const ApplyArgs<T> a) {
 #if __CUDA_ARCH__ >= 800
-  constexpr int kK = kKSteps * 16, kChunks = kTileL / 8, kPairs = kTileL / 32;  // n8-tile pairs per warp
-  constexpr int kLPitch = kTileL + 8;  // elements per shared row: an odd multiple of 16 bytes, conflict-free ldmatrix
+  constexpr bool kTf32 = std::is_same_v<T, float>;
+  constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
+  constexpr int kK = kKSteps * 16, kChunks = kTileL / kVec, kPairs = kTileL / 32;  // n8-tile pairs per warp
+  // Elements per shared row. 16-bit: an odd multiple of 16 bytes, conflict-free ldmatrix; fp32: 8
+  // words past a multiple of 32, so the lanes' (k = lane % 4, n = lane / 4) reads hit 32 banks.
+  constexpr int kLPitch = kTileL + 8;
   constexpr int kSlot = kK * kLPitch;
   constexpr int kRowsPerPass = kThreads / kChunks;  // rows a block's 16-byte copies cover at once
   extern __shared__ __align__(128) unsigned char smem[];
@@ -93,12 +106,12 @@ __global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_ap
   // Zero rows depth..kK of every slot: the matrix's padding columns are zero, but 0 * garbage may be NaN.
   for (int i = tid; i < kStages * (kK - a.depth) * kChunks; i += kThreads) {
     const int slot = i / ((kK - a.depth) * kChunks), row = a.depth + i / kChunks % (kK - a.depth);
-    *reinterpret_cast<uint4*>(xs + slot * kSlot + row * kLPitch + i % kChunks * 8) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(xs + slot * kSlot + row * kLPitch + i % kChunks * kVec) = make_uint4(0, 0, 0, 0);
   }
 
   // A thread copies (and stores) the 16-byte chunk `chunk` of rows first_row, + kRowsPerPass, ...
   const int chunk = tid % kChunks, first_row = tid / kChunks;
-  const uint32_t copy_dst = smem_address(xs + first_row * kLPitch + chunk * 8);
+  const uint32_t copy_dst = smem_address(xs + first_row * kLPitch + chunk * kVec);
   TileCursor next{0, 0, 0};
   const int per_sample = a.l_tiles / a.team;  // a member's position tiles per (group, sample)
   {
@@ -110,14 +123,14 @@ __global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_ap
   TileCursor cur = next;
   // Issues the copies of the tile at `next` into `slot`, and steps `next` on.
   auto load_next = [&](int slot) {
-    const int l = next.lt * kTileL + chunk * 8;
+    const int l = next.lt * kTileL + chunk * kVec;
     const bool valid = l < a.length;
     const T* src = a.x + next.b * a.x_b + next.g * a.x_g + first_row * a.x_k + (valid ? l : 0);
-    uint32_t dst = copy_dst + slot * kSlot * 2;
+    uint32_t dst = copy_dst + slot * kSlot * sizeof(T);
     for (int row = first_row; row < a.depth; row += kRowsPerPass) {
       cp_async<16>(dst, src, valid);
       src += kRowsPerPass * a.x_k;
-      dst += kRowsPerPass * kLPitch * 2;
+      dst += kRowsPerPass * kLPitch * sizeof(T);
     }
     next.advance(a.batch, a.l_tiles, a.team, member);
   };
@@ -130,15 +143,15 @@ __global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_ap
   // This warp's rows: m-tile mt covers r0 + mt * 16 ..; a lane's are r0 + mt * 16 + lane / 4 (+ 8).
   const int r0 = warp_m * 32, n0 = warp_n * (kTileL / 2);
   const bool live[2] = {r0 < a.rows, r0 + 16 < a.rows};
-  uint32_t af[2][kKSteps][4];
+  uint32_t af[2][kTf32 ? 2 * kKSteps : kKSteps][4];  // per mma k-step
   float bias_v[2][2] = {};
   int group = -1;
   // Writes the staged output tile at `at` to out, in 16-byte vectors.
   auto store_tile = [&](const TileCursor& at, const T* stage) {
-    const int l = at.lt * kTileL + chunk * 8;
+    const int l = at.lt * kTileL + chunk * kVec;
     if (l >= a.length) return;
     T* dst = a.out + at.b * a.out_b + at.g * a.out_g + first_row * a.out_m + l;
-    const T* src = stage + first_row * kLPitch + chunk * 8;
+    const T* src = stage + first_row * kLPitch + chunk * kVec;
     for (int row = first_row; row < a.rows; row += kRowsPerPass) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
       dst += kRowsPerPass * a.out_m;
@@ -161,13 +174,24 @@ __global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_ap
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         const int row = r0 + mt * 16 + lane / 4;
+        if constexpr (kTf32) {
 #pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
-          const int k = ks * 16 + 2 * (lane % 4);
-          af[mt][ks][0] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row, k);
-          af[mt][ks][1] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row + 8, k);
-          af[mt][ks][2] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row, k + 8);
-          af[mt][ks][3] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row + 8, k + 8);
+          for (int ks = 0; ks < 2 * kKSteps; ++ks) {
+            const int k = ks * 8 + lane % 4;
+            af[mt][ks][0] = matrix_tf32(m, a.m_m, a.m_k, a.rows, a.depth, row, k);
+            af[mt][ks][1] = matrix_tf32(m, a.m_m, a.m_k, a.rows, a.depth, row + 8, k);
+            af[mt][ks][2] = matrix_tf32(m, a.m_m, a.m_k, a.rows, a.depth, row, k + 4);
+            af[mt][ks][3] = matrix_tf32(m, a.m_m, a.m_k, a.rows, a.depth, row + 8, k + 4);
+          }
+        } else {
+#pragma unroll
+          for (int ks = 0; ks < kKSteps; ++ks) {
+            const int k = ks * 16 + 2 * (lane % 4);
+            af[mt][ks][0] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row, k);
+            af[mt][ks][1] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row + 8, k);
+            af[mt][ks][2] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row, k + 8);
+            af[mt][ks][3] = matrix_pair(m, a.m_m, a.m_k, a.rows, a.depth, row + 8, k + 8);
+          }
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -189,18 +213,32 @@ __global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_ap
           acc[mt][j][2] = acc[mt][j][3] = bias_v[mt][1];
         }
       }
+      if constexpr (kTf32) {
+        // B (k = lane % 4 and + 4, n = lane / 4 of each n-tile) straight from the slot, rounded.
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
+        for (int ks = 0; ks < 2 * kKSteps; ++ks) {
+          const T* xk = xslot + (ks * 8 + lane % 4) * kLPitch + n0 + lane / 4;
 #pragma unroll
-        for (int np = 0; np < kPairs; ++np) {
-          uint32_t r[4];
-          ldmatrix_x4_trans(r, smem_address(xslot + (ks * 16 + lane % 16) * kLPitch + n0 + np * 16 + lane / 16 * 8));
-          const uint32_t b_lo[2] = {r[0], r[1]}, b_hi[2] = {r[2], r[3]};
-          mma_16816<T>(acc[0][2 * np], af[0][ks], b_lo);
-          mma_16816<T>(acc[0][2 * np + 1], af[0][ks], b_hi);
-          if (live[1]) {
-            mma_16816<T>(acc[1][2 * np], af[1][ks], b_lo);
-            mma_16816<T>(acc[1][2 * np + 1], af[1][ks], b_hi);
+          for (int j = 0; j < kPairs * 2; ++j) {
+            const uint32_t b[2] = {to_tf32(xk[j * 8]), to_tf32(xk[4 * kLPitch + j * 8])};
+            mma_1688_tf32(acc[0][j], af[0][ks], b);
+            if (live[1]) mma_1688_tf32(acc[1][j], af[1][ks], b);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+          for (int np = 0; np < kPairs; ++np) {
+            uint32_t r[4];
+            ldmatrix_x4_trans(r, smem_address(xslot + (ks * 16 + lane % 16) * kLPitch + n0 + np * 16 + lane / 16 * 8));
+            const uint32_t b_lo[2] = {r[0], r[1]}, b_hi[2] = {r[2], r[3]};
+            mma_16816<T>(acc[0][2 * np], af[0][ks], b_lo);
+            mma_16816<T>(acc[0][2 * np + 1], af[0][ks], b_hi);
+            if (live[1]) {
+              mma_16816<T>(acc[1][2 * np], af[1][ks], b_lo);
+              mma_16816<T>(acc[1][2 * np + 1], af[1][ks], b_hi);
+            }
           }
         }
       }
@@ -211,8 +249,13 @@ __global__ void __launch_bounds__(kThreads, kTileL == 64 ? 2 : 1) small_group_ap
 #pragma unroll
         for (int j = 0; j < kPairs * 2; ++j) {
           const int col = n0 + j * 8 + 2 * (lane % 4);
-          *reinterpret_cast<uint32_t*>(stage + row * kLPitch + col) = pack2<T>(acc[mt][j][0], acc[mt][j][1]);
-          *reinterpret_cast<uint32_t*>(stage + (row + 8) * kLPitch + col) = pack2<T>(acc[mt][j][2], acc[mt][j][3]);
+          if constexpr (kTf32) {
+            *reinterpret_cast<float2*>(stage + row * kLPitch + col) = make_float2(acc[mt][j][0], acc[mt][j][1]);
+            *reinterpret_cast<float2*>(stage + (row + 8) * kLPitch + col) = make_float2(acc[mt][j][2], acc[mt][j][3]);
+          } else {
+            *reinterpret_cast<uint32_t*>(stage + row * kLPitch + col) = pack2<T>(acc[mt][j][0], acc[mt][j][1]);
+            *reinterpret_cast<uint32_t*>(stage + (row + 8) * kLPitch + col) = pack2<T>(acc[mt][j][2], acc[mt][j][3]);
+          }
         }
       }
     }
@@ -342,18 +385,22 @@ bool decline(std::string& why, const char* reason) {
   return false;
 }
 
-// Where the kernels apply: 16-bit, sm_80+, and the positions of every operand in 16-byte runs.
+// Where the kernels apply: sm_80+, and the positions of every operand in 16-byte runs.
 bool positions_aligned(const at::Tensor& t) {
+  const int64_t vec = 16 / t.element_size();
   if (t.stride(3) != 1 || reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16) return false;
   for (int d = 0; d < 3; ++d) {
-    if (t.size(d) > 1 && t.stride(d) % 8) return false;
+    if (t.size(d) > 1 && t.stride(d) % vec) return false;
   }
   return true;
 }
 
-bool common_checks(const at::Tensor& x, int64_t rows, int64_t depth, std::string& why, std::initializer_list<at::Tensor> operands) {
+bool common_checks(const at::Tensor& x, int64_t rows, int64_t depth, bool fp32, std::string& why,
+                   std::initializer_list<at::Tensor> operands) {
   const auto dtype = x.scalar_type();
-  if (dtype != at::kHalf && dtype != at::kBFloat16) return decline(why, "16-bit dtypes only");
+  if (dtype != at::kHalf && dtype != at::kBFloat16 && !(fp32 && dtype == at::kFloat)) {
+    return decline(why, fp32 ? "float32, float16 and bfloat16 only" : "16-bit dtypes only");
+  }
   if (rows > kMaxRows || depth > kMaxRows) return decline(why, "groups of at most 128 channels in and out only");
   if (x.numel() == 0 || rows == 0) return decline(why, "empty problem");
   if (x.size(3) % 8) return decline(why, "positions per sample must be a multiple of 8");
@@ -365,10 +412,10 @@ bool common_checks(const at::Tensor& x, int64_t rows, int64_t depth, std::string
   return true;
 }
 
-template <typename T, int kKSteps, int kTileL, int kStages>
+template <typename T, int kKSteps, int kTileL, int kStages, int kMinBlocks>
 void launch_apply(ApplyArgs<T> args) {
-  constexpr int smem = (2 * kMaxRows + kStages * kKSteps * 16) * (kTileL + 8) * 2;
-  const auto kernel = small_group_apply_kernel<T, kKSteps, kTileL, kStages>;
+  constexpr int smem = (2 * kMaxRows + kStages * kKSteps * 16) * (kTileL + 8) * sizeof(T);
+  const auto kernel = small_group_apply_kernel<T, kKSteps, kTileL, kStages, kMinBlocks>;
   const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, smem);
   TORCH_CHECK(shape.blocks_per_sm > 0, "small_group_apply: ", smem, " bytes of shared memory fit no block on this GPU");
   args.l_tiles = (args.length + kTileL - 1) / kTileL;
@@ -381,13 +428,18 @@ void launch_apply(ApplyArgs<T> args) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Two tilings: 128 positions, one block per SM; for at most 64 positions per sample, where half of
-// such a tile would be idle, 64 positions with two blocks per SM (slower on long samples: twice the
-// tiles, and the 128-register limit of two blocks spills at K > 80).
+// 16-bit, two tilings: 128 positions, one block per SM; for at most 64 positions per sample, where
+// half of such a tile would be idle, 64 positions with two blocks per SM (slower on long samples:
+// twice the tiles, and the 128-register limit of two blocks spills at K > 80). fp32: 64 positions
+// (the same 16-byte chunks per row), one block per SM for the A fragments' registers.
 template <typename T, int kKSteps>
 void launch_variant(const ApplyArgs<T>& args) {
-  if (args.length <= 64) return launch_apply<T, kKSteps, 64, 4>(args);
-  launch_apply<T, kKSteps, 128, 3>(args);
+  if constexpr (std::is_same_v<T, float>) {
+    launch_apply<T, kKSteps, 64, 3, 1>(args);
+  } else {
+    if (args.length <= 64) return launch_apply<T, kKSteps, 64, 4, 2>(args);
+    launch_apply<T, kKSteps, 128, 3, 1>(args);
+  }
 }
 
 template <typename T>
@@ -463,20 +515,22 @@ void run_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Te
 
 bool small_group_apply(const at::Tensor& matrix, const at::Tensor& x, const std::optional<at::Tensor>& bias,
                        const at::Tensor& out, std::string& why) {
-  if (!common_checks(x, matrix.size(1), x.size(2), why, {x, out})) return false;
+  if (!common_checks(x, matrix.size(1), x.size(2), /*fp32=*/true, why, {x, out})) return false;
   if (x.size(1) >= 65536) return decline(why, "at most 65535 groups");
   const c10::cuda::CUDAGuard guard(x.device());
   if (x.scalar_type() == at::kHalf) {
     run_apply<__half>(matrix, x, bias, out);
-  } else {
+  } else if (x.scalar_type() == at::kBFloat16) {
     run_apply<__nv_bfloat16>(matrix, x, bias, out);
+  } else {
+    run_apply<float>(matrix, x, bias, out);
   }
   return true;
 }
 
 bool small_group_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& grad_w,
                              const at::Tensor& grad_b, std::string& why) {
-  if (!common_checks(x, grad_y.size(2), x.size(2), why, {x, grad_y})) return false;
+  if (!common_checks(x, grad_y.size(2), x.size(2), /*fp32=*/false, why, {x, grad_y})) return false;
   TORCH_CHECK(!grad_b.defined() || x.size(2) < kMaxRows, "small_group_weight_grad: the bias gradient's column needs K < ",
               kMaxRows, ", got K = ", x.size(2));
   if (x.size(0) * ((x.size(3) + kGradTileL - 1) / kGradTileL) >= INT_MAX) return decline(why, "sizes past 32-bit indices");
