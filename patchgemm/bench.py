@@ -109,7 +109,7 @@ def randn(*shape, dtype, device, requires_grad=False):
 
 @dataclass
 class Ceilings:
-    matmul_tflops: Dict[str, float]  # per dtype name, at the current TF32 setting
+    matmul_tflops: Dict[str, float]  # per dtype name, at the current TF32 setting; "tf32": fp32 in TF32
     copy_tbs: float  # TB/s counting bytes read + written
 
 
@@ -121,6 +121,13 @@ def measure_ceilings(device: torch.device, dtypes: List[torch.dtype]) -> Ceiling
         a, b = randn(n, n, dtype=dtype, device=device), randn(n, n, dtype=dtype, device=device)
         ms = time_ms(lambda i: a @ b, device, warmup=3, reps=10 if big else 3).ms
         peaks[str(dtype).replace("torch.", "")] = 2 * n**3 / ms / 1e9
+        if dtype == torch.float32 and big:  # the rate of fp32 work that a conv's TF32 flag lets run in TF32
+            old = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                peaks["tf32"] = 2 * n**3 / time_ms(lambda i: a @ b, device, warmup=3, reps=10).ms / 1e9
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = old
         del a, b
     nbytes = 2**30 if big else 2**26
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
@@ -146,6 +153,7 @@ class Case:
     needs_dx: bool = True
     notes: str = ""
     flops_fwd_bwd: Optional[float] = None  # default: 3x forward with dx, 2x without
+    conv: bool = False  # a convolution: fp32 may run in TF32 under torch.backends.cudnn.allow_tf32
 
     @property
     def ours(self) -> str:
@@ -217,7 +225,7 @@ def pointwise_case(case_id, batch, groups, per_group, length, dtype, device) -> 
         id=case_id, dtype=dtype, make_inputs=make_inputs, impls=impls,
         flops_fwd=2.0 * batch * length * channels * per_group,
         bytes_fwd=elt * (2 * x_n + w_n + channels), bytes_fwd_bwd=elt * (5 * x_n + 2 * w_n),  # fwd: x, y; bwd: dy, x, dx
-        grad_inputs=["x", "w", "b"],
+        grad_inputs=["x", "w", "b"], conv=True,
         notes=f"x[{batch}, {channels}, {length}], {groups} groups of {per_group}, kernel 1")
 
 
@@ -361,7 +369,7 @@ def patch_embed_case(case_id, x_shape, embed, kernel, dtype, device, tokens=Fals
     return Case(
         id=case_id, dtype=dtype, make_inputs=make_inputs, impls=impls, flops_fwd=flops,
         bytes_fwd=elt * (x_n + w_n + embed + y_n), bytes_fwd_bwd=elt * fb_bytes,
-        grad_inputs=(["x"] if needs_dx else []) + ["w", "b"], needs_dx=needs_dx,
+        grad_inputs=(["x"] if needs_dx else []) + ["w", "b"], needs_dx=needs_dx, conv=True,
         notes=f"x{list(x_shape)} Conv{rank}d({channels}, {embed}, {kernel}) -> {fmt}, dx={needs_dx}")
 
 
@@ -389,7 +397,7 @@ def patch_unembed_case(case_id, x_shape, out_channels, kernel, dtype, device) ->
         id=case_id, dtype=dtype, make_inputs=make_inputs, impls=impls,
         flops_fwd=2.0 * x_n * out_channels * math.prod(kernel),
         bytes_fwd=elt * (x_n + w_n + out_channels + y_n),
-        bytes_fwd_bwd=elt * 2 * (x_n + w_n + out_channels + y_n), grad_inputs=["x", "w", "b"],
+        bytes_fwd_bwd=elt * 2 * (x_n + w_n + out_channels + y_n), grad_inputs=["x", "w", "b"], conv=True,
         notes=f"x{list(x_shape)} ConvTranspose{rank}d({c_in}, {out_channels}, {kernel})")
 
 
@@ -458,7 +466,7 @@ def hmlp_stem_case(case_id, x_shape, widths, kernels, dtype, device) -> Case:
     grads = [f"{p}{i}" for i in range(stages) for p in "wb"] + [f"{p}{i}" for i in range(stages - 1) for p in "gh"]
     return Case(id=case_id, dtype=dtype, make_inputs=make_inputs, impls=impls, flops_fwd=flops,
                 bytes_fwd=bytes_f, bytes_fwd_bwd=bytes_fb, grad_inputs=grads, needs_dx=False,
-                flops_fwd_bwd=flops_fb,
+                flops_fwd_bwd=flops_fb, conv=True,
                 notes=f"x{list(x_shape)} stem {widths} kernels {kernels} (floor: the convs only)")
 
 
@@ -544,6 +552,8 @@ def _peak_mb(run, device: torch.device) -> Optional[float]:
 def run_case(case: Case, device: torch.device, ceilings: Ceilings, progress=None) -> List[Row]:
     sets = input_sets(case.make_inputs, device)
     peak = ceilings.matmul_tflops[str(case.dtype).replace("torch.", "")]
+    if case.conv and case.dtype == torch.float32 and torch.backends.cudnn.allow_tf32:
+        peak = ceilings.matmul_tflops.get("tf32", peak)
     bw = ceilings.copy_tbs
     flops_fb = case.flops_fwd_bwd or case.flops_fwd * (3 if case.needs_dx else 2)
     floors = {
