@@ -94,6 +94,7 @@ WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
 
 // Multiply-adds of a patch op's GEMM: small ones are launch-bound, where the fewest launches win.
 constexpr double kSmallEmbedMacs = double(1 << 24);  // 16-bit embeddings writing tokens
+constexpr double kTinyWeightGradMacs = double(1 << 21);  // channels-first weight gradients
 
 double gemm_macs(const PatchGeometry& g, int64_t width) {
   return double(g.batch) * double(g.tokens()) * double(g.patch_size()) * double(width);
@@ -401,7 +402,7 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
          [](const WeightGradProblem& p) -> WhyNot {
            // Tiny channels-first problems: cuDNN's one kernel beats the gather, GEMM and bias launches.
            if (p.x.is_cuda() && !p.tokens && p.g.levels.size() == 1 && p.g.channels > 0 &&
-               gemm_macs(p.g, p.embed) < double(1 << 21)) {
+               gemm_macs(p.g, p.embed) < kTinyWeightGradMacs) {
              return "rule: channels-first problems of under 2^21 multiply-adds run faster on cuDNN";
            }
            return cudnn_wins_channels_last(p.x, p.g);
