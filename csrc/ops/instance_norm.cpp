@@ -78,11 +78,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward(
                 t->sizes(), " ", t->scalar_type());
   }
   const at::Tensor x = x_in.contiguous(), weight = defined_or_empty(weight_in), bias = defined_or_empty(bias_in);
-  const auto [grad_x, sum_dz, sum_dz_xhat] = select_instance_norm_act_backward(
+  auto [grad_x, grad_w, grad_b] = select_instance_norm_act_backward(
       {grad_y_in.contiguous(), x, weight, bias, mean.contiguous(), rstd.contiguous(), gelu, s});
-  const auto options = x.options();
-  at::Tensor grad_w = weight.defined() ? sum_dz_xhat.sum(0).to(x.scalar_type()) : at::empty({0}, options);
-  at::Tensor grad_b = bias.defined() ? sum_dz.sum(0).to(x.scalar_type()) : at::empty({0}, options);
+  // The schema returns tensors: [0] where there is no weight / bias.
+  for (at::Tensor* t : {&grad_w, &grad_b}) {
+    if (!t->defined()) *t = at::empty({0}, x.options());
+  }
   return {grad_x, grad_w, grad_b};
 }
 

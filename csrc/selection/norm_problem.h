@@ -23,7 +23,8 @@ struct NormBackwardProblem {
   NormShape s;
 };
 
-// (y, mean, rstd) and (grad_x, sum_dz, sum_dz_xhat) from the implementation the tables pick.
+// (y, mean, rstd) and (grad_x, grad_weight, grad_bias) from the implementation the tables pick
+// (an affine gradient undefined where there is no weight / bias).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_instance_norm_act(const NormProblem& p);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_instance_norm_act_backward(const NormBackwardProblem& p);
 

@@ -67,16 +67,18 @@ const Table<NormBackwardProblem, Result> kBackward(
     "instance_norm_act_backward",
     {
 #ifdef PATCHGEMM_WITH_CUDA
-        {"fused_two_pass", "cuda rocm", "one kernel for the per-channel sums, one for grad_x",
+        {"fused_two_pass", "cuda rocm", "one kernel for the per-channel sums, one for grad_x, dweight, dbias",
          [](const NormBackwardProblem& p) { return fused_supports(p.x, p.s); },
          nullptr,
          [](const NormBackwardProblem& p, bool, WhyNot&) -> std::optional<Result> {
            at::Tensor grad_x = at::empty_like(p.x, at::MemoryFormat::Contiguous);
-           at::Tensor sum_dz = at::empty({p.s.batch, p.s.channels}, p.mean.options());
-           at::Tensor sum_dz_xhat = at::empty_like(sum_dz);
+           const auto affine_grad = [&](const at::Tensor& param) {
+             return param.defined() ? at::empty({p.s.channels}, p.x.options()) : at::Tensor();
+           };
+           at::Tensor grad_w = affine_grad(p.weight), grad_b = affine_grad(p.bias);
            cuda::instance_norm_act_backward(p.grad_y, p.x, p.weight, p.bias, p.mean, p.rstd, p.gelu, p.s,
-                                            grad_x, sum_dz, sum_dz_xhat);
-           return Result{grad_x, sum_dz, sum_dz_xhat};
+                                            grad_x, grad_w, grad_b);
+           return Result{grad_x, grad_w, grad_b};
          }},
 #endif
         {"aten_composite", "cpu cuda rocm", "any problem: ATen's composite backward",

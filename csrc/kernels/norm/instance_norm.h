@@ -29,8 +29,8 @@ inline at::ScalarType norm_acc_dtype(const at::Tensor& x) {
 }
 
 // The ATen implementation (instance_norm_aten.cpp), any device; x, weight, bias contiguous (weight,
-// bias [C] or undefined). Forward: (y, mean, rstd). Backward: (grad_x, sum_dz, sum_dz_xhat), the
-// sums as the CUDA kernel's below.
+// bias [C] or undefined). Forward: (y, mean, rstd). Backward: (grad_x, grad_weight, grad_bias), the
+// affine gradients [C] in x's dtype, undefined where there is no weight / bias.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_aten(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps, bool gelu,
     const NormShape& s);
@@ -45,13 +45,14 @@ namespace cuda {
 void instance_norm_act_forward(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& bias, double eps, bool gelu, const NormShape& s,
                                const at::Tensor& y, const at::Tensor& mean, const at::Tensor& rstd);
-// grad_x, and the per-(sample, channel) sums s1 = sum(dz), s2 = sum(dz * xhat) [B, C] (dz the
-// gradient at the norm's affine output), from which the caller reduces dweight and dbias.
+// grad_x, and the affine gradients grad_weight = sum(dz * xhat), grad_bias = sum(dz) over the
+// batch and S (dz the gradient at the norm's affine output): [C] in x's dtype, or undefined where
+// there is no weight / bias.
 void instance_norm_act_backward(const at::Tensor& grad_y, const at::Tensor& x,
                                 const at::Tensor& weight, const at::Tensor& bias,
                                 const at::Tensor& mean, const at::Tensor& rstd, bool gelu,
                                 const NormShape& s, const at::Tensor& grad_x,
-                                const at::Tensor& sum_dz, const at::Tensor& sum_dz_xhat);
+                                const at::Tensor& grad_weight, const at::Tensor& grad_bias);
 }  // namespace cuda
 #endif
 

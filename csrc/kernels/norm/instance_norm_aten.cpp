@@ -63,7 +63,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward_aten(
   const double inv_n = s.spatial ? 1.0 / static_cast<double>(s.spatial) : 0.0;
   const at::Tensor dx = rstd.unsqueeze(2) * per_channel(weight, 1.0, s, x) *
                         (dz - sum_dz.unsqueeze(2) * inv_n - xhat * sum_dz_xhat.unsqueeze(2) * inv_n);
-  return {from_bcs(dx, x, s), sum_dz, sum_dz_xhat};
+  const auto affine_grad = [&](const at::Tensor& param, const at::Tensor& sums) {
+    return param.defined() ? sums.sum(0).to(x.scalar_type()) : at::Tensor();
+  };
+  return {from_bcs(dx, x, s), affine_grad(weight, sum_dz_xhat), affine_grad(bias, sum_dz)};
 }
 
 }  // namespace patchgemm
