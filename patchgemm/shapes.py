@@ -127,6 +127,9 @@ TUNING = [
     _embed("k14-e64-tokens", (32, 3, 224, 224), 64, (14, 14), tokens=True, dx=False),
     _unembed("mae-head-k16-batch8", (8, 768, 14, 14), 3, (16, 16)),
     _unembed("tokens-3d-head-k8", (4, 216, 768), 4, (8, 8, 8), tokens=True, grid=(6, 6, 6)),
+    # Small patches from over 256 channels, which the tiny unembedding's rule was fitted to.
+    _unembed("decoder-384-k4", (64, 384, 14, 14), 4, (4, 4)),
+    _unembed("decoder-512-k2", (32, 512, 28, 28), 16, (2, 2)),
 ]
 
 HELDOUT = [

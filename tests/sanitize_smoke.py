@@ -74,6 +74,13 @@ def main():
                     grid = [s // k for s, k in zip(shape[2:], kernel)]
                     u = patchgemm.patch_unembed(y.detach(), w, bias_out, in_format="tokens", grid=grid)
                     assert all(torch.isfinite(t).all() for t in (*grads, u))
+    # the tiny unembedding from 384 and 512 input channels (one block per SM), channels-first rows in
+    # 8-byte pieces (N = 196, 36: a partial last slice)
+    for c_in, grid, kernel, c_out in [(384, (14, 14), (4, 4), 4), (512, (2, 18), (2, 2), 16)]:
+        x = torch.randn(3, c_in, *grid, dtype=torch.bfloat16, device="cuda")
+        w = torch.randn(c_in, c_out, *kernel, dtype=torch.bfloat16, device="cuda")
+        u = patchgemm.patch_unembed(x, w, torch.randn(c_out, dtype=torch.bfloat16, device="cuda"))
+        assert torch.isfinite(u).all()
     # the implicit-GEMM embedding (16-bit, kw even; its wgmma and mma.sync kernels on a 9.0 GPU): runs
     # of 2, 4 and 8, partial tiles, padded K; its weight gradient (kw = 2 on mma.sync; on wgmma kw = 2
     # pairs and kw % 4 = 0 runs of 8 or 4, with the bias gradient: grad_y in pieces of 8 or 4 tokens (N =

@@ -1013,25 +1013,32 @@ def test_gpu_tiny_weight_grad_of_unembed(dtype, shape, kernel, out_channels, in_
         assert_close_to_ref(g, r, dtype, f"grad of {list(r.shape)}")
 
 
-def tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens):
-    """Whether patch_unembed takes csrc/kernels/patch/sm80/tiny_patch_unembed.cu: 16-bit, kw even, K <= 64, C_in <= 256,
-    16-byte pieces of x (tokens: C_in % 8 == 0; channels-first: N % 8 == 0)."""
+def tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens, batch):
+    """Whether patch_unembed takes csrc/kernels/patch/sm80/tiny_patch_unembed.cu: 16-bit, kw even, K <= 64, C_in <= 512,
+    aligned pieces of x (tokens: C_in % 8 == 0; channels-first: N % 4 == 0); over 256 input channels
+    only where GEMM -> scatter would copy x first (channels-first: B > 1 and N < 256, or N % 8 != 0)."""
+    n = math.prod(grid)
+    copies_x = not tokens and ((batch > 1 and n < 256) or n % 8 != 0)
     return (dtype in (torch.bfloat16, torch.float16) and kernel[-1] % 2 == 0
-            and out_channels * math.prod(kernel) <= 64 and c_in <= 256
-            and (c_in % 8 == 0 if tokens else math.prod(grid) % 8 == 0))
+            and out_channels * math.prod(kernel) <= 64 and (c_in <= 256 or (c_in <= 512 and copies_x))
+            and (c_in % 8 == 0 if tokens else n % 4 == 0))
 
 
 # 16-bit unembeddings of patches of at most 64 elements with kw even take the fused kernel of
 # csrc/kernels/patch/sm80/tiny_patch_unembed.cu: (x shape [B, C_in, *grid], kernel, C_out) covering K = 32 and 64
-# (two and four n-tiles per warp), C_in = 256 and 40 (a padded reduction), N = 120 and 200 (partial
-# last slices), C_in = 5 (channels-first only), kw = 4, 1-D/2-D/3-D, and one that does not apply
-# (K = 72: GEMM -> scatter or the implicit GEMM).
+# (two and four n-tiles per warp), C_in = 256, 384, 512 (one block per SM) and 40 (a padded
+# reduction), N = 120 and 200 (partial last slices), N = 196 and 36 (channels-first rows copied in
+# 8-byte pieces), C_in = 5 (channels-first only), kw = 4, 1-D/2-D/3-D, and ones that do not apply
+# (K = 72: GEMM -> scatter or the implicit GEMM; N = 18 channels-first).
 TINY_UNEMBED = [((2, 96, 4, 8, 16), (2, 2, 2), 4),   # U2-like: K = 32
                 ((2, 256, 2, 4, 8), (2, 2, 2), 8),   # K = 64, C_in = 256
                 ((3, 40, 3, 5, 8), (2, 2, 2), 6),    # C_in = 40, N = 120, K = 48
                 ((2, 24, 8, 16), (2, 4), 3),         # 2-D, kw = 4, K = 24
                 ((2, 16, 200), (2,), 20),            # 1-D, N = 200, K = 40
                 ((2, 5, 2, 2, 4), (2, 3, 2), 4),     # C_in = 5: channels-first only, K = 48
+                ((3, 384, 14, 14), (4, 4), 4),       # a decoder's last layer: C_in = 384, N = 196
+                ((2, 512, 2, 18), (2, 2), 16),       # C_in = 512, N = 36, K = 64
+                ((2, 64, 18), (2,), 8),              # N = 18: tokens x only
                 ((2, 32, 4, 4, 8), (2, 2, 2), 9)]    # K = 72: not this kernel
 
 
@@ -1052,7 +1059,8 @@ def test_gpu_tiny_unembed_kernel(dtype, shape, kernel, out_channels, in_format, 
     out = {}
     ran = cuda_kernels_run(lambda: out.update(
         y=patchgemm.patch_unembed(xs, w, b, in_format=in_format, grid=grid if tokens else None)))
-    assert ("tiny_unembed_kernel" in ran) == tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens), ran
+    assert ("tiny_unembed_kernel" in ran) == tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens,
+                                                                  shape[0]), ran
     if kernel == (2, 2, 2) and out_channels <= 8:
         assert "tiny_unembed_kernel" in ran  # the cases the kernel is for must not silently fall back
     assert_close_to_ref(out["y"], ref, dtype)
@@ -1115,7 +1123,7 @@ def test_gpu_implicit_unembed_kernel(fused_always, implicit_wgmma, dtype, shape,
         applies = applies and grid[-1] % 2 == 0
     tma = out_channels * math.prod(kernel) % 8 == 0 and (tokens or math.prod(grid) % 64 == 0)
     wgmma = applies and implicit_wgmma and tma
-    assert not tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens)  # (the fused kernel's cases)
+    assert not tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens, shape[0])  # (the fused kernel's cases)
     assert ("implicit_unembed_kernel" in ran) == (wgmma or (applies and kernel[-1] == 2)), ran
     assert ("implicit_unembed_kernel_sm90" in ran) == wgmma, ran
     gh, gw = ([1] + grid)[-2:]

@@ -284,9 +284,14 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
     "patch_unembed",
     {
 #ifdef PATCHGEMM_PTX_KERNELS
-        {"tiny", "cuda sm_80+", "16-bit, kw even, patches of at most 64 elements, C_in <= 256",
+        {"tiny", "cuda sm_80+", "16-bit, kw even, patches of at most 64 elements, C_in <= 512",
          [](const UnembedProblem& p) { return fused_kernels_apply(p.x, p.g); },
-         nullptr,
+         // Over 256 input channels one block fills an SM, and GEMM -> scatter runs faster, but for
+         // the copy of x it makes first (a small grid, unaligned rows).
+         [](const UnembedProblem& p) -> WhyNot {
+           if (p.w2.size(0) <= 256 || unembed_gemm_copies_x(p)) return {};
+           return "rule: over 256 input channels GEMM -> scatter runs faster where it needs no copy of x";
+         },
          [](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            at::Tensor y = at::empty(p.out_shape, p.x.options());
            const at::Tensor y5 = to_5d(y);

@@ -113,6 +113,16 @@ at::Tensor embed_by_aten_linear(const EmbedProblem& p) {
   return embed_output(p, y.view({g.batch, g.tokens(), p.w2.size(0)}));
 }
 
+// x is copied into tokens order once where channels-first x would make a slow GEMM: B GEMMs of
+// fewer than 256 rows each (a small grid) leave most tiles empty, and a leading dimension (N) of
+// unaligned rows keeps cuBLAS off its fast kernels.
+bool unembed_gemm_copies_x(const UnembedProblem& p) {
+  const at::Tensor a = merge_batch(p.x_tokens);
+  const bool few_rows = a.size(0) > 1 && p.g.tokens() < 256;
+  const bool unaligned = a.stride(2) != 1 && a.stride(2) % row_alignment(p.x) != 0;
+  return few_rows || unaligned;
+}
+
 at::Tensor unembed_by_gemm(const UnembedProblem& p) {
   const PatchGeometry& g = p.g;
   const int64_t in_channels = p.w2.size(0), K = g.patch_size(), align = row_alignment(p.x);
@@ -120,13 +130,7 @@ at::Tensor unembed_by_gemm(const UnembedProblem& p) {
   at::Tensor q = at::empty({g.batch, g.tokens(), (K + align - 1) / align * align}, p.x.options());
   // Q[B*N, K] = x_tokens[B*N, C_in] @ W[C_in, K]: one GEMM (batched over B with W shared when
   // x's strides keep B and N apart, e.g. channels-first input).
-  at::Tensor a = merge_batch(p.x_tokens);
-  // x is copied into tokens order once where channels-first x would make a slow GEMM: B GEMMs of
-  // fewer than 256 rows each (a small grid) leave most tiles empty, and a leading dimension (N) of
-  // unaligned rows keeps cuBLAS off its fast kernels.
-  const bool few_rows = a.size(0) > 1 && g.tokens() < 256;
-  const bool unaligned = a.stride(2) != 1 && a.stride(2) % row_alignment(p.x) != 0;
-  if (few_rows || unaligned) a = merge_batch(p.x_tokens.contiguous());
+  const at::Tensor a = merge_batch(unembed_gemm_copies_x(p) ? p.x_tokens.contiguous() : p.x_tokens);
   const at::Tensor w = padded_weight(p.w2, std::nullopt, q.size(2));
   run_gemm(a, w.unsqueeze(0).expand({a.size(0), in_channels, w.size(1)}), a.size(0) == 1 ? merge_batch(q) : q,
            std::nullopt, false, kConv);

@@ -1,12 +1,14 @@
-// Fused unembedding (the transpose) for patches of at most 64 elements, 16-bit, kw even (U2's
-// ConvTranspose3d(192, 4, 2), and so the input gradient of the tiny embeddings):
+// Fused unembedding (the transpose) for patches of at most 64 elements from up to 512 input
+// channels, 16-bit, kw even (U2's ConvTranspose3d(192, 4, 2), a decoder's last layer, and so the
+// input gradient of the tiny embeddings):
 //   y[b, :, patch of token n] = x[b, :, n] @ W [C_in, K] (+ bias), the patch scattered into y.
 // The GEMM is thin (K outputs per C_in inputs), so GEMM -> scatter moves the patch matrix through
 // HBM twice for nothing; here one kernel reads x once and writes y once.
 //
 // Every block walks its share of the 64-token slices (SliceWalk, implicit_patch.cuh), copied by a
-// 2-stage cp.async pipeline; W^T [K][C_in] stays in shared memory. Two blocks share an SM, so their
-// barriers and store phases interleave (faster than one block of 4 stages per SM). A slice is one product
+// 2-stage cp.async pipeline; W^T [K][C_in] stays in shared memory. Two blocks share an SM where
+// they fit (C_in up to 256), so their barriers and store phases interleave (faster than one block
+// of 4 stages per SM). A slice is one product
 // Q [64 tokens, K] = X [64, C_in] @ W: 8 warps of mma.sync, warp w the 16 tokens of m-tile w % 4 and
 // half the patch's n-tiles, the whole C_in reduction. x channels-first [c][token] is read by
 // ldmatrix.trans, tokens [token][c] by ldmatrix. An accumulator pair (patch columns 2q, 2q + 1) is
@@ -34,7 +36,7 @@ namespace {
 constexpr int kThreads = 256;  // 8 warps: 4 m-tiles of tokens x 2 halves of the patch columns
 constexpr int kSlice = 64;             // tokens per pipeline stage: 4 m-tiles
 constexpr int kStages = 2;
-constexpr int kMaxK = 64, kMaxC = 256;  // patch columns (8 n-tiles), input channels
+constexpr int kMaxK = 64, kMaxC = 512;  // patch columns (8 n-tiles), input channels
 constexpr int kRowPitch = kSlice + 8;   // elements of a channels-first x row (144 bytes)
 
 // y's geometry: [B, C_out, D, H, W] contiguous, patches kd x kh x kw, the patch grid gd x gh x gw.
@@ -57,8 +59,9 @@ struct Layout {
   }
 };
 
-// kTilesN: n-tiles (8 patch columns) per warp, 2 (K <= 32) or 4 (K <= 64).
-template <typename T, bool kTokensX, int kTilesN>
+// kTilesN: n-tiles (8 patch columns) per warp, 2 (K <= 32) or 4 (K <= 64). kPiece: the tokens per
+// copy of channels-first x, 8 (16 bytes) where N % 8 == 0, else 4 (N % 4 == 0: rows 8-byte aligned).
+template <typename T, bool kTokensX, int kTilesN, int kPiece>
 __global__ void __launch_bounds__(kThreads, 2)
     tiny_unembed_kernel(Output o, Layout s, FastDiv per_sample, FastDiv gw, FastDiv gh, int slices,
                         const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
@@ -91,11 +94,13 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int t = i / pieces, c = i % pieces * 8;
         cp_async<16>(dst + (t * s.x_pitch + c) * 2, t < count ? rows + t * o.C_in + c : x, t < count);
       }
-    } else {  // rows of channels, 16-byte pieces of 8 tokens (N % 8 == 0)
-      const int t = threadIdx.x % 8 * 8;
-      const T* row = x + (int64_t{loading.b} * o.C_in + threadIdx.x / 8) * o.tokens + t0 + t;
-      for (int c = threadIdx.x / 8; c < o.C_in; c += kThreads / 8, row += int64_t{kThreads / 8} * o.tokens) {
-        cp_async<16>(dst + (c * kRowPitch + t) * 2, t < count ? row : x, t < count);
+    } else {  // rows of channels, pieces of kPiece tokens (count is a multiple of kPiece)
+      constexpr int kPieces = kSlice / kPiece;  // per row of the slice
+      const int t = threadIdx.x % kPieces * kPiece;
+      const T* row = x + (int64_t{loading.b} * o.C_in + threadIdx.x / kPieces) * o.tokens + t0 + t;
+      for (int c = threadIdx.x / kPieces; c < o.C_in;
+           c += kThreads / kPieces, row += int64_t{kThreads / kPieces} * o.tokens) {
+        cp_async<kPiece * 2>(dst + (c * kRowPitch + t) * 2, t < count ? row : x, t < count);
       }
     }
     loading.next();
@@ -178,11 +183,11 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
-template <typename T, bool kTokensX>
+template <typename T, bool kTokensX, int kPiece>
 void launch(int tiles_n, const Output& o, const Layout& s, int slices, const at::Tensor& x, const at::Tensor& w,
             const at::Tensor* bias, const at::Tensor& y, const PatchGeometry& g) {
   // (Two tile shapes: K <= 32 and K <= 64.)
-  auto kernel = tiles_n == 2 ? tiny_unembed_kernel<T, kTokensX, 2> : tiny_unembed_kernel<T, kTokensX, 4>;
+  auto kernel = tiles_n == 2 ? tiny_unembed_kernel<T, kTokensX, 2, kPiece> : tiny_unembed_kernel<T, kTokensX, 4, kPiece>;
   const int smem = s.w_bytes + kStages * s.slot_bytes;
   const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, static_cast<int>(smem));
   // Two blocks per SM (where they fit): U2 was 249 us with two, 254 with three (the most that fit).
@@ -205,10 +210,11 @@ bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const 
   if (dtype != at::kHalf && dtype != at::kBFloat16) return decline(why, "16-bit dtypes only");
   if (g.levels.size() != 1) return decline(why, "row-major token order only (no levels)");
   if (K == 0 || K > kMaxK) return decline(why, "patches of 1 to 64 elements only");
-  if (C_in == 0 || C_in > kMaxC) return decline(why, "1 to 256 input channels only");
+  if (C_in == 0 || C_in > kMaxC) return decline(why, "1 to 512 input channels only");
   if (g.kernel[2] % 2) return decline(why, "kw must be even");
-  if (tokens ? C_in % 8 : N % 8) return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 8");
-  if (at::cuda::getDeviceProperties(x.get_device())->major < 8) return decline(why, "needs sm_80 or newer");
+  if (tokens ? C_in % 8 : N % 4) return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 4");
+  const cudaDeviceProp* device = at::cuda::getDeviceProperties(x.get_device());
+  if (device->major < 8) return decline(why, "needs sm_80 or newer");
   const int64_t slices = g.batch * ((N + kSlice - 1) / kSlice);
   if (slices >= INT_MAX || N >= INT_MAX) return decline(why, "too many patches for 32-bit indices");
   const c10::cuda::CUDAGuard guard(y5.device());
@@ -229,13 +235,20 @@ bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const 
   o.volume = g.size[0] * o.plane;
   const int tiles_n = K <= 32 ? 2 : 4;
   const Layout s(o.C_in, tokens, tiles_n);
+  if (s.w_bytes + kStages * s.slot_bytes > static_cast<int>(device->sharedMemPerBlockOptin)) {
+    return decline(why, "W and two slices of x do not fit in shared memory (C_in too large for this GPU)");
+  }
   const at::Tensor* bp = bias ? &b : nullptr;
+  const int n = static_cast<int>(slices);
+  const bool whole = N % 8 == 0;  // 16-byte copies of channels-first rows
   if (dtype == at::kHalf) {
-    tokens ? launch<__half, true>(tiles_n, o, s, static_cast<int>(slices), xc, w, bp, y5, g)
-           : launch<__half, false>(tiles_n, o, s, static_cast<int>(slices), xc, w, bp, y5, g);
+    tokens  ? launch<__half, true, 8>(tiles_n, o, s, n, xc, w, bp, y5, g)
+    : whole ? launch<__half, false, 8>(tiles_n, o, s, n, xc, w, bp, y5, g)
+            : launch<__half, false, 4>(tiles_n, o, s, n, xc, w, bp, y5, g);
   } else {
-    tokens ? launch<__nv_bfloat16, true>(tiles_n, o, s, static_cast<int>(slices), xc, w, bp, y5, g)
-           : launch<__nv_bfloat16, false>(tiles_n, o, s, static_cast<int>(slices), xc, w, bp, y5, g);
+    tokens  ? launch<__nv_bfloat16, true, 8>(tiles_n, o, s, n, xc, w, bp, y5, g)
+    : whole ? launch<__nv_bfloat16, false, 8>(tiles_n, o, s, n, xc, w, bp, y5, g)
+            : launch<__nv_bfloat16, false, 4>(tiles_n, o, s, n, xc, w, bp, y5, g);
   }
   return true;
 }
