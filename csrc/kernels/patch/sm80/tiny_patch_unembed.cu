@@ -190,7 +190,7 @@ void launch(int tiles_n, const Output& o, const Layout& s, int slices, const at:
   auto kernel = tiles_n == 2 ? tiny_unembed_kernel<T, kTokensX, 2, kPiece> : tiny_unembed_kernel<T, kTokensX, 4, kPiece>;
   const int smem = s.w_bytes + kStages * s.slot_bytes;
   const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, static_cast<int>(smem));
-  // Two blocks per SM (where they fit): U2 was 249 us with two, 254 with three (the most that fit).
+  // Two blocks per SM where they fit: three ran slower on U2.
   const int64_t blocks = std::min<int64_t>(
       slices, int64_t{std::clamp(shape.blocks_per_sm, 1, 2)} * shape.sms);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
