@@ -31,7 +31,7 @@ def main():
     ops._set_blas_int_limit(old)
     # patch (un)embedding: every gather/scatter kernel, unit size and tiling edge
     shapes = [((2, 5, 4, 6, 14), (2, 3, 2)), ((2, 3, 9, 21), (3, 7)), ((2, 70, 2, 4, 10), (2, 2, 2)),
-              ((3, 2, 2, 14, 14), (2, 14, 14))]
+              ((3, 2, 2, 14, 14), (2, 14, 14)), ((2, 3, 28, 224), (14, 14)), ((1, 3, 7, 280), (7, 7))]
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
         for shape, kernel in shapes:
             for memory in ("contiguous", "channels_last"):

@@ -19,6 +19,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 
 #include "kernels/patch/patchify.h"
@@ -70,6 +71,8 @@ struct Tiling {
   int64_t ld = 0;              // patch-matrix row stride
   int64_t tokens = 0;          // N
   bool volume_vectors = false; // volume row starts are 16-byte aligned given an aligned origin
+  bool full_rows = false;      // gather tiles holding every channel: P's whole rows (padding
+                               // included, staged in shared memory) leave as 16-byte vectors
   TokenOrder order;
 };
 
@@ -287,13 +290,30 @@ __device__ __forceinline__ void matrix_side(Unit* matrix, Unit* tile, const Tabl
   } else {
     matrix_rows<Unit, kToMatrix, 1>(matrix, tile, tb, row_units, pitch, col0, t, tl);
   }
-  if (kToMatrix && tl.c0 + tl.cc == t.channels) {
+  if (kToMatrix && !t.full_rows && tl.c0 + tl.cc == t.channels) {
     const int pad = static_cast<int>(t.ld - pad_begin);
     for (int idx = threadIdx.x; idx < tl.tokens() * pad; idx += kThreads) {
       const int tok = idx / pad, u = idx - tok * pad;
       matrix[tb.token_row[tok] * t.ld + pad_begin + u] = u == 0 ? pad_first : Unit(0);
     }
   }
+}
+
+// Full-row tiles: each token's padding [values, ld) staged in shared memory, `pad_first` then zeros.
+template <typename Unit>
+__device__ __forceinline__ void stage_padding(Unit* tile, const Tiling& t, const Tile& tl, int values, int pitch,
+                                              Unit pad_first) {
+  if (!t.full_rows) return;
+  const int pad = static_cast<int>(t.ld) - values;
+  for (int idx = threadIdx.x; idx < tl.tokens() * pad; idx += kThreads) {
+    const int tok = idx / pad, u = idx - tok * pad;
+    tile[tok * pitch + values + u] = u == 0 ? pad_first : Unit(0);
+  }
+}
+
+// Units a token's row holds in the tile: its values, or P's whole row.
+__device__ __forceinline__ int tile_row_units(const Tiling& t, int values) {
+  return t.full_rows ? static_cast<int>(t.ld) : values;
 }
 
 template <typename Unit>
@@ -304,8 +324,9 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ Tables tb;
   Unit* tile = reinterpret_cast<Unit*>(smem);
   const Tile tl = decode_tile(t);
-  const int row_units = tl.cc * t.kd * t.kh * t.kw, pitch = row_units | 1;
+  const int values = tl.cc * t.kd * t.kh * t.kw, row_units = tile_row_units(t, values), pitch = row_units | 1;
   const int rows = fill_tables<false>(tb, t, tl, pitch);
+  stage_padding(tile, t, tl, values, pitch, pad_first);
   __syncthreads();
   volume_side_any<Unit, float, true>(const_cast<Unit*>(x) + tile_origin(t, tl, t.kw), tile, tb,
                                      rows, pitch, t, tl, nullptr);
@@ -325,8 +346,9 @@ __global__ void __launch_bounds__(kThreads)
   Unit* tile = reinterpret_cast<Unit*>(smem);
   const Tile tl = decode_tile(t);
   const int C = t.channels, per_channel = t.kd * t.kh * t.kw;
-  const int row_units = C * per_channel, pitch = row_units | 1;
+  const int values = C * per_channel, row_units = tile_row_units(t, values), pitch = row_units | 1;
   const int rows = fill_tables<true>(tb, t, tl, pitch);
+  stage_padding(tile, t, tl, values, pitch, pad_first);
   __syncthreads();
   const Unit* base = x + tile_origin(t, tl, int64_t{t.kw} * C);
   const int run = tl.count * t.kw * C;
@@ -442,10 +464,12 @@ int elements_per_unit(const at::Tensor& vol, const at::Tensor& matrix, const Pat
   return matrix.stride(1) % 2 == 0 ? 2 : 1;
 }
 
-// Tile sizes: enough tokens along w for long contiguous volume runs, then as many channels as fit
-// the shared-memory budget, then (when all channels fit) several patch rows, so that small patches
-// still give every block real work. False if one channel of one patch does not fit.
-bool plan_tiles(Tiling& t, const PatchGeometry& g, int64_t unit_bytes, bool all_channels) {
+// Tile sizes: enough tokens along w for long contiguous volume runs (a whole number of 16-byte
+// vectors where the row allows it), then as many channels as fit the shared-memory budget, then
+// (when all channels fit) several patch rows, so that small patches still give every block real
+// work. A gather (`gather`) whose tiles hold every channel writes P's whole rows, padding included.
+// False if one channel of one patch does not fit.
+bool plan_tiles(Tiling& t, const PatchGeometry& g, int64_t unit_bytes, bool all_channels, bool gather) {
   for (int d = 0; d < 3; ++d) {
     if (g.grid[d] > INT_MAX) return false;
   }
@@ -454,11 +478,20 @@ bool plan_tiles(Tiling& t, const PatchGeometry& g, int64_t unit_bytes, bool all_
   const int64_t budget = kTileBytes / unit_bytes;
   const int64_t run_tokens = (kMinRunBytes + t.kw * unit_bytes - 1) / (t.kw * unit_bytes);
   int64_t tokens = std::min<int64_t>({g.grid[2], kMaxTileTokens, std::max<int64_t>(1, run_tokens)});
+  // As many tiles along w, of equal tokens; where the volume's rows take 16-byte vectors, of
+  // whole groups of tokens that are 16-byte runs.
+  const int64_t group = t.volume_vectors ? 16 / std::gcd<int64_t>(t.kw * unit_bytes, 16) : 1;
+  if (tokens < g.grid[2] && tokens > group) {
+    const int64_t tiles = (g.grid[2] + tokens - 1) / tokens, even = (g.grid[2] + tiles - 1) / tiles;
+    tokens = std::min<int64_t>({g.grid[2], kMaxTileTokens, (even + group - 1) / group * group});
+  }
   int64_t channels = all_channels ? g.channels
                                   : std::min<int64_t>({g.channels, std::max<int64_t>(1, budget / (tokens * per_channel)),
                                                        std::max<int64_t>(1, kMaxTileRows / kdkh)});
-  while (tokens > 1 && tokens * (channels * per_channel + 1) > budget) tokens = (tokens + 1) / 2;
-  const int64_t tile_units = tokens * (channels * per_channel + 1);
+  t.full_rows = gather && channels == g.channels && (t.ld | 1) <= budget;
+  const auto token_units = [&] { return (t.full_rows ? t.ld : channels * per_channel) | 1; };
+  while (tokens > 1 && tokens * token_units() > budget) tokens = (tokens + 1) / 2;
+  const int64_t tile_units = tokens * token_units();
   const int64_t rows_per_patch_row = (all_channels ? 1 : channels) * kdkh;
   if (tile_units > budget || rows_per_patch_row > kMaxTileRows) return false;
   int64_t patch_rows = 1;
@@ -481,7 +514,7 @@ int64_t tile_blocks(const Tiling& t, const PatchGeometry& g) {
 }
 
 int64_t smem_bytes(const Tiling& t, int64_t unit_bytes) {
-  const int64_t row_units = int64_t{t.tile_channels} * t.kd * t.kh * t.kw;
+  const int64_t row_units = t.full_rows ? t.ld : int64_t{t.tile_channels} * t.kd * t.kh * t.kw;
   return int64_t{t.tile_rows} * t.tile_tokens * (row_units | 1) * unit_bytes;
 }
 
@@ -558,7 +591,7 @@ bool patchify(const at::Tensor& x5_in, const PatchGeometry& g, bool ones_column,
   const int per_unit = channels_last ? 1 : elements_per_unit(x5, p, g);
   const int64_t unit_bytes = x5.element_size() * per_unit;
   Tiling t = base_tiling(x5, p, g, per_unit);
-  if (!plan_tiles(t, g, unit_bytes, channels_last)) return false;
+  if (!plan_tiles(t, g, unit_bytes, channels_last, /*gather=*/true)) return false;
   const int64_t blocks = tile_blocks(t, g), smem = smem_bytes(t, unit_bytes);
   // The padding's first element: 1 for a ones column, else 0 (in the low bits of its unit).
   const uint64_t one_bits = ones_column ? one_as_bits(x5.scalar_type()) : 0;
@@ -590,7 +623,7 @@ bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional
   const int per_unit = elements_per_unit(y5, q, g);
   const int64_t unit_bytes = y5.element_size() * per_unit;
   Tiling t = base_tiling(y5, q, g, per_unit);
-  if (!plan_tiles(t, g, unit_bytes, false)) return false;
+  if (!plan_tiles(t, g, unit_bytes, false, /*gather=*/false)) return false;
   const int64_t blocks = tile_blocks(t, g), smem = smem_bytes(t, unit_bytes);
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y5.scalar_type(), "patchgemm_unpatchify", [&] {
