@@ -181,21 +181,24 @@ def test_flattened_grouped_linear_with_zero_groups():
         patchgemm.grouped_linear(randn(2, 4), w)
 
 
-@pytest.mark.parametrize("batch", [2, 16])
-def test_bf16_weight_gradients_with_channels_first_output_round_once(batch):
-    """Channels-first grad_y with a small batch runs one GEMM per sample; their 16-bit sums stay fp32
-    between samples, so the error is the conv's, not one rounding per sample."""
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch, size", [(2, 16), (16, 16), (2, 64)])
+def test_bf16_weight_gradients_with_channels_first_output_round_once(device, batch, size):
+    """Channels-first grad_y with a small batch sums per sample (one GEMM batched over the samples,
+    or on a GPU one GEMM per sample for long reductions, size 64); the 16-bit sums stay fp32 until
+    the end, so the error is the conv's, not one rounding per sample."""
     torch.manual_seed(batch)
-    x = randn(batch, 4, 16, 16, 16, dtype=torch.bfloat16)
-    w = randn(8, 4, 2, 2, 2, dtype=torch.bfloat16, requires_grad=True)
-    b = randn(8, dtype=torch.bfloat16, requires_grad=True)
-    dy = randn(batch, 8, 8, 8, 8, dtype=torch.bfloat16)
+    x = randn(batch, 4, size, size, size, dtype=torch.bfloat16, device=device)
+    w = randn(8, 4, 2, 2, 2, dtype=torch.bfloat16, device=device, requires_grad=True)
+    b = randn(8, dtype=torch.bfloat16, device=device, requires_grad=True)
+    dy = randn(batch, 8, size // 2, size // 2, size // 2, dtype=torch.bfloat16, device=device)
     w64, b64 = w.detach().double().requires_grad_(), b.detach().double().requires_grad_()
     F.conv3d(x.double(), w64, b64, stride=2).backward(dy.double())
     errors = {}
     for name, fn in (("ours", patchgemm.patch_embed), ("torch", lambda x, w, b: F.conv3d(x, w, b, stride=2))):
         w.grad = b.grad = None
-        fn(x, w, b).backward(dy)
+        with patchgemm.force(patch_weight_grad="gather_gemm"):
+            fn(x, w, b).backward(dy)
         errors[name] = [((g.double() - r.grad).norm() / r.grad.norm()).item() for g, r in ((w.grad, w64), (b.grad, b64))]
     for ours, theirs in zip(errors["ours"], errors["torch"]):
         assert ours <= 1.25 * theirs + 1e-4, errors

@@ -42,6 +42,19 @@ at::Tensor padded_weight(const at::Tensor& w2, const std::optional<at::Tensor>& 
   return w;
 }
 
+// Whether a weight gradient summed per sample runs as one GEMM per sample (a few samples, each a
+// long reduction into an output of few tiles, which cuBLAS splits over the GPU) rather than one
+// GEMM batched over them (whose few tiles, unsplit, would each run the whole reduction).
+bool per_sample_gemms(const at::Tensor& on, int64_t batch, int64_t rows, int64_t cols, int64_t reduction) {
+#ifdef PATCHGEMM_WITH_CUDA
+  if (on.is_cuda() && batch <= 16 && reduction >= 4096) {
+    const int64_t tiles = batch * ((rows + 127) / 128) * ((cols + 127) / 128);
+    return 4 * tiles < cuda::split_k_guard(on).max_tiles;  // under half as many tiles as SMs
+  }
+#endif
+  return false;
+}
+
 }  // namespace
 
 at::Tensor weight_rows(const at::Tensor& weight, bool channels_last) {
@@ -170,20 +183,29 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
   const at::Tensor pm = view ? *view : patchify(p.x5, g, ones_column);
   at::Tensor dw = at::empty({1, embed, pm.size(2)}, p.x.options());  // [dW | dbias | (padding)]
   const at::Tensor& dy = p.dy;
+  const at::ScalarType sums_type = at::toOpMathType(dw.scalar_type());
   if (g.batch == 1 || dy.stride(0) == N * dy.stride(1)) {
     // One GEMM, reducing over all B*N tokens.
     run_gemm(merge_batch(dy).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);
-  } else if (g.batch <= 16 && (g.batch - 1) * pm.size(2) < g.batch * N) {
-    // Channels-first grad_y cannot merge B and N: one accumulating GEMM per sample. Each after
-    // the first re-reads and re-writes dW [E, ld], so this wins only while that traffic is below
-    // the copy of grad_y [B, E, N] the other branch makes. 16-bit sums stay fp32 between the
-    // GEMMs and are rounded once, as one GEMM's are.
-    const bool wide_sums = dw.element_size() == 2;
-    const at::Tensor sums = wide_sums ? at::empty(dw.sizes(), dw.options().dtype(at::kFloat)) : dw;
-    for (int64_t b = 0; b < g.batch; ++b) {
-      run_gemm(dy.narrow(0, b, 1).transpose(1, 2), pm.narrow(0, b, 1), sums, std::nullopt, /*accumulate=*/b > 0, kConv);
+  } else if (pm.size(2) * int64_t(c10::elementSize(sums_type)) < N * dy.element_size()) {
+    // Channels-first grad_y cannot merge B and N; each sample's sums [E, ld] (fp32 for 16-bit
+    // data, rounded once at the end, as one GEMM's are) are smaller than its grad_y, so summing
+    // per sample moves less than copying grad_y [B, E, N] into tokens order.
+    const int64_t ld = pm.size(2);
+    if (per_sample_gemms(p.x, g.batch, embed, ld, N)) {
+      // One GEMM per sample, accumulating: cuBLAS splits each long reduction over the GPU, which
+      // a batched call of few tiles would leave mostly idle.
+      const at::Tensor sums = at::empty({1, embed, ld}, dw.options().dtype(sums_type));
+      for (int64_t b = 0; b < g.batch; ++b) {
+        run_gemm(dy.narrow(0, b, 1).transpose(1, 2), pm.narrow(0, b, 1), sums, std::nullopt, /*accumulate=*/b > 0, kConv);
+      }
+      dw = sums.to(dw.scalar_type());
+    } else {
+      // One GEMM batched over the samples, then one reduction over B.
+      const at::Tensor sums = at::empty({g.batch, embed, ld}, dw.options().dtype(sums_type));
+      run_gemm(dy.transpose(1, 2), pm, sums, std::nullopt, false, kConv);
+      dw = sums.sum(0, true).to(dw.scalar_type());
     }
-    if (wide_sums) dw.copy_(sums);
   } else {
     // One copy of grad_y into tokens order, then one GEMM over all B * N tokens.
     run_gemm(merge_batch(dy.contiguous()).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);
