@@ -85,7 +85,8 @@ def _software_key() -> str:
             f"patchgemm {__version__}")
 
 
-_selection = {"mode": "heuristic", "pins": {}}  # pins: op -> the name forced before set_selection pinned it
+# pins: op -> the name forced before set_selection pinned it; cache_dir and model: as last passed.
+_selection = {"mode": "heuristic", "pins": {}, "cache_dir": None, "model": None}
 
 
 def get_selection() -> str:
@@ -125,8 +126,18 @@ def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional
     _selection["pins"] = {}
     if mode not in MODES:
         _selection["pins"] = {op: ops._force(op, mode) for op in ops_with_it}
-    _selection["mode"] = mode
+    _selection.update(mode=mode, cache_dir=cache_dir, model=model)
     return previous
+
+
+@contextlib.contextmanager
+def _restored_selection():
+    """Gives back the selection in force on entry (mode, autotune directory, model) on exit."""
+    saved = dict(_selection)
+    try:
+        yield
+    finally:
+        set_selection(saved["mode"], cache_dir=saved["cache_dir"], model=saved["model"])
 
 
 def autotune_records() -> List[str]:

@@ -36,9 +36,8 @@ def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, lo
     that produced them, the heuristic's choice, the shape and the device."""
     tags: Dict[str, Dict[str, str]] = {}  # (op, signature) -> tags
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    previous = selection.get_selection()
     failures: List[str] = []
-    try:
+    with selection._restored_selection():
         for set_name, shapes in sets.items():
             for i, s in enumerate(shapes):
                 try:
@@ -51,12 +50,11 @@ def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, lo
                     failures.append(s.id)
                 if (i + 1) % 25 == 0 or i + 1 == len(shapes):
                     log(f"  {set_name}: {i + 1}/{len(shapes)} shapes")
-    finally:
-        selection.set_selection(previous, cache_dir=cache_dir)
+        timed = selection.autotune_records()  # (another selection's cache directory replaces them)
     if failures:
         log(f"  {len(failures)} shape(s) failed: {', '.join(failures)}")
     records = []
-    for r in learned.parse_records(selection.autotune_records()):
+    for r in learned.parse_records(timed):
         t = tags.get(f"{r.op}\t{r.signature}")
         if t is not None:
             r.tags = dict(t)
@@ -114,8 +112,8 @@ def relabel(records: List[Record], device: torch.device, seed: int = 0, shapes: 
     by_shape: Dict[str, List[Record]] = {}
     for r in records:
         by_shape.setdefault(r.tags.get("shape"), []).append(r)
-    previous, relabeled = selection.get_selection(), 0
-    try:
+    relabeled = 0
+    with selection._restored_selection():
         for shape_id, rs in by_shape.items():
             if shape_id not in known:
                 log(f"  {shape_id}: not a known shape, left as it was")
@@ -127,8 +125,6 @@ def relabel(records: List[Record], device: torch.device, seed: int = 0, shapes: 
                 if (r.op, r.signature) in choices:
                     _relabel_record(r, choices[(r.op, r.signature)])
                     relabeled += 1
-    finally:
-        selection.set_selection(previous)
     return relabeled
 
 

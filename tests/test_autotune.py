@@ -318,6 +318,22 @@ def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
         ops._forget_selections()
 
 
+def test_tune_sweep_gives_back_the_selection_in_force(tmp_path):
+    mine, sweeps = tmp_path / "mine", tmp_path / "sweep"
+    patchgemm.set_selection("autotune", cache_dir=str(mine))
+    try:
+        tune.sweep({"test": SHAPES["test"][:1]}, torch.device("cpu"), str(sweeps), log=lambda *a: None)
+        assert patchgemm.get_selection() == "autotune"
+        ops._forget_selections()
+        x, w, b, ref = grouped_case("cpu", batch=5)  # a signature the sweep did not time
+        _, chosen = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert [c.how for c in chosen] == ["autotune: timed now"]
+        assert "grouped_linear\t" in pathlib.Path(cache_file(str(mine))).read_text()  # not the sweep's
+    finally:
+        patchgemm.set_selection("heuristic")
+        ops._forget_selections()
+
+
 def test_the_shipped_model_loads_and_predicts_on_the_cpu():
     model = learned.load()
     assert model["ops"] and model["description"]
