@@ -36,6 +36,12 @@ at::Tensor merge_batch(const at::Tensor& t) {
 at::Tensor padded_weight(const at::Tensor& w2, const std::optional<at::Tensor>& bias, int64_t width) {
   const int64_t K = w2.size(1);
   if (width == K && !bias) return w2;
+#ifdef PATCHGEMM_WITH_CUDA
+  if (w2.is_cuda()) {
+    at::Tensor w = at::empty({w2.size(0), width}, w2.options());
+    if (cuda::pad_weight(w2, bias, w)) return w;
+  }
+#endif
   at::Tensor w = at::zeros({w2.size(0), width}, w2.options());
   w.narrow(1, 0, K).copy_(w2);
   if (bias) w.select(1, K).copy_(*bias);

@@ -106,6 +106,10 @@ inline std::nullopt_t decline_grads(std::string& why, std::string reason) {
 bool patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column, const at::Tensor& p);
 bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
                 const at::Tensor& y5);
+// w [rows, width] (contiguous) = [w2 | bias | 0] in one kernel: the GEMM paths' weight padded to an
+// aligned row, w2 [rows, K] of any strides, the bias (of w2's dtype) as column K. False where it
+// does not apply (the caller then runs the ATen version).
+bool pad_weight(const at::Tensor& w2, const std::optional<at::Tensor>& bias, const at::Tensor& w);
 
 // Whether the wgmma kernels (*_sm90.cu) run on the current device: built for sm_90a, on a 9.0 GPU.
 bool wgmma_kernels_run_here(const at::Tensor& on);

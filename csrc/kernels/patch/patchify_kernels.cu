@@ -435,6 +435,18 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// w = [w2 | bias | 0], one element per thread. Units are raw bits (a copy needs no arithmetic, and
+// zero bits are 0 in every float type).
+template <typename Unit>
+__global__ void __launch_bounds__(kThreads)
+    pad_weight_kernel(const Unit* __restrict__ w2, int64_t row_stride, int64_t col_stride,
+                      const Unit* __restrict__ bias, int64_t K, int64_t width, int64_t total, Unit* __restrict__ w) {
+  for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < total; i += int64_t{gridDim.x} * kThreads) {
+    const int64_t r = i / width, c = i - r * width;
+    w[i] = c < K ? w2[r * row_stride + c * col_stride] : c == K && bias ? bias[r] : Unit(0);
+  }
+}
+
 // ---- host side ----------------------------------------------------------------------------------
 
 int64_t stride_or_zero(const at::Tensor& t, int d) { return t.size(d) == 1 ? 0 : t.stride(d); }
@@ -578,6 +590,31 @@ bool gather_wide(const at::Tensor& x5, const PatchGeometry& g, bool ones_column,
 }
 
 }  // namespace
+
+bool pad_weight(const at::Tensor& w2, const std::optional<at::Tensor>& bias, const at::Tensor& w) {
+  if (bias && bias->scalar_type() != w2.scalar_type()) return false;
+  const int64_t total = w.numel();
+  if (total == 0) return true;
+  const c10::cuda::CUDAGuard guard(w.device());
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  // One element per thread: every load in flight at once (a weight is at most a few MB).
+  const int blocks = static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, INT_MAX));
+  auto run = [&](auto unit_tag) {
+    using Unit = decltype(unit_tag);
+    pad_weight_kernel<Unit><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        static_cast<const Unit*>(w2.const_data_ptr()), w2.stride(0), w2.stride(1),
+        bias ? static_cast<const Unit*>(b.const_data_ptr()) : nullptr, w2.size(1), w.size(1), total,
+        static_cast<Unit*>(w.data_ptr()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  switch (w.element_size()) {
+    case 2: run(uint16_t{}); break;
+    case 4: run(uint32_t{}); break;
+    case 8: run(uint64_t{}); break;
+    default: return false;
+  }
+  return true;
+}
 
 bool patchify(const at::Tensor& x5_in, const PatchGeometry& g, bool ones_column,
               const at::Tensor& p) {

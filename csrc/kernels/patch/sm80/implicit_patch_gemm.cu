@@ -232,8 +232,11 @@ bool implicit_embed(Implicit kernel, const at::Tensor& x5, const at::Tensor& w2,
 
   const c10::cuda::CUDAGuard guard(y.device());
   // W [E, K] with rows padded to 16 bytes (zero columns meet zero-filled patch columns).
-  at::Tensor w = w2.contiguous();
-  if (K % 8) w = at::constant_pad_nd(w, {0, 8 - K % 8});
+  at::Tensor w = w2;
+  if (K % 8 || !w2.is_contiguous()) {
+    w = at::empty({E, (K + 7) / 8 * 8}, w2.options());
+    TORCH_INTERNAL_ASSERT(pad_weight(w2, std::nullopt, w));
+  }
   p.ldw = static_cast<int>(w.size(1));
   const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   switch (kernel) {

@@ -228,8 +228,8 @@ bool implicit_unembed(Implicit kernel, const at::Tensor& x, bool tokens, const a
   const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   if (wgmma) return implicit_unembed_sm90(p, tokens, xc, w2.contiguous(), b, y5, why);
   // W^T [K, C_in] with rows padded to 16 bytes (zero columns).
-  at::Tensor wt = w2.t().contiguous();
-  if (C_in % 8) wt = at::constant_pad_nd(wt, {0, 8 - C_in % 8});
+  const at::Tensor wt = at::empty({K, (C_in + 7) / 8 * 8}, w2.options());
+  TORCH_INTERNAL_ASSERT(pad_weight(w2.t(), std::nullopt, wt));
   p.ldw = static_cast<int>(wt.size(1));
   if (dtype == at::kHalf) {
     launch_for_layout<__half>(tokens, p, xc, wt, b, y5);
