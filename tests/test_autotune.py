@@ -325,7 +325,7 @@ def test_tune_sweep_gives_back_the_selection_in_force(tmp_path):
         tune.sweep({"test": SHAPES["test"][:1]}, torch.device("cpu"), str(sweeps), log=lambda *a: None)
         assert patchgemm.get_selection() == "autotune"
         ops._forget_selections()
-        x, w, b, ref = grouped_case("cpu", batch=5)  # a signature the sweep did not time
+        x, w, b, _ = grouped_case("cpu", batch=5)  # a signature the sweep did not time
         _, chosen = run_explained(patchgemm.grouped_linear, x, w, b)
         assert [c.how for c in chosen] == ["autotune: timed now"]
         assert "grouped_linear\t" in pathlib.Path(cache_file(str(mine))).read_text()  # not the sweep's
