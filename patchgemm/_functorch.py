@@ -191,9 +191,15 @@ _FUNCTIONS = {
 }
 
 
+# Each op's one overload: calling it directly skips the packet's overload resolution by argument
+# matching (torch.ops.patchgemm.<name>(...)), which costs more host time than the rest of a call's
+# Python.
+_OVERLOADS = {name: getattr(ops, name).default for name in _FUNCTIONS}
+
+
 def call(name: str, *args):
     """``torch.ops.patchgemm.<name>(*args)``: through its C++ autograd normally, through the Python
     Function above inside a torch.func transform."""
     if active():
         return _FUNCTIONS[name].apply(*args)
-    return getattr(ops, name)(*args)
+    return _OVERLOADS[name](*args)

@@ -16,6 +16,8 @@ LAYOUTS = ("bgd", "gbd")
 def _autocast(*tensors):
     """Cast floating tensors to the autocast dtype, as torch.autocast does for nn.Linear and the
     convs: float64 stays float64, and devices without autocast (meta) are left alone."""
+    if not torch._C._is_any_autocast_enabled():  # the usual case, in one call (torch.compile folds it)
+        return tensors
     device_type = "cuda" if tensors[0].is_cuda else tensors[0].device.type  # (is_cuda: no device object)
     if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return tensors
