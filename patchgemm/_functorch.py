@@ -191,10 +191,12 @@ _FUNCTIONS = {
 }
 
 
-# Each op's one overload: calling it directly skips the packet's overload resolution by argument
-# matching (torch.ops.patchgemm.<name>(...)), which costs more host time than the rest of a call's
-# Python.
+# Each op's one overload, called directly: that skips the packet's overload resolution by argument
+# matching (torch.ops.patchgemm.<name>(...)). Outside torch.compile, its C++ callable is called
+# without OpOverload.__call__'s Python frame (the same call, which dynamo traces only through the
+# OpOverload itself).
 _OVERLOADS = {name: getattr(ops, name).default for name in _FUNCTIONS}
+_CALLABLES = {name: overload._op for name, overload in _OVERLOADS.items()}
 
 
 def call(name: str, *args):
@@ -202,4 +204,6 @@ def call(name: str, *args):
     Function above inside a torch.func transform."""
     if active():
         return _FUNCTIONS[name].apply(*args)
-    return _OVERLOADS[name](*args)
+    if torch.compiler.is_compiling():
+        return _OVERLOADS[name](*args)
+    return _CALLABLES[name](*args)

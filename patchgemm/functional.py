@@ -99,6 +99,8 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
 
 
 def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):
+    if group_sizes is None and isinstance(offsets, Tensor):  # the op checks x and them
+        return _call("ragged_grouped_linear", x, weight, bias, offsets)
     if group_sizes is not None and offsets is not None:
         raise ValueError("grouped_linear: give group_sizes or offsets, not both")
     if x.dim() != 2:
@@ -205,6 +207,11 @@ def _check_format(name, value, allowed=FORMATS):
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
+def _check_pad(where, pad):
+    if pad not in (None, "dynamic"):
+        raise ValueError(f"{where}: pad must be None or 'dynamic', got {pad!r}")
+
+
 def _check_weight(op, weight, layout):
     if not isinstance(weight, Tensor):
         raise TypeError(f"{op}: weight must be a tensor")
@@ -236,26 +243,30 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     """
     _check_format("patch_embed: out_format", out_format, EMBED_FORMATS)
     _check_weight("patch_embed", weight, "[E, C, *kernel]")
-    if pad not in (None, "dynamic"):
-        raise ValueError(f"patch_embed: pad must be None or 'dynamic', got {pad!r}")
+    _check_pad("patch_embed", pad)
     if not isinstance(x, Tensor):
         raise TypeError("patch_embed: x must be a tensor")
-    unbatched = x.dim() == weight.dim() - 1
+    return _patch_embed(x, weight, bias, out_format, pad)
+
+
+def _patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: str, pad: Optional[str]) -> Tensor:
+    """patch_embed once its options are checked (PatchEmbed checks them when it is built)."""
+    rank = weight.dim()
+    unbatched = x.dim() == rank - 1
     if unbatched:
         x = x.unsqueeze(0)
-    kernel = weight.shape[2:]
-    if x.dim() != weight.dim():
+    if x.dim() != rank:
         raise RuntimeError(
-            f"patch_embed: x must be [B, C, *S] or [C, *S] with {len(kernel)} spatial dims to match "
+            f"patch_embed: x must be [B, C, *S] or [C, *S] with {rank - 2} spatial dims to match "
             f"weight {tuple(weight.shape)}, got shape {tuple(x.shape)}")
-    if pad == "dynamic":
-        extra = [(-s) % k for s, k in zip(x.shape[2:], kernel)]
+    if pad is not None:  # "dynamic"
+        extra = [(-s) % k for s, k in zip(x.shape[2:], weight.shape[2:])]
         if any(extra):
             x = torch.nn.functional.pad(x, [p for e in reversed(extra) for p in (0, e)])
     x, weight, bias = _autocast(x, weight, bias)
     y = _call("patch_embed", x, weight, bias, out_format != "channels_first", [])
     if out_format == "channels_last":
-        y = y.transpose(1, 2).unflatten(2, [s // k for s, k in zip(x.shape[2:], kernel)])
+        y = y.transpose(1, 2).unflatten(2, [s // k for s, k in zip(x.shape[2:], weight.shape[2:])])
     return y.squeeze(0) if unbatched else y
 
 

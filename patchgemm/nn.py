@@ -246,7 +246,6 @@ class PatchEmbed(_ConvAttributes, nn.Module):
                  dims: Optional[int] = None, out_format: str = "channels_first",
                  pad: Optional[str] = None, device=None, dtype=None):
         super().__init__()
-        F._check_format("PatchEmbed: out_format", out_format, F.EMBED_FORMATS)
         self.kernel_size = _patch_size(patch_size, dims, "PatchEmbed")
         self.in_channels, self.embed_dim = in_channels, embed_dim
         self.out_format, self.pad = out_format, pad
@@ -259,8 +258,27 @@ class PatchEmbed(_ConvAttributes, nn.Module):
     def out_channels(self) -> int:
         return self.embed_dim
 
+    # The options are checked when set, so forward calls the op without checking them again.
+    @property
+    def out_format(self) -> str:
+        return self._out_format
+
+    @out_format.setter
+    def out_format(self, value: str) -> None:
+        F._check_format("PatchEmbed: out_format", value, F.EMBED_FORMATS)
+        self._out_format = value
+
+    @property
+    def pad(self) -> Optional[str]:
+        return self._pad
+
+    @pad.setter
+    def pad(self, value: Optional[str]) -> None:
+        F._check_pad("PatchEmbed", value)
+        self._pad = value
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.patch_embed(x, self.weight, self.bias, out_format=self.out_format, pad=self.pad)
+        return F._patch_embed(x, self.weight, self.bias, self._out_format, self._pad)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.embed_dim}, patch_size={self.kernel_size}, "

@@ -150,7 +150,14 @@ WhyNot not_a_view(const at::Tensor& x5, const PatchGeometry& g) {
 Candidate<EmbedProblem, at::Tensor> implicit_embed(const char* name, cuda::Implicit kernel, const char* backends,
                                                   const char* conditions) {
   return {name, backends, conditions,
-          [](const EmbedProblem& p) { return fused_kernels_apply(p.x, p.g); },
+          [kernel](const EmbedProblem& p) -> WhyNot {  // (the output's layout here: before y is allocated)
+            const WhyNot why = fused_kernels_apply(p.x, p.g);
+            if (!why.empty()) return why;
+            if (kernel == cuda::Implicit::kRowsSm90 && !p.tokens_out) return "tokens output only";
+            if (kernel == cuda::Implicit::kPairsSm90 && p.tokens_out) return "channels-first output only";
+            if (kernel == cuda::Implicit::kPairsSm90 && p.g.kernel[2] != 2) return "kw = 2 only";
+            return {};
+          },
           [kernel](const EmbedProblem& p) {
             WhyNot why = not_a_view(p.x5, p.g);
             if (!why.empty()) return why;

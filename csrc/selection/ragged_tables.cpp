@@ -108,7 +108,8 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
                                             "of 16 bytes; offsets read on the device (no host sync)",
        grouped_mm_supports, nullptr,
        [](const RaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
-         const at::Tensor offsets = p.offsets.to(p.a.device(), at::kInt, /*non_blocking=*/true);
+         const bool ready = p.offsets.device() == p.a.device() && p.offsets.scalar_type() == at::kInt;
+         const at::Tensor offsets = ready ? p.offsets : p.offsets.to(p.a.device(), at::kInt, /*non_blocking=*/true);
          at::Tensor out = at::_grouped_mm(p.a, p.b, offsets);
          if (p.bias) out.add_(bias_rows(p));
          return out;

@@ -187,33 +187,35 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
   const auto view = patch_matrix_as_view(p.x5, g);
   const bool ones_column = p.with_bias && !p.transposed && !view;  // the bias gradient comes out of the GEMM
   const at::Tensor pm = view ? *view : patchify(p.x5, g, ones_column);
-  at::Tensor dw = at::empty({1, embed, pm.size(2)}, p.x.options());  // [dW | dbias | (padding)]
+  const int64_t ld = pm.size(2);
+  at::Tensor dw;  // [1, E, ld]: [dW | dbias | (padding)]
   const at::Tensor& dy = p.dy;
-  const at::ScalarType sums_type = at::toOpMathType(dw.scalar_type());
+  const at::ScalarType sums_type = at::toOpMathType(p.x.scalar_type());
   if (g.batch == 1 || dy.stride(0) == N * dy.stride(1)) {
     // One GEMM, reducing over all B*N tokens.
+    dw = at::empty({1, embed, ld}, p.x.options());
     run_gemm(merge_batch(dy).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);
-  } else if (pm.size(2) * int64_t(c10::elementSize(sums_type)) < N * dy.element_size()) {
+  } else if (ld * int64_t(c10::elementSize(sums_type)) < N * dy.element_size()) {
     // Channels-first grad_y cannot merge B and N; each sample's sums [E, ld] (fp32 for 16-bit
     // data, rounded once at the end, as one GEMM's are) are smaller than its grad_y, so summing
     // per sample moves less than copying grad_y [B, E, N] into tokens order.
-    const int64_t ld = pm.size(2);
     if (per_sample_gemms(p.x, g.batch, embed, ld, N)) {
       // One GEMM per sample, accumulating: cuBLAS splits each long reduction over the GPU, which
       // a batched call of few tiles would leave mostly idle.
-      const at::Tensor sums = at::empty({1, embed, ld}, dw.options().dtype(sums_type));
+      const at::Tensor sums = at::empty({1, embed, ld}, p.x.options().dtype(sums_type));
       for (int64_t b = 0; b < g.batch; ++b) {
         run_gemm(dy.narrow(0, b, 1).transpose(1, 2), pm.narrow(0, b, 1), sums, std::nullopt, /*accumulate=*/b > 0, kConv);
       }
-      dw = sums.to(dw.scalar_type());
+      dw = sums.to(p.x.scalar_type());
     } else {
       // One GEMM batched over the samples, then one reduction over B.
-      const at::Tensor sums = at::empty({g.batch, embed, ld}, dw.options().dtype(sums_type));
+      const at::Tensor sums = at::empty({g.batch, embed, ld}, p.x.options().dtype(sums_type));
       run_gemm(dy.transpose(1, 2), pm, sums, std::nullopt, false, kConv);
-      dw = sums.sum(0, true).to(dw.scalar_type());
+      dw = sums.sum(0, true).to(p.x.scalar_type());
     }
   } else {
     // One copy of grad_y into tokens order, then one GEMM over all B * N tokens.
+    dw = at::empty({1, embed, ld}, p.x.options());
     run_gemm(merge_batch(dy.contiguous()).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);
   }
   if (g.batch == 0) dw.zero_();

@@ -126,8 +126,9 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
 enum class Implicit { kMma, kSm90, kRowsSm90, kPairsSm90 };
 
 // y = patch_embed(x5, w2 [E, K], bias) as tokens [B, N, E] or channels-first [B, E, N] (contiguous),
-// 16-bit, kw even (implicit_patch_gemm.cu). With `ruled`, the kernel's own tiling rule also
-// declines (kRowsSm90: grid rows filling under 3/4 of a tile).
+// 16-bit, kw even (implicit_patch_gemm.cu). kRowsSm90 writes tokens only and kPairsSm90
+// channels-first only (kw = 2): the caller checks that. With `ruled`, the kernel's own tiling rule
+// also declines (kRowsSm90: grid rows filling under 3/4 of a tile).
 bool implicit_embed(Implicit kernel, const at::Tensor& x5, const at::Tensor& w2,
                     const std::optional<at::Tensor>& bias, const PatchGeometry& g, const at::Tensor& y,
                     bool tokens_out, bool ruled, std::string& why);

@@ -226,8 +226,6 @@ bool implicit_embed(Implicit kernel, const at::Tensor& x5, const at::Tensor& w2,
   if (!make_problem(x5, g, E, p)) return decline(why, "sizes past the kernels' 32-bit indices");
   // kw = 2: pair-major copies of 4 tokens where every group of 4 starts a 16-byte aligned run.
   const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
-  if (kernel == Implicit::kRowsSm90 && !tokens_out) return decline(why, "tokens output only");
-  if (kernel == Implicit::kPairsSm90 && tokens_out) return decline(why, "channels-first output only");
   if (p.rows == 0) return true;
 
   const c10::cuda::CUDAGuard guard(y.device());
