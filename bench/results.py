@@ -67,10 +67,11 @@ def models_section(saved: dict, name: str) -> str:
     return _table_section(
         saved, "Models, a training step", f"python -m patchgemm bench --models --json {name}",
         "forward + backward under bf16 autocast, random weights, models built from their libraries' configs. GPU "
-        "ms is the profiler's sum of kernel times per step; wall ms the wall time per step with steps back to "
-        "back; peak MB what a step allocates above the weights; `GPU x` / `wall x` = the first form's time / this "
-        "form's. Where the host is the limit (wall ms well above GPU ms) the wall times vary by up to a third from "
-        "run to run on the lent machines; the GPU times within a few per cent.",
+        "ms is the profiler's sum of kernel times per step; wall ms the wall time per step with 10 steps back to "
+        "back, median of 7 rounds in which a model's forms take turns; peak MB what a step allocates above the "
+        "weights; `GPU x` / `wall x` = the first form's time / this form's. Where the host is the limit (wall ms "
+        "well above GPU ms) the lent machines' host speed drifts by up to a third within minutes; taking turns "
+        "spreads that drift over the forms alike.",
         format_rows([ModelRow(**r) for r in saved["models"]]))
 
 

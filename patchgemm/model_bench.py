@@ -3,7 +3,8 @@
 A step is forward + backward under bf16 autocast (loss: the mean of the output; no optimizer). Per
 model and form it reports the GPU time per step (the profiler's sum of kernel, copy and memset
 times, so host gaps do not count), the wall time per step (steps issued back to back, the host
-included), the peak memory a step allocates (activations, gradients, workspace: above the weights
+included; the forms of a model take turns, round by round, so drift in the host's speed does not
+favour one), the peak memory a step allocates (activations, gradients, workspace: above the weights
 held before it), and the ratios original / converted. Models are built from
 their libraries' configs with random weights (nothing is downloaded); a model whose library is
 missing is skipped with a line saying so.
@@ -149,29 +150,14 @@ class ModelRow:
     model: str
     form: str
     gpu_ms: Optional[float]   # sum of the step's kernel times
-    wall_ms: Optional[float]  # wall time per step, steps back to back
+    wall_ms: Optional[float]  # wall time per step, steps back to back (the forms timed in turns)
     peak_mb: Optional[float]  # peak memory a step allocates above what the model held before it
     vs_original_gpu: Optional[float] = None   # the original form's gpu_ms / this form's
     vs_original_wall: Optional[float] = None
     note: str = ""
 
 
-def _wall_ms(step: Callable[[int], object], device: torch.device, steps: int = 10, rounds: int = 3) -> float:
-    """Median over ``rounds`` of the wall time of ``steps`` steps issued back to back, per step."""
-    times = []
-    for _ in range(rounds):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for i in range(steps):
-            step(i)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3 / steps)
-    return statistics.median(times)
-
-
-def measure(model: nn.Module, x: torch.Tensor, device: torch.device, steps: int = 10) -> ModelRow:
+def _training_step(model: nn.Module, x: torch.Tensor, device: torch.device) -> Callable[[int], object]:
     model.train()
     x = x.requires_grad_(False)
 
@@ -181,20 +167,56 @@ def measure(model: nn.Module, x: torch.Tensor, device: torch.device, steps: int 
             loss = _output(model(x)).float().mean()
         loss.backward()
 
+    return step
+
+
+def _wall_ms(steps: Sequence[Callable[[int], object]], device: torch.device, count: int = 10,
+             rounds: int = 7) -> List[float]:
+    """Per form, the median over ``rounds`` of the wall time per step of ``count`` steps issued back
+    to back. The forms take turns round by round (the first alternating too), so the drift of a lent
+    machine's host speed over a minute falls on all of them alike."""
+    times: List[List[float]] = [[] for _ in steps]
+    for r in range(rounds):
+        order = list(range(len(steps)))
+        if r % 2:
+            order.reverse()
+        for f in order:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for i in range(count):
+                steps[f](i)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[f].append((time.perf_counter() - t0) * 1e3 / count)
+    return [statistics.median(t) for t in times]
+
+
+def _peak_mb(model: nn.Module, step: Callable[[int], object], device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     step(0)
-    gpu = kernel_ms(step, device, warmup=2, reps=max(2, steps // 2))
-    wall = _wall_ms(step, device, steps)
-    peak = None
-    if device.type == "cuda":
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
+
+
+def measure(models: Sequence[nn.Module], x: torch.Tensor, device: torch.device, steps: int = 10) -> List[ModelRow]:
+    """One row per form of a model: GPU time, wall time (the forms timed in turns) and peak memory."""
+    train_steps = [_training_step(m, x, device) for m in models]
+    rows = []
+    for model, step in zip(models, train_steps):
         step(0)
-        torch.cuda.synchronize(device)
-        peak = (torch.cuda.max_memory_allocated(device) - before) / 2 ** 20
-    model.zero_grad(set_to_none=True)  # (a converted copy of the model must not copy its gradients)
-    return ModelRow("", "", gpu, wall, peak)
+        gpu = kernel_ms(step, device, warmup=2, reps=max(2, steps // 2))
+        rows.append(ModelRow("", "", gpu, None, _peak_mb(model, step, device)))
+    for row, wall in zip(rows, _wall_ms(train_steps, device, steps)):
+        row.wall_ms = wall
+    for model in models:
+        model.zero_grad(set_to_none=True)  # (a converted copy of the model must not copy its gradients)
+    return rows
 
 
 def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tiny: bool = False,
@@ -214,7 +236,7 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
         torch.manual_seed(0)
         original = spec.build().to(dev)
         x = torch.randn(*spec.input_shape, device=dev)
-        base = None
+        models, notes = [], []
         for form in spec.forms:
             note = ""
             if form == "converted":
@@ -227,17 +249,18 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
                 note = f"{len(report.swapped)} swapped; output rel. diff {diff:.1e}"
             else:
                 model = _make(form, original)
-            row = measure(model, x, dev)
+            models.append(model)
+            notes.append(note)
+        measured = measure(models, x, dev)
+        base = measured[0]
+        for form, note, row in zip(spec.forms, notes, measured):
             row.model, row.form, row.note = spec.name, form, note
-            if base is None:
-                base = row
-            else:
+            if row is not base:
                 row.vs_original_gpu = base.gpu_ms / row.gpu_ms
                 row.vs_original_wall = base.wall_ms / row.wall_ms
             progress(format_rows([row], header=False))
             rows.append(row)
-            del model
-        del original
+        del models, original
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
