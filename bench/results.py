@@ -35,8 +35,9 @@ defined in `docs/benchmarks.md`.
 
 
 def _where(env: dict) -> str:
+    commit = f", patchgemm {env['commit']}" if env.get("commit") else ""
     return f"{env.get('date', '?')}, {env.get('gpu') or env.get('device', '?')}, torch {env.get('torch', '?')}, " \
-           f"CUDA {env.get('cuda', '-')}"
+           f"CUDA {env.get('cuda', '-')}{commit}"
 
 
 def suite_section(saved: dict, name: str) -> str:

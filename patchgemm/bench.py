@@ -8,7 +8,9 @@ max(FLOPs / measured GEMM peak, bytes / measured copy bandwidth).
 
 import json
 import math
+import os
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
@@ -606,8 +608,24 @@ def format_table(rows: List[Row]) -> str:
     return "\n".join(lines)
 
 
+def _commit() -> Optional[str]:
+    """The patchgemm commit measured: $PATCHGEMM_COMMIT (set where the package is built from a copy of
+    the tree without git), else the git checkout the package is imported from, else None."""
+    if os.environ.get("PATCHGEMM_COMMIT"):
+        return os.environ["PATCHGEMM_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def environment(device: torch.device) -> dict:
-    env = {"torch": torch.__version__, "device": str(device), "date": time.strftime("%Y-%m-%d")}
+    from . import __version__
+
+    env = {"torch": torch.__version__, "device": str(device), "date": time.strftime("%Y-%m-%d"),
+           "patchgemm": __version__, "commit": _commit()}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda or torch.version.hip
