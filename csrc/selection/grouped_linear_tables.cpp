@@ -1,9 +1,11 @@
 // The grouped-linear ops' implementation table: our one strided-batched GEMM over the groups, which
 // writes the output in its final layout, else ATen's bmm / baddbmm over the same views (plus a copy
-// into the op's layout). Both follow torch.backends.cuda.matmul.allow_tf32, as nn.Linear does.
+// into the op's layout); on CUDA also cuBLASLt with each of the first algorithms its heuristic
+// proposes, for autotune to time. All follow torch.backends.cuda.matmul.allow_tf32, as nn.Linear does.
 #include <ATen/ATen.h>
 
 #include <sstream>
+#include <string>
 
 #include "kernels/gemm/gemm.h"
 #include "selection/grouped_problem.h"
@@ -31,6 +33,28 @@ selection::ProblemFeatures features(const GroupedProblem& p) {
                                       {"b_rows_contiguous", p.b.stride(2) == 1 ? 1.0 : 0.0}});
 }
 
+#ifdef PATCHGEMM_WITH_CUDA
+// The k-th (1-based) algorithm cuBLASLt's heuristic proposes for the problem's one strided-batched
+// call, bias in the epilogue. Never the heuristic's pick (strided_batched comes first and always
+// applies): autotune times them, so a problem whose heuristic algorithm is slow gets another.
+Candidate<GroupedProblem, at::Tensor> cublaslt_algorithm(int k) {
+  return {"cublaslt_algo" + std::to_string(k), "cuda",
+          "one cuBLASLt strided-batched matmul with the algorithm its heuristic ranks " + std::to_string(k) +
+              "; float32, float16, bfloat16; timed by autotune",
+          [](const GroupedProblem& p) -> WhyNot {
+            if (!p.a.is_cuda()) return "CUDA tensors only";
+            if (p.a.scalar_type() == at::kDouble) return "float64 (cuBLASLt's algorithms are not tuned for it)";
+            return {};
+          },
+          nullptr,
+          [k](const GroupedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
+            why = run_gemm_lt(p.a, p.b, p.c, p.bias, k - 1);
+            if (!why.empty()) return std::nullopt;
+            return p.out;
+          }};
+}
+#endif
+
 std::vector<Candidate<GroupedProblem, at::Tensor>> candidates() {
   return {
       {"strided_batched", "cpu cuda rocm", "any problem: one cuBLAS / hipBLAS strided-batched GEMM (guarded "
@@ -48,6 +72,9 @@ std::vector<Candidate<GroupedProblem, at::Tensor>> candidates() {
          p.c.copy_(p.bias ? at::baddbmm(p.bias->unsqueeze(1), p.a, p.b) : at::bmm(p.a, p.b));
          return p.out;
        }},
+#ifdef PATCHGEMM_WITH_CUDA
+      cublaslt_algorithm(1), cublaslt_algorithm(2), cublaslt_algorithm(3), cublaslt_algorithm(4),
+#endif
   };
 }
 

@@ -1,11 +1,16 @@
 // The one BLAS wrapper: cuBLAS (hipBLAS after hipify) strided-batched GEMMs on PyTorch's handle and
-// current stream, plus the cuBLASLt bias epilogue on CUDA. Every status is checked.
+// current stream, plus cuBLASLt on CUDA (the bias epilogue; the heuristic's algorithms, for
+// autotune to time). Every status is checked.
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <array>
+#include <map>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/gemm/gemm.h"
 
@@ -145,8 +150,8 @@ void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, con
 }
 
 #ifdef USE_ROCM
-bool lt_matmul_bias(const BlasCall&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&, bool) {
+bool lt_matmul(const BlasCall&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+               const std::optional<at::Tensor>&, bool, int) {
   return false;  // hipBLASLt not wired up: the bias is added through beta = 1
 }
 #else
@@ -187,7 +192,7 @@ uint32_t pointer_alignment(const void* ptr) {
   return alignment;
 }
 
-// PATCHGEMM_DISABLE_LT=1 turns the bias epilogue off (bias copied into C, then beta = 1), to compare.
+// PATCHGEMM_DISABLE_LT=1 turns cuBLASLt off (the bias copied into C, then beta = 1), to compare.
 bool lt_disabled() {
   static const bool disabled = [] {
     const char* v = std::getenv("PATCHGEMM_DISABLE_LT");
@@ -196,16 +201,63 @@ bool lt_disabled() {
   return disabled;
 }
 
-// One strided-batched cuBLASLt matmul with the bias added in the epilogue (CUBLASLT_EPILOGUE_BIAS:
-// one entry per row of the column-major output, i.e. per output feature). Returns false where it
-// does not apply (fp64, a disallowed reduced-precision reduction, misaligned bias, no algorithm),
-// so the caller falls back to the classic API.
-bool lt_matmul_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c, const at::Tensor& bias, bool tf32) {
+// Everything cuBLASLt's heuristic sees of a matmul: device, types, transposes, sizes, leading
+// dimensions, batch and strides, the epilogue, the operands' alignments and the workspace.
+using LtShape = std::array<int64_t, 20>;
+
+// The algorithms the heuristic proposes for a shape, best first (at most kLtAlgorithms): asked once
+// per shape, as the query costs the host tens of microseconds, and kept for the process.
+struct LtProposals {
+  int count = 0;
+  cublasLtMatmulAlgo_t algo[kLtAlgorithms];
+};
+
+struct LtAlgorithms {
+  std::mutex mutex;
+  std::map<LtShape, LtProposals> by_shape;  // (map nodes do not move)
+};
+
+LtAlgorithms& lt_algorithms() {
+  static LtAlgorithms* known = new LtAlgorithms;  // never destroyed: GEMMs may run during shutdown
+  return *known;
+}
+
+LtProposals ask_heuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                          cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, size_t workspace_size,
+                          const uint32_t (&alignments)[3]) {
+  Preference pref;
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.value));
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref.value, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_size, sizeof(workspace_size)));
+  const cublasLtMatmulPreferenceAttributes_t attributes[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t& alignment = alignments[i < 3 ? i : 2];  // D is C
+    PATCHGEMM_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref.value, attributes[i], &alignment, sizeof(alignment)));
+  }
+  cublasLtMatmulHeuristicResult_t results[kLtAlgorithms] = {};
+  int found = 0;
+  const cublasStatus_t status =
+      cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, c, c, pref.value, kLtAlgorithms, results, &found);
+  LtProposals proposals;
+  proposals.count = status == CUBLAS_STATUS_SUCCESS ? found : 0;  // none: the caller falls back
+  for (int i = 0; i < proposals.count; ++i) proposals.algo[i] = results[i].algo;
+  return proposals;
+}
+
+// One strided-batched cuBLASLt matmul with the `algorithm`-th algorithm its heuristic proposes, and
+// the bias, if any, added in the epilogue (CUBLASLT_EPILOGUE_BIAS: one entry per row of the
+// column-major output, i.e. per output feature). Returns false where it does not apply (fp64, an
+// fp32 c for 16-bit inputs, accumulate, a disallowed reduced-precision reduction, a misaligned
+// bias, fewer algorithms proposed), so the caller falls back to the classic API.
+bool lt_matmul(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+               const std::optional<at::Tensor>& bias, bool tf32, int algorithm) {
   const at::ScalarType dtype = c.scalar_type();
-  if (lt_disabled() || dtype == at::kDouble || call.accumulate) return false;
+  if (lt_disabled() || dtype == at::kDouble || call.accumulate || a.scalar_type() != dtype) return false;
   if (!reduced_precision_reduction_allowed(dtype)) return false;  // Lt has no such switch
-  if (bias.stride(1) != 1 || pointer_alignment(bias.const_data_ptr()) < 16) return false;
+  if (bias && (bias->stride(1) != 1 || pointer_alignment(bias->const_data_ptr()) < 16)) return false;
   const BlasTypes types = blas_types(dtype, tf32);
   const int64_t elem = c.element_size();
 
@@ -213,9 +265,11 @@ bool lt_matmul_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor&
   PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.value, types.compute, types.scale));
   set_desc(desc.value, CUBLASLT_MATMUL_DESC_TRANSA, op(call.trans_a));
   set_desc(desc.value, CUBLASLT_MATMUL_DESC_TRANSB, op(call.trans_b));
-  set_desc(desc.value, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-  set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias.const_data_ptr());
-  set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, static_cast<int64_t>(bias.stride(0)));
+  if (bias) {
+    set_desc(desc.value, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias->const_data_ptr());
+    set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, static_cast<int64_t>(bias->stride(0)));
+  }
 
   Layout layout_a, layout_b, layout_c;
   make_layout(layout_a, types.data, call.trans_a ? call.k : call.m, call.trans_a ? call.m : call.k,
@@ -227,39 +281,37 @@ bool lt_matmul_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor&
   // Workspace: PyTorch's per-handle/stream cuBLASLt workspace (caching allocator, graph-safe).
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
   void* workspace = at::cuda::getCUDABlasLtWorkspace();
-  Preference pref;
-  PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.value));
-  PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref.value, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_size,
-      sizeof(workspace_size)));
   // The heuristic assumes 16-byte aligned pointers unless told otherwise; views of a slice may not
   // be.
   const void* ptr_a = byte_ptr(b) + call.offset_a * elem;
   const void* ptr_b = byte_ptr(a) + call.offset_b * elem;
   void* ptr_c = static_cast<char*>(c.data_ptr()) + call.offset_c * elem;
-  const std::pair<cublasLtMatmulPreferenceAttributes_t, const void*> alignments[] = {
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, ptr_a},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ptr_b},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ptr_c},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ptr_c}};
-  for (const auto& [attr, ptr] : alignments) {
-    const uint32_t alignment = pointer_alignment(ptr);
-    PATCHGEMM_CUBLAS_CHECK(
-        cublasLtMatmulPreferenceSetAttribute(pref.value, attr, &alignment, sizeof(alignment)));
-  }
+  const uint32_t alignments[3] = {pointer_alignment(ptr_a), pointer_alignment(ptr_b), pointer_alignment(ptr_c)};
+  const LtShape shape{c.get_device(), types.data, types.compute, call.trans_a, call.trans_b, call.m, call.n, call.k,
+                      call.lda, call.ldb, call.ldc, call.batch, call.stride_a, call.stride_b, call.stride_c,
+                      bias ? bias->stride(0) : -1, alignments[0], alignments[1], alignments[2],
+                      static_cast<int64_t>(workspace_size)};
 
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  cublasLtMatmulHeuristicResult_t heuristic = {};
-  int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      handle, desc.value, layout_a.value, layout_b.value, layout_c.value, layout_c.value,
-      pref.value, 1, &heuristic, &found);
-  if (status != CUBLAS_STATUS_SUCCESS || found == 0) return false;
+  const cublasLtMatmulAlgo_t* chosen = nullptr;
+  {
+    LtAlgorithms& known = lt_algorithms();
+    const std::lock_guard<std::mutex> lock(known.mutex);
+    auto found = known.by_shape.find(shape);
+    if (found == known.by_shape.end()) {
+      found = known.by_shape
+                  .emplace(shape, ask_heuristic(handle, desc.value, layout_a.value, layout_b.value, layout_c.value,
+                                                workspace_size, alignments))
+                  .first;
+    }
+    if (algorithm >= found->second.count) return false;
+    chosen = &found->second.algo[algorithm];
+  }
 
   const Scalars s(dtype, false);
   PATCHGEMM_CUBLAS_CHECK(cublasLtMatmul(
       handle, desc.value, s.alpha(), ptr_a, layout_a.value, ptr_b, layout_b.value, s.beta(), ptr_c,
-      layout_c.value, ptr_c, layout_c.value, &heuristic.algo, workspace, workspace_size,
+      layout_c.value, ptr_c, layout_c.value, chosen, workspace, workspace_size,
       at::cuda::getCurrentCUDAStream()));
   return true;
 }
@@ -279,12 +331,11 @@ SplitKGuard split_k_guard(const at::Tensor& input) {
 #endif
 }
 
-// The Lt bias epilogue makes bias free, while for plain products the classic API picks the faster
-// kernels for our strided outputs.
-bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
-                             const at::Tensor& c, const at::Tensor& bias, bool tf32) {
+bool run_lt_call(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                 const std::optional<at::Tensor>& bias, bool tf32, int algorithm) {
+  TORCH_CHECK(algorithm >= 0 && algorithm < kLtAlgorithms, "patchgemm: no cuBLASLt algorithm ", algorithm);
   const c10::cuda::CUDAGuard guard(c.device());
-  return lt_matmul_bias(call, a, b, c, bias, tf32);
+  return lt_matmul(call, a, b, c, bias, tf32, algorithm);
 }
 
 #ifndef USE_ROCM

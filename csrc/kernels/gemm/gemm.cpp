@@ -13,12 +13,45 @@ bool tf32_allowed(Tf32Flag flag) {
   return flag == Tf32Flag::kCudnn ? ctx.allowTF32CuDNN(at::Float32Op::CONV) : ctx.allowTF32CuBLAS();
 }
 
+namespace {
+
+// a and b as BLAS can read them, and the calls that compute c.
+struct PlannedGemm {
+  at::Tensor a, b;
+  BlasPlan plan;
+};
+
+PlannedGemm plan_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& c) {
+  // NOTE: the only copies this library makes of a GEMM input: strides that no leading dimension
+  // can describe (e.g. both inner strides > 1, or overlapping rows).
+  const LayoutVerdict verdict = check_blas_layout({a_in.size(0), matrix_view(a_in),
+                                                   matrix_view(b_in), matrix_view(c)});
+  TORCH_INTERNAL_ASSERT(verdict.c_ok, "run_gemm: output must have unit column stride");
+  PlannedGemm planned{verdict.a_ok ? a_in : a_in.contiguous(), verdict.b_ok ? b_in : b_in.contiguous(), {}};
+  const at::Tensor &a = planned.a, &b = planned.b;
+  const GemmProblem problem{a.size(0), matrix_view(a), matrix_view(b), matrix_view(c)};
+  SplitKGuard guard;
+#ifdef PATCHGEMM_WITH_CUDA
+  if (c.is_cuda()) guard = cuda::split_k_guard(a);  // a's dtype: c may be the fp32 scratch below
+#endif
+  planned.plan = plan_blas_calls(problem, blas_int_limit(), guard);
+  TORCH_CHECK(planned.plan.error.empty(), "patchgemm: cannot run the GEMM ", a.sizes(), " x ", b.sizes(),
+              " -> ", c.sizes(), ": ", planned.plan.error);
+  return planned;
+}
+
+void check_gemm_arguments(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                          const std::optional<at::Tensor>& bias, bool accumulate) {
+  TORCH_INTERNAL_ASSERT(a.dim() == 3 && b.dim() == 3 && c.dim() == 3);
+  TORCH_INTERNAL_ASSERT(!(bias && accumulate));
+  TORCH_INTERNAL_ASSERT(a.size(1) == c.size(1) && b.size(2) == c.size(2) && a.size(2) == b.size(1));
+}
+
+}  // namespace
+
 void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& c,
               const std::optional<at::Tensor>& bias, bool accumulate, Tf32Flag tf32) {
-  TORCH_INTERNAL_ASSERT(a_in.dim() == 3 && b_in.dim() == 3 && c.dim() == 3);
-  TORCH_INTERNAL_ASSERT(!(bias && accumulate));
-  TORCH_INTERNAL_ASSERT(a_in.size(1) == c.size(1) && b_in.size(2) == c.size(2) &&
-                        a_in.size(2) == b_in.size(1));
+  check_gemm_arguments(a_in, b_in, c, bias, accumulate);
   if (c.numel() == 0) return;
   // Broadcast view of the bias over c's rows: [batch, 1 -> M, N].
   auto bias_rows = [&] { return bias->unsqueeze(1).expand_as(c); };
@@ -28,22 +61,9 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
     return;
   }
 
-  // NOTE: the only copies this library makes of a GEMM input: strides that no leading dimension
-  // can describe (e.g. both inner strides > 1, or overlapping rows).
-  const LayoutVerdict verdict = check_blas_layout({a_in.size(0), matrix_view(a_in),
-                                                   matrix_view(b_in), matrix_view(c)});
-  TORCH_INTERNAL_ASSERT(verdict.c_ok, "run_gemm: output must have unit column stride");
-  const at::Tensor a = verdict.a_ok ? a_in : a_in.contiguous();
-  const at::Tensor b = verdict.b_ok ? b_in : b_in.contiguous();
-
-  const GemmProblem problem{a.size(0), matrix_view(a), matrix_view(b), matrix_view(c)};
-  SplitKGuard guard;
-#ifdef PATCHGEMM_WITH_CUDA
-  if (c.is_cuda()) guard = cuda::split_k_guard(a);  // a's dtype: c may be the fp32 scratch below
-#endif
-  const BlasPlan plan = plan_blas_calls(problem, blas_int_limit(), guard);
-  TORCH_CHECK(plan.error.empty(), "patchgemm: cannot run the GEMM ", a.sizes(), " x ", b.sizes(),
-              " -> ", c.sizes(), ": ", plan.error);
+  const PlannedGemm planned = plan_gemm(a_in, b_in, c);
+  const at::Tensor &a = planned.a, &b = planned.b;
+  const BlasPlan& plan = planned.plan;
   // Calls that each add a piece of K (the split-K guard, or a K past the integer limit) would round
   // the running sum to a 16-bit c after every piece (a bias gradient whose pieces cancel loses
   // digits): they sum into an fp32 scratch instead, and c is rounded once.
@@ -60,8 +80,10 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
 #ifdef PATCHGEMM_WITH_CUDA
   const bool on_gpu = c.is_cuda();
   const bool allow_tf32 = on_gpu && tf32_allowed(tf32);
-  if (on_gpu && bias && plan.calls.size() == 1 && c.scalar_type() == a.scalar_type() &&
-      cuda::run_blas_call_with_bias(plan.calls[0], a, b, c, *bias, allow_tf32)) {
+  // The Lt bias epilogue makes the bias free, while for plain products the classic API picks the
+  // faster kernels for our strided outputs.
+  if (on_gpu && bias && plan.calls.size() == 1 &&
+      cuda::run_lt_call(plan.calls[0], a, b, c, bias, allow_tf32, /*algorithm=*/0)) {
     return;  // bias added in the GEMM's epilogue
   }
 #else
@@ -83,5 +105,23 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
 #endif
   cpu::run_blas_calls(calls, a, b, c);
 }
+
+#ifdef PATCHGEMM_WITH_CUDA
+std::string run_gemm_lt(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& c,
+                        const std::optional<at::Tensor>& bias, int algorithm, Tf32Flag tf32) {
+  check_gemm_arguments(a_in, b_in, c, bias, false);
+  if (!c.is_cuda()) return "CUDA tensors only";
+  if (c.numel() == 0 || a_in.size(2) == 0) return "an empty GEMM";
+  const PlannedGemm planned = plan_gemm(a_in, b_in, c);
+  if (planned.plan.calls.size() != 1 || planned.plan.calls[0].accumulate) {
+    return "the GEMM needs more than one BLAS call (split-K guard or sizes past 32 bits)";
+  }
+  if (!cuda::run_lt_call(planned.plan.calls[0], planned.a, planned.b, c, bias, tf32_allowed(tf32), algorithm)) {
+    return "cuBLASLt does not apply (fp64, a disallowed reduced-precision reduction, a misaligned bias, "
+           "or fewer algorithms proposed)";
+  }
+  return {};
+}
+#endif
 
 }  // namespace patchgemm

@@ -5,6 +5,7 @@
 #include <ATen/OpMathType.h>
 
 #include <optional>
+#include <string>
 
 #include "kernels/gemm/strided_gemm.h"
 
@@ -25,6 +26,14 @@ bool tf32_allowed(Tf32Flag flag);
 void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
               const std::optional<at::Tensor>& bias = std::nullopt, bool accumulate = false,
               Tf32Flag tf32 = Tf32Flag::kMatmul);
+
+#ifdef PATCHGEMM_WITH_CUDA
+// run_gemm (no accumulate) through cuBLASLt with the `algorithm`-th algorithm its heuristic
+// proposes (cuda::run_lt_call), where the GEMM is one BLAS call; else nothing runs and the reason
+// is returned (empty: done). Autotune's candidates among cuBLASLt's algorithms.
+std::string run_gemm_lt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                        const std::optional<at::Tensor>& bias, int algorithm, Tf32Flag tf32 = Tf32Flag::kMatmul);
+#endif
 
 // t summed over dims into t's dtype, accumulated in fp32 (fp64 for fp64): a bias gradient. CUDA's
 // reductions accumulate 16-bit sums in fp32 by themselves, in one kernel; CPU half sums do not
@@ -64,10 +73,14 @@ void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, con
 // The split-K guard (kernels/gemm/strided_gemm.h) for GEMMs on `input`'s GPU: cuBLAS's K tile of the
 // inputs' dtype, and twice the SM count in output tiles. No guard on ROCm.
 SplitKGuard split_k_guard(const at::Tensor& input);
-// One call with the bias fused into its epilogue; false where that does not apply (the caller
-// then adds the bias through beta = 1).
-bool run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
-                             const at::Tensor& c, const at::Tensor& bias, bool tf32);
+// One call through cuBLASLt, the bias (if any) fused into its epilogue, with the `algorithm`-th
+// (0 to kLtAlgorithms - 1) of the algorithms cuBLASLt's heuristic proposes for its shape (asked
+// once per shape); false where that does not apply: fp64, an fp32 c for 16-bit inputs, accumulate,
+// a disallowed reduced-precision reduction, a bias not 16-byte aligned, fewer algorithms proposed,
+// ROCm, or PATCHGEMM_DISABLE_LT=1 (the caller then runs the classic API, the bias through beta = 1).
+constexpr int kLtAlgorithms = 4;
+bool run_lt_call(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                 const std::optional<at::Tensor>& bias, bool tf32, int algorithm);
 // One GEMM of a grouped call: a planned single call (batch 1) and the base pointers of its
 // problem's a, b and c (the planner's offsets are from these).
 struct GroupedBlasCall {
