@@ -153,6 +153,7 @@ LT_ALGORITHMS = [f"cublaslt_algo{k}" for k in range(1, 5)]
 
 
 @needs_gpu
+@pytest.mark.skipif(torch.version.hip is not None, reason="the cuBLASLt candidates are CUDA only")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("has_bias", [True, False])
 def test_cublaslt_algorithms_match_the_linears(dtype, has_bias):

@@ -34,6 +34,8 @@ selection::ProblemFeatures features(const GroupedProblem& p) {
 }
 
 #ifdef PATCHGEMM_WITH_CUDA
+// (hipBLASLt is not wired up: CUDA only.)
+#ifndef USE_ROCM
 // The k-th (1-based) algorithm cuBLASLt's heuristic proposes for the problem's one strided-batched
 // call, bias in the epilogue. Never the heuristic's pick (strided_batched comes first and always
 // applies): autotune times them, so a problem whose heuristic algorithm is slow gets another.
@@ -53,6 +55,7 @@ Candidate<GroupedProblem, at::Tensor> cublaslt_algorithm(int k) {
             return p.out;
           }};
 }
+#endif  // USE_ROCM
 #endif
 
 std::vector<Candidate<GroupedProblem, at::Tensor>> candidates() {
@@ -73,7 +76,9 @@ std::vector<Candidate<GroupedProblem, at::Tensor>> candidates() {
          return p.out;
        }},
 #ifdef PATCHGEMM_WITH_CUDA
+#ifndef USE_ROCM
       cublaslt_algorithm(1), cublaslt_algorithm(2), cublaslt_algorithm(3), cublaslt_algorithm(4),
+#endif
 #endif
   };
 }
