@@ -610,12 +610,15 @@ def format_table(rows: List[Row]) -> str:
 
 def _commit() -> Optional[str]:
     """The patchgemm commit measured: $PATCHGEMM_COMMIT (set where the package is built from a copy of
-    the tree without git), else the git checkout the package is imported from, else None."""
+    the tree without git), else that of the checkout the package is imported from, else None."""
     if os.environ.get("PATCHGEMM_COMMIT"):
         return os.environ["PATCHGEMM_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(root, ".git")):  # installed, not run from the checkout itself
+        return None
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
