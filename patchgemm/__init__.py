@@ -1,6 +1,7 @@
 """patchgemm: layers that are really one GEMM over strided views."""
 
 import os as _os
+import sys as _sys
 
 from . import ops as _ops  # noqa: F401  (loads the compiled library, registers the fake kernels)
 from .functional import (grouped_linear, grouped_mlp, grouped_pointwise_conv, instance_norm_act, patch_embed,
@@ -16,6 +17,9 @@ __all__ = [
     "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "explain", "force", "kernels",
     "set_selection", "get_selection", "__version__",
 ]
+
+if "torch.distributed.tensor" in _sys.modules:  # DTensors may reach the ops: their sharding rules
+    from . import distributed  # noqa: F401
 
 if _os.environ.get("PATCHGEMM_SELECTION"):
     set_selection(_os.environ["PATCHGEMM_SELECTION"])

@@ -11,6 +11,7 @@ from torch import Tensor
 from ._functorch import call as _call
 
 LAYOUTS = ("bgd", "gbd")
+_unsafe_view = torch.ops.aten._unsafe_view.default  # a reshape whose result is not a view (as matmul's)
 
 
 def _autocast(*tensors):
@@ -95,7 +96,9 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         x3 = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
     y = _call("grouped_linear", x3, weight, bias, layout == "gbd")
-    return y.view(*x.shape[:-1], out_features)
+    # As nn.Linear on N-D x: the result is y's memory but not a view of it, so a module returning it
+    # returns no view (FSDP2 warns about those: an in-place op on one would skip its hooks).
+    return _unsafe_view(y, (*x.shape[:-1], out_features))
 
 
 def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):

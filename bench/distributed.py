@@ -1,0 +1,147 @@
+"""Grouped linear on several GPUs: group parallelism against data parallelism (DDP), step time and
+memory per GPU.
+
+    torchrun --nproc-per-node 2 bench/distributed.py [--layers G1,G64] [--json PATH] [--smoke]
+
+One training step of one GroupedLinear layer (forward + backward of mean(y^2), the global batch
+fixed), in these forms:
+
+- ``1 GPU``: the whole layer and batch on rank 0 alone (the other ranks wait);
+- ``DDP``: the layer replicated, each rank its share of the batch, gradients all-reduced;
+- ``groups, batch-sharded in``: ``patchgemm.distributed.shard_groups`` with each rank's share of the
+  batch coming in and going out (an all-to-all each way, forward and backward);
+- ``groups, replicated in``: every rank holds the whole batch (as after a replicated layer), computes
+  its groups and all-gathers the output;
+- ``groups, groups-sharded in``: the input already split by groups (a run of group-parallel layers):
+  no communication, the compute-only bound.
+
+Step time: CUDA events around back-to-back steps, the slowest rank's, median of rounds. ``speedup`` =
+the 1-GPU step time / the form's (throughput on the same global batch). Memory: the peak a step
+allocates on a GPU above what was allocated before it, the largest over the ranks. Without GPUs
+(``--smoke``: gloo, tiny shapes) it checks that every form runs.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard, init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import patchgemm
+from patchgemm.bench import environment
+from patchgemm.distributed import shard_groups
+
+LAYERS = {  # name: (global batch, groups, in, out)
+    "G1": (2560, 12, 1024, 3072),  # BENCHMARKS.md G1
+    "G64": (2048, 64, 1024, 1024),
+}
+SMOKE = {"G1": (8, 4, 16, 24), "G64": (8, 8, 16, 16)}
+ROUNDS, STEPS = 7, 10
+
+
+def _max_over_ranks(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _time_steps(step, device, active=True) -> tuple:
+    """(median ms per step over the rounds, peak MB above the start), the slowest rank's."""
+    cuda = device.type == "cuda"
+    if active:
+        step()
+        step()  # warm-up: cuBLAS handles, DTensor's plans
+    times = []
+    if cuda:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(ROUNDS):
+        dist.barrier()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            import time
+            t0 = time.perf_counter()
+        if active:
+            for _ in range(STEPS):
+                step()
+        if cuda:
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / STEPS
+        else:
+            ms = (time.perf_counter() - t0) * 1e3 / STEPS
+        times.append(_max_over_ranks(ms if active else 0.0, device))
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if cuda and active else 0.0
+    return statistics.median(times), _max_over_ranks(peak, device)
+
+
+def _forms(name, dims, device, dtype, mesh, rank, world):
+    batch, groups, din, dout = dims
+    torch.manual_seed(0)
+    layer = patchgemm.GroupedLinear(groups, din, dout, device=device, dtype=dtype)
+    x = torch.randn(batch, groups, din, device=device, dtype=dtype)
+    mine = x.chunk(world, 0)[rank].contiguous()
+
+    def step_of(module, inputs):
+        def step():
+            module(inputs).float().square().mean().backward()
+        return step
+
+    ddp = DDP(patchgemm.GroupedLinear(groups, din, dout, device=device, dtype=dtype),
+              device_ids=[device.index] if device.type == "cuda" else None)
+    yield "1 GPU", step_of(layer, x), rank == 0
+    yield "DDP", step_of(ddp, mine), True
+    for label, placement, inputs in (("groups, batch-sharded in", Shard(0), mine),
+                                     ("groups, replicated in", Replicate(), x),
+                                     ("groups, groups-sharded in", Shard(1), x.chunk(world, 1)[rank].contiguous())):
+        module = shard_groups(patchgemm.GroupedLinear(groups, din, dout, device=device, dtype=dtype), mesh,
+                              input_layout=placement)
+        yield label, step_of(module, inputs), True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default=",".join(LAYERS))
+    parser.add_argument("--json")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (a check that every form runs)")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    mesh = init_device_mesh(device.type, (world,))
+    rows = []
+    for name in args.layers.split(","):
+        dims = (SMOKE if args.smoke else LAYERS)[name]
+        single = None
+        for label, step, active in _forms(name, dims, device, dtype, mesh, rank, world):
+            ms, peak = _time_steps(step, device, active)
+            single = ms if label == "1 GPU" else single
+            rows.append({"layer": name, "dims": dims, "form": label, "gpus": 1 if label == "1 GPU" else world,
+                         "ms": ms, "peak_mb": peak, "speedup": single / ms})
+    if rank == 0:
+        print(f"{'layer':6} {'form':28} {'GPUs':>4} {'ms/step':>9} {'speedup':>8} {'peak MB/GPU':>12}")
+        for r in rows:
+            print(f"{r['layer']:6} {r['form']:28} {r['gpus']:>4} {r['ms']:9.3f} {r['speedup']:7.2f}x {r['peak_mb']:12.0f}")
+        if args.json:
+            env = environment(device)
+            env.update(world=world, backend=dist.get_backend(), dtype=str(dtype).replace("torch.", ""))
+            with open(args.json, "w") as f:
+                json.dump({"kind": "distributed", "environment": env, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""DDP, FSDP2 (eager and compiled) and group-parallel GroupedLinear in several processes: gloo on the
+CPU with 2 and 4 processes, and NCCL with 2 GPUs where the machine has them. Each world runs once
+(distributed_worker.py, in a subprocess) and every scenario is its own test here."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this PyTorch build has no torch.distributed")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from distributed_worker import SCENARIOS  # noqa: E402
+
+WORLDS = [("gloo", 2), ("gloo", 4)]
+if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+    WORLDS.append(("nccl", 2))
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"{w[0]}-{w[1]}")
+def world_results(request, tmp_path_factory):
+    backend, world = request.param
+    out = tmp_path_factory.mktemp(f"{backend}{world}")
+    run = subprocess.run([sys.executable, os.path.join(HERE, "distributed_worker.py"), str(world), backend, str(out)],
+                         capture_output=True, text=True, timeout=900)
+    results = []
+    for rank in range(world):
+        path = out / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no results (exit {run.returncode}):\n{run.stderr[-4000:]}"
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_distributed(world_results, scenario):
+    failures = [f"rank {rank}:\n{r[scenario]}" for rank, r in enumerate(world_results) if r[scenario] != "ok"]
+    assert not failures, "\n".join(failures)
