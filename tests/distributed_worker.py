@@ -139,13 +139,14 @@ def _data_parallel(ctx, wrap, compile_model):
                       want[pname.replace("_orig_mod.", "").replace("module.", "")])
 
 
-def _fsdp2(model):
+def _fsdp2(ctx, model):
     """Each child of the model its own FSDP2 unit, as one wraps blocks (a HierarchicalPatchEmbed
-    reads its stages' parameters itself: it is one unit, not one per stage), then the root."""
+    reads its stages' parameters itself: it is one unit, not one per stage), then the root. (The
+    mesh is explicit: FSDP2's default is on the GPU wherever there is one.)"""
     for m in model.children():
         if any(p.requires_grad for p in m.parameters()):
-            fully_shard(m)
-    fully_shard(model)
+            fully_shard(m, mesh=ctx.mesh)
+    fully_shard(model, mesh=ctx.mesh)
     return model
 
 
@@ -158,11 +159,11 @@ def ddp_compiled(ctx):
 
 
 def fsdp2(ctx):
-    _data_parallel(ctx, _fsdp2, False)
+    _data_parallel(ctx, lambda m: _fsdp2(ctx, m), False)
 
 
 def fsdp2_compiled(ctx):
-    _data_parallel(ctx, _fsdp2, True)
+    _data_parallel(ctx, lambda m: _fsdp2(ctx, m), True)
 
 
 # ---- group parallelism --------------------------------------------------------------------------
@@ -210,7 +211,7 @@ def group_parallel_groups_in(ctx):
 def group_parallel_replicated_in(ctx):
     for layout in ("bgd", "gbd"):
         forward, _ = _group_parallel(ctx, layout, Replicate())
-        assert forward and all("all_gather" in op for op in forward), f"{layout}: forward ran {forward}"
+        assert (len(forward) == 1 and "all_gather" in forward[0]) or ctx.world == 1, f"{layout}: forward ran {forward}"
 
 
 def group_parallel_batch_in(ctx):
@@ -220,7 +221,8 @@ def group_parallel_batch_in(ctx):
     for layout, dim in (("bgd", 0), ("gbd", 1)):
         for groups in (2 * ctx.world, 2 * ctx.world + 1):
             forward, _ = _group_parallel(ctx, layout, Shard(dim), groups=groups)
-            assert len(forward) == 2 and all(expected in op for op in forward), f"{layout}: forward ran {forward}"
+            assert (len(forward) == 2 and all(expected in op for op in forward)) or ctx.world == 1, \
+                f"{layout}: forward ran {forward}"
 
 
 def group_parallel_few_groups(ctx):
