@@ -13,9 +13,9 @@ and computes only those, with no communication while the input is sharded the sa
 - ``shard_groups(module, mesh)`` turns the ``GroupedLinear`` modules of a model into group-parallel
   ones: their parameters become DTensors sharded over the groups of a 1-D device mesh, and their
   forward takes the input as it arrives (replicated, or sharded over a batch dim: every rank its own
-  samples), moves it onto the group sharding (a local slice, or one all-to-all) and gives the output
-  back in the input's placement (an all-gather, or the inverse all-to-all). Backward runs the same
-  collectives in reverse through DTensor's autograd.
+  samples), moves it onto the group sharding (a local slice, or one all-to-all), runs the op on
+  this rank's groups and gives the output back in the input's placement (an all-gather, or the
+  inverse all-to-all). Backward runs the same collectives in reverse through DTensor's autograd.
 """
 
 from typing import List, Optional
@@ -23,9 +23,10 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import register_sharding
 
+from . import functional as _F
 from .ops import ops
 
 __all__ = ["shard_groups"]
@@ -84,15 +85,68 @@ def _check_placement(name: str, placement: Placement) -> None:
         raise ValueError(f"shard_groups: {name} must be Replicate() or Shard(dim), got {placement!r}")
 
 
-def _group_dim(module, x: Tensor) -> int:
-    """The group dim of the module's input x ([..., G, Din] or, group-major, [G, ..., Din])."""
-    return 0 if module.layout == "gbd" else x.dim() - 2
+def _check_shard_dim(name: str, placement: Placement, t: Tensor) -> None:
+    if isinstance(placement, Shard) and not -t.dim() <= placement.dim < t.dim():
+        raise ValueError(f"shard_groups: {name} {placement} names a dim of a {t.dim()}-D tensor of shape "
+                         f"{tuple(t.shape)}")
 
 
 def _grouped_linears(module: nn.Module) -> List[nn.Module]:
     from .nn import GroupedLinear
 
     return [m for m in module.modules() if isinstance(m, GroupedLinear)]
+
+
+class _GroupParallel:
+    """The forward of a group-parallel GroupedLinear (mixed into its class by shard_groups): the op
+    runs on this rank's groups as plain tensors (no DTensor dispatch per op, whose host time would
+    exceed a GPU's share of the work); DTensor moves the input onto the groups and the output back,
+    and its autograd runs the inverse collectives in backward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        mesh, input_layout, output_layout, use_local_output = self._group_parallel
+        g = 0 if self.layout == "gbd" else x.dim() - 2
+        on_groups = Shard(g)
+        if isinstance(x, DTensor):
+            x_mine = x.redistribute(mesh, [on_groups]).to_local()
+        else:
+            _check_shard_dim("input_layout", input_layout, x)
+            if _same(input_layout, on_groups, x.dim()):
+                x_mine = x
+            else:
+                x_mine = DTensor.from_local(x, mesh, [input_layout], run_check=False).redistribute(
+                    mesh, [on_groups]).to_local()
+        bias = None if self.bias is None else self.bias.to_local()
+        y_mine = _F.grouped_linear(x_mine, self.weight.to_local(), bias, self.layout)
+        _check_shard_dim("output_layout", output_layout, y_mine)
+        if use_local_output and _same(output_layout, on_groups, y_mine.dim()):
+            return y_mine
+        y = _on_groups(y_mine, mesh, g, self.num_groups).redistribute(mesh, [output_layout])
+        return y.to_local() if use_local_output else y
+
+
+def _same(placement: Placement, shard: Shard, ndim: int) -> bool:
+    return isinstance(placement, Shard) and placement.dim % ndim == shard.dim
+
+
+def _on_groups(t: Tensor, mesh: DeviceMesh, g: int, groups: int) -> DTensor:
+    """This rank's groups of t as a DTensor sharded on dim g (torch.chunk's split of the groups:
+    the global shape is passed, as the local shapes may differ)."""
+    shape = list(t.shape)
+    shape[g] = groups
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * shape[d + 1]
+    return DTensor.from_local(t, mesh, [Shard(g)], run_check=False, shape=torch.Size(shape), stride=tuple(stride))
+
+
+_CLASSES = {}
+
+
+def _group_parallel_class(cls):
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"GroupParallel{cls.__name__}", (_GroupParallel, cls), {})
+    return _CLASSES[cls]
 
 
 def shard_groups(module: nn.Module, mesh: DeviceMesh, *, input_layout: Placement = Replicate(),
@@ -104,15 +158,15 @@ def shard_groups(module: nn.Module, mesh: DeviceMesh, *, input_layout: Placement
         mesh: a 1-D ``DeviceMesh``; rank r of it keeps groups ``G * r / R .. G * (r + 1) / R``
             (``torch.chunk``'s split: G need not divide by R).
         input_layout: how a plain-tensor input is laid out over the ranks: ``Replicate()`` (every
-            rank holds all of x) or ``Shard(d)`` (rank r holds its part of dim d, e.g. the batch dim
-            0: each rank its own samples; or the group dim: each rank its own groups). A DTensor
-            input keeps its own placement.
+            rank holds all of x) or ``Shard(d)``: rank r holds its part of dim d, e.g. of the batch
+            dim 0 (each rank its own samples, the same number on every rank) or of the group dim
+            (each rank its own groups: no communication at all). A DTensor input keeps its own.
         output_layout: the output's placement (default: ``input_layout``).
-        use_local_output: return the local tensor rather than a DTensor.
+        use_local_output: return this rank's part as a plain tensor rather than a DTensor.
 
-    The parameters are DTensors ``Shard(0)`` over the groups; an optimizer over
-    ``module.parameters()`` updates each rank's groups. The module's result equals the single-GPU
-    module's (within the reduction order of the all-gathers, which are exact copies).
+    The parameters become DTensors ``Shard(0)`` over the groups; an optimizer over
+    ``module.parameters()`` updates each rank's groups. The results equal the single-GPU module's:
+    the collectives only move data.
     """
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError(f"shard_groups: mesh must be a 1-D DeviceMesh, got {mesh!r}")
@@ -122,46 +176,11 @@ def shard_groups(module: nn.Module, mesh: DeviceMesh, *, input_layout: Placement
     targets = _grouped_linears(module)
     if not targets:
         raise ValueError(f"shard_groups: {type(module).__name__} holds no GroupedLinear")
-
-    def partition(name, m, mesh):
-        if m in targets:
-            for pname, p in list(m.named_parameters(recurse=False)):
-                if not isinstance(p, DTensor):
-                    m.register_parameter(pname, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
-                                                             p.requires_grad))
-
-    def prepare_input(m, inputs, mesh):
-        x, *rest = inputs
-        if not isinstance(x, DTensor):
-            x = _from_local(m, x, mesh, input_layout)
-        return (x.redistribute(mesh, [Shard(_group_dim(m, x))]), *rest)
-
-    def prepare_output(m, y, mesh):
-        _check_shard_dim("output_layout", output_layout, y)
-        y = y.redistribute(mesh, [output_layout])
-        return y.to_local() if use_local_output else y
-
     for m in targets:
-        distribute_module(m, mesh, partition, prepare_input, prepare_output)
+        if isinstance(m, _GroupParallel):
+            raise ValueError(f"shard_groups: {type(m).__name__} is group-parallel already")
+        for name, p in list(m.named_parameters(recurse=False)):
+            m.register_parameter(name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]), p.requires_grad))
+        m.__class__ = _group_parallel_class(type(m))
+        m._group_parallel = (mesh, input_layout, output_layout, use_local_output)
     return module
-
-
-def _from_local(module, x: Tensor, mesh: DeviceMesh, placement: Placement) -> DTensor:
-    """x, this rank's part of the input, as a DTensor. Sharded on the group dim, the parts follow
-    torch.chunk's split of the module's G groups; sharded on another dim, they are equal."""
-    _check_shard_dim("input_layout", placement, x)
-    if not isinstance(placement, Shard) or placement.dim % x.dim() != _group_dim(module, x):
-        return DTensor.from_local(x, mesh, [placement], run_check=False)
-    shape = list(x.shape)
-    shape[_group_dim(module, x)] = module.num_groups
-    stride = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        stride[d] = stride[d + 1] * shape[d + 1]
-    return DTensor.from_local(x, mesh, [placement], run_check=False, shape=torch.Size(shape), stride=tuple(stride))
-
-
-def _check_shard_dim(name: str, placement: Placement, t: Tensor) -> None:
-    if isinstance(placement, Shard) and not -t.dim() <= placement.dim < t.dim():
-        raise ValueError(f"shard_groups: {name} {placement} names a dim of a {t.dim()}-D tensor of shape "
-                         f"{tuple(t.shape)}")
-

@@ -294,6 +294,12 @@ def bad_input(ctx):
     module = shard_groups(pg.GroupedLinear(2, 2, 2).to(ctx.device, ctx.dtype), ctx.mesh, input_layout=Shard(3))
     with pytest.raises(ValueError, match="names a dim of a 3-D tensor"):
         module(ctx.randn(2, 2, 2, seed=9))
+    with pytest.raises(ValueError, match="group-parallel already"):
+        shard_groups(module, ctx.mesh)
+    # A DTensor comes back where asked, in the asked placement.
+    module = shard_groups(pg.GroupedLinear(4, 2, 3).to(ctx.device, ctx.dtype), ctx.mesh, use_local_output=False)
+    y = module(ctx.randn(2, 4, 2, seed=10))
+    assert isinstance(y, DTensor) and y.placements == (Replicate(),) and y.shape == (2, 4, 3), y
 
 
 SCENARIOS = {f.__name__: f for f in (ddp, ddp_compiled, fsdp2, fsdp2_compiled, group_parallel_groups_in,
