@@ -10,8 +10,8 @@ and computes only those, with no communication while the input is sharded the sa
   activations on their group dim), on the batch (weight replicated; the weight gradient comes out
   ``Partial``), on the output features (weight ``Shard(1)``) or on the input features (no bias;
   the output ``Partial``), or replicated. The rules are those of each local op computing its part.
-- ``shard_groups(module, mesh)`` turns the ``GroupedLinear`` modules of a model into group-parallel
-  ones: their parameters become DTensors sharded over the groups of a 1-D device mesh, and their
+- ``shard_groups(module, mesh)`` turns the ``GroupedLinear`` and ``GroupedMLP`` modules of a model
+  into group-parallel ones: their parameters become DTensors sharded over the groups of a 1-D device mesh, and their
   forward takes the input as it arrives (replicated, or sharded over a batch dim: every rank its own
   samples), moves it onto the group sharding (a local slice, or one all-to-all), runs the op on
   this rank's groups and gives the output back in the input's placement (an all-gather, or the
@@ -92,15 +92,26 @@ def _check_shard_dim(name: str, placement: Placement, t: Tensor) -> None:
                          f"{tuple(t.shape)}")
 
 
-def _grouped_linears(module: nn.Module) -> List[nn.Module]:
-    from .nn import GroupedLinear
+def _grouped_modules(module: nn.Module) -> List[nn.Module]:
+    from .nn import GroupedLinear, GroupedMLP
 
-    return [m for m in module.modules() if isinstance(m, GroupedLinear)]
+    return [m for m in module.modules() if isinstance(m, (GroupedLinear, GroupedMLP))]
+
+
+def _local_result(module, x: Tensor, shards: dict) -> Tensor:
+    """The module's computation on this rank's groups: x and its parameters' shards (by name)."""
+    from .nn import GroupedMLP
+
+    if isinstance(module, GroupedMLP):
+        return _F.grouped_mlp(x, shards["w_gate_up"], shards["w_down"], module.layout,
+                              bias_gate_up=shards.get("bias_gate_up"), bias_down=shards.get("bias_down"),
+                              activation=module.activation)
+    return _F.grouped_linear(x, shards["weight"], shards.get("bias"), module.layout)
 
 
 class _GroupParallel:
-    """The forward of a group-parallel GroupedLinear (mixed into its class by shard_groups): the op
-    runs on this rank's groups as plain tensors (no DTensor dispatch per op, whose host time would
+    """The forward of a group-parallel GroupedLinear or GroupedMLP (mixed into its class by
+    shard_groups): the ops run on this rank's groups as plain tensors (no DTensor dispatch per op, whose host time would
     exceed a GPU's share of the work); DTensor moves the input onto the groups and the output back,
     and its autograd runs the inverse collectives in backward."""
 
@@ -117,11 +128,8 @@ class _GroupParallel:
             else:
                 x_mine = DTensor.from_local(x, mesh, [input_layout], run_check=False).redistribute(
                     mesh, [on_groups]).to_local()
-        if self.bias is None:
-            weight, bias = _LocalShards.apply(self.weight)[0], None
-        else:
-            weight, bias = _LocalShards.apply(self.weight, self.bias)
-        y_mine = _F.grouped_linear(x_mine, weight, bias, self.layout)
+        names, params = zip(*self.named_parameters(recurse=False))
+        y_mine = _local_result(self, x_mine, dict(zip(names, _LocalShards.apply(*params))))
         _check_shard_dim("output_layout", output_layout, y_mine)
         if use_local_output and _same(output_layout, on_groups, y_mine.dim()):
             return y_mine
@@ -175,10 +183,12 @@ def _group_parallel_class(cls):
 
 def shard_groups(module: nn.Module, mesh: DeviceMesh, *, input_layout: Placement = Replicate(),
                  output_layout: Optional[Placement] = None, use_local_output: bool = True) -> nn.Module:
-    """Makes every ``GroupedLinear`` in ``module`` (itself included) group-parallel over ``mesh``.
+    """Makes every ``GroupedLinear`` and ``GroupedMLP`` in ``module`` (itself included)
+    group-parallel over ``mesh``: expert parallelism for per-group layers.
 
     Args:
-        module: a ``GroupedLinear``, or a model holding some; changed in place and returned.
+        module: a ``GroupedLinear`` / ``GroupedMLP``, or a model holding some; changed in place and
+            returned.
         mesh: a 1-D ``DeviceMesh``; rank r of it keeps groups ``G * r / R .. G * (r + 1) / R``
             (``torch.chunk``'s split: G need not divide by R).
         input_layout: how a plain-tensor input is laid out over the ranks: ``Replicate()`` (every
@@ -197,9 +207,9 @@ def shard_groups(module: nn.Module, mesh: DeviceMesh, *, input_layout: Placement
     _check_placement("input_layout", input_layout)
     output_layout = input_layout if output_layout is None else output_layout
     _check_placement("output_layout", output_layout)
-    targets = _grouped_linears(module)
+    targets = _grouped_modules(module)
     if not targets:
-        raise ValueError(f"shard_groups: {type(module).__name__} holds no GroupedLinear")
+        raise ValueError(f"shard_groups: {type(module).__name__} holds no GroupedLinear or GroupedMLP")
     for m in targets:
         if isinstance(m, _GroupParallel):
             raise ValueError(f"shard_groups: {type(m).__name__} is group-parallel already")

@@ -94,11 +94,12 @@ class PatchModel(nn.Module):
         self.hier = pg.HierarchicalPatchEmbed(2, 12, stages=(2, 2), hidden_dim=6, dims=2)
         self.embed = pg.PatchEmbed(12, 8, 2, out_format="tokens")
         self.grouped = pg.GroupedLinear(4, 2, 3)
+        self.mlp = pg.GroupedMLP(4, 3, 5, bias=True)
         self.unembed = pg.PatchUnembed(12, 2, 4, in_format="tokens")
 
     def forward(self, x):  # x [B, 2, 16, 16]
         t = self.embed(self.hier(x))  # [B, 4, 8]
-        t = self.grouped(t.unflatten(2, (4, 2))).flatten(2)  # [B, 4, 12]
+        t = self.mlp(self.grouped(t.unflatten(2, (4, 2)))).flatten(2)  # [B, 4, 12]
         return self.unembed(t, grid=(2, 2))  # [B, 2, 8, 8]
 
 
@@ -168,11 +169,15 @@ def fsdp2_compiled(ctx):
 
 # ---- group parallelism --------------------------------------------------------------------------
 
-def _group_parallel(ctx, layout, input_layout, groups=5, x_shape=(2, 3)):
-    """One GroupedLinear, group-parallel, against the same module in one process: output, input
-    gradient and parameter gradients; returns the collectives forward and backward ran."""
+def _group_parallel(ctx, layout, input_layout, groups=5, x_shape=(2, 3), mlp=False):
+    """One GroupedLinear (or GroupedMLP), group-parallel, against the same module in one process:
+    output, input gradient and parameter gradients; returns the collectives forward and backward
+    ran."""
     torch.manual_seed(0)
-    ref = pg.GroupedLinear(groups, 8, 6, layout=layout).to(ctx.device, ctx.dtype)
+    if mlp:
+        ref = pg.GroupedMLP(groups, 8, 4, out_dim=6, bias=True, layout=layout).to(ctx.device, ctx.dtype)
+    else:
+        ref = pg.GroupedLinear(groups, 8, 6, layout=layout).to(ctx.device, ctx.dtype)
     batch = (2 * ctx.world,) + x_shape[1:]
     shape = (groups, *batch, 8) if layout == "gbd" else (*batch, groups, 8)
     x = ctx.randn(*shape, seed=2).requires_grad_()
@@ -180,7 +185,7 @@ def _group_parallel(ctx, layout, input_layout, groups=5, x_shape=(2, 3)):
     dy = ctx.randn(*y.shape, seed=3)
     y.backward(dy)
     module = shard_groups(copy.deepcopy(ref), ctx.mesh, input_layout=input_layout)
-    assert isinstance(module.weight, DTensor) and module.weight.placements == (Shard(0),)
+    assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in module.parameters())
 
     def part(t):
         return ctx.mine(t, input_layout.dim) if isinstance(input_layout, Shard) else t
@@ -191,8 +196,9 @@ def _group_parallel(ctx, layout, input_layout, groups=5, x_shape=(2, 3)):
     ctx.close("y", y_mine, part(y.detach()))
     with Collectives() as backward:
         y_mine.backward(part(dy))
-    ctx.close("weight.grad", module.weight.grad, ref.weight.grad)
-    ctx.close("bias.grad", module.bias.grad, ref.bias.grad)
+    want = dict(ref.named_parameters())
+    for name, p in module.named_parameters():
+        ctx.close(f"{name}.grad", p.grad, want[name].grad)
     grad_x = x_mine.grad
     if isinstance(input_layout, Replicate):
         ctx.close("x.grad", grad_x, x.grad)
@@ -228,6 +234,15 @@ def group_parallel_batch_in(ctx):
 def group_parallel_few_groups(ctx):
     """Fewer groups than ranks: some ranks hold none."""
     _group_parallel(ctx, "bgd", Shard(0), groups=ctx.world - 1 if ctx.world > 2 else 1)
+
+
+def group_parallel_mlp(ctx):
+    """A GroupedMLP (three GEMMs and SwiGLU per group), each input layout."""
+    for layout, (batch, group) in (("bgd", (0, 2)), ("gbd", (1, 0))):
+        for placement in (Shard(group), Replicate(), Shard(batch)):
+            forward, backward = _group_parallel(ctx, layout, placement, mlp=True)
+            if placement == Shard(group):
+                assert not forward and not backward, f"{layout}: collectives {forward} / {backward}"
 
 
 def group_parallel_training(ctx):
@@ -304,7 +319,7 @@ def bad_input(ctx):
 
 SCENARIOS = {f.__name__: f for f in (ddp, ddp_compiled, fsdp2, fsdp2_compiled, group_parallel_groups_in,
                                      group_parallel_replicated_in, group_parallel_batch_in, group_parallel_few_groups,
-                                     group_parallel_training, dtensor_rules, bad_input)}
+                                     group_parallel_mlp, group_parallel_training, dtensor_rules, bad_input)}
 
 
 def _rank_main(rank, world, backend, out, init_file):
