@@ -111,9 +111,9 @@ def _local_result(module, x: Tensor, shards: dict) -> Tensor:
 
 class _GroupParallel:
     """The forward of a group-parallel GroupedLinear or GroupedMLP (mixed into its class by
-    shard_groups): the ops run on this rank's groups as plain tensors (no DTensor dispatch per op, whose host time would
-    exceed a GPU's share of the work); DTensor moves the input onto the groups and the output back,
-    and its autograd runs the inverse collectives in backward."""
+    shard_groups): the ops run on this rank's groups as plain tensors (no DTensor dispatch per op,
+    whose host time would exceed a GPU's share of the work); DTensor moves the input onto the groups
+    and the output back, and its autograd runs the inverse collectives in backward."""
 
     def forward(self, x: Tensor) -> Tensor:
         mesh, input_layout, output_layout, use_local_output = self._group_parallel

@@ -107,7 +107,8 @@ def _models(ctx):
     torch.manual_seed(0)
     report = pg.convert(ConvModel().to(ctx.device, ctx.dtype))
     assert len(report.swapped) == 2, str(report)
-    return {"patch_model": (PatchModel().to(ctx.device, ctx.dtype), (2, 16, 16)), "converted": (report.model, (3, 16, 16))}
+    return {"patch_model": (PatchModel().to(ctx.device, ctx.dtype), (2, 16, 16)),
+            "converted": (report.model, (3, 16, 16))}
 
 
 def _train(model, x, steps=STEPS):
@@ -132,7 +133,8 @@ def _data_parallel(ctx, wrap, compile_model):
             _train(wrapped, ctx.mine(x))
         # The one module documented to return a view: HierarchicalPatchEmbed's channels-first map
         # is a view of its tokens (so that flattening it back to tokens is free).
-        views = [str(w.message) for w in caught if "view" in str(w.message) and "HierarchicalPatchEmbed" not in str(w.message)]
+        views = [str(w.message) for w in caught
+                 if "view" in str(w.message) and "HierarchicalPatchEmbed" not in str(w.message)]
         assert not views, f"{name}: {views[0]}"
         want = dict(reference.named_parameters())
         for pname, p in (wrapped.module if isinstance(wrapped, DDP) else wrapped).named_parameters():
