@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,6 @@ def _time_steps(step, device, active=True) -> tuple:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         else:
-            import time
             t0 = time.perf_counter()
         if active:
             for _ in range(STEPS):
@@ -83,7 +83,7 @@ def _time_steps(step, device, active=True) -> tuple:
     return statistics.median(times), _max_over_ranks(peak, device)
 
 
-def _forms(name, dims, device, dtype, mesh, rank, world):
+def _forms(dims, device, dtype, mesh, rank, world):
     batch, groups, din, dout = dims
     torch.manual_seed(0)
     layer = patchgemm.GroupedLinear(groups, din, dout, device=device, dtype=dtype)
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     for name in args.layers.split(","):
         dims = (SMOKE if args.smoke else LAYERS)[name]
         single = None
-        for label, step, active in _forms(name, dims, device, dtype, mesh, rank, world):
+        for label, step, active in _forms(dims, device, dtype, mesh, rank, world):
             ms, peak = _time_steps(step, device, active)
             single = ms if label == "1 GPU" else single
             rows.append({"layer": name, "dims": dims, "form": label, "gpus": 1 if label == "1 GPU" else world,

@@ -23,19 +23,21 @@ from typing import List, Optional
 
 import torch
 from torch import Tensor, nn
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import register_sharding
 
 from . import functional as _F
-from .ops import ops
+from .ops import _group_dim, ops
 
 __all__ = ["shard_groups"]
 
 
 def _dims(group_major: bool):
     """(group dim, batch dim) of a 3-D activation [B, G, D] or, group-major, [G, B, D]."""
-    return (0, 1) if group_major else (1, 0)
+    g = _group_dim(group_major)
+    return g, 1 - g
 
 
 @register_sharding(ops.grouped_linear.default)
@@ -166,10 +168,8 @@ def _on_groups(t: Tensor, mesh: DeviceMesh, g: int, groups: int) -> DTensor:
     the global shape is passed, as the local shapes may differ)."""
     shape = list(t.shape)
     shape[g] = groups
-    stride = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        stride[d] = stride[d + 1] * shape[d + 1]
-    return DTensor.from_local(t, mesh, [Shard(g)], run_check=False, shape=torch.Size(shape), stride=tuple(stride))
+    return DTensor.from_local(t, mesh, [Shard(g)], run_check=False, shape=torch.Size(shape),
+                              stride=make_contiguous_strides_for(shape))
 
 
 _CLASSES = {}

@@ -153,12 +153,16 @@ def _fsdp2(ctx, model):
     return model
 
 
+def _ddp(ctx, model):
+    return DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+
 def ddp(ctx):
-    _data_parallel(ctx, lambda m: DDP(m, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None), False)
+    _data_parallel(ctx, lambda m: _ddp(ctx, m), False)
 
 
 def ddp_compiled(ctx):
-    _data_parallel(ctx, lambda m: DDP(m, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None), True)
+    _data_parallel(ctx, lambda m: _ddp(ctx, m), True)
 
 
 def fsdp2(ctx):

@@ -37,8 +37,8 @@ selection::ProblemFeatures features(const GroupedProblem& p) {
 // (hipBLASLt is not wired up: CUDA only.)
 #ifndef USE_ROCM
 // The k-th (1-based) algorithm cuBLASLt's heuristic proposes for the problem's one strided-batched
-// call, bias in the epilogue. Never the heuristic's pick (strided_batched comes first and always
-// applies): autotune times them, so a problem whose heuristic algorithm is slow gets another.
+// call, bias in the epilogue. Never the default choice (strided_batched comes first and always
+// applies): autotune times them, so a problem whose usual kernel is slow gets another.
 Candidate<GroupedProblem, at::Tensor> cublaslt_algorithm(int k) {
   return {"cublaslt_algo" + std::to_string(k), "cuda",
           "one cuBLASLt strided-batched matmul with the algorithm its heuristic ranks " + std::to_string(k) +
