@@ -5,7 +5,8 @@ model and form it reports the GPU time per step (the profiler's sum of kernel, c
 times, so host gaps do not count), the wall time per step (steps issued back to back, the host
 included; the forms of a model take turns, round by round, so drift in the host's speed does not
 favour one), the peak memory a step allocates (activations, gradients, workspace: above the weights
-held before it), and the ratios original / converted. Models are built from
+held before it), and the ratios original / converted (for wall time the median of the per-round
+ratios, which cancels the host's drift between rounds). Models are built from
 their libraries' configs with random weights (nothing is downloaded); a model whose library is
 missing is skipped with a line saying so.
 """
@@ -13,7 +14,7 @@ missing is skipped with a line saying so.
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -153,7 +154,8 @@ class ModelRow:
     wall_ms: Optional[float]  # wall time per step, steps back to back (the forms timed in turns)
     peak_mb: Optional[float]  # peak memory a step allocates above what the model held before it
     vs_original_gpu: Optional[float] = None   # the original form's gpu_ms / this form's
-    vs_original_wall: Optional[float] = None
+    vs_original_wall: Optional[float] = None  # the median of the per-round ratios
+    wall_rounds: List[float] = field(default_factory=list)  # wall ms per step, round by round
     note: str = ""
 
 
@@ -170,11 +172,12 @@ def _training_step(model: nn.Module, x: torch.Tensor, device: torch.device) -> C
     return step
 
 
-def _wall_ms(steps: Sequence[Callable[[int], object]], device: torch.device, count: int = 10,
-             rounds: int = 7) -> List[float]:
-    """Per form, the median over ``rounds`` of the wall time per step of ``count`` steps issued back
-    to back. The forms take turns round by round (the first alternating too), so the drift of a lent
-    machine's host speed over a minute falls on all of them alike."""
+def _wall_rounds(steps: Sequence[Callable[[int], object]], device: torch.device, count: int = 10,
+                 rounds: int = 21) -> List[List[float]]:
+    """Per form, per round, the wall time per step of ``count`` steps issued back to back. The forms
+    take turns round by round (the first alternating too), so within a round they run a few hundred
+    milliseconds apart: a lent machine's host speed, which drifts by up to a third over a minute,
+    is then nearly the same for all of them, and per-round ratios cancel it."""
     times: List[List[float]] = [[] for _ in steps]
     for r in range(rounds):
         order = list(range(len(steps)))
@@ -189,7 +192,12 @@ def _wall_ms(steps: Sequence[Callable[[int], object]], device: torch.device, cou
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times[f].append((time.perf_counter() - t0) * 1e3 / count)
-    return [statistics.median(t) for t in times]
+    return times
+
+
+def _paired_ratio(base: Sequence[float], other: Sequence[float]) -> float:
+    """The median over rounds of base / other, each round's two times taken minutes-drift apart."""
+    return statistics.median(b / o for b, o in zip(base, other))
 
 
 def _peak_mb(model: nn.Module, step: Callable[[int], object], device: torch.device) -> Optional[float]:
@@ -212,8 +220,8 @@ def measure(models: Sequence[nn.Module], x: torch.Tensor, device: torch.device, 
         step(0)
         gpu = kernel_ms(step, device, warmup=2, reps=max(2, steps // 2))
         rows.append(ModelRow("", "", gpu, None, _peak_mb(model, step, device)))
-    for row, wall in zip(rows, _wall_ms(train_steps, device, steps)):
-        row.wall_ms = wall
+    for row, walls in zip(rows, _wall_rounds(train_steps, device, steps)):
+        row.wall_ms, row.wall_rounds = statistics.median(walls), walls
     for model in models:
         model.zero_grad(set_to_none=True)  # (a converted copy of the model must not copy its gradients)
     return rows
@@ -253,11 +261,16 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
             notes.append(note)
         measured = measure(models, x, dev)
         base = measured[0]
-        for form, note, row in zip(spec.forms, notes, measured):
+        for i, (form, note, row) in enumerate(zip(spec.forms, notes, measured)):
             row.model, row.form, row.note = spec.name, form, note
             if row is not base:
                 row.vs_original_gpu = base.gpu_ms / row.gpu_ms
-                row.vs_original_wall = base.wall_ms / row.wall_ms
+                row.vs_original_wall = _paired_ratio(base.wall_rounds, row.wall_rounds)
+            if i >= 2:  # e.g. converted against use_linear as well as against the conv original
+                prev = measured[i - 1]
+                row.note = "; ".join(filter(None, [
+                    f"vs {spec.forms[i - 1]}: GPU {prev.gpu_ms / row.gpu_ms:.3f}x, "
+                    f"wall {_paired_ratio(prev.wall_rounds, row.wall_rounds):.3f}x", row.note]))
             progress(format_rows([row], header=False))
             rows.append(row)
         del models, original
