@@ -70,6 +70,7 @@ at::Tensor embed_by_gemm(const EmbedProblem& p);          // the patch matrix ga
 at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens);
 at::Tensor embed_by_aten_linear(const EmbedProblem& p);   // tokens_out: ATen's permute + reshape copy, then linear
 at::Tensor unembed_by_gemm(const UnembedProblem& p);      // GEMM, then the scatter
+at::Tensor unembed_by_aten_linear(const UnembedProblem& p);  // ATen's matmul, then a permute copy and the bias
 // Whether unembed_by_gemm first copies x into tokens order (channels-first x that would make a
 // slow GEMM: a small grid, or rows that are not 16-byte aligned).
 bool unembed_gemm_copies_x(const UnembedProblem& p);

@@ -317,6 +317,18 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
          [](const UnembedProblem&) { return WhyNot(); },
          [](const UnembedProblem& p) { return cudnn_wins_channels_last(p.x, p.g); },
          [](const UnembedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return unembed_by_gemm(p); }},
+        {"aten_linear", "cpu cuda rocm", "row-major tokens; 16-bit on CUDA: the usual hand rewrite, tokens @ W by ATen's "
+                                         "matmul, then the patches copied out by a permute, then the bias",
+         [](const UnembedProblem& p) -> WhyNot {
+           // at::matmul follows the matmul TF32 flag; a conv replacement follows cuDNN's.
+           if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat) return "fp32 on CUDA (matmul's TF32 flag is not the conv's)";
+           return row_major_tokens(p.g);
+         },
+         [](const UnembedProblem& p) -> WhyNot {
+           WhyNot why = cudnn_wins_channels_last(p.x, p.g);
+           return !why.empty() ? why : "rule: gemm_scatter writes the output in one pass after the GEMM, not two";
+         },
+         [](const UnembedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return unembed_by_aten_linear(p); }},
         {"aten_conv_transpose", "cpu cuda rocm", "PyTorch's transposed convolution (cuDNN on CUDA); row-major tokens",
          [](const UnembedProblem& p) { return row_major_tokens(p.g); },
          nullptr,

@@ -158,6 +158,22 @@ at::Tensor unembed_by_gemm(const UnembedProblem& p) {
   return y;
 }
 
+at::Tensor unembed_by_aten_linear(const UnembedProblem& p) {
+  const PatchGeometry& g = p.g;
+  const int64_t in_channels = p.weight.size(0), out_channels = p.weight.size(1);
+  // The usual hand rewrite: Q [B, N, C_out * k..] = tokens @ W (ATen folds or copies the tokens view
+  // as matmul does), then Q's patches copied out to channels-first positions, then the bias.
+  const at::Tensor q = at::matmul(p.x_tokens, p.weight.reshape({in_channels, -1}));
+  at::Tensor y = at::empty(p.out_shape, p.x.options().memory_format(p.out_format));
+  // y as [B, C_out, gd, kd, gh, kh, gw, kw]: splitting dims is a view in either memory format.
+  to_5d(y)
+      .view({g.batch, out_channels, g.grid[0], g.kernel[0], g.grid[1], g.kernel[1], g.grid[2], g.kernel[2]})
+      .copy_(q.view({g.batch, g.grid[0], g.grid[1], g.grid[2], out_channels, g.kernel[0], g.kernel[1], g.kernel[2]})
+                 .permute({0, 4, 1, 5, 2, 6, 3, 7}));
+  if (p.bias) to_5d(y).add_(p.bias->view({1, out_channels, 1, 1, 1}));
+  return y;
+}
+
 // The bias gradient where no GEMM yields it. Tokens grad_y [B*N, E] with E < 1024 is folded to
 // [B*N / f, f * E] first: ATen's reduction over rows spreads a few hundred columns poorly (P4's
 // E = 192: 0.7 TB/s). Wide rows (P2's E = 1280) reduce well in one kernel, which takes a transient
