@@ -109,6 +109,15 @@ def _forms(dims, device, dtype, mesh, rank, world):
         yield label, step_of(module, inputs), True
 
 
+def format_rows(rows) -> str:
+    """The step-time table (also bench/results.py's section for a saved run)."""
+    lines = [f"{'layer':6} {'form':28} {'GPUs':>4} {'ms/step':>9} {'speedup':>8} {'peak MB/GPU':>12}"]
+    for r in rows:
+        lines.append(f"{r['layer']:6} {r['form']:28} {r['gpus']:>4} {r['ms']:9.3f} {r['speedup']:7.2f}x "
+                     f"{r['peak_mb']:12.0f}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default=",".join(LAYERS))
@@ -133,9 +142,7 @@ def main(argv=None) -> int:
             rows.append({"layer": name, "dims": dims, "form": label, "gpus": 1 if label == "1 GPU" else world,
                          "ms": ms, "peak_mb": peak, "speedup": single / ms})
     if rank == 0:
-        print(f"{'layer':6} {'form':28} {'GPUs':>4} {'ms/step':>9} {'speedup':>8} {'peak MB/GPU':>12}")
-        for r in rows:
-            print(f"{r['layer']:6} {r['form']:28} {r['gpus']:>4} {r['ms']:9.3f} {r['speedup']:7.2f}x {r['peak_mb']:12.0f}")
+        print(format_rows(rows))
         if args.json:
             env = environment(device)
             env.update(world=world, backend=dist.get_backend(), dtype=str(dtype).replace("torch.", ""))

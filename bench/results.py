@@ -4,8 +4,9 @@
 
 Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m patchgemm bench
 --models --json` (models), `python -m patchgemm bench --host --json` (host time per call) or
-`python bench/heldout.py --json` (held-out shapes) wrote; bench/results/ keeps the current ones per
-GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-host.json / <gpu>-heldout.json. Every
+`python bench/heldout.py --json` (held-out shapes) or `torchrun ... bench/distributed.py --json`
+(several GPUs) wrote; bench/results/ keeps the current ones per GPU, named <gpu>-suite.json /
+<gpu>-models.json / <gpu>-host.json / <gpu>-heldout.json / <gpu>-x<world>-distributed.json. Every
 section says the date, GPU, versions and command of its run.
 """
 
@@ -23,6 +24,7 @@ from patchgemm.host_bench import format_rows as format_host_rows  # noqa: E402
 from patchgemm.model_bench import ModelRow, format_rows  # noqa: E402
 from patchgemm import tune  # noqa: E402
 
+import distributed  # noqa: E402
 import heldout  # noqa: E402
 
 INTRO = """# Benchmark results
@@ -103,6 +105,19 @@ def tune_section(saved: dict, name: str) -> str:
         *tables, ""])
 
 
+def distributed_section(saved: dict, name: str) -> str:
+    env = saved.get("environment", {})
+    world = env.get("world", "?")
+    return _table_section(
+        saved, f"Several GPUs, group-parallel GroupedLinear ({world} ranks, {env.get('backend', '?')})",
+        f"torchrun --nproc-per-node {world} bench/distributed.py --json {name}",
+        f"one training step of one {env.get('dtype', '')} GroupedLinear layer (layer dims: global batch, groups, in, "
+        "out in the JSON), the global batch fixed; ms/step the slowest rank's CUDA-event median; `speedup` = the "
+        "1-GPU step time / the form's; peak MB the largest over the ranks of what a step allocates. A world of "
+        "one rank measures overhead only.",
+        distributed.format_rows(saved["rows"]))
+
+
 def transfer_section(paths: List[pathlib.Path]) -> str:
     """The learned model trained on one GPU's records, judged on another's held-out records."""
     records, _ = tune.load_records([str(p) for p in paths])
@@ -134,6 +149,8 @@ def main(argv=None) -> int:
             sections.append(tune_section(saved, name))
         elif "models" in saved:
             sections.append(models_section(saved, name))
+        elif saved.get("kind") == "distributed":
+            sections.append(distributed_section(saved, name))
         elif "host" in saved:
             sections.append(host_section(saved, name))
         elif "rows" in saved:

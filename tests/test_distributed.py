@@ -40,3 +40,30 @@ def world_results(request, tmp_path_factory):
 def test_distributed(world_results, scenario):
     failures = [f"rank {rank}:\n{r[scenario]}" for rank, r in enumerate(world_results) if r[scenario] != "ok"]
     assert not failures, "\n".join(failures)
+
+
+def test_distributed_bench_smoke_renders_as_a_results_section(tmp_path):
+    """`torchrun bench/distributed.py --smoke --json` runs every form in 2 gloo processes, and
+    bench/results.py renders the saved run as a section of RESULTS.md."""
+    import socket
+
+    with socket.socket() as s:  # a free port: other worlds may be running beside this one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bench = os.path.join(HERE, "..", "bench")
+    saved = tmp_path / "cpu-x2-distributed.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(port), os.path.join(bench, "distributed.py"), "--smoke", "--json", str(saved)],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert saved.exists(), f"exit {run.returncode}:\n{run.stderr[-4000:]}"
+    rows = json.loads(saved.read_text())["rows"]
+    forms = ["1 GPU", "DDP", "groups, batch-sharded in", "groups, replicated in", "groups, groups-sharded in"]
+    assert [r["form"] for r in rows] == forms * 2 and all(r["ms"] > 0 for r in rows)
+    sys.path.insert(0, bench)
+    import results
+
+    out = tmp_path / "RESULTS.md"
+    assert results.main([str(saved), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## Several GPUs, group-parallel GroupedLinear (2 ranks, gloo)" in text
+    assert "groups, groups-sharded in" in text and "torchrun --nproc-per-node 2" in text
