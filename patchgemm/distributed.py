@@ -15,10 +15,12 @@ and computes only those, with no communication while the input is sharded the sa
   forward takes the input as it arrives (replicated, or sharded over a batch dim: every rank its own
   samples), moves it onto the group sharding (a local slice, or one all-to-all), runs the op on
   this rank's groups and gives the output back in the input's placement (an all-gather, or the
-  inverse all-to-all). Backward runs the same collectives in reverse through DTensor's autograd.
+  inverse all-to-all), c10d collectives called directly (a DTensor input goes through DTensor's
+  redistribution). Backward runs the inverse collectives.
 """
 
 import copy
+import math
 from typing import List, Optional
 
 import torch
@@ -114,8 +116,9 @@ def _local_result(module, x: Tensor, shards: dict) -> Tensor:
 class _GroupParallel:
     """The forward of a group-parallel GroupedLinear or GroupedMLP (mixed into its class by
     shard_groups): the ops run on this rank's groups as plain tensors (no DTensor dispatch per op,
-    whose host time would exceed a GPU's share of the work); DTensor moves the input onto the groups
-    and the output back, and its autograd runs the inverse collectives in backward."""
+    whose host time would exceed a GPU's share of the work). A plain-tensor input moves onto the
+    groups and the output back by direct collectives (_Regroup, with their inverses in backward);
+    a DTensor input, or a DTensor output asked for, goes through DTensor's redistribution."""
 
     def forward(self, x: Tensor) -> Tensor:
         mesh, input_layout, output_layout, use_local_output = self._group_parallel
@@ -125,18 +128,92 @@ class _GroupParallel:
             x_mine = x.redistribute(mesh, [on_groups]).to_local()
         else:
             _check_shard_dim("input_layout", input_layout, x)
-            if _same(input_layout, on_groups, x.dim()):
-                x_mine = x
-            else:
-                x_mine = DTensor.from_local(x, mesh, [input_layout], run_check=False).redistribute(
-                    mesh, [on_groups]).to_local()
+            x_mine = x if _same(input_layout, g, x.dim()) else \
+                _Regroup.apply(x, input_layout, on_groups, self.num_groups, g, mesh.get_group())
         names, params = zip(*self.named_parameters(recurse=False))
         y_mine = _local_result(self, x_mine, dict(zip(names, _LocalShards.apply(*params))))
         _check_shard_dim("output_layout", output_layout, y_mine)
-        if use_local_output and _same(output_layout, on_groups, y_mine.dim()):
-            return y_mine
-        y = _on_groups(y_mine, mesh, g, self.num_groups).redistribute(mesh, [output_layout])
-        return y.to_local() if use_local_output else y
+        if use_local_output:
+            return y_mine if _same(output_layout, g, y_mine.dim()) else \
+                _Regroup.apply(y_mine, on_groups, output_layout, self.num_groups, g, mesh.get_group())
+        return _on_groups(y_mine, mesh, g, self.num_groups).redistribute(mesh, [output_layout])
+
+
+def _same(placement: Placement, group_dim: int, ndim: int) -> bool:
+    return isinstance(placement, Shard) and placement.dim % ndim == group_dim
+
+
+def _chunks(n: int, parts: int) -> List[int]:
+    """torch.chunk's split of n over parts, DTensor's Shard: ceil(n / parts) each, the last ones
+    smaller or empty."""
+    size = -(-n // parts) if parts else 0
+    return [max(0, min(size, n - r * size)) for r in range(parts)]
+
+
+def _all_to_all(t: Tensor, split_dim: int, send: List[int], cat_dim: int, cat: List[int], group) -> Tensor:
+    """Rank r gets chunk r of t along split_dim (chunk sizes ``send``, the same on every rank);
+    the chunks arriving here are concatenated in rank order along cat_dim, rank r's chunk
+    ``cat[r]`` long there. One all_to_all_single over flat buffers, so the sizes may differ."""
+    rank = torch.distributed.get_rank(group)
+    moved = t.movedim(split_dim, 0).contiguous()  # each chunk one contiguous block
+    row = moved[0].numel() if moved.shape[0] else 0
+    shapes = []
+    for r in range(len(send)):
+        shape = list(t.shape)
+        shape[split_dim], shape[cat_dim] = send[rank], cat[r]
+        shapes.append(shape)
+    counts = [math.prod(s) for s in shapes]
+    out = moved.new_empty(sum(counts))
+    torch.distributed.all_to_all_single(out, moved.view(-1), counts, [n * row for n in send], group=group)
+    pieces = []
+    for piece, shape in zip(out.split(counts), shapes):
+        moved_shape = [shape[split_dim]] + [v for d, v in enumerate(shape) if d != split_dim]
+        pieces.append(piece.view(moved_shape).movedim(0, split_dim))
+    return torch.cat(pieces, cat_dim)
+
+
+def _all_gather(t: Tensor, dim: int, sizes: List[int], group) -> Tensor:
+    """Every rank's t, concatenated in rank order along dim (rank r's ``sizes[r]`` long there),
+    padded to the longest for the collective."""
+    longest = max(sizes)
+    padded = t.new_zeros([longest if d == dim else v for d, v in enumerate(t.shape)])
+    padded.narrow(dim, 0, t.shape[dim]).copy_(t)
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(gathered, padded, group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(gathered, sizes)], dim)
+
+
+def _regroup(t: Tensor, source: Placement, target: Placement, groups: int, group_dim: int, group) -> Tensor:
+    """t, laid out over the ranks as ``source``, laid out as ``target``; one of them is Shard on
+    the group dim, the other Replicate or Shard on another dim (equal shards there)."""
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    source_dim = source.dim % t.dim() if isinstance(source, Shard) else None
+    target_dim = target.dim % t.dim() if isinstance(target, Shard) else None
+    group_sizes = _chunks(groups, world)
+    if source_dim == group_dim:  # this rank's groups -> everyone's groups
+        if target_dim is None:
+            return _all_gather(t, group_dim, group_sizes, group)
+        return _all_to_all(t, target_dim, _chunks(t.shape[target_dim], world), group_dim, group_sizes, group)
+    # everyone's groups -> this rank's groups
+    if source_dim is None:
+        return t.narrow(group_dim, sum(group_sizes[:rank]), group_sizes[rank])
+    return _all_to_all(t, group_dim, group_sizes, source_dim, [t.shape[source_dim]] * world, group)
+
+
+class _Regroup(torch.autograd.Function):
+    """_regroup, and in backward its inverse on the gradient: an all-to-all's is the reverse
+    all-to-all; a replicated tensor sliced to this rank's groups gets every rank's gradient
+    gathered, and a gathered one its own slice of the gradient (DTensor's rules for Replicate)."""
+
+    @staticmethod
+    def forward(ctx, t, source, target, groups, group_dim, group):
+        ctx.args = source, target, groups, group_dim, group
+        return _regroup(t, source, target, groups, group_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        source, target, groups, group_dim, group = ctx.args
+        return _regroup(grad, target, source, groups, group_dim, group), None, None, None, None, None
 
 
 class _LocalShards(torch.autograd.Function):
@@ -157,10 +234,6 @@ class _LocalShards(torch.autograd.Function):
         # The shards are contiguous (distribute_tensor's), so contiguous gradients match the specs.
         return tuple(None if g is None else DTensor(g.contiguous(), copy.copy(spec), requires_grad=False)
                      for g, spec in zip(grads, ctx.specs))
-
-
-def _same(placement: Placement, shard: Shard, ndim: int) -> bool:
-    return isinstance(placement, Shard) and placement.dim % ndim == shard.dim
 
 
 def _on_groups(t: Tensor, mesh: DeviceMesh, g: int, groups: int) -> DTensor:

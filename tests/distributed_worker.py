@@ -222,19 +222,19 @@ def group_parallel_groups_in(ctx):
 
 def group_parallel_replicated_in(ctx):
     for layout in ("bgd", "gbd"):
-        forward, _ = _group_parallel(ctx, layout, Replicate())
-        assert (len(forward) == 1 and "all_gather" in forward[0]) or ctx.world == 1, f"{layout}: forward ran {forward}"
+        forward, backward = _group_parallel(ctx, layout, Replicate())
+        for ran in (forward, backward):  # the output gathered; in backward, x's gradient
+            assert len(ran) == 1 and "allgather" in ran[0], f"{layout}: ran {forward} / {backward}"
 
 
 def group_parallel_batch_in(ctx):
-    """Each rank its own samples: all-to-all onto the groups and back (on GPUs: DTensor's CPU
-    fallback all-gathers, as gloo has no all-to-all)."""
-    expected = "alltoall" if ctx.device.type == "cuda" else "all_gather"
+    """Each rank its own samples: one all-to-all onto the groups and one back, forward and
+    backward."""
     for layout, dim in (("bgd", 0), ("gbd", 1)):
         for groups in (2 * ctx.world, 2 * ctx.world + 1):
-            forward, _ = _group_parallel(ctx, layout, Shard(dim), groups=groups)
-            assert (len(forward) == 2 and all(expected in op for op in forward)) or ctx.world == 1, \
-                f"{layout}: forward ran {forward}"
+            forward, backward = _group_parallel(ctx, layout, Shard(dim), groups=groups)
+            for ran in (forward, backward):
+                assert len(ran) == 2 and all("alltoall" in op for op in ran), f"{layout}: ran {forward} / {backward}"
 
 
 def group_parallel_few_groups(ctx):
