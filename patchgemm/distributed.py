@@ -187,6 +187,8 @@ def _regroup(t: Tensor, source: Placement, target: Placement, groups: int, group
     """t, laid out over the ranks as ``source``, laid out as ``target``; one of them is Shard on
     the group dim, the other Replicate or Shard on another dim (equal shards there)."""
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    if world == 1:  # one rank holds everything in every layout
+        return t
     source_dim = source.dim % t.dim() if isinstance(source, Shard) else None
     target_dim = target.dim % t.dim() if isinstance(target, Shard) else None
     group_sizes = _chunks(groups, world)
