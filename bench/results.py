@@ -108,11 +108,14 @@ def tune_section(saved: dict, name: str) -> str:
 def distributed_section(saved: dict, name: str) -> str:
     env = saved.get("environment", {})
     world = env.get("world", "?")
+    dims = {r["layer"]: "x".join(map(str, r["dims"])) for r in saved["rows"]}
+    layers = ", ".join(f"{layer} {d}" for layer, d in dims.items())
     return _table_section(
-        saved, f"Several GPUs, group-parallel GroupedLinear ({world} ranks, {env.get('backend', '?')})",
+        saved, f"Several GPUs, group-parallel GroupedLinear ({world} rank{'' if world == 1 else 's'}, "
+               f"{env.get('backend', '?')})",
         f"torchrun --nproc-per-node {world} bench/distributed.py --json {name}",
-        f"one training step of one {env.get('dtype', '')} GroupedLinear layer (layer dims: global batch, groups, in, "
-        "out in the JSON), the global batch fixed; ms/step the slowest rank's CUDA-event median; `speedup` = the "
+        f"one training step of one {env.get('dtype', '')} GroupedLinear layer (global batch x groups x in x out: "
+        f"{layers}), the global batch fixed; ms/step the slowest rank's CUDA-event median; `speedup` = the "
         "1-GPU step time / the form's; peak MB the largest over the ranks of what a step allocates. A world of "
         "one rank measures overhead only.",
         distributed.format_rows(saved["rows"]))
