@@ -156,7 +156,7 @@ def _all_to_all(t: Tensor, split_dim: int, send: List[int], cat_dim: int, cat: L
     ``cat[r]`` long there. One all_to_all_single over flat buffers, so the sizes may differ."""
     rank = torch.distributed.get_rank(group)
     moved = t.movedim(split_dim, 0).contiguous()  # each chunk one contiguous block
-    row = moved[0].numel() if moved.shape[0] else 0
+    row = math.prod(moved.shape[1:])
     shapes = []
     for r in range(len(send)):
         shape = list(t.shape)

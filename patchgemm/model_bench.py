@@ -196,7 +196,8 @@ def _wall_rounds(steps: Sequence[Callable[[int], object]], device: torch.device,
 
 
 def _paired_ratio(base: Sequence[float], other: Sequence[float]) -> float:
-    """The median over rounds of base / other, each round's two times taken minutes-drift apart."""
+    """The median over rounds of base / other: a round's two times are taken close together, so
+    the host's drift between rounds cancels."""
     return statistics.median(b / o for b, o in zip(base, other))
 
 

@@ -55,7 +55,8 @@ class Ctx:
 
 
 class Collectives(TorchDispatchMode):
-    """The collectives run inside it, by name (as DTensor's redistributions issue them)."""
+    """The collectives run inside it, by name (c10d's ops, as shard_groups calls them, and
+    DTensor's)."""
 
     def __init__(self):
         super().__init__()
