@@ -10,6 +10,7 @@ and computes only those, with no communication while the input is sharded the sa
   activations on their group dim), on the batch (weight replicated; the weight gradient comes out
   ``Partial``), on the output features (weight ``Shard(1)``) or on the input features (no bias;
   the output ``Partial``), or replicated. The rules are those of each local op computing its part.
+  The ragged ops (groups of different row counts) have the feature and replicated rules.
 - ``shard_groups(module, mesh)`` turns the ``GroupedLinear`` and ``GroupedMLP`` modules of a model
   into group-parallel ones: their parameters become DTensors sharded over the groups of a 1-D device mesh, and their
   forward takes the input as it arrives (replicated, or sharded over a batch dim: every rank its own
@@ -82,6 +83,43 @@ def _grouped_linear_grad_weight_sharding(grad_y, x, group_major):
         ([Partial()], [Shard(b), Shard(b), None]),  # batch: a partial sum over the samples
         ([Shard(1)], [Shard(2), Replicate(), None]),
         ([Shard(2)], [Replicate(), Shard(2), None]),
+    ]
+
+
+# Ragged groups: x [N, Din] sorted by group, offsets [G] replicated. Rows cannot be split without
+# rebasing the offsets, so the rules shard the features only: the output features (weight Shard(1))
+# or, without bias, the input features (a partial sum).
+@register_sharding(ops.ragged_grouped_linear.default)
+def _ragged_grouped_linear_sharding(x, weight, bias, offsets):
+    has_bias = bias is not None
+
+    def with_bias(placement):
+        return placement if has_bias else None
+
+    rules = [
+        ([Replicate()], [Replicate(), Replicate(), with_bias(Replicate()), Replicate()]),
+        ([Shard(1)], [Replicate(), Shard(1), with_bias(Shard(1)), Replicate()]),  # output features
+    ]
+    if not has_bias:
+        rules.append(([Partial()], [Shard(1), Shard(2), None, Replicate()]))  # input features
+    return rules
+
+
+@register_sharding(ops.ragged_grouped_linear_grad_input.default)
+def _ragged_grouped_linear_grad_input_sharding(grad_y, weight, offsets):
+    return [
+        ([Replicate()], [Replicate(), Replicate(), Replicate()]),
+        ([Partial()], [Shard(1), Shard(1), Replicate()]),  # output features: a partial sum over Dout
+        ([Shard(1)], [Replicate(), Shard(2), Replicate()]),  # input features
+    ]
+
+
+@register_sharding(ops.ragged_grouped_linear_grad_weight.default)
+def _ragged_grouped_linear_grad_weight_sharding(grad_y, x, offsets):
+    return [
+        ([Replicate()], [Replicate(), Replicate(), Replicate()]),
+        ([Shard(1)], [Shard(1), Replicate(), Replicate()]),  # output features
+        ([Shard(2)], [Replicate(), Shard(1), Replicate()]),  # input features
     ]
 
 

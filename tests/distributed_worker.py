@@ -304,6 +304,53 @@ def dtensor_rules(ctx):
                                  None, group_major)
         assert y_d.placements == (Partial(),), y_d.placements
         ctx.close("input features y", y_d, y0)
+    _ragged_rules(ctx)
+
+
+def _ragged_rules(ctx):
+    """Ragged groups on DTensors: replicated, output features and input features."""
+    ops = torch.ops.patchgemm
+    x, w, bias = ctx.randn(7, 8, seed=10), ctx.randn(3, 4 * ctx.world, 8, seed=11), ctx.randn(3, 4 * ctx.world, seed=12)
+    offsets = torch.tensor([2, 2, 7], dtype=torch.int32 if ctx.device.type == "cuda" else torch.int64, device=ctx.device)
+    dy = ctx.randn(7, 4 * ctx.world, seed=13)
+    want = (ops.ragged_grouped_linear(x, w, bias, offsets), ops.ragged_grouped_linear_grad_input(dy, w, offsets),
+            ops.ragged_grouped_linear_grad_weight(dy, x, offsets))
+    cases = [("replicated", Replicate(), Replicate(), Replicate(), Replicate()),
+             ("out features", Replicate(), Shard(1), Shard(1), Shard(1))]
+    for name, px, pw, pb, pdy in cases:
+        xd, wd, bd, dyd = (distribute_tensor(t, ctx.mesh, [p]) for t, p in ((x, px), (w, pw), (bias, pb), (dy, pdy)))
+        od = distribute_tensor(offsets, ctx.mesh, [Replicate()])
+        with Collectives() as comm:
+            got = (ops.ragged_grouped_linear(xd, wd, bd, od), ops.ragged_grouped_linear_grad_input(dyd, wd, od),
+                   ops.ragged_grouped_linear_grad_weight(dyd, xd, od))
+        # (grad_input over sharded output features comes out Partial: reducing it is the caller's)
+        assert not comm.ran, f"ragged {name}: the ops communicated: {comm.ran}"
+        assert name == "replicated" or (got[0].placements, got[1].placements, got[2].placements) == \
+            ((Shard(1),), (Partial(),), (Shard(1),)), [t.placements for t in got]
+        for what, g, ref in zip(("y", "grad_x", "grad_w"), got, want):
+            ctx.close(f"ragged {name} {what}", g, ref)
+    y0 = ops.ragged_grouped_linear(x, w, None, offsets)
+    y_d = ops.ragged_grouped_linear(distribute_tensor(x, ctx.mesh, [Shard(1)]), distribute_tensor(w, ctx.mesh, [Shard(2)]),
+                                    None, distribute_tensor(offsets, ctx.mesh, [Replicate()]))
+    assert y_d.placements == (Partial(),), y_d.placements
+    ctx.close("ragged input features y", y_d, y0)
+    gw_d = ops.ragged_grouped_linear_grad_weight(distribute_tensor(dy, ctx.mesh, [Replicate()]),
+                                                 distribute_tensor(x, ctx.mesh, [Shard(1)]),
+                                                 distribute_tensor(offsets, ctx.mesh, [Replicate()]))
+    assert gw_d.placements == (Shard(2),), gw_d.placements
+    ctx.close("ragged input features grad_w", gw_d, want[2])
+    # through grouped_linear(group_sizes=...) and autograd, the weight's output features sharded
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    sizes = torch.tensor([2, 0, 5], device=ctx.device)
+    pg.grouped_linear(xr, wr, group_sizes=sizes).backward(dy)
+    xd = distribute_tensor(x, ctx.mesh, [Replicate()]).requires_grad_()
+    wd = distribute_tensor(w, ctx.mesh, [Shard(1)]).requires_grad_()
+    y_d = pg.grouped_linear(xd, wd, group_sizes=distribute_tensor(sizes, ctx.mesh, [Replicate()]))
+    assert y_d.placements == (Shard(1),), y_d.placements
+    y_d.backward(distribute_tensor(dy, ctx.mesh, [Shard(1)]))
+    ctx.close("ragged module y", y_d, pg.grouped_linear(x, w, group_sizes=sizes))
+    ctx.close("ragged module grad_x", xd.grad, xr.grad)
+    ctx.close("ragged module grad_w", wd.grad, wr.grad)
 
 
 def bad_input(ctx):
