@@ -235,7 +235,7 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
             memory format x suggests, as the conv's); ``"tokens"`` returns ``[B, N, E]`` with N in
             row-major patch-grid order, i.e. ``conv(x).flatten(2).transpose(1, 2)``, written
             directly; ``"channels_last"`` returns ``[B, E, *grid]`` strided like channels_last(_3d)
-            whatever x is: a view of those tokens, so ``.flatten(2).transpose(1, 2)`` (or a
+            whatever x is: those tokens' memory, so ``.flatten(2).transpose(1, 2)`` (or a
             permute to channels-last order) after it costs nothing.
         pad: None: spatial sizes must be divisible by the patch size (else a RuntimeError naming the
             shapes). ``"dynamic"``: zero-pad at the end of each spatial dim up to a multiple, like
@@ -269,7 +269,8 @@ def _patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: 
     x, weight, bias = _autocast(x, weight, bias)
     y = _call("patch_embed", x, weight, bias, out_format != "channels_first", [])
     if out_format == "channels_last":
-        y = y.transpose(1, 2).unflatten(2, [s // k for s, k in zip(x.shape[2:], weight.shape[2:])])
+        grid = [s // k for s, k in zip(x.shape[2:], weight.shape[2:])]
+        y = _unsafe_view(y.transpose(1, 2), (y.shape[0], y.shape[2], *grid))  # the tokens' memory, not a view
     return y.squeeze(0) if unbatched else y
 
 

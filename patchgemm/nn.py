@@ -237,8 +237,8 @@ class PatchEmbed(_ConvAttributes, nn.Module):
 
     Parameters ``weight[E, C, *k]`` and ``bias[E]`` have the conv's names and shapes, so a conv's
     ``state_dict`` loads unchanged. ``out_format="tokens"`` returns ``[B, N, E]`` directly (what
-    ``conv(x).flatten(2).transpose(1, 2)`` gives), ``"channels_last"`` the conv's shape as a view of
-    those tokens (see :func:`patchgemm.functional.patch_embed`); ``pad="dynamic"`` zero-pads
+    ``conv(x).flatten(2).transpose(1, 2)`` gives), ``"channels_last"`` the conv's shape over
+    those tokens' memory (see :func:`patchgemm.functional.patch_embed`); ``pad="dynamic"`` zero-pads
     non-divisible inputs.
     """
 
@@ -748,7 +748,7 @@ class HierarchicalPatchEmbed(nn.Module):
     The input is gathered once, with tokens ordered patch-major for the later stages (every group
     of stage-s patches forming a stage-(s+1) patch is a run of contiguous rows), so stages 2..L are
     plain GEMMs on *views* of the previous stage's output, with no gather at all. The channels-first
-    result is a view of those tokens (strided like channels_last), so ``flatten(2).transpose(1, 2)``
+    result shares those tokens' memory (strided like channels_last), so ``flatten(2).transpose(1, 2)``
     after it is free.
     """
 
@@ -821,7 +821,8 @@ class HierarchicalPatchEmbed(nn.Module):
                 y = _norm_act(y, norms[i], acts[i], stage_grid)
         if self.out_format == "tokens":
             return y
-        return y.transpose(1, 2).reshape(y.shape[0], y.shape[2], *grid)
+        # (an _unsafe_view: the same strides as the view, but not a view for FSDP2 to warn about)
+        return F._unsafe_view(y.transpose(1, 2), (y.shape[0], y.shape[2], *grid))
 
 
 class HierarchicalPatchUnembed(nn.Module):
