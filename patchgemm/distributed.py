@@ -43,21 +43,21 @@ def _dims(group_major: bool):
     return g, 1 - g
 
 
+def _bias(bias, placement: Placement) -> Optional[Placement]:
+    """The bias argument's placement in a rule: None where there is no bias."""
+    return None if bias is None else placement
+
+
 @register_sharding(ops.grouped_linear.default)
 def _grouped_linear_sharding(x, weight, bias, group_major):
     g, b = _dims(group_major)
-    has_bias = bias is not None
-
-    def with_bias(placement):
-        return placement if has_bias else None
-
     rules = [
-        ([Replicate()], [Replicate(), Replicate(), with_bias(Replicate()), None]),
-        ([Shard(g)], [Shard(g), Shard(0), with_bias(Shard(0)), None]),  # groups
-        ([Shard(b)], [Shard(b), Replicate(), with_bias(Replicate()), None]),  # batch
-        ([Shard(2)], [Replicate(), Shard(1), with_bias(Shard(1)), None]),  # output features
+        ([Replicate()], [Replicate(), Replicate(), _bias(bias, Replicate()), None]),
+        ([Shard(g)], [Shard(g), Shard(0), _bias(bias, Shard(0)), None]),  # groups
+        ([Shard(b)], [Shard(b), Replicate(), _bias(bias, Replicate()), None]),  # batch
+        ([Shard(2)], [Replicate(), Shard(1), _bias(bias, Shard(1)), None]),  # output features
     ]
-    if not has_bias:  # input features: each rank's partial sum over its slice of Din
+    if bias is None:  # input features: each rank's partial sum over its slice of Din
         rules.append(([Partial()], [Shard(2), Shard(2), None, None]))
     return rules
 
@@ -91,16 +91,11 @@ def _grouped_linear_grad_weight_sharding(grad_y, x, group_major):
 # or, without bias, the input features (a partial sum).
 @register_sharding(ops.ragged_grouped_linear.default)
 def _ragged_grouped_linear_sharding(x, weight, bias, offsets):
-    has_bias = bias is not None
-
-    def with_bias(placement):
-        return placement if has_bias else None
-
     rules = [
-        ([Replicate()], [Replicate(), Replicate(), with_bias(Replicate()), Replicate()]),
-        ([Shard(1)], [Replicate(), Shard(1), with_bias(Shard(1)), Replicate()]),  # output features
+        ([Replicate()], [Replicate(), Replicate(), _bias(bias, Replicate()), Replicate()]),
+        ([Shard(1)], [Replicate(), Shard(1), _bias(bias, Shard(1)), Replicate()]),  # output features
     ]
-    if not has_bias:
+    if bias is None:
         rules.append(([Partial()], [Shard(1), Shard(2), None, Replicate()]))  # input features
     return rules
 
@@ -212,10 +207,13 @@ def _all_to_all(t: Tensor, split_dim: int, send: List[int], cat_dim: int, cat: L
 
 def _all_gather(t: Tensor, dim: int, sizes: List[int], group) -> Tensor:
     """Every rank's t, concatenated in rank order along dim (rank r's ``sizes[r]`` long there),
-    padded to the longest for the collective."""
+    padded to the longest for the collective where the sizes differ."""
     longest = max(sizes)
-    padded = t.new_zeros([longest if d == dim else v for d, v in enumerate(t.shape)])
-    padded.narrow(dim, 0, t.shape[dim]).copy_(t)
+    if t.shape[dim] == longest:
+        padded = t.contiguous()
+    else:
+        padded = t.new_zeros([longest if d == dim else v for d, v in enumerate(t.shape)])
+        padded.narrow(dim, 0, t.shape[dim]).copy_(t)
     gathered = [torch.empty_like(padded) for _ in sizes]
     torch.distributed.all_gather(gathered, padded, group=group)
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(gathered, sizes)], dim)

@@ -221,8 +221,8 @@ def group_parallel_groups_in(ctx):
 
 
 def group_parallel_replicated_in(ctx):
-    for layout in ("bgd", "gbd"):
-        forward, backward = _group_parallel(ctx, layout, Replicate())
+    for layout, groups in (("bgd", 5), ("gbd", 5), ("bgd", 2 * ctx.world)):  # uneven and even splits
+        forward, backward = _group_parallel(ctx, layout, Replicate(), groups=groups)
         for ran in (forward, backward):  # the output gathered; in backward, x's gradient
             assert (len(ran) == 1 and "allgather" in ran[0]) or (ctx.world == 1 and not ran), \
                 f"{layout}: ran {forward} / {backward}"
