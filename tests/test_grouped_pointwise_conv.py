@@ -108,6 +108,22 @@ def test_small_group_kernels_match_float64(dtype, case, bias):
 
 
 @needs_gpu
+@pytest.mark.parametrize("bias", [True, False])
+def test_small_group_weight_grad_is_deterministic(bias):
+    """Several blocks per group sum their ranges in one fixed order: two runs agree bit for bit."""
+    x = randn(4, 3 * 100, 4096, dtype=torch.bfloat16, device="cuda")
+    grad_y = randn(4, 3 * 72, 4096, dtype=torch.bfloat16, device="cuda")
+    with patchgemm.force(grouped_pointwise_conv_grad_weight="small_groups"):
+        first, second = (torch.ops.patchgemm.grouped_pointwise_conv_grad_weight(grad_y, x, 3, bias) for _ in range(2))
+    ref_w = torch.einsum("bgml,bgkl->gmk", grad_y.double().view(4, 3, 72, -1), x.double().view(4, 3, 100, -1))
+    assert_close_to_ref(first[0].view(3, 72, 100), ref_w, torch.bfloat16, "grad weight")
+    if bias:
+        assert_close_to_ref(first[1], grad_y.double().sum((0, 2)), torch.bfloat16, "grad bias")
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@needs_gpu
 @pytest.mark.parametrize("case", SMALL_GROUP_CASES)
 def test_small_group_fp32_runs_in_tf32_where_the_conv_would(case):
     """fp32 forward and input gradient on the small-group kernel in TF32, under

@@ -23,8 +23,9 @@ bool small_group_apply(const at::Tensor& matrix, const at::Tensor& x, const std:
                        const at::Tensor& out, std::string& why);
 
 // grad_w [G, M, K] = sum over b and l of grad_y[b, g, :, l] x[b, g, :, l]^T, summed in fp32 and
-// rounded once: grad_y [B, G, M, L], x [B, G, K, L], as small_group_apply's x and out. Where grad_b
-// [G, M] is defined (K < 128 required), the bias gradient too: grad_y summed over b and l, in the same pass.
+// rounded once: grad_y [B, G, M, L], x [B, G, K, L], as small_group_apply's x and out; grad_w
+// contiguous. Where grad_b [G, M] (contiguous) is defined (K < 128 required), the bias gradient too:
+// grad_y summed over b and l, in the same pass.
 bool small_group_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& grad_w,
                              const at::Tensor& grad_b, std::string& why);
 

@@ -16,10 +16,12 @@
 //
 // Weight gradient: grad_w[g] [M, K] = sum over (b, l) of grad_y[b, g] [M, L] @ x[b, g]^T [L, K], a
 // GEMM whose reduction runs over all positions of all samples. Each block owns one group and a
-// range of 64-position slices (grid: splits x G, enough blocks to fill every SM), accumulates the
-// whole [<= 128 x 128] product in registers through the implicit GEMMs' pipelined main loop, and
-// writes fp32 partial sums; one sum over the ranges finishes (deterministic, unlike atomics). The
-// bias gradient rides along as one more column of x, all ones.
+// range of 64-position slices (grid: splits x G, enough blocks to fill every SM) and accumulates the
+// whole [<= 128 x 128] product in registers through the implicit GEMMs' pipelined main loop. One
+// range writes grad_w itself; several write fp32 partial sums, and the group's last block to finish
+// (a counter per group) adds them up in range order and writes grad_w: no further launch, and the
+// same sums in the same order on every run (deterministic, unlike atomic adds). The bias gradient
+// rides along as one more column of x, all ones.
 #include "kernels/gemm/small_group_gemm.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -281,7 +283,10 @@ struct GradArgs {
   int64_t dy_b, dy_g, dy_m;  // strides; positions contiguous
   const T* x;
   int64_t x_b, x_g, x_k;
-  float* partial;  // [splits, G, M, columns]
+  float* partial = nullptr;  // [splits, G, M x columns rounded up to 4] (several ranges only)
+  int* arrivals = nullptr;   // [G], zero: the group's blocks that have written their partial sums
+  T* grad_w;                 // [G, M, K], contiguous
+  T* grad_b;                 // [G, M], contiguous; nullptr: no bias gradient
   int groups, rows, depth, length;  // G, M, K, L
   int columns;                      // K, or K + 1 with the bias gradient (its sums of grad_y's rows)
   int l_tiles;                      // slices per sample
@@ -362,7 +367,23 @@ __global__ void __launch_bounds__(kThreads, 1) small_group_weight_grad_kernel(co
   });
 
   // acc[mt][j]: rows lane / 4 (c0, c1) and + 8 (c2, c3), columns 2 (lane % 4) and + 1 of n-tile j.
-  float* out = a.partial + (split * a.groups + g) * a.rows * a.columns;
+  const int64_t cells = (int64_t{a.rows} * a.columns + 3) / 4 * 4;  // a slab of partials, in whole quads
+  const bool alone = gridDim.x == 1;
+  float* out = a.partial + (split * a.groups + g) * cells;
+  auto write_grad = [&](int row, int col, float v) {  // column K: the bias gradient
+    if (col < a.depth) {
+      a.grad_w[(g * a.rows + row) * a.depth + col] = from_float<T>(v);
+    } else {
+      a.grad_b[g * a.rows + row] = from_float<T>(v);
+    }
+  };
+  auto put = [&](int row, int col, float v) {
+    if (alone) {
+      write_grad(row, col, v);
+    } else {
+      out[row * a.columns + col] = v;
+    }
+  };
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -372,8 +393,51 @@ __global__ void __launch_bounds__(kThreads, 1) small_group_weight_grad_kernel(co
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int col = c0 + j * 8 + 2 * (lane % 4);
-        if (col < a.columns) out[row * a.columns + col] = acc[mt][j][2 * h];
-        if (col + 1 < a.columns) out[row * a.columns + col + 1] = acc[mt][j][2 * h + 1];
+        if (col < a.columns) put(row, col, acc[mt][j][2 * h]);
+        if (col + 1 < a.columns) put(row, col + 1, acc[mt][j][2 * h + 1]);
+      }
+    }
+  }
+  if (alone) return;
+  // The last of the group's blocks to arrive sums the ranges' partials: the fence makes this block's
+  // partials visible before its arrival counts, and the last block's reads bypass L1.
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(a.arrivals + g, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // (Four quads per thread per round, every range's loads in flight together: the sum is on the
+  // kernel's tail.)
+  const int64_t quads = cells / 4, split_quads = a.groups * quads;
+  const float4* first = reinterpret_cast<const float4*>(a.partial) + g * quads;
+  for (int64_t q0 = tid; q0 < quads; q0 += 4 * kThreads) {
+    float4 sum[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t q = q0 + u * kThreads;
+      sum[u] = q < quads ? __ldcg(first + q) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    for (int s = 1; s < static_cast<int>(gridDim.x); ++s) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t q = q0 + u * kThreads;
+        if (q >= quads) continue;
+        const float4 v = __ldcg(first + s * split_quads + q);
+        sum[u].x += v.x, sum[u].y += v.y, sum[u].z += v.z, sum[u].w += v.w;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t q = q0 + u * kThreads;
+      if (q >= quads) continue;
+      const float v[4] = {sum[u].x, sum[u].y, sum[u].z, sum[u].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = 4 * q + e;
+        if (i >= int64_t{a.rows} * a.columns) break;
+        write_grad(static_cast<int>(i / a.columns), static_cast<int>(i % a.columns), v[e]);
       }
     }
   }
@@ -412,9 +476,16 @@ bool common_checks(const at::Tensor& x, int64_t rows, int64_t depth, bool fp32, 
   return true;
 }
 
+template <typename T, int kKSteps, int kTileL, int kStages>
+constexpr int apply_smem = (2 * kMaxRows + kStages * kKSteps * 16) * (kTileL + 8) * sizeof(T);
+
+// Whether a block with `smem` bytes of dynamic shared memory fits on the current GPU.
+bool smem_fits(int smem) { return smem <= static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin); }
+
 template <typename T, int kKSteps, int kTileL, int kStages, int kMinBlocks>
-void launch_apply(ApplyArgs<T> args) {
-  constexpr int smem = (2 * kMaxRows + kStages * kKSteps * 16) * (kTileL + 8) * sizeof(T);
+bool launch_apply(ApplyArgs<T> args) {
+  constexpr int smem = apply_smem<T, kKSteps, kTileL, kStages>;
+  if (!smem_fits(smem)) return false;
   const auto kernel = small_group_apply_kernel<T, kKSteps, kTileL, kStages, kMinBlocks>;
   const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, smem);
   TORCH_CHECK(shape.blocks_per_sm > 0, "small_group_apply: ", smem, " bytes of shared memory fit no block on this GPU");
@@ -426,24 +497,26 @@ void launch_apply(ApplyArgs<T> args) {
   const int64_t teams = std::max<int64_t>(1, std::min<int64_t>(args.tiles, int64_t{shape.blocks_per_sm} * shape.sms / args.team));
   kernel<<<static_cast<unsigned>(teams * args.team), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
 }
 
 // 16-bit, two tilings: 128 positions, one block per SM; for at most 64 positions per sample, where
 // half of such a tile would be idle, 64 positions with two blocks per SM (slower on long samples:
 // twice the tiles, and the 128-register limit of two blocks spills at K > 80). fp32: 64 positions
-// (the same 16-byte chunks per row), one block per SM for the A fragments' registers.
+// (the same 16-byte chunks per row), one block per SM for the A fragments' registers. False: the
+// tile does not fit the GPU's shared memory (K > 112 on sm_80's 163 KB).
 template <typename T, int kKSteps>
-void launch_variant(const ApplyArgs<T>& args) {
+bool launch_variant(const ApplyArgs<T>& args) {
   if constexpr (std::is_same_v<T, float>) {
-    launch_apply<T, kKSteps, 64, 3, 1>(args);
+    return launch_apply<T, kKSteps, 64, 3, 1>(args);
   } else {
     if (args.length <= 64) return launch_apply<T, kKSteps, 64, 4, 2>(args);
-    launch_apply<T, kKSteps, 128, 3, 1>(args);
+    return launch_apply<T, kKSteps, 128, 3, 1>(args);
   }
 }
 
 template <typename T>
-void dispatch_apply(const ApplyArgs<T>& args) {
+bool dispatch_apply(const ApplyArgs<T>& args) {
   switch ((args.depth + 15) / 16) {
     case 1: return launch_variant<T, 1>(args);
     case 2: return launch_variant<T, 2>(args);
@@ -457,7 +530,7 @@ void dispatch_apply(const ApplyArgs<T>& args) {
 }
 
 template <typename T>
-void run_apply(const at::Tensor& matrix, const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+bool run_apply(const at::Tensor& matrix, const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& out) {
   ApplyArgs<T> a;
   a.x = static_cast<const T*>(x.const_data_ptr());
   a.x_b = x.stride(0), a.x_g = x.stride(1), a.x_k = x.stride(2);
@@ -472,7 +545,7 @@ void run_apply(const at::Tensor& matrix, const at::Tensor& x, const std::optiona
   a.depth = static_cast<int>(x.size(2));
   a.length = static_cast<int>(x.size(3));
   a.groups = static_cast<int>(x.size(1));
-  dispatch_apply(a);
+  return dispatch_apply(a);
 }
 
 template <typename T>
@@ -501,14 +574,18 @@ void run_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Te
     const int64_t waves = (a.groups * s + resident - 1) / resident, best = (a.groups * splits + resident - 1) / resident;
     if (waves * splits < best * s) splits = s;
   }
-  const at::Tensor partial = at::empty({splits, a.groups, a.rows, a.columns}, x.options().dtype(at::kFloat));
-  a.partial = partial.data_ptr<float>();
+  at::Tensor partial, arrivals;  // (kept alive until the launch is queued)
+  if (splits > 1) {
+    partial = at::empty({splits, a.groups, (int64_t{a.rows} * a.columns + 3) / 4 * 4}, x.options().dtype(at::kFloat));
+    arrivals = at::zeros({a.groups}, x.options().dtype(at::kInt));
+    a.partial = partial.data_ptr<float>();
+    a.arrivals = arrivals.data_ptr<int>();
+  }
+  a.grad_w = static_cast<T*>(grad_w.data_ptr());
+  a.grad_b = grad_b.defined() ? static_cast<T*>(grad_b.data_ptr()) : nullptr;
   kernel<<<dim3(static_cast<unsigned>(splits), static_cast<unsigned>(a.groups)), kThreads, smem,
            at::cuda::getCurrentCUDAStream()>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor sums = splits == 1 ? partial[0] : partial.sum(0);
-  grad_w.copy_(sums.narrow(2, 0, a.depth));
-  if (grad_b.defined()) grad_b.copy_(sums.select(2, a.depth));
 }
 
 }  // namespace
@@ -518,14 +595,10 @@ bool small_group_apply(const at::Tensor& matrix, const at::Tensor& x, const std:
   if (!common_checks(x, matrix.size(1), x.size(2), /*fp32=*/true, why, {x, out})) return false;
   if (x.size(1) >= 65536) return decline(why, "at most 65535 groups");
   const c10::cuda::CUDAGuard guard(x.device());
-  if (x.scalar_type() == at::kHalf) {
-    run_apply<__half>(matrix, x, bias, out);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    run_apply<__nv_bfloat16>(matrix, x, bias, out);
-  } else {
-    run_apply<float>(matrix, x, bias, out);
-  }
-  return true;
+  const bool ran = x.scalar_type() == at::kHalf       ? run_apply<__half>(matrix, x, bias, out)
+                   : x.scalar_type() == at::kBFloat16 ? run_apply<__nv_bfloat16>(matrix, x, bias, out)
+                                                      : run_apply<float>(matrix, x, bias, out);
+  return ran || decline(why, "the tile for this K needs more shared memory than this GPU has");
 }
 
 bool small_group_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& grad_w,
@@ -533,6 +606,8 @@ bool small_group_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, cons
   if (!common_checks(x, grad_y.size(2), x.size(2), /*fp32=*/false, why, {x, grad_y})) return false;
   TORCH_CHECK(!grad_b.defined() || x.size(2) < kMaxRows, "small_group_weight_grad: the bias gradient's column needs K < ",
               kMaxRows, ", got K = ", x.size(2));
+  TORCH_CHECK(grad_w.is_contiguous() && (!grad_b.defined() || grad_b.is_contiguous()),
+              "small_group_weight_grad: grad_w and grad_b must be contiguous");
   if (x.size(0) * ((x.size(3) + kGradTileL - 1) / kGradTileL) >= INT_MAX) return decline(why, "sizes past 32-bit indices");
   if (x.size(1) >= 65536) return decline(why, "at most 65535 groups");
   const c10::cuda::CUDAGuard guard(x.device());
