@@ -121,6 +121,24 @@ def test_explain_reports_every_candidate(device):
     assert {c.op for c in e} == {"patch_embed", "patch_unembed", "patch_weight_grad"}, str(e)
 
 
+def test_cpu_small_windows_into_channels_first_choose_onednn():
+    """On the CPU, k = 2 merges into channels-first outputs (forward and weight gradient) run on
+    ATen's convolution; longer windows, token outputs and channels-last x keep the gather + GEMM."""
+    w = randn(16, 4, 2, 2, 2, requires_grad=True)
+    x = randn(1, 4, 8, 8, 8)
+    with patchgemm.explain() as e:
+        patchgemm.patch_embed(x, w).sum().backward()
+    chosen = {c.op: c.chosen for c in e}
+    assert chosen == {"patch_embed": "aten_conv", "patch_weight_grad": "aten_conv_backward"}, str(e)
+    assert "oneDNN" in str(e[0])
+    for x, w, fmt in [(randn(1, 4, 8, 8, 8), randn(16, 4, 4, 4, 4), "channels_first"),
+                      (randn(1, 4, 8, 8, 8), randn(16, 4, 2, 2, 2), "tokens"),
+                      (randn(1, 4, 8, 8, 8).contiguous(memory_format=torch.channels_last_3d), randn(16, 4, 2, 2, 2),
+                       "channels_first")]:
+        (c,) = patchgemm.explain(patchgemm.patch_embed, x, w, None, out_format=fmt)
+        assert c.chosen != "aten_conv", str(c)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["bgd", "gbd"])
 def test_grouped_candidates_match_the_linears(device, layout):

@@ -119,6 +119,20 @@ WhyNot cudnn_wins_channels_last(const at::Tensor& x, const PatchGeometry& g) {
   return {};
 }
 
+// On the CPU every path is ATen's, and the gather + GEMM moves x's patches (and, for a
+// channels-first output, the product's transpose) as strided element copies. For windows of at most
+// 8 (k = 2 merges) those copies move 2- to 8-byte runs and cost several times the GEMM, while
+// oneDNN's convolution reads x once; larger windows copy longer runs, and the GEMM wins (python -m
+// patchgemm bench --device cpu: P3, P4 against P5). Channels-first x only: torch 2.11's oneDNN bf16
+// convolution returns wrong values for some channels-last x (see cudnn_wins_channels_last).
+WhyNot onednn_wins_small_windows(const at::Tensor& x, const PatchGeometry& g, bool tokens_out) {
+  if (!x.device().is_cpu() || tokens_out || g.channels_last || g.levels.size() != 1 || g.channels == 0) return {};
+  if (g.kernel[0] * g.kernel[1] * g.kernel[2] <= 8) {
+    return "rule: on the CPU, windows of at most 8 into channels-first outputs run faster on oneDNN's convolution";
+  }
+  return {};
+}
+
 // patch_embed's and patch_unembed's problems in the log and explain().
 template <typename Problem>
 std::string patch_signature(const Problem& p) {
@@ -215,7 +229,8 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
         {"gather_gemm", "cpu cuda rocm", "any problem: the patch matrix gathered, then one GEMM",
          [](const EmbedProblem&) { return WhyNot(); },
          [](const EmbedProblem& p) -> WhyNot {
-           if (!p.x.is_cuda() || p.g.levels.size() != 1) return {};
+           if (!p.x.is_cuda()) return onednn_wins_small_windows(p.x, p.g, p.tokens_out);
+           if (p.g.levels.size() != 1) return {};
            const bool fp32 = p.x.scalar_type() == at::kFloat;
            // fp32 k = 2 merges into channels-first outputs: memory-bound, where the gather of 4-byte
            // values costs more than cuDNN's implicit TF32 GEMM (e.g. Conv2d(64, 128, k = 2)).
@@ -432,7 +447,8 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
                gemm_macs(p.g, p.embed) < kTinyWeightGradMacs) {
              return "rule: channels-first problems of under 2^21 multiply-adds run faster on cuDNN";
            }
-           return cudnn_wins_channels_last(p.x, p.g);
+           WhyNot why = onednn_wins_small_windows(p.x, p.g, p.tokens);
+           return !why.empty() ? why : cudnn_wins_channels_last(p.x, p.g);
          },
          [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> { return weight_grad_by_gemm(p); }},
         {"aten_conv_backward", "cpu cuda rocm", "PyTorch's convolution backward (cuDNN on CUDA); row-major tokens",
