@@ -121,6 +121,12 @@ def test_explain_reports_every_candidate(device):
     assert {c.op for c in e} == {"patch_embed", "patch_unembed", "patch_weight_grad"}, str(e)
 
 
+def test_cpu_grouped_linear_with_bias_runs_baddbmm():
+    x, w, b = randn(4, 3, 8), randn(3, 5, 8), randn(3, 5)
+    assert patchgemm.explain(patchgemm.grouped_linear, x, w, b)[0].chosen == "aten_bmm"
+    assert patchgemm.explain(patchgemm.grouped_linear, x, w)[0].chosen == "strided_batched"
+
+
 def test_cpu_small_windows_into_channels_first_choose_onednn():
     """On the CPU, k = 2 merges into channels-first outputs (forward and weight gradient) run on
     ATen's convolution; longer windows, token outputs and channels-last x keep the gather + GEMM."""

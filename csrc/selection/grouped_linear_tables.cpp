@@ -63,7 +63,12 @@ std::vector<Candidate<GroupedProblem, at::Tensor>> candidates() {
       {"strided_batched", "cpu cuda rocm", "any problem: one cuBLAS / hipBLAS strided-batched GEMM (guarded "
                                            "against cuBLAS's split-K tail loss)",
        [](const GroupedProblem&) { return WhyNot(); },
-       nullptr,
+       // On the CPU both run ATen's bmm; with a bias, baddbmm adds it in the product, where the
+       // planned call adds the product onto a bias written first (one more pass over the output).
+       [](const GroupedProblem& p) -> WhyNot {
+         if (p.a.device().is_cpu() && p.bias) return "rule: on the CPU, ATen's baddbmm adds the bias in the product";
+         return {};
+       },
        [](const GroupedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
          run_gemm(p.a, p.b, p.c, p.bias);
          return p.out;
