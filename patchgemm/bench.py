@@ -633,6 +633,8 @@ def environment(device: torch.device) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda or torch.version.hip
         env["tf32"] = torch.backends.cuda.matmul.allow_tf32
+    elif device.type == "cpu":  # what a CPU result depends on: the threads ATen runs on
+        env["device"] = f"cpu, {torch.get_num_threads()} threads"
     return env
 
 
