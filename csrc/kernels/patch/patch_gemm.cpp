@@ -113,6 +113,16 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
   // a column of W' against a ones column of P: no pass over y (whose bias would run along rows,
   // which BLAS epilogues do not offer).
   at::Tensor y = at::empty(p.out_shape, p.x.options());
+  if (p.x.device().is_cpu()) {
+    // CPU: ATen's GEMM reads P's first K columns through their row stride, and the bias is one
+    // vectorized pass over y, where [W' | bias | 0] would cost two passes over W each call.
+    const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/false).narrow(2, 0, g.patch_size());
+    const at::Tensor yv = y.view({g.batch, embed, N});
+    run_gemm(p.w2.unsqueeze(0).expand({g.batch, embed, p.w2.size(1)}), pm.transpose(1, 2), yv, std::nullopt, false,
+             kConv);
+    if (p.bias) yv.add_(p.bias->view({1, embed, 1}));
+    return y;
+  }
   const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/p.bias.has_value());
   const at::Tensor w = padded_weight(p.w2, p.bias, pm.size(2));
   run_gemm(w.unsqueeze(0).expand({g.batch, embed, w.size(1)}), pm.transpose(1, 2), y.view({g.batch, embed, N}),
