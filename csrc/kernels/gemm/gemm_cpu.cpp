@@ -27,9 +27,9 @@ void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, con
   for (const BlasCall& call : calls) {
     // Column-major C = op(A) @ op(B), with BLAS A the problem's b and BLAS B the problem's a, run
     // row-major as C^T = op(B)^T @ op(A)^T: ATen then reads the problem's own a and b views and
-    // writes a product laid out as c's rows are. (In the column-major orientation the product
-    // lands transposed on c, and ATen's strided 16-bit loops for that are many times slower.) A
-    // single product goes through mm, whose CPU GEMM is faster than bmm's at batch 1.
+    // writes into c's rows, which are contiguous in this orientation. (In the column-major one c
+    // is transposed, and ATen's strided 16-bit loops for that are many times slower.) A single
+    // product goes through mm, whose CPU GEMM is faster than bmm's at batch 1.
     const at::Tensor lhs =
         op_view(a, call.offset_b, call.batch, call.k, call.n, call.ldb, call.stride_b, call.trans_b).transpose(1, 2);
     const at::Tensor rhs =
@@ -39,8 +39,12 @@ void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, con
     // (c in fp32 for 16-bit a and b: the product is formed in fp32 too.)
     const bool widen = c.scalar_type() != a.scalar_type();
     const at::Tensor l = widen ? lhs.to(c.scalar_type()) : lhs, r = widen ? rhs.to(c.scalar_type()) : rhs;
-    const at::Tensor product = call.batch == 1 ? at::mm(l[0], r[0]).unsqueeze(0) : at::bmm(l, r);
-    call.accumulate ? out.add_(product) : out.copy_(product);
+    if (call.batch == 1) {
+      at::Tensor out2 = out.select(0, 0);
+      call.accumulate ? out2.addmm_(l[0], r[0]) : at::mm_out(out2, l[0], r[0]);
+    } else {
+      call.accumulate ? out.baddbmm_(l, r) : at::bmm_out(out, l, r);
+    }
   }
 }
 
