@@ -271,7 +271,8 @@ def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
     assert rows[-1]["op"] == "all" and rows[-1]["records"] == len(test)
     for row in rows:
         for mode in ("heuristic", "learned", "single best"):
-            assert row[mode]["mean"] >= 1.0 and row[mode]["worst"] >= row[mode]["mean"]
+            # (a geometric mean of one value comes back through exp(log): allow its rounding)
+            assert row[mode]["mean"] >= 1.0 and row[mode]["worst"] >= row[mode]["mean"] * (1 - 1e-12)
 
     # Relabeling re-derives each record's heuristic choice and rule features from today's rules.
     originals = [(dict(r.tags), dict(r.features)) for r in records]

@@ -128,7 +128,7 @@ def test_cpu_grouped_linear_with_bias_runs_baddbmm():
 
 
 def test_cpu_small_windows_into_channels_first_choose_onednn():
-    """On the CPU, k = 2 merges into channels-first outputs (forward and weight gradient) run on
+    """On the CPU, windows of at most 16 into channels-first outputs (forward and weight gradient) run on
     ATen's convolution; longer windows, token outputs and channels-last x keep the gather + GEMM."""
     w = randn(16, 4, 2, 2, 2, requires_grad=True)
     x = randn(1, 4, 8, 8, 8)

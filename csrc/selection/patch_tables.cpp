@@ -121,14 +121,14 @@ WhyNot cudnn_wins_channels_last(const at::Tensor& x, const PatchGeometry& g) {
 
 // On the CPU every path is ATen's, and the gather + GEMM moves x's patches (and, for a
 // channels-first output, the product's transpose) as strided element copies. For windows of at most
-// 8 (k = 2 merges) those copies move 2- to 8-byte runs and cost several times the GEMM, while
-// oneDNN's convolution reads x once; larger windows copy longer runs, and the GEMM wins (python -m
-// patchgemm bench --device cpu: P3, P4 against P5). Channels-first x only: torch 2.11's oneDNN bf16
-// convolution returns wrong values for some channels-last x (see cudnn_wins_channels_last).
+// 16 (k = 2 in 3-D, k = 4 in 2-D) those copies move short runs and cost up to several times the
+// GEMM, while oneDNN's convolution reads x once; larger windows copy longer runs, and the GEMM wins
+// (python -m patchgemm bench --device cpu: P3, P4 against P5). Channels-first x only: torch 2.11's
+// oneDNN bf16 convolution returns wrong values for some channels-last x (see cudnn_wins_channels_last).
 WhyNot onednn_wins_small_windows(const at::Tensor& x, const PatchGeometry& g, bool tokens_out) {
   if (!x.device().is_cpu() || tokens_out || g.channels_last || g.levels.size() != 1 || g.channels == 0) return {};
-  if (g.kernel[0] * g.kernel[1] * g.kernel[2] <= 8) {
-    return "rule: on the CPU, windows of at most 8 into channels-first outputs run faster on oneDNN's convolution";
+  if (g.kernel[0] * g.kernel[1] * g.kernel[2] <= 16) {
+    return "rule: on the CPU, windows of at most 16 into channels-first outputs run faster on oneDNN's convolution";
   }
   return {};
 }

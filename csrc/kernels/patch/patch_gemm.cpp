@@ -114,13 +114,12 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
   // which BLAS epilogues do not offer).
   at::Tensor y = at::empty(p.out_shape, p.x.options());
   if (p.x.device().is_cpu()) {
-    // CPU: ATen's GEMM reads P's first K columns through their row stride, and the bias is one
-    // vectorized pass over y, where [W' | bias | 0] would cost two passes over W each call.
+    // CPU: tokens [B*N, E] = P @ W^T + bias by ATen's linear (whose CPU GEMM runs this orientation
+    // fastest, and adds the bias), then one transposing copy into the channels-first output, where
+    // [W' | bias | 0] would cost two passes over W each call.
     const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/false).narrow(2, 0, g.patch_size());
-    const at::Tensor yv = y.view({g.batch, embed, N});
-    run_gemm(p.w2.unsqueeze(0).expand({g.batch, embed, p.w2.size(1)}), pm.transpose(1, 2), yv, std::nullopt, false,
-             kConv);
-    if (p.bias) yv.add_(p.bias->view({1, embed, 1}));
+    const at::Tensor tokens = at::linear(pm, p.w2, p.bias);
+    y.view({g.batch, embed, N}).copy_(tokens.transpose(1, 2));
     return y;
   }
   const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/p.bias.has_value());
