@@ -129,18 +129,19 @@ def test_cpu_grouped_linear_with_bias_runs_baddbmm():
 
 def test_cpu_small_windows_into_channels_first_choose_onednn():
     """On the CPU, windows of at most 16 into channels-first outputs (forward and weight gradient) run on
-    ATen's convolution; longer windows, token outputs and channels-last x keep the gather + GEMM."""
+    ATen's convolution; longer windows, token outputs and non-contiguous x keep the gather + GEMM."""
     w = randn(16, 4, 2, 2, 2, requires_grad=True)
     x = randn(1, 4, 8, 8, 8)
     with patchgemm.explain() as e:
-        patchgemm.patch_embed(x, w).sum().backward()
+        patchgemm.patch_embed(x, w).backward(randn(1, 16, 4, 4, 4))
     chosen = {c.op: c.chosen for c in e}
     assert chosen == {"patch_embed": "aten_conv", "patch_weight_grad": "aten_conv_backward"}, str(e)
     assert "oneDNN" in str(e[0])
     for x, w, fmt in [(randn(1, 4, 8, 8, 8), randn(16, 4, 4, 4, 4), "channels_first"),
                       (randn(1, 4, 8, 8, 8), randn(16, 4, 2, 2, 2), "tokens"),
                       (randn(1, 4, 8, 8, 8).contiguous(memory_format=torch.channels_last_3d), randn(16, 4, 2, 2, 2),
-                       "channels_first")]:
+                       "channels_first"),
+                      (randn(1, 8, 8, 8, 8)[:, ::2], randn(16, 4, 2, 2, 2), "channels_first")]:
         (c,) = patchgemm.explain(patchgemm.patch_embed, x, w, None, out_format=fmt)
         assert c.chosen != "aten_conv", str(c)
 

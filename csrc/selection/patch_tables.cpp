@@ -123,10 +123,15 @@ WhyNot cudnn_wins_channels_last(const at::Tensor& x, const PatchGeometry& g) {
 // channels-first output, the product's transpose) as strided element copies. For windows of at most
 // 16 (k = 2 in 3-D, k = 4 in 2-D) those copies move short runs and cost up to several times the
 // GEMM, while oneDNN's convolution reads x once; larger windows copy longer runs, and the GEMM wins
-// (python -m patchgemm bench --device cpu: P3, P4 against P5). Channels-first x only: torch 2.11's
-// oneDNN bf16 convolution returns wrong values for some channels-last x (see cudnn_wins_channels_last).
-WhyNot onednn_wins_small_windows(const at::Tensor& x, const PatchGeometry& g, bool tokens_out) {
-  if (!x.device().is_cpu() || tokens_out || g.channels_last || g.levels.size() != 1 || g.channels == 0) return {};
+// (python -m patchgemm bench --device cpu: P3, P4 against P5). Contiguous operands only: torch
+// 2.11's oneDNN bf16 convolution returns wrong values for some other strides (channels-last x
+// [3, 24, 28, 176] with k = (14, 16); a strided 1-D x with k = 16: tests/test_fuzz.py).
+WhyNot onednn_wins_small_windows(std::initializer_list<at::Tensor> operands, const PatchGeometry& g, bool tokens_out) {
+  const at::Tensor& x = *operands.begin();
+  if (!x.device().is_cpu() || tokens_out || g.levels.size() != 1 || g.channels == 0) return {};
+  for (const at::Tensor& t : operands) {
+    if (!t.is_contiguous()) return {};
+  }
   if (g.kernel[0] * g.kernel[1] * g.kernel[2] <= 16) {
     return "rule: on the CPU, windows of at most 16 into channels-first outputs run faster on oneDNN's convolution";
   }
@@ -229,7 +234,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
         {"gather_gemm", "cpu cuda rocm", "any problem: the patch matrix gathered, then one GEMM",
          [](const EmbedProblem&) { return WhyNot(); },
          [](const EmbedProblem& p) -> WhyNot {
-           if (!p.x.is_cuda()) return onednn_wins_small_windows(p.x, p.g, p.tokens_out);
+           if (!p.x.is_cuda()) return onednn_wins_small_windows({p.x, p.weight}, p.g, p.tokens_out);
            if (p.g.levels.size() != 1) return {};
            const bool fp32 = p.x.scalar_type() == at::kFloat;
            // fp32 k = 2 merges into channels-first outputs: memory-bound, where the gather of 4-byte
@@ -447,7 +452,7 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
                gemm_macs(p.g, p.embed) < kTinyWeightGradMacs) {
              return "rule: channels-first problems of under 2^21 multiply-adds run faster on cuDNN";
            }
-           WhyNot why = onednn_wins_small_windows(p.x, p.g, p.tokens);
+           WhyNot why = onednn_wins_small_windows({p.x, p.grad_y}, p.g, p.tokens);
            return !why.empty() ? why : cudnn_wins_channels_last(p.x, p.g);
          },
          [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> { return weight_grad_by_gemm(p); }},
