@@ -398,8 +398,8 @@ def _rank_main(rank, world, backend, out, init_file):
             results[name] = traceback.format_exc()
         torch._dynamo.reset()
         dist.barrier()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:  # so far: a world cut short keeps these
+            json.dump(results, f)
     dist.destroy_process_group()
 
 
