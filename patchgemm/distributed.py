@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import register_sharding
 
+from . import _functorch
 from . import functional as _F
 from .ops import _group_dim, ops
 
@@ -135,10 +136,18 @@ def _grouped_modules(module: nn.Module) -> List[nn.Module]:
     return [m for m in module.modules() if isinstance(m, (GroupedLinear, GroupedMLP))]
 
 
-def _local_result(module, x: Tensor, shards: dict) -> Tensor:
-    """The module's computation on this rank's groups: x and its parameters' shards (by name)."""
+def _local_result(module, x: Tensor) -> Tensor:
+    """The module's computation on this rank's groups of x and of its DTensor parameters."""
     from .nn import GroupedMLP
 
+    if not isinstance(module, GroupedMLP):
+        weight, bias = module.weight, module.bias
+        if (x.dim() == 3 and isinstance(weight, DTensor) and (bias is None or isinstance(bias, DTensor))
+                and not _functorch.active() and not torch.compiler.is_compiling()):
+            # the usual case, in one autograd node (functorch transforms and tracing take the other)
+            return _ShardedGroupedLinear.apply(*_F._autocast(x, weight, bias), module.layout == "gbd")
+    names, params = zip(*module.named_parameters(recurse=False))
+    shards = dict(zip(names, _LocalShards.apply(*params)))
     if isinstance(module, GroupedMLP):
         return _F.grouped_mlp(x, shards["w_gate_up"], shards["w_down"], module.layout,
                               bias_gate_up=shards.get("bias_gate_up"), bias_down=shards.get("bias_down"),
@@ -163,8 +172,7 @@ class _GroupParallel:
             _check_shard_dim("input_layout", input_layout, x)
             x_mine = x if _same(input_layout, g, x.dim()) else \
                 _Regroup.apply(x, input_layout, on_groups, self.num_groups, g, mesh.get_group())
-        names, params = zip(*self.named_parameters(recurse=False))
-        y_mine = _local_result(self, x_mine, dict(zip(names, _LocalShards.apply(*params))))
+        y_mine = _local_result(self, x_mine)
         _check_shard_dim("output_layout", output_layout, y_mine)
         if use_local_output:
             return y_mine if _same(output_layout, g, y_mine.dim()) else \
@@ -272,6 +280,39 @@ class _LocalShards(torch.autograd.Function):
         # The shards are contiguous (distribute_tensor's), so contiguous gradients match the specs.
         return tuple(None if g is None else DTensor(g.contiguous(), copy.copy(spec), requires_grad=False)
                      for g, spec in zip(grads, ctx.specs))
+
+
+class _ShardedGroupedLinear(torch.autograd.Function):
+    """grouped_linear on this rank's groups: x local, the weight and bias DTensors sharded on the
+    groups. The ops and gradients of _LocalShards followed by the op's own autograd, in one node
+    whose backward makes the parameter gradients as DTensors of the parameters' specs: with half
+    the GEMMs per GPU, host time per step is what limits a group-parallel layer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group_major):
+        ctx.set_materialize_grads(False)
+        w = weight._local_tensor
+        ctx.save_for_backward(x, w)
+        ctx.group_major = group_major
+        ctx.specs = weight._spec, None if bias is None else bias._spec
+        return _functorch.call("grouped_linear", x, w, None if bias is None else bias._local_tensor, group_major)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        if grad_y is None:
+            return None, None, None, None
+        x, w = ctx.saved_tensors
+        group_major, (weight_spec, bias_spec) = ctx.group_major, ctx.specs
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        grad_x = ops.grouped_linear_grad_input.default(grad_y, w, group_major) if need_x else None
+        grad_w = grad_b = None
+        if need_w:  # (contiguous, as the shards are: the specs' strides)
+            grad_w = ops.grouped_linear_grad_weight.default(grad_y, x, group_major).contiguous()
+            grad_w = DTensor(grad_w, copy.copy(weight_spec), requires_grad=False)
+        if need_b and bias_spec is not None:
+            grad_b = _functorch._opmath_sum(grad_y, (_dims(group_major)[1],))
+            grad_b = DTensor(grad_b, copy.copy(bias_spec), requires_grad=False)
+        return grad_x, grad_w, grad_b, None
 
 
 def _on_groups(t: Tensor, mesh: DeviceMesh, g: int, groups: int) -> DTensor:
