@@ -15,10 +15,12 @@ fixed), in these forms:
 - ``groups, groups-sharded in``: the input already split by groups (a run of group-parallel layers):
   no communication, the compute-only bound.
 
-Step time: CUDA events around back-to-back steps, the slowest rank's, median of rounds. ``speedup`` =
-the 1-GPU step time / the form's (throughput on the same global batch). Memory: the peak a step
-allocates on a GPU above what was allocated before it, the largest over the ranks. Without GPUs
-(``--smoke``: gloo, tiny shapes) it checks that every form runs.
+Step time, the slowest rank's, median of rounds of back-to-back steps: ``ms/step`` is the wall time
+(CUDA events; the larger of GPU and host time per step), ``GPU ms`` the GPU's own (the GPU kept busy
+while the host queues the round) and ``host ms`` the time the host takes to issue a step. ``speedup``
+= the 1-GPU form's time / the form's, on the same global batch (throughput), wall and GPU time.
+Memory: the peak a step allocates on a GPU above what was allocated before it, the largest over the
+ranks. Without GPUs (``--smoke``: gloo, tiny shapes) it checks that every form runs.
 """
 
 import argparse
@@ -34,7 +36,7 @@ from torch.distributed.tensor import Replicate, Shard, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import patchgemm
-from patchgemm.bench import environment
+from patchgemm.bench import _sleep_ms, environment
 from patchgemm.distributed import shard_groups
 
 LAYERS = {  # name: (global batch, groups, in, out)
@@ -51,36 +53,47 @@ def _max_over_ranks(value: float, device) -> float:
     return t.item()
 
 
-def _time_steps(step, device, active=True) -> tuple:
-    """(median ms per step over the rounds, peak MB above the start), the slowest rank's."""
+def _time_steps(step, device, active=True) -> dict:
+    """The slowest rank's medians over rounds of STEPS steps: ``ms``, wall time per step (steps
+    back to back, as training runs them: the larger of GPU and host time); ``gpu_ms``, GPU time
+    per step (the GPU kept busy while the host queues the round, so host gaps do not count);
+    ``host_ms``, host time to issue a step; ``peak_mb``, what a step allocates above the start."""
     cuda = device.type == "cuda"
     if active:
         step()
         step()  # warm-up: cuBLAS handles, DTensor's plans
-    times = []
+    wall, gpu, host = [], [], []
     if cuda:
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(ROUNDS):
-        dist.barrier()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
+        for busy in (False, True) if cuda else (False,):
+            dist.barrier()
+            if cuda:
+                torch.cuda.synchronize(device)
+                if busy:  # twice the host time of a round, so the host has queued it all
+                    _sleep_ms(2 * STEPS * max(host, default=1.0) + 0.5, device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
             t0 = time.perf_counter()
-        if active:
-            for _ in range(STEPS):
-                step()
-        if cuda:
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end) / STEPS
-        else:
-            ms = (time.perf_counter() - t0) * 1e3 / STEPS
-        times.append(_max_over_ranks(ms if active else 0.0, device))
+            if active:
+                for _ in range(STEPS):
+                    step()
+            issued_ms = (time.perf_counter() - t0) * 1e3 / STEPS
+            if cuda:
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end) / STEPS
+            else:
+                ms = (time.perf_counter() - t0) * 1e3 / STEPS
+            (gpu if busy else wall).append(_max_over_ranks(ms if active else 0.0, device))
+            if busy or not cuda:
+                host.append(_max_over_ranks(issued_ms if active else 0.0, device))
     peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if cuda and active else 0.0
-    return statistics.median(times), _max_over_ranks(peak, device)
+    median = statistics.median
+    return {"ms": median(wall), "gpu_ms": median(gpu) if gpu else None, "host_ms": median(host),
+            "peak_mb": _max_over_ranks(peak, device)}
 
 
 def _forms(dims, device, dtype, mesh, rank, world):
@@ -111,10 +124,14 @@ def _forms(dims, device, dtype, mesh, rank, world):
 
 def format_rows(rows) -> str:
     """The step-time table (also bench/results.py's section for a saved run)."""
-    lines = [f"{'layer':6} {'form':28} {'GPUs':>4} {'ms/step':>9} {'speedup':>8} {'peak MB/GPU':>12}"]
+    lines = [f"{'layer':6} {'form':28} {'GPUs':>4} {'ms/step':>9} {'speedup':>8} {'GPU ms':>8} {'GPU speedup':>12} "
+             f"{'host ms':>8} {'peak MB/GPU':>12}"]
     for r in rows:
-        lines.append(f"{r['layer']:6} {r['form']:28} {r['gpus']:>4} {r['ms']:9.3f} {r['speedup']:7.2f}x "
-                     f"{r['peak_mb']:12.0f}")
+        gpu = (f"{r['gpu_ms']:8.3f} {r['gpu_speedup']:11.2f}x" if r.get("gpu_ms") is not None
+               else f"{'-':>8} {'-':>12}")
+        host = f"{r['host_ms']:8.3f}" if r.get("host_ms") is not None else f"{'-':>8}"
+        lines.append(f"{r['layer']:6} {r['form']:28} {r['gpus']:>4} {r['ms']:9.3f} {r['speedup']:7.2f}x {gpu} "
+                     f"{host} {r['peak_mb']:12.0f}")
     return "\n".join(lines)
 
 
@@ -137,10 +154,12 @@ def main(argv=None) -> int:
         dims = (SMOKE if args.smoke else LAYERS)[name]
         single = None
         for label, step, active in _forms(dims, device, dtype, mesh, rank, world):
-            ms, peak = _time_steps(step, device, active)
-            single = ms if label == "1 GPU" else single
-            rows.append({"layer": name, "dims": dims, "form": label, "gpus": 1 if label == "1 GPU" else world,
-                         "ms": ms, "peak_mb": peak, "speedup": single / ms})
+            row = _time_steps(step, device, active)
+            single = row if label == "1 GPU" else single
+            row.update(layer=name, dims=dims, form=label, gpus=1 if label == "1 GPU" else world,
+                       speedup=single["ms"] / row["ms"],
+                       gpu_speedup=single["gpu_ms"] / row["gpu_ms"] if row["gpu_ms"] else None)
+            rows.append(row)
     if rank == 0:
         print(format_rows(rows))
         if args.json:

@@ -115,9 +115,10 @@ def distributed_section(saved: dict, name: str) -> str:
                f"{env.get('backend', '?')})",
         f"torchrun --nproc-per-node {world} bench/distributed.py --json {name}",
         f"one training step of one {env.get('dtype', '')} GroupedLinear layer (global batch x groups x in x out: "
-        f"{layers}), the global batch fixed; ms/step the slowest rank's CUDA-event median; `speedup` = the "
-        "1-GPU step time / the form's; peak MB the largest over the ranks of what a step allocates. A world of "
-        "one rank measures overhead only.",
+        f"{layers}), the global batch fixed. The slowest rank's medians: `ms/step` wall time (CUDA events "
+        "around back-to-back steps), `GPU ms` the GPU's own (the GPU kept busy while the host queues), `host ms` "
+        "the time to issue a step; `speedup` = the 1-GPU form's time / the form's; peak MB the largest over the "
+        "ranks of what a step allocates. A world of one rank measures overhead only.",
         distributed.format_rows(saved["rows"]))
 
 
