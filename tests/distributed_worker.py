@@ -214,10 +214,34 @@ def _group_parallel(ctx, layout, input_layout, groups=5, x_shape=(2, 3), mlp=Fal
 
 
 def group_parallel_groups_in(ctx):
-    """Input already sharded on its groups: no collective at all, forward or backward."""
-    for layout, dim in (("bgd", 2), ("gbd", 0)):
-        forward, backward = _group_parallel(ctx, layout, Shard(dim))
-        assert not forward and not backward, f"{layout}: collectives {forward} / {backward}"
+    """Input already sharded on its groups: no collective at all, forward or backward (N-D x, and
+    3-D x, a GroupedLinear's one-node path)."""
+    for x_shape in ((2, 3), (2,)):
+        for layout, dim in (("bgd", len(x_shape)), ("gbd", 0)):
+            forward, backward = _group_parallel(ctx, layout, Shard(dim), x_shape=x_shape)
+            assert not forward and not backward, f"{layout}: collectives {forward} / {backward}"
+
+
+def group_parallel_autocast(ctx):
+    """Under autocast a group-parallel layer casts as the single-process one does (float32
+    parameters, bf16 GEMMs): the same outputs and gradients, in the same dtypes."""
+    torch.manual_seed(0)
+    ref = pg.GroupedLinear(2 * ctx.world, 8, 6).to(ctx.device, torch.float32)
+    module = shard_groups(copy.deepcopy(ref), ctx.mesh, input_layout=Shard(1))
+    x = ctx.randn(3, 2 * ctx.world, 8, seed=11).float().requires_grad_()
+    x_mine = ctx.mine(x.detach(), 1).clone().requires_grad_()
+    with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+        y, y_mine = ref(x), module(x_mine)
+    assert y_mine.dtype == y.dtype == torch.bfloat16, (y.dtype, y_mine.dtype)
+    dy = ctx.randn(*y.shape, seed=12).to(torch.bfloat16)
+    y.backward(dy)
+    y_mine.backward(ctx.mine(dy, 1))
+    want = dict(ref.named_parameters())
+    pairs = [("y", y_mine, ctx.mine(y.detach(), 1)), ("x.grad", x_mine.grad, ctx.mine(x.grad, 1))]
+    pairs += [(f"{name}.grad", p.grad.to_local(), ctx.mine(want[name].grad)) for name, p in module.named_parameters()]
+    for what, got, expected in pairs:
+        assert got.dtype == expected.dtype, f"{what}: dtype {got.dtype} != {expected.dtype}"
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2, msg=lambda m: f"{what}: {m}")
 
 
 def group_parallel_replicated_in(ctx):
@@ -373,8 +397,9 @@ def bad_input(ctx):
 
 
 SCENARIOS = {f.__name__: f for f in (ddp, ddp_compiled, fsdp2, fsdp2_compiled, group_parallel_groups_in,
-                                     group_parallel_replicated_in, group_parallel_batch_in, group_parallel_few_groups,
-                                     group_parallel_mlp, group_parallel_training, dtensor_rules, bad_input)}
+                                     group_parallel_autocast, group_parallel_replicated_in, group_parallel_batch_in,
+                                     group_parallel_few_groups, group_parallel_mlp, group_parallel_training,
+                                     dtensor_rules, bad_input)}
 
 
 def _rank_main(rank, world, backend, out, init_file):
