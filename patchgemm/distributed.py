@@ -243,7 +243,23 @@ def _regroup(t: Tensor, source: Placement, target: Placement, groups: int, group
     # everyone's groups -> this rank's groups
     if source_dim is None:
         return t.narrow(group_dim, sum(group_sizes[:rank]), group_sizes[rank])
+    if torch.distributed.get_debug_level() == torch.distributed.DebugLevel.DETAIL:
+        _check_equal_shards(t, source_dim, world, group)
     return _all_to_all(t, group_dim, group_sizes, source_dim, [t.shape[source_dim]] * world, group)
+
+
+def _check_equal_shards(t: Tensor, dim: int, world: int, group) -> None:
+    """Unequal shards would give the ranks' all-to-alls disagreeing sizes (gloo aborts, NCCL may
+    hang): checked by one more collective and a host sync, so only under
+    TORCH_DISTRIBUTED_DEBUG=DETAIL, where c10d checks its collectives' shapes too."""
+    size = torch.tensor([t.shape[dim]], dtype=torch.int64,
+                        device=t.device if torch.distributed.get_backend(group) == "nccl" else "cpu")
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    torch.distributed.all_gather(sizes, size, group=group)
+    sizes = [int(s) for s in sizes]
+    if len(set(sizes)) > 1:
+        raise ValueError(f"shard_groups: input_layout Shard({dim}) needs the same size of dim {dim} on every rank, "
+                         f"got {sizes} (x {tuple(t.shape)} here); pass a DTensor for uneven shards")
 
 
 class _Regroup(torch.autograd.Function):
@@ -345,8 +361,10 @@ def shard_groups(module: nn.Module, mesh: DeviceMesh, *, input_layout: Placement
             (``torch.chunk``'s split: G need not divide by R).
         input_layout: how a plain-tensor input is laid out over the ranks: ``Replicate()`` (every
             rank holds all of x) or ``Shard(d)``: rank r holds its part of dim d, e.g. of the batch
-            dim 0 (each rank its own samples, the same number on every rank) or of the group dim
-            (each rank its own groups: no communication at all). A DTensor input keeps its own.
+            dim 0 (each rank its own samples, the same number on every rank, as DistributedSampler
+            makes them; checked under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) or of the group dim (each
+            rank its own groups: no communication at all). A DTensor input keeps its own layout,
+            uneven shards included (its output takes DTensor's even split).
         output_layout: the output's placement (default: ``input_layout``).
         use_local_output: return this rank's part as a plain tensor rather than a DTensor.
 

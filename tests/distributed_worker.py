@@ -390,6 +390,23 @@ def bad_input(ctx):
         module(ctx.randn(2, 2, 2, seed=9))
     with pytest.raises(ValueError, match="group-parallel already"):
         shard_groups(module, ctx.mesh)
+    # Unequal batch shards: a clear error under TORCH_DISTRIBUTED_DEBUG=DETAIL (on every rank),
+    # where the all-to-all's sizes would disagree; a DTensor input may be uneven.
+    module = shard_groups(pg.GroupedLinear(4, 2, 3).to(ctx.device, ctx.dtype), ctx.mesh, input_layout=Shard(0))
+    x_local = ctx.randn(2 + ctx.rank, 4, 2, seed=11)
+    if ctx.world > 1:
+        level = dist.get_debug_level()
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+        try:
+            with pytest.raises(ValueError, match=r"needs the same size of dim 0 on every rank, got \[2, 3"):
+                module(x_local)
+        finally:
+            dist.set_debug_level(level)
+    rows = [2 + r for r in range(ctx.world)]
+    x_d = DTensor.from_local(x_local, ctx.mesh, [Shard(0)], run_check=False, shape=(sum(rows), 4, 2),
+                             stride=(8, 2, 1))
+    y_d = module(x_d)  # this rank's part of DTensor's even split of the samples
+    assert y_d.shape == (ctx.mine(torch.empty(sum(rows))).shape[0], 4, 3), (y_d.shape, rows)
     # A DTensor comes back where asked, in the asked placement.
     module = shard_groups(pg.GroupedLinear(4, 2, 3).to(ctx.device, ctx.dtype), ctx.mesh, use_local_output=False)
     y = module(ctx.randn(2, 4, 2, seed=10))
