@@ -81,12 +81,11 @@ def _time_steps(step, device, active=True) -> dict:
                 for _ in range(STEPS):
                     step()
             issued_ms = (time.perf_counter() - t0) * 1e3 / STEPS
+            ms = issued_ms
             if cuda:
                 end.record()
                 end.synchronize()
                 ms = start.elapsed_time(end) / STEPS
-            else:
-                ms = (time.perf_counter() - t0) * 1e3 / STEPS
             (gpu if busy else wall).append(_max_over_ranks(ms if active else 0.0, device))
             if busy or not cuda:
                 host.append(_max_over_ranks(issued_ms if active else 0.0, device))

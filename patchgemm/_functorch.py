@@ -44,6 +44,14 @@ class _Function(torch.autograd.Function):
         ctx.save_for_backward(x, weight, *(a for a in rest if isinstance(a, torch.Tensor)))
 
 
+def grouped_linear_grads(grad_y, x, weight, group_major: bool, need_x: bool, need_w: bool, need_b: bool):
+    """grouped_linear's gradients (x, weight, bias), each None where not needed; all contiguous."""
+    grad_x = ops.grouped_linear_grad_input.default(grad_y, weight, group_major) if need_x else None
+    grad_w = ops.grouped_linear_grad_weight.default(grad_y, x, group_major) if need_w else None
+    grad_b = _opmath_sum(grad_y, (1 if group_major else 0,)) if need_b else None
+    return grad_x, grad_w, grad_b
+
+
 class GroupedLinear(_Function):
     @staticmethod
     def forward(x, weight, bias, group_major):
@@ -54,10 +62,8 @@ class GroupedLinear(_Function):
         x, weight = ctx.saved_tensors
         group_major, = ctx.args
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = ops.grouped_linear_grad_input(grad_y, weight, group_major) if need_x else None
-        grad_w = ops.grouped_linear_grad_weight(grad_y, x, group_major) if need_w else None
-        grad_b = _opmath_sum(grad_y, (1 if group_major else 0,)) if need_b and ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        return (*grouped_linear_grads(grad_y, x, weight, group_major, need_x, need_w, need_b and ctx.has_bias),
+                None)
 
 
 class RaggedGroupedLinear(_Function):

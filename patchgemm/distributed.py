@@ -256,7 +256,7 @@ def _check_equal_shards(t: Tensor, dim: int, world: int, group) -> None:
                         device=t.device if torch.distributed.get_backend(group) == "nccl" else "cpu")
     sizes = [torch.empty_like(size) for _ in range(world)]
     torch.distributed.all_gather(sizes, size, group=group)
-    sizes = [int(s) for s in sizes]
+    sizes = torch.cat(sizes).tolist()  # one host sync
     if len(set(sizes)) > 1:
         raise ValueError(f"shard_groups: input_layout Shard({dim}) needs the same size of dim {dim} on every rank, "
                          f"got {sizes} (x {tuple(t.shape)} here); pass a DTensor for uneven shards")
@@ -318,17 +318,12 @@ class _ShardedGroupedLinear(torch.autograd.Function):
         if grad_y is None:
             return None, None, None, None
         x, w = ctx.saved_tensors
-        group_major, (weight_spec, bias_spec) = ctx.group_major, ctx.specs
         need_x, need_w, need_b, _ = ctx.needs_input_grad
-        grad_x = ops.grouped_linear_grad_input.default(grad_y, w, group_major) if need_x else None
-        grad_w = grad_b = None
-        if need_w:  # (contiguous, as the shards are: the specs' strides)
-            grad_w = ops.grouped_linear_grad_weight.default(grad_y, x, group_major).contiguous()
-            grad_w = DTensor(grad_w, copy.copy(weight_spec), requires_grad=False)
-        if need_b and bias_spec is not None:
-            grad_b = _functorch._opmath_sum(grad_y, (_dims(group_major)[1],))
-            grad_b = DTensor(grad_b, copy.copy(bias_spec), requires_grad=False)
-        return grad_x, grad_w, grad_b, None
+        grads = _functorch.grouped_linear_grads(grad_y, x, w, ctx.group_major, need_x, need_w,
+                                                need_b and ctx.specs[1] is not None)
+        # The gradients are contiguous, as the shards are: the specs' strides hold.
+        return (grads[0], *(None if g is None else DTensor(g, copy.copy(spec), requires_grad=False)
+                            for g, spec in zip(grads[1:], ctx.specs)), None)
 
 
 def _on_groups(t: Tensor, mesh: DeviceMesh, g: int, groups: int) -> DTensor:
