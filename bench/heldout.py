@@ -1,6 +1,6 @@
 """The default selection against the best PyTorch path, on shapes outside the benchmark suite.
 
-    python bench/heldout.py [--set heldout|tuning|all] [--filter TEXT] [--candidates]
+    python bench/heldout.py [--set heldout|tuning|all] [--filter TEXT] [--candidates] [--kernels]
                             [--json PATH] [--markdown PATH]
 
 The shape sets, ``TUNING`` (rules may be fitted to these) and ``HELDOUT`` (never tuned on), live in
@@ -12,7 +12,8 @@ patchgemm's default choice is compared with every PyTorch path in the same run (
 as ``nn.Conv*d`` calls it, the reshape + ``nn.Linear`` rewrite with the conv's output memory format,
 as a drop-in must return it, ``bmm`` / ``baddbmm``): ratio = best
 PyTorch time / ours, so above 1 is faster. ``--candidates`` also times every candidate
-of every op the pass runs, forced one at a time (what the rules are fitted from).
+of every op the pass runs, forced one at a time (what the rules are fitted from); ``--kernels``
+prints the kernels of one call of ours and of each PyTorch path (where a difference comes from).
 """
 
 import argparse
@@ -68,7 +69,22 @@ def _runner(prob: Problem, sets, fn, pass_: str, dy):
     return run
 
 
-def measure(s: Shape, set_name: str, device: torch.device, candidates: bool) -> List[Result]:
+def kernel_list(fn, device: torch.device, reps: int = 5) -> List[Tuple[str, float]]:
+    """The device events of one call of fn(i), as (name, µs) averaged over `reps` calls, in order."""
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            fn(i)
+        torch.cuda.synchronize(device)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_call = len(events) // reps
+    return [(e.name, sum(events[j * per_call + k].time_range.elapsed_us() for j in range(reps)) / reps)
+            for k, e in enumerate(events[:per_call])]
+
+
+def measure(s: Shape, set_name: str, device: torch.device, candidates: bool, kernels: bool = False) -> List[Result]:
     prob = problem(s, device)
     sets = input_sets(prob.make_inputs, device)
     with torch.no_grad():
@@ -90,6 +106,14 @@ def measure(s: Shape, set_name: str, device: torch.device, candidates: bool) -> 
                     best[name] = None
         ours = best.pop("ours")
         torch_ms = best
+        if kernels and device.type == "cuda":
+            for name, fn in runs.items():
+                if best.get(name, ours) is None:
+                    continue
+                listed = kernel_list(fn, device)
+                print(f"-- {s.id} {pass_} {name}: {len(listed)} kernels, {sum(t for _, t in listed):.1f} us")
+                for kname, us in listed:
+                    print(f"   {us:8.2f} us  {kname[:110]}")
         r = Result(s.id, set_name, s.op, pass_, s.dtype, ours, torch_ms,
                    {c.op: c.chosen for c in chosen})
         if candidates:
@@ -164,6 +188,7 @@ def main(argv=None) -> int:
     parser.add_argument("--set", choices=["heldout", "tuning", "all"], default="all")
     parser.add_argument("--filter", help="only shapes whose id contains this text (comma-separated: any of them)")
     parser.add_argument("--candidates", action="store_true", help="also time every candidate, forced")
+    parser.add_argument("--kernels", action="store_true", help="print the kernels of ours and each PyTorch path")
     parser.add_argument("--device", help="cuda or cpu (default: cuda if present)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--markdown", metavar="PATH")
@@ -179,7 +204,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     results = []
     for set_name, s in chosen:
-        results += measure(s, set_name, device, args.candidates)
+        results += measure(s, set_name, device, args.candidates, args.kernels)
         print(format_results(results[-2:]).split("\n", 2)[2], flush=True)
     print(format_results(results))
     print(format_summary(summary(results)))
