@@ -301,6 +301,9 @@ RULE_CASES = [
                                                        "patch_weight_grad": "aten_conv_backward"}),
     # Swin's stem: the wgmma weight gradient below 128 patch values
     ((64, 3, 224, 224), (4, 4), 96, "channels_first", {"patch_weight_grad": "implicit_sm90"}),
+    # ViT-B/16 at batch 1, writing tokens: a patch matrix under 2 MB, ATen's permute copy + linear;
+    # its weight gradient on the wgmma kernel, which reads x itself (no gather)
+    ((1, 3, 224, 224), (16, 16), 768, "tokens", {"patch_embed": "aten_linear", "patch_weight_grad": "implicit_sm90"}),
 ]
 
 
@@ -315,6 +318,6 @@ def test_rules_choose_what_they_were_fitted_to(shape, kernel, embed, layout, exp
     w = randn(embed, shape[1], *kernel, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     b = randn(embed, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     with patchgemm.explain() as e:
-        patchgemm.patch_embed(x, w, b).sum().backward()
+        patchgemm.patch_embed(x, w, b, out_format="tokens" if layout == "tokens" else "channels_first").sum().backward()
     chosen = {c.op: c.chosen for c in e}
     assert {op: chosen.get(op) for op in expected} == expected, str(e)

@@ -98,9 +98,24 @@ WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
 // Multiply-adds of a patch op's GEMM: small ones are launch-bound, where the fewest launches win.
 constexpr double kSmallEmbedMacs = double(1 << 24);  // 16-bit embeddings writing tokens
 constexpr double kTinyWeightGradMacs = double(1 << 21);  // channels-first weight gradients
+// Small patch matrices: the gather (and any weight padding) costs fixed launches, where ATen's one
+// permute copy, or an implicit kernel that reads x itself, has none (fitted on
+// bench/results/tune-*.json, whatever the GEMM's size).
+constexpr double kSmallEmbedPatchBytes = 2e6;  // 16-bit embeddings writing tokens: ATen's copy + linear
+constexpr double kSmallWeightGradPatchBytes = 8e6;  // tokens weight gradients: the wgmma implicit kernel
 
 double gemm_macs(const PatchGeometry& g, int64_t width) {
   return double(g.batch) * double(g.tokens()) * double(g.patch_size()) * double(width);
+}
+
+double patch_matrix_bytes(const PatchGeometry& g, const at::Tensor& x) {
+  return double(g.batch) * double(g.tokens()) * double(g.patch_size()) * double(x.element_size());
+}
+
+// A 16-bit embedding writing tokens that ATen's permute copy + linear runs at least as fast as the
+// gather + GEMM: a small GEMM or a small patch matrix.
+bool small_tokens_embed(const EmbedProblem& p) {
+  return gemm_macs(p.g, p.w2.size(0)) < kSmallEmbedMacs || patch_matrix_bytes(p.g, p.x) < kSmallEmbedPatchBytes;
 }
 
 // Channels-last x on CUDA: cuDNN's channels-last kernels read x as it lies and write the channels-last
@@ -249,8 +264,9 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            if (!why.empty()) return why;
            // Small 16-bit problems writing tokens: launch-bound, and ATen's permute copy + linear
            // makes fewer launches than the gather with its padding.
-           if (!fp32 && p.tokens_out && gemm_macs(p.g, p.w2.size(0)) < kSmallEmbedMacs) {
-             return "rule: 16-bit problems of under 2^24 multiply-adds writing tokens run faster as ATen's copy + linear";
+           if (!fp32 && p.tokens_out && small_tokens_embed(p)) {
+             return "rule: 16-bit problems writing tokens of under 2^24 multiply-adds or a patch matrix under 2 MB "
+                    "run faster as ATen's copy + linear";
            }
            return {};
          },
@@ -266,7 +282,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
          [](const EmbedProblem& p) -> WhyNot {
            WhyNot why = cudnn_wins_channels_last(p.x, p.g);
            if (!why.empty()) return why;
-           if (p.x.is_cuda() && gemm_macs(p.g, p.w2.size(0)) < kSmallEmbedMacs) return {};
+           if (p.x.is_cuda() && small_tokens_embed(p)) return {};
            return "rule: gather_gemm runs larger problems at least as fast";
          },
          [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_aten_linear(p); }},
@@ -400,8 +416,9 @@ WhyNot implicit_weight_grad_rule(cuda::Implicit kernel, const WeightGradProblem&
     return implicit_mma_pays(p.embed, p.g.batch * p.g.tokens(), p.x);
   }
   const bool pairs = p.g.kernel[2] == 2 && p.g.grid[2] % 4 == 0 && runs_aligned(p.x5, 8);
-  if (dy_tokens(p) && p.embed > (pairs ? 512 : 256)) {
-    return "rule: tokens grad_y with E over 256 (pairs: 512) runs faster as gather + cuBLAS";
+  if (dy_tokens(p) && p.embed > (pairs ? 512 : 256) && patch_matrix_bytes(p.g, p.x) >= kSmallWeightGradPatchBytes) {
+    return "rule: tokens grad_y with E over 256 (pairs: 512) and a patch matrix of 8 MB or more runs faster as "
+           "gather + cuBLAS";
   }
   return {};
 }
