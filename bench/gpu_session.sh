@@ -8,8 +8,9 @@
 #   heldout     bench/heldout.py $HELDOUT_ARGS (default: --set all), JSON to $OUT/heldout.json
 #   models      python -m patchgemm bench --models, JSON to $OUT/models.json
 # Results go to $OUT (the device tool's result folder) or ./gpu-logs; build and stderr logs to $LOGS
-# (/tmp), their tails printed on failure. WHEEL=path installs that wheel instead of building;
-# SAVE_WHEEL=1 also leaves the built wheel in $OUT/wheel, to carry to later runs. The results' JSON
+# (/tmp), their tails printed on failure. SAVE_WHEEL=1 also leaves the built wheel in $OUT/wheel,
+# in parts of at most 15 MB (the device tool returns files of up to 16 MiB), to carry to later runs;
+# WHEEL=folder installs the wheel those parts make (or WHEEL=file.whl that wheel) instead of building. The results' JSON
 # names the commit measured from git, or from PATCHGEMM_COMMIT=<hash> where the tree is a copy.
 #   [STEPS="tests bench"] [WHEEL=...] [SAVE_WHEEL=1] bash bench/gpu_session.sh
 set -uo pipefail
@@ -23,6 +24,9 @@ step() { echo "=== $1"; }
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 step build
 if [ -n "${WHEEL:-}" ]; then
+  if [ -d "$WHEEL" ]; then  # parts written by SAVE_WHEEL=1
+    mkdir -p "$LOGS/wheel" && cat "$WHEEL"/part-* >"$LOGS/wheel/$(cat "$WHEEL/name")" && WHEEL="$LOGS/wheel/$(cat "$WHEEL/name")"
+  fi
   python3 -m pip install --no-deps --force-reinstall "$WHEEL" >"$LOGS/build.log" 2>&1 || { tail -20 "$LOGS/build.log"; exit 1; }
 else
   ( time python3 -m pip wheel --no-build-isolation --no-deps -v -w "$LOGS/wheel" . ) >"$LOGS/build.log" 2>&1 \
@@ -30,7 +34,10 @@ else
   grep -E "warning|error" "$LOGS/build.log" | grep -v "^ *WARNING: Running pip" | head -20
   tail -3 "$LOGS/build.log" | grep real
   python3 -m pip install --no-deps --force-reinstall "$LOGS"/wheel/patchgemm-*.whl >>"$LOGS/build.log" 2>&1 || exit 1
-  [ -n "${SAVE_WHEEL:-}" ] && mkdir -p "$OUT/wheel" && cp "$LOGS"/wheel/patchgemm-*.whl "$OUT/wheel/"
+  if [ -n "${SAVE_WHEEL:-}" ]; then
+    whl=$(ls "$LOGS"/wheel/patchgemm-*.whl | head -1)
+    mkdir -p "$OUT/wheel" && basename "$whl" >"$OUT/wheel/name" && split -b 15000000 -d "$whl" "$OUT/wheel/part-"
+  fi
 fi
 SRC=$PWD
 [ -z "${PATCHGEMM_COMMIT:-}" ] && PATCHGEMM_COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null) && export PATCHGEMM_COMMIT
