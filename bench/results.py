@@ -101,7 +101,8 @@ def tune_section(saved: dict, name: str) -> str:
         "time of each candidate as autotune measures it (CUDA events around back-to-back calls behind a spin "
         "kernel); geometric mean / worst over the records (one per op call signature). `single best` = per op "
         "the one candidate of least mean regret on the training records; `learned vs single best` = its "
-        "time / the learned choice's. The shipped model (`patchgemm/data/selector.json`) is this one.", "",
+        "time / the learned choice's. This GPU's model; the shipped one is trained on every GPU's records "
+        "(below).", "",
         *tables, ""])
 
 
@@ -123,20 +124,24 @@ def distributed_section(saved: dict, name: str) -> str:
 
 
 def transfer_section(paths: List[pathlib.Path]) -> str:
-    """The learned model trained on one GPU's records, judged on another's held-out records."""
+    """The learned model trained on one GPU's records, or on every GPU's (the shipped model), judged on
+    each GPU's held-out records."""
     records, _ = tune.load_records([str(p) for p in paths])
     gpus = sorted({r.tags["device"] for r in records})
+    names = ",".join(f"bench/results/{p.name}" for p in paths)
     lines = ["## Selection modes across GPUs", "",
              f"`python bench/results.py` on {', '.join(p.name for p in paths)}: the model trained on one GPU's "
-             "tuning + random records, judged on the other's held-out records (regret as above; `all` rows).", "",
+             "tuning + random records, or on all of them, judged on each GPU's held-out records (regret as above; "
+             "`all` rows). The shipped model (`patchgemm/data/selector.json`) is the one trained on all of them: "
+             f"`python -m patchgemm tune --from-json {names} --model patchgemm/data/selector.json`.", "",
              "| trained on | judged on | heuristic mean / worst | learned mean / worst | single best mean / worst |",
              "|---|---|---|---|---|"]
-    for train_gpu in gpus:
+    for train_gpu in [*gpus, None]:
         for eval_gpu in gpus:
             _, report = tune.train_and_judge(records, ["tuning", "random"], ["heldout"], train_gpu, eval_gpu)
             row = report["evaluate"][-1]
             cells = [f"{row[m]['mean']:.3f} / {row[m]['worst']:.2f}" for m in ("heuristic", "learned", "single best")]
-            lines.append(f"| {train_gpu} | {eval_gpu} | " + " | ".join(cells) + " |")
+            lines.append(f"| {train_gpu or ' + '.join(gpus)} | {eval_gpu} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])
 
 
