@@ -4,6 +4,7 @@ learned selector on some sets and report every mode's regret on the others.
     python -m patchgemm tune [--sets tuning,random,heldout] [--random N] [--train-on tuning,random]
                              [--evaluate-on heldout] [--model PATH] [--json PATH] [--cache-dir DIR]
     python -m patchgemm tune --from-json A.json[,B.json] [--relabel] [--train-device TEXT] [--evaluate-device TEXT] ...
+    python -m patchgemm tune --from-json A.json[,B.json] --cross-validate K [--train-device TEXT] ...
 
 Each shape (patchgemm/shapes.py) runs forward and forward + backward twice: under the heuristic, to
 note its choice, then under autotune, which times every candidate of every op call it makes and
@@ -13,13 +14,16 @@ never sees, judge it. Regret = t(selected) / t(fastest candidate) per record; re
 geometric mean and worst case, with the speedup of each mode over "always the single best
 implementation" (per op, the candidate of least mean regret on the training records, the heuristic's
 choice where it does not apply). ``--relabel`` re-runs saved records' shapes under today's heuristic
-(untimed), so that saved timings judge changed rules.
+(untimed), so that saved timings judge changed rules. ``--cross-validate K`` judges each training
+record by a model trained without its shape, so that choices about training (which records, which
+options) are made without looking at the held-out sets.
 """
 
 import json
 import math
+import random
 import statistics
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -165,15 +169,20 @@ def _regret_or_fallback(r: Record, name: Optional[str]) -> float:
     return r.regret(name) if name is not None and r.times.get(name) is not None else r.regret(r.tags["heuristic"])
 
 
-def judge(records: List[Record], model: dict, best: Dict[str, str]) -> List[dict]:
-    """Per op and overall: each mode's geometric-mean and worst regret."""
+def judge(records: List[Record], model: Optional[dict], best: Optional[Dict[str, str]],
+          choices: Optional[Dict[int, Tuple[Optional[str], Optional[str]]]] = None) -> List[dict]:
+    """Per op and overall: each mode's geometric-mean and worst regret. `choices` (id(record) ->
+    the learned and the single best choice) stands in for the model and `best` where each record
+    was judged by a model of its own (cross-validation)."""
     rows = []
     rs_all = [r for r in records if r.tags.get("heuristic") in r.times]
+    if choices is None:
+        choices = {id(r): (learned.predict(model, r), best.get(r.op)) for r in rs_all}
     for op in sorted({r.op for r in rs_all}) + [None]:
         rs = [r for r in rs_all if op is None or r.op == op]
         modes = {"heuristic": [r.regret(r.tags["heuristic"]) for r in rs],
-                 "learned": [_regret_or_fallback(r, learned.predict(model, r)) for r in rs],
-                 "single best": [_regret_or_fallback(r, best.get(r.op)) for r in rs]}
+                 "learned": [_regret_or_fallback(r, choices[id(r)][0]) for r in rs],
+                 "single best": [_regret_or_fallback(r, choices[id(r)][1]) for r in rs]}
         row = {"op": op or "all", "records": len(rs),
                "choices": sum(sum(t is not None for t in r.times.values()) > 1 for r in rs)}
         for mode, regrets in modes.items():
@@ -228,6 +237,30 @@ def train_and_judge(records: List[Record], train_on: List[str], evaluate_on: Lis
     return model, {"train": judge(train, model, best), "evaluate": judge(test, model, best), "single_best": best}
 
 
+def cross_validate(records: List[Record], train_on: List[str], folds: int, train_device: Optional[str] = None,
+                   evaluate_device: Optional[str] = None, seed: int = 0, **train_options) -> List[dict]:
+    """Each mode's regret on the ``train_on`` sets' records, each record judged by a model trained
+    without its shape: the shapes (all of a shape's records, of every GPU, together) are dealt into
+    `folds` folds at random, and fold k is judged by the model of the other folds' records (of GPUs
+    named ``train_device``). This compares training choices without the held-out sets."""
+    if folds < 2:
+        raise ValueError(f"patchgemm tune: --cross-validate needs at least 2 folds, got {folds}")
+    pool = _select(records, train_on, None, exclude=[s for s in SETS if s not in train_on])
+    shapes = sorted({r.tags.get("shape", r.key) for r in pool})
+    random.Random(seed).shuffle(shapes)
+    fold_of = {shape: i % folds for i, shape in enumerate(shapes)}
+    judged = [r for r in pool if not evaluate_device or evaluate_device in r.tags.get("device", "")]
+    choices = {}
+    for k in range(folds):
+        train = [r for r in pool if fold_of[r.tags.get("shape", r.key)] != k
+                 and (not train_device or train_device in r.tags.get("device", ""))]
+        model, best = learned.train(train, seed=seed, **train_options), single_best(train)
+        for r in judged:
+            if fold_of[r.tags.get("shape", r.key)] == k:
+                choices[id(r)] = (learned.predict(model, r), best.get(r.op))
+    return judge(judged, None, None, choices)
+
+
 def main(args) -> int:
     train_on = [s for s in args.train_on.split(",") if s]
     evaluate_on = [s for s in args.evaluate_on.split(",") if s]
@@ -248,6 +281,12 @@ def main(args) -> int:
         print(f"tuning {', '.join(sets)} on {device} (cache: {cache_dir or 'memory only'})")
         records = sweep(sets, device, cache_dir)
         env = environment(device)
+    if args.cross_validate:
+        rows = cross_validate(records, train_on, args.cross_validate, args.train_device, args.evaluate_device,
+                              args.seed)
+        print(format_judgement(rows, f"{args.cross_validate}-fold cross-validation over the shapes of "
+                                     f"{', '.join(train_on)}: regret = t(selected) / t(fastest)"))
+        return 0
     model, report = train_and_judge(records, train_on, evaluate_on, args.train_device, args.evaluate_device)
     print(format_judgement(report["train"], f"\nTraining records ({', '.join(train_on)}): regret = t(selected) / t(fastest)"))
     print(format_judgement(report["evaluate"], f"\nHeld-out records ({', '.join(evaluate_on)}), never trained on"))

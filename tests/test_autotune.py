@@ -358,3 +358,48 @@ def test_bad_model_files_are_clear_errors(tmp_path):
         learned.load(str(bad))
     with pytest.raises(RuntimeError, match="expected .* parameters"):
         ops._set_learned_model("grouped_linear", ["strided_batched"], ["m"], 2, [0.0, 1.0])
+
+
+def _synthetic_records():
+    """Two GPUs' records of 8 training shapes and 1 shape the held-out set also produced: candidate
+    "a" is faster when m is small, "b" when it is large."""
+    records = []
+    for i in range(9):
+        m = 2.0 ** i
+        for gpu in ("GPU A", "GPU B"):
+            sets = "heldout,tuning" if i == 8 else "tuning"
+            records.append(learned.Record(
+                "grouped_linear", "", f"(m {m})", "a", {"a": 1.0 + m / 64, "b": 1.0 + 4 / m},
+                {"m": m, "device_sms": 100.0 if gpu == "GPU A" else 132.0},
+                {"shape": f"s{i}", "device": gpu, "sets": sets, "heuristic": "a"}))
+    return records
+
+
+def test_cross_validation_judges_each_record_by_a_model_without_its_shape(monkeypatch):
+    records = _synthetic_records()
+    real_train, real_predict, trained_on = learned.train, learned.predict, {}
+
+    def train(rs, **options):
+        model = real_train(rs, steps=50, **{k: v for k, v in options.items() if k != "steps"})
+        trained_on[id(model)] = {r.tags["shape"] for r in rs}
+        assert all(r.tags["device"] == "GPU A" for r in rs)  # --train-device
+        return model
+
+    def predict(model, r):
+        assert r.tags["shape"] not in trained_on[id(model)]
+        return real_predict(model, r)
+
+    monkeypatch.setattr(learned, "train", train)
+    monkeypatch.setattr(learned, "predict", predict)
+    rows = tune.cross_validate(records, ["tuning"], 4, train_device="GPU A")
+    assert len(trained_on) == 4
+    assert all("s8" not in shapes for shapes in trained_on.values())  # held-out shapes never train
+    assert rows[-1]["op"] == "all" and rows[-1]["records"] == 16  # every training record judged once
+    assert rows[-1]["heuristic"]["worst"] == max(r.regret("a") for r in records[:16])
+    for mode in ("heuristic", "learned", "single best"):
+        assert rows[-1][mode]["mean"] >= 1.0 - 1e-12
+    monkeypatch.undo()
+    judged_b = tune.cross_validate(records, ["tuning"], 2, evaluate_device="GPU B", steps=50)
+    assert judged_b[-1]["records"] == 8
+    with pytest.raises(ValueError, match="at least 2 folds"):
+        tune.cross_validate(records, ["tuning"], 1)
