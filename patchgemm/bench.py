@@ -44,10 +44,11 @@ def _sleep_rate(device: torch.device) -> float:
 _cycles_per_ms: Dict[int, float] = {}
 
 
-def _sleep_ms(ms: float, device: torch.device) -> None:
-    """Keeps the GPU busy for about `ms` (torch.cuda._sleep spins for a number of clock cycles)."""
+def _sleep_ms(ms: float, device: torch.device, recalibrate: bool = False) -> None:
+    """Keeps the GPU busy for about `ms` (torch.cuda._sleep spins for a number of clock cycles);
+    `recalibrate` measures the spin rate again first (after a warm-up has raised the clock)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _cycles_per_ms:
+    if recalibrate or index not in _cycles_per_ms:
         _cycles_per_ms[index] = _sleep_rate(device)
     torch.cuda._sleep(int(ms * _cycles_per_ms[index]))
 
@@ -74,12 +75,11 @@ def time_ms(fn: Callable[[int], object], device: torch.device, warmup: int = 5, 
             fn(i)
             host.append((time.perf_counter() - t0) * 1e3)
             torch.cuda.synchronize(device)
-        cycles_per_ms = _sleep_rate(device)  # after the warm-up, at the clock the runs will see
         lead_ms = 3 * max(host) + 0.1
         for i in range(reps):
             while True:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(int(lead_ms * cycles_per_ms))
+                _sleep_ms(lead_ms, device, recalibrate=i == 0)  # at the clock the warm-up left
                 start.record()
                 t0 = time.perf_counter()
                 fn(i)

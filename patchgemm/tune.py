@@ -23,7 +23,7 @@ import json
 import math
 import random
 import statistics
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -169,20 +169,24 @@ def _regret_or_fallback(r: Record, name: Optional[str]) -> float:
     return r.regret(name) if name is not None and r.times.get(name) is not None else r.regret(r.tags["heuristic"])
 
 
-def judge(records: List[Record], model: Optional[dict], best: Optional[Dict[str, str]],
-          choices: Optional[Dict[int, Tuple[Optional[str], Optional[str]]]] = None) -> List[dict]:
-    """Per op and overall: each mode's geometric-mean and worst regret. `choices` (id(record) ->
-    the learned and the single best choice) stands in for the model and `best` where each record
-    was judged by a model of its own (cross-validation)."""
+Choices = Callable[[Record], Tuple[Optional[str], Optional[str]]]  # a record -> (learned, single best)
+
+
+def judge(records: List[Record], model: Optional[dict] = None, best: Optional[Dict[str, str]] = None,
+          choose: Optional[Choices] = None) -> List[dict]:
+    """Per op and overall: each mode's geometric-mean and worst regret, the learned and single-best
+    choices those of `model` and `best`, or of `choose` (where each record has a model of its own)."""
+    if choose is None:
+        def choose(r):
+            return learned.predict(model, r), best.get(r.op)
     rows = []
     rs_all = [r for r in records if r.tags.get("heuristic") in r.times]
-    if choices is None:
-        choices = {id(r): (learned.predict(model, r), best.get(r.op)) for r in rs_all}
     for op in sorted({r.op for r in rs_all}) + [None]:
         rs = [r for r in rs_all if op is None or r.op == op]
+        picks = [choose(r) for r in rs]
         modes = {"heuristic": [r.regret(r.tags["heuristic"]) for r in rs],
-                 "learned": [_regret_or_fallback(r, choices[id(r)][0]) for r in rs],
-                 "single best": [_regret_or_fallback(r, choices[id(r)][1]) for r in rs]}
+                 "learned": [_regret_or_fallback(r, pick[0]) for r, pick in zip(rs, picks)],
+                 "single best": [_regret_or_fallback(r, pick[1]) for r, pick in zip(rs, picks)]}
         row = {"op": op or "all", "records": len(rs),
                "choices": sum(sum(t is not None for t in r.times.values()) > 1 for r in rs)}
         for mode, regrets in modes.items():
@@ -249,16 +253,20 @@ def cross_validate(records: List[Record], train_on: List[str], folds: int, train
     shapes = sorted({r.tags.get("shape", r.key) for r in pool})
     random.Random(seed).shuffle(shapes)
     fold_of = {shape: i % folds for i, shape in enumerate(shapes)}
-    judged = [r for r in pool if not evaluate_device or evaluate_device in r.tags.get("device", "")]
-    choices = {}
+
+    def fold(r: Record) -> int:
+        return fold_of[r.tags.get("shape", r.key)]
+
+    fitted = []  # per fold: the model and the single best of the other folds' records
     for k in range(folds):
-        train = [r for r in pool if fold_of[r.tags.get("shape", r.key)] != k
-                 and (not train_device or train_device in r.tags.get("device", ""))]
-        model, best = learned.train(train, seed=seed, **train_options), single_best(train)
-        for r in judged:
-            if fold_of[r.tags.get("shape", r.key)] == k:
-                choices[id(r)] = (learned.predict(model, r), best.get(r.op))
-    return judge(judged, None, None, choices)
+        train = [r for r in _select(pool, train_on, train_device) if fold(r) != k]
+        fitted.append((learned.train(train, seed=seed, **train_options), single_best(train)))
+
+    def choose(r: Record):
+        model, best = fitted[fold(r)]
+        return learned.predict(model, r), best.get(r.op)
+
+    return judge(_select(pool, train_on, evaluate_device), choose=choose)
 
 
 def main(args) -> int:

@@ -104,12 +104,14 @@ constexpr double kTinyWeightGradMacs = double(1 << 21);  // channels-first weigh
 constexpr double kSmallEmbedPatchBytes = 2e6;  // 16-bit embeddings writing tokens: ATen's copy + linear
 constexpr double kSmallWeightGradPatchBytes = 8e6;  // tokens weight gradients: the wgmma implicit kernel
 
-double gemm_macs(const PatchGeometry& g, int64_t width) {
-  return double(g.batch) * double(g.tokens()) * double(g.patch_size()) * double(width);
+double patch_matrix_elements(const PatchGeometry& g) {
+  return double(g.batch) * double(g.tokens()) * double(g.patch_size());
 }
 
+double gemm_macs(const PatchGeometry& g, int64_t width) { return patch_matrix_elements(g) * double(width); }
+
 double patch_matrix_bytes(const PatchGeometry& g, const at::Tensor& x) {
-  return double(g.batch) * double(g.tokens()) * double(g.patch_size()) * double(x.element_size());
+  return patch_matrix_elements(g) * double(x.element_size());
 }
 
 // A 16-bit embedding writing tokens that ATen's permute copy + linear runs at least as fast as the
