@@ -1170,24 +1170,29 @@ def test_gpu_implicit_rule(embed, expected):
 
 
 @needs_gpu
-@pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
-@pytest.mark.parametrize("k", [4, 2])
-def test_gpu_implicit_wgmma_weight_grad_rule(out_format, k):
+@pytest.mark.parametrize("out_format,k,batch,wgmma", [
+    ("channels_first", 4, 8, True),  # channels-first grad_y: the wgmma kernel at any E
+    ("tokens", 2, 8, True),  # kw = 2 pairs: up to E = 512
+    ("tokens", 4, 1, True),  # a 2 MB patch matrix: the gather costs more than cuBLAS saves
+    ("tokens", 4, 8, False),  # a 16 MB one at E = 384 > 256: gather + cuBLAS
+])
+def test_gpu_implicit_wgmma_weight_grad_rule(out_format, k, batch, wgmma):
     """By default the Hopper weight gradient takes channels-first grad_y at any E, and tokens grad_y
-    only up to E = 256 (runs, kw % 4 == 0) or 512 (kw = 2 pairs); the rest gathers and runs cuBLAS.
-    Both give the conv's result."""
-    x, w, b = make((1, 32, 32, 32, 32), (k, k, k), torch.bfloat16, "cuda", embed=384)
+    up to E = 256 (runs, kw % 4 == 0) or 512 (kw = 2 pairs), or at any E where the patch matrix is
+    under 8 MB; the rest gathers and runs cuBLAS. Both give the conv's result."""
+    x, w, b = make((batch, 32, 32, 32, 32), (k, k, k), torch.bfloat16, "cuda", embed=384)
     w.requires_grad_()
     tokens = out_format == "tokens"
     w64 = w.detach().double().requires_grad_()
     ref = F.conv3d(x.double(), w64, stride=k)
     dy = randn(*ref.shape, dtype=torch.bfloat16, device="cuda")
     y = patchgemm.patch_embed(x, w, b, out_format=out_format)
-    out = {}
-    ran = cuda_kernels_run(lambda: out.update(dw=torch.autograd.grad(y, [w], conv_tokens(dy) if tokens else dy)[0]))
-    assert ("implicit_weight_grad_kernel_sm90" in ran) == (wgmma_built() and (not tokens or k == 2)), ran
+    with patchgemm.explain() as e:
+        (dw,) = torch.autograd.grad(y, [w], conv_tokens(dy) if tokens else dy)
+    chosen = {c.op: c.chosen for c in e}
+    assert (chosen["patch_weight_grad"] == "implicit_sm90") == (wgmma_built() and wgmma), str(e)
     (want,) = torch.autograd.grad(ref, [w64], dy.double())
-    assert_close_to_ref(out["dw"], want, torch.bfloat16, "grad_weight")
+    assert_close_to_ref(dw, want, torch.bfloat16, "grad_weight")
 
 
 @needs_gpu
