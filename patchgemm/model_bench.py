@@ -5,14 +5,16 @@ model and form it reports the GPU time per step (the profiler's sum of kernel, c
 times, so host gaps do not count), the wall time per step (steps issued back to back, the host
 included; the forms of a model take turns, round by round, so drift in the host's speed does not
 favour one), the peak memory a step allocates (activations, gradients, workspace: above the weights
-held before it), and the ratios original / converted (for wall time the median of the per-round
-ratios, which cancels the host's drift between rounds). Models are built from
+held before it), and the ratios original / converted. The wall time is the fastest round's: a
+busy host's interruptions (other processes, clock changes) only ever add time, so the fastest
+round is the one nearest the step's own cost, and its ratio repeats across runs better than a
+median of rounds does. The garbage collector is off while rounds run, as `timeit` does. Models are built from
 their libraries' configs with random weights (nothing is downloaded); a model whose library is
 missing is skipped with a line saying so.
 """
 
+import gc
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -151,10 +153,10 @@ class ModelRow:
     model: str
     form: str
     gpu_ms: Optional[float]   # sum of the step's kernel times
-    wall_ms: Optional[float]  # wall time per step, steps back to back (the forms timed in turns)
+    wall_ms: Optional[float]  # wall time per step, steps back to back: the fastest round's
     peak_mb: Optional[float]  # peak memory a step allocates above what the model held before it
     vs_original_gpu: Optional[float] = None   # the original form's gpu_ms / this form's
-    vs_original_wall: Optional[float] = None  # the median of the per-round ratios
+    vs_original_wall: Optional[float] = None  # the original form's wall_ms / this form's
     wall_rounds: List[float] = field(default_factory=list)  # wall ms per step, round by round
     note: str = ""
 
@@ -173,32 +175,39 @@ def _training_step(model: nn.Module, x: torch.Tensor, device: torch.device) -> C
 
 
 def _wall_rounds(steps: Sequence[Callable[[int], object]], device: torch.device, count: int = 10,
-                 rounds: int = 21) -> List[List[float]]:
+                 rounds: int = 31) -> List[List[float]]:
     """Per form, per round, the wall time per step of ``count`` steps issued back to back. The forms
-    take turns round by round (the first alternating too), so within a round they run a few hundred
-    milliseconds apart: a lent machine's host speed, which drifts by up to a third over a minute,
-    is then nearly the same for all of them, and per-round ratios cancel it."""
+    take turns round by round (the first alternating too), so a drift in the host's speed over
+    the run reaches all of them alike. The garbage collector is off meanwhile (its pauses land in
+    whichever form happens to allocate past its threshold)."""
     times: List[List[float]] = [[] for _ in steps]
-    for r in range(rounds):
-        order = list(range(len(steps)))
-        if r % 2:
-            order.reverse()
-        for f in order:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            for i in range(count):
-                steps[f](i)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[f].append((time.perf_counter() - t0) * 1e3 / count)
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            _round(steps, device, count, r, times)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     return times
 
 
-def _paired_ratio(base: Sequence[float], other: Sequence[float]) -> float:
-    """The median over rounds of base / other: a round's two times are taken close together, so
-    the host's drift between rounds cancels."""
-    return statistics.median(b / o for b, o in zip(base, other))
+def _round(steps: Sequence[Callable[[int], object]], device: torch.device, count: int, r: int,
+           times: List[List[float]]) -> None:
+    """Round r: each form's ``count`` steps, timed, in turn (reversed order in odd rounds)."""
+    order = list(range(len(steps)))
+    if r % 2:
+        order.reverse()
+    for f in order:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(count):
+            steps[f](i)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times[f].append((time.perf_counter() - t0) * 1e3 / count)
 
 
 def _peak_mb(model: nn.Module, step: Callable[[int], object], device: torch.device) -> Optional[float]:
@@ -222,7 +231,7 @@ def measure(models: Sequence[nn.Module], x: torch.Tensor, device: torch.device, 
         gpu = kernel_ms(step, device, warmup=2, reps=max(2, steps // 2))
         rows.append(ModelRow("", "", gpu, None, _peak_mb(model, step, device)))
     for row, walls in zip(rows, _wall_rounds(train_steps, device, steps)):
-        row.wall_ms, row.wall_rounds = statistics.median(walls), walls
+        row.wall_ms, row.wall_rounds = min(walls), walls
     for model in models:
         model.zero_grad(set_to_none=True)  # (a converted copy of the model must not copy its gradients)
     return rows
@@ -266,12 +275,12 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
             row.model, row.form, row.note = spec.name, form, note
             if row is not base:
                 row.vs_original_gpu = base.gpu_ms / row.gpu_ms
-                row.vs_original_wall = _paired_ratio(base.wall_rounds, row.wall_rounds)
+                row.vs_original_wall = base.wall_ms / row.wall_ms
             if i >= 2:  # e.g. converted against use_linear as well as against the conv original
                 prev = measured[i - 1]
                 row.note = "; ".join(filter(None, [
                     f"vs {spec.forms[i - 1]}: GPU {prev.gpu_ms / row.gpu_ms:.3f}x, "
-                    f"wall {_paired_ratio(prev.wall_rounds, row.wall_rounds):.3f}x", row.note]))
+                    f"wall {prev.wall_ms / row.wall_ms:.3f}x", row.note]))
             progress(format_rows([row], header=False))
             rows.append(row)
         del models, original
