@@ -71,11 +71,9 @@ def models_section(saved: dict, name: str) -> str:
         saved, "Models, a training step", f"python -m patchgemm bench --models --json {name}",
         "forward + backward under bf16 autocast, random weights, models built from their libraries' configs. GPU "
         "ms is the profiler's sum of kernel times per step; wall ms the wall time per step with 10 steps back to "
-        "back, median of 21 rounds in which a model's forms take turns; peak MB what a step allocates above the "
-        "weights; `GPU x` = the first form's GPU time / this form's, `wall x` the median over rounds of the "
-        "same ratio of wall times. Where the host is the limit (wall ms well above GPU ms) the lent machines' "
-        "host speed drifts by up to a third within minutes; within a round the forms run a second apart, so "
-        "per-round ratios cancel most of that drift.",
+        "back, the fastest of 31 rounds in which a model's forms take turns with the garbage collector off (a "
+        "busy host's interruptions only add time; `wall_rounds` in the JSON holds every round); peak MB what a "
+        "step allocates above the weights; `GPU x` / `wall x` = the first form's GPU / wall time over this form's.",
         format_rows([ModelRow(**r) for r in saved["models"]]))
 
 
