@@ -67,7 +67,8 @@ def test_strided_and_unbatched_input(device):
 
 
 # The small-group kernels (csrc/kernels/gemm/sm80/small_group_gemm.cu, CUDA, 16-bit, channels-first
-# x): (batch, groups, c_in, c_out, spatial) covering 1 to 8 k-steps, dead warps (c_out <= 96, 64, 32),
+# x): (batch, groups, c_in, c_out, spatial) covering 1 to 8 k-steps, both warp layouts (at most 16
+# rows: 4 x 2 warps of 32 rows; more: 8 x 2 of 16) with dead warps and rows (c_out 17, 33, 40, 100),
 # ragged position tiles (L % 128 != 0), tiles whose block meets a second group, several position
 # ranges per group in the weight gradient, and a single range (few positions).
 SMALL_GROUP_CASES = [
@@ -79,6 +80,7 @@ SMALL_GROUP_CASES = [
     (8, 2, 40, 120, (16, 16, 16)),
     (1, 1, 128, 64, (8,)),
     (5, 3, 24, 40, (6, 128)),  # 6 position tiles: members of a pair take every other one
+    (2, 4, 24, 17, (200,)),  # one row past the first row of warps
 ]
 
 

@@ -6,9 +6,13 @@
 // group-major. Persistent blocks form teams of `team` (1 or 2); a team takes a contiguous range of
 // the tiles, and its members the position tiles j, j + team, ... of each (group, sample), so
 // neighbours read and write neighbouring positions at about the same time: the DRAM sees runs of
-// 512 bytes instead of 256. A block meets a new group once or twice. 8 warps as 4 (rows) x 2
-// (positions): a warp owns 32 output rows and keeps their part of the group's matrix in registers
-// (at most 2 x 8 fragments, 2 x 16 for fp32, read from global memory when the group changes). x tiles
+// 512 bytes instead of 256. A block meets a new group once or twice. Its warps are kWarpsM (rows) x
+// 2 (positions): 4 x 2 warps, each owning 32 output rows, or, for 16-bit groups of more than 16 rows
+// at 128 positions, 8 x 2 warps of 16 rows each. A warp keeps its rows of the group's matrix in
+// registers (at most 2 x 8 fragments, 2 x 16 for fp32, read from global memory when the group
+// changes). The kernel is latency-bound at one block per SM, so the 16-warp layout (half the
+// fragments and accumulators per warp: under 128 registers, no spills) moves more bytes; with at
+// most 16 rows only one row of warps has work either way and the extra warps cost. x tiles
 // [K][positions] stream through a cp.async pipeline (3 or 4 slots), so the next tiles are in flight
 // while one is multiplied; the rows K..16k of every slot stay zero. The accumulators start at the
 // bias; the output tile is staged in shared memory (two stages: tile t - 1 leaves while tile t is
@@ -86,27 +90,30 @@ __device__ __forceinline__ uint32_t matrix_tf32(const float* m, int64_t m_m, int
 // kTileL positions per tile (2 warps x kTileL / 2), kStages slots in the x pipeline, kKSteps steps
 // of 16 over K. 16-bit: m16n8k16, the B fragments by ldmatrix.trans. fp32 (TF32 math, the inputs
 // rounded to nearest as cuBLAS does): two m16n8k8 per step, B fragments read element by element.
-template <typename T, int kKSteps, int kTileL, int kStages, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) small_group_apply_kernel(const ApplyArgs<T> a) {
+template <typename T, int kKSteps, int kTileL, int kStages, int kMinBlocks, int kWarpsM>
+__global__ void __launch_bounds__(64 * kWarpsM, kMinBlocks) small_group_apply_kernel(const ApplyArgs<T> a) {
 #if __CUDA_ARCH__ >= 800
   constexpr bool kTf32 = std::is_same_v<T, float>;
+  constexpr int kWarpsN = 2, kBlockThreads = 32 * kWarpsM * kWarpsN;
+  constexpr int kMTiles = kMaxRows / 16 / kWarpsM;  // m16 tiles per warp
   constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
-  constexpr int kK = kKSteps * 16, kChunks = kTileL / kVec, kPairs = kTileL / 32;  // n8-tile pairs per warp
+  constexpr int kK = kKSteps * 16, kChunks = kTileL / kVec;
+  constexpr int kPairs = kTileL / kWarpsN / 16;  // n8-tile pairs per warp
   // Elements per shared row. 16-bit: an odd multiple of 16 bytes, conflict-free ldmatrix; fp32: 8
   // words past a multiple of 32, so the lanes' (k = lane % 4, n = lane / 4) reads hit 32 banks.
   constexpr int kLPitch = kTileL + 8;
   constexpr int kSlot = kK * kLPitch;
-  constexpr int kRowsPerPass = kThreads / kChunks;  // rows a block's 16-byte copies cover at once
+  constexpr int kRowsPerPass = kBlockThreads / kChunks;  // rows a block's 16-byte copies cover at once
   extern __shared__ __align__(128) unsigned char smem[];
   T* const stages = reinterpret_cast<T*>(smem);  // 2 x [kMaxRows][kLPitch]: output tiles t and t - 1
   T* const xs = stages + 2 * kMaxRows * kLPitch;  // kStages slots of [kK][kLPitch]
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int warp_m = warp % 4, warp_n = warp / 4;
+  const int warp_m = warp % kWarpsM, warp_n = warp / kWarpsM;
   const int teams = gridDim.x / a.team, team = blockIdx.x / a.team, member = blockIdx.x % a.team;
   const int64_t begin = team * a.tiles / teams, end = (team + 1) * a.tiles / teams;
 
   // Zero rows depth..kK of every slot: the matrix's padding columns are zero, but 0 * garbage may be NaN.
-  for (int i = tid; i < kStages * (kK - a.depth) * kChunks; i += kThreads) {
+  for (int i = tid; i < kStages * (kK - a.depth) * kChunks; i += kBlockThreads) {
     const int slot = i / ((kK - a.depth) * kChunks), row = a.depth + i / kChunks % (kK - a.depth);
     *reinterpret_cast<uint4*>(xs + slot * kSlot + row * kLPitch + i % kChunks * kVec) = make_uint4(0, 0, 0, 0);
   }
@@ -143,10 +150,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) small_group_apply_kernel
     cp_async_commit();
   }
   // This warp's rows: m-tile mt covers r0 + mt * 16 ..; a lane's are r0 + mt * 16 + lane / 4 (+ 8).
-  const int r0 = warp_m * 32, n0 = warp_n * (kTileL / 2);
-  const bool live[2] = {r0 < a.rows, r0 + 16 < a.rows};
-  uint32_t af[2][kTf32 ? 2 * kKSteps : kKSteps][4];  // per mma k-step
-  float bias_v[2][2] = {};
+  const int r0 = warp_m * kMTiles * 16, n0 = warp_n * (kTileL / kWarpsN);
+  bool live[kMTiles];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) live[mt] = r0 + mt * 16 < a.rows;
+  uint32_t af[kMTiles][kTf32 ? 2 * kKSteps : kKSteps][4];  // per mma k-step
+  float bias_v[kMTiles][2] = {};
   int group = -1;
   // Writes the staged output tile at `at` to out, in 16-byte vectors.
   auto store_tile = [&](const TileCursor& at, const T* stage) {
@@ -174,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) small_group_apply_kernel
       group = cur.g;
       const T* m = a.matrix + group * a.m_g;
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
         const int row = r0 + mt * 16 + lane / 4;
         if constexpr (kTf32) {
 #pragma unroll
@@ -206,9 +215,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) small_group_apply_kernel
       const T* xslot = xs + i % kStages * kSlot;
       // acc[mt][j]: rows lane / 4 (c0, c1) and + 8 (c2, c3), positions 2 (lane % 4) and + 1 of n-tile j;
       // it starts at the bias.
-      float acc[2][kPairs * 2][4];
+      float acc[kMTiles][kPairs * 2][4];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
         for (int j = 0; j < kPairs * 2; ++j) {
           acc[mt][j][0] = acc[mt][j][1] = bias_v[mt][0];
@@ -223,8 +232,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) small_group_apply_kernel
 #pragma unroll
           for (int j = 0; j < kPairs * 2; ++j) {
             const uint32_t b[2] = {to_tf32(xk[j * 8]), to_tf32(xk[4 * kLPitch + j * 8])};
-            mma_1688_tf32(acc[0][j], af[0][ks], b);
-            if (live[1]) mma_1688_tf32(acc[1][j], af[1][ks], b);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+              if (mt == 0 || live[mt]) mma_1688_tf32(acc[mt][j], af[mt][ks], b);
+            }
           }
         }
       } else {
@@ -235,17 +246,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) small_group_apply_kernel
             uint32_t r[4];
             ldmatrix_x4_trans(r, smem_address(xslot + (ks * 16 + lane % 16) * kLPitch + n0 + np * 16 + lane / 16 * 8));
             const uint32_t b_lo[2] = {r[0], r[1]}, b_hi[2] = {r[2], r[3]};
-            mma_16816<T>(acc[0][2 * np], af[0][ks], b_lo);
-            mma_16816<T>(acc[0][2 * np + 1], af[0][ks], b_hi);
-            if (live[1]) {
-              mma_16816<T>(acc[1][2 * np], af[1][ks], b_lo);
-              mma_16816<T>(acc[1][2 * np + 1], af[1][ks], b_hi);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+              if (mt == 0 || live[mt]) {
+                mma_16816<T>(acc[mt][2 * np], af[mt][ks], b_lo);
+                mma_16816<T>(acc[mt][2 * np + 1], af[mt][ks], b_hi);
+              }
             }
           }
         }
       }
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
         if (!live[mt]) continue;
         const int row = r0 + mt * 16 + lane / 4;
 #pragma unroll
@@ -482,12 +494,13 @@ constexpr int apply_smem = (2 * kMaxRows + kStages * kKSteps * 16) * (kTileL + 8
 // Whether a block with `smem` bytes of dynamic shared memory fits on the current GPU.
 bool smem_fits(int smem) { return smem <= static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin); }
 
-template <typename T, int kKSteps, int kTileL, int kStages, int kMinBlocks>
+template <typename T, int kKSteps, int kTileL, int kStages, int kMinBlocks, int kWarpsM = 4>
 bool launch_apply(ApplyArgs<T> args) {
   constexpr int smem = apply_smem<T, kKSteps, kTileL, kStages>;
+  constexpr int threads = 64 * kWarpsM;  // kWarpsM x 2 warps
   if (!smem_fits(smem)) return false;
-  const auto kernel = small_group_apply_kernel<T, kKSteps, kTileL, kStages, kMinBlocks>;
-  const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, smem);
+  const auto kernel = small_group_apply_kernel<T, kKSteps, kTileL, kStages, kMinBlocks, kWarpsM>;
+  const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), threads, smem);
   TORCH_CHECK(shape.blocks_per_sm > 0, "small_group_apply: ", smem, " bytes of shared memory fit no block on this GPU");
   args.l_tiles = (args.length + kTileL - 1) / kTileL;
   // Pairs where the position tiles pair up and a sample's row is longer than the pipeline's reach
@@ -495,12 +508,13 @@ bool launch_apply(ApplyArgs<T> args) {
   args.team = args.l_tiles % 2 == 0 && args.l_tiles >= 4 ? 2 : 1;
   args.tiles = int64_t{args.groups} * args.batch * args.l_tiles / args.team;
   const int64_t teams = std::max<int64_t>(1, std::min<int64_t>(args.tiles, int64_t{shape.blocks_per_sm} * shape.sms / args.team));
-  kernel<<<static_cast<unsigned>(teams * args.team), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(args);
+  kernel<<<static_cast<unsigned>(teams * args.team), threads, smem, at::cuda::getCurrentCUDAStream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
 
-// 16-bit, two tilings: 128 positions, one block per SM; for at most 64 positions per sample, where
+// 16-bit, two tilings: 128 positions, one block per SM (16 warps over more than 16 rows, else 8);
+// for at most 64 positions per sample, where
 // half of such a tile would be idle, 64 positions with two blocks per SM (slower on long samples:
 // twice the tiles, and the 128-register limit of two blocks spills at K > 80). fp32: 64 positions
 // (the same 16-byte chunks per row), one block per SM for the A fragments' registers. False: the
@@ -511,6 +525,7 @@ bool launch_variant(const ApplyArgs<T>& args) {
     return launch_apply<T, kKSteps, 64, 3, 1>(args);
   } else {
     if (args.length <= 64) return launch_apply<T, kKSteps, 64, 4, 2>(args);
+    if (args.rows > 16) return launch_apply<T, kKSteps, 128, 3, 1, 8>(args);
     return launch_apply<T, kKSteps, 128, 3, 1>(args);
   }
 }
