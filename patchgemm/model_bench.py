@@ -8,9 +8,9 @@ favour one), the peak memory a step allocates (activations, gradients, workspace
 held before it), and the ratios original / converted. The wall time is the fastest round's: a
 busy host's interruptions (other processes, clock changes) only ever add time, so the fastest
 round is the one nearest the step's own cost, and its ratio repeats across runs better than a
-median of rounds does. The garbage collector is off while rounds run, as `timeit` does. Models are built from
-their libraries' configs with random weights (nothing is downloaded); a model whose library is
-missing is skipped with a line saying so.
+median of rounds does. The garbage collector is off while rounds run, as `timeit` does. Models
+are built from their libraries' configs with random weights (nothing is downloaded); a model
+whose library is missing is skipped with a line saying so.
 """
 
 import gc

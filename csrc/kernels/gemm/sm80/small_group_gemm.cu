@@ -514,9 +514,9 @@ bool launch_apply(ApplyArgs<T> args) {
 }
 
 // 16-bit, two tilings: 128 positions, one block per SM (16 warps over more than 16 rows, else 8);
-// for at most 64 positions per sample, where
-// half of such a tile would be idle, 64 positions with two blocks per SM (slower on long samples:
-// twice the tiles, and the 128-register limit of two blocks spills at K > 80). fp32: 64 positions
+// for at most 64 positions per sample, where half of such a tile would be idle, 64 positions with
+// two blocks per SM (slower on long samples: twice the tiles, and the 128-register limit of two
+// blocks spills at K > 80). fp32: 64 positions
 // (the same 16-byte chunks per row), one block per SM for the A fragments' registers. False: the
 // tile does not fit the GPU's shared memory (K > 112 on sm_80's 163 KB).
 template <typename T, int kKSteps>
