@@ -61,10 +61,13 @@ def main(argv=None) -> int:
                       "(tuning, random, heldout; default tuning,random)")
     tune.add_argument("--evaluate-on", default="heldout", help="sets whose records judge it (default heldout)")
     tune.add_argument("--random", type=int, default=200, help="shapes in the random set (default 200)")
+    tune.add_argument("--random-start", type=int, default=0, metavar="K", help="sweep only random shapes K .. "
+                      "N - 1 of the seed's sequence (to extend a saved sweep; merge the --json files)")
     tune.add_argument("--seed", type=int, default=0, help="the random set's seed")
     tune.add_argument("--cache-dir", help="autotune's directory (default ~/.cache/patchgemm or $PATCHGEMM_CACHE_DIR)")
     tune.add_argument("--model", metavar="PATH", help="write the trained model here")
-    tune.add_argument("--json", metavar="PATH", help="write the records and the report")
+    tune.add_argument("--json", metavar="PATH", help="write the records and the report (gzip-compressed where "
+                      "PATH ends in .gz, as --from-json reads it)")
     tune.add_argument("--from-json", metavar="PATHS", help="do not sweep: train and judge on saved --json files "
                       "(comma-separated)")
     tune.add_argument("--relabel", action="store_true", help="with --from-json: replace the records' heuristic "

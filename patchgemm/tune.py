@@ -1,7 +1,7 @@
 """``python -m patchgemm tune``: time every implementation over shape sets, keep the records, train the
 learned selector on some sets and report every mode's regret on the others.
 
-    python -m patchgemm tune [--sets tuning,random,heldout] [--random N] [--train-on tuning,random]
+    python -m patchgemm tune [--random N [--random-start K]] [--train-on tuning,random]
                              [--evaluate-on heldout] [--model PATH] [--json PATH] [--cache-dir DIR]
     python -m patchgemm tune --from-json A.json[,B.json] [--relabel] [--train-device TEXT] [--evaluate-device TEXT] ...
     python -m patchgemm tune --from-json A.json[,B.json] --cross-validate K [--train-device TEXT] ...
@@ -19,6 +19,7 @@ record by a model trained without its shape, so that choices about training (whi
 options) are made without looking at the held-out sets.
 """
 
+import gzip
 import json
 import math
 import random
@@ -216,12 +217,21 @@ def _select(records: List[Record], sets: List[str], device_text: Optional[str], 
     return out
 
 
+def _open(path: str, mode: str = "r"):
+    """A text file, gzip-compressed where its name ends in .gz (the saved sweeps are)."""
+    return gzip.open(path, mode + "t") if path.endswith(".gz") else open(path, mode)
+
+
+def read_json(path: str):
+    with _open(path) as f:
+        return json.load(f)
+
+
 def load_records(paths: List[str]):
     """Records saved by ``--json`` (the first file's environment with them)."""
     records, env = [], {}
     for path in paths:
-        with open(path) as f:
-            saved = json.load(f)
+        saved = read_json(path)
         env = env or saved.get("environment", {})
         records += [Record(**d) for d in saved["records"]]
     return records, env
@@ -284,7 +294,7 @@ def main(args) -> int:
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cache_dir = args.cache_dir if args.cache_dir is not None else selection.default_cache_dir()
-        shapes = {"tuning": TUNING, "heldout": HELDOUT, "random": random_shapes(args.random, args.seed)}
+        shapes = {"tuning": TUNING, "heldout": HELDOUT, "random": random_shapes(args.random, args.seed)[args.random_start:]}
         sets = {name: shapes[name] for name in dict.fromkeys(train_on + evaluate_on)}
         print(f"tuning {', '.join(sets)} on {device} (cache: {cache_dir or 'memory only'})")
         records = sweep(sets, device, cache_dir)
@@ -302,7 +312,7 @@ def main(args) -> int:
         learned.save(model, args.model)
         print(f"\nmodel written to {args.model}")
     if args.json:
-        with open(args.json, "w") as f:
+        with _open(args.json, "w") as f:
             json.dump({"environment": env, "train_on": train_on, "evaluate_on": evaluate_on, "report": report,
                        "records": [vars(r) for r in records]}, f, separators=(",", ":"))
     return 0

@@ -4,6 +4,7 @@ the learned selector trains on the records and runs on the CPU; bad mode and imp
 are clear errors."""
 
 import glob
+import gzip
 import json
 import os
 import pathlib
@@ -289,6 +290,9 @@ def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
     saved.write_text(json.dumps({"environment": {"device": "cpu"}, "train_on": ["train"], "evaluate_on": ["test"],
                                  "report": {"train": rows, "evaluate": rows}, "records": [vars(r) for r in records]}))
     again, _ = tune.load_records([str(saved)])
+    compressed = tmp_path / "tune-cpu.json.gz"  # the saved sweeps are gzip-compressed
+    compressed.write_bytes(gzip.compress(saved.read_bytes()))
+    assert [vars(r) for r in tune.load_records([str(compressed)])[0]] == [vars(r) for r in again]
     _, report = tune.train_and_judge(again, ["train"], ["test"])
     assert report["evaluate"][-1]["records"] == len(test)
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
