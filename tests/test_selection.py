@@ -304,6 +304,8 @@ RULE_CASES = [
     # ViT-B/16 at batch 1, writing tokens: a patch matrix under 2 MB, ATen's permute copy + linear;
     # its weight gradient on the wgmma kernel, which reads x itself (no gather)
     ((1, 3, 224, 224), (16, 16), 768, "tokens", {"patch_embed": "aten_linear", "patch_weight_grad": "implicit_sm90"}),
+    # one 64 x 64 output tile over K = 262144: the fused kernels would stream x on one SM (50x slower)
+    ((1, 1024, 128, 128), (16, 16), 64, "channels_first", {"patch_embed": "gather_gemm"}),
 ]
 
 

@@ -65,10 +65,12 @@ WhyNot implicit_mma_pays(int64_t width, int64_t rows, const at::Tensor& on) {
 
 // The fused GEMMs do not split K: an output of 128 x 128 tiles for under half the SMs, over a long
 // K, leaves most SMs idle, where cuBLAS splits K (ViT-B/16 at batch 1 to 4: 12 to 42 tiles, K = 768).
-// Thin outputs (width <= 128) are memory-bound, and the gather that cuBLAS needs costs more.
+// Thin outputs (width <= 128) are memory-bound, and the gather that cuBLAS needs costs more, down to a
+// quarter of the SMs: below that a few CTAs stream all of x alone (up to 50x slower than the gather +
+// cuBLAS, e.g. 64 tokens x 64 wide over K = 65536; bench/results/tune-h100.json).
 WhyNot fills_the_gpu(int64_t rows, int64_t width, int64_t K, const at::Tensor& on) {
   const int64_t tiles = (rows + 127) / 128 * ((width + 127) / 128);
-  if (width > 128 && K >= 512 && 2 * tiles < sm_count(on)) {
+  if (K >= 512 && (4 * tiles < sm_count(on) || (width > 128 && 2 * tiles < sm_count(on)))) {
     return "rule: a few output tiles over a long K run faster split by cuBLAS";
   }
   return {};
