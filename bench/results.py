@@ -101,8 +101,8 @@ def tune_section(saved: dict, name: str) -> str:
         "time of each candidate as autotune measures it (CUDA events around back-to-back calls behind a spin "
         "kernel); geometric mean / worst over the records (one per op call signature). `single best` = per op "
         "the one candidate of least mean regret on the training records; `learned vs single best` = its "
-        "time / the learned choice's. This GPU's model; the shipped one is trained on every GPU's records "
-        "(below).", "",
+        "time / the learned choice's. This GPU's model; the shipped one (`patchgemm/data/selector.json`) is "
+        "trained on the records of every GPU saved here (`--from-json` with all of them, `--model ...`).", "",
         *tables, ""])
 
 
