@@ -96,9 +96,9 @@ def tune_section(saved: dict, name: str) -> str:
     return "\n".join([
         f"## Selection modes, regret: {_where(saved.get('environment', {}))}", "",
         f"`python -m patchgemm tune --from-json bench/results/{name} --relabel --json bench/results/{name}` "
-        f"(the sweep: `python -m patchgemm tune --random {random_shapes} --json ...`; `--relabel` replaces the heuristic's "
-        "recorded choices with today's rules' on the GPU, untimed). Regret = t(selected) / t(fastest candidate), GPU "
-        "time of each candidate as autotune measures it (CUDA events around back-to-back calls behind a spin "
+        f"(the sweep: `python -m patchgemm tune --random {random_shapes} --json ...`; `--relabel` replaces the "
+        "heuristic's recorded choices with today's rules' on the GPU, untimed). Regret = t(selected) / "
+        "t(fastest candidate), GPU time of each candidate as autotune measures it (CUDA events around back-to-back calls behind a spin "
         "kernel); geometric mean / worst over the records (one per op call signature). `single best` = per op "
         "the one candidate of least mean regret on the training records; `learned vs single best` = its "
         "time / the learned choice's. This GPU's model; the shipped one (`patchgemm/data/selector.json`) is "

@@ -294,7 +294,8 @@ def main(args) -> int:
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cache_dir = args.cache_dir if args.cache_dir is not None else selection.default_cache_dir()
-        shapes = {"tuning": TUNING, "heldout": HELDOUT, "random": random_shapes(args.random, args.seed)[args.random_start:]}
+        randoms = random_shapes(args.random, args.seed)[args.random_start:]
+        shapes = {"tuning": TUNING, "heldout": HELDOUT, "random": randoms}
         sets = {name: shapes[name] for name in dict.fromkeys(train_on + evaluate_on)}
         print(f"tuning {', '.join(sets)} on {device} (cache: {cache_dir or 'memory only'})")
         records = sweep(sets, device, cache_dir)

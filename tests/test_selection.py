@@ -291,7 +291,7 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
     assert {row["op"] for row in heldout.summary(results)} == {"patch_embed", "patch_unembed", "grouped_linear"}
 
 
-# The rules' choices on shapes they were fitted to (bench/results/tune-h100.json): what each one is for.
+# The rules' choices on shapes they were fitted to (bench/results/tune-h100.json.gz): what each one is for.
 RULE_CASES = [
     # channels-last 3-D with long kernels: cuDNN ran 20-90x slower than the GEMM path
     ((2, 96, 32, 128, 32), (8, 8, 8), 384, "channels_last", {"patch_embed": "gather_gemm",
