@@ -306,6 +306,8 @@ RULE_CASES = [
     ((1, 3, 224, 224), (16, 16), 768, "tokens", {"patch_embed": "aten_linear", "patch_weight_grad": "implicit_sm90"}),
     # one 64 x 64 output tile over K = 262144: the fused kernels would stream x on one SM (50x slower)
     ((1, 1024, 128, 128), (16, 16), 64, "channels_first", {"patch_embed": "gather_gemm"}),
+    # a 1024 x 32768 weight gradient from 16 tokens: 2048 output tiles, past 8 per SM
+    ((1, 128, 64, 64), (16, 16), 1024, "channels_first", {"patch_weight_grad": "gather_gemm"}),
 ]
 
 

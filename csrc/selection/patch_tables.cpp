@@ -411,8 +411,15 @@ WeightGrads finish(const WeightGradProblem& p, const WeightGrads& grads) {
 // The weight gradient's wgmma kernel wins wherever grad_y is channels-first (which cuBLAS needs
 // copied into tokens order), but with tokens grad_y only for thinner GEMMs: runs up to E = 256, pairs
 // (which gather 4 bytes per patch element) up to E = 512; wider, cuBLAS's rate outweighs the gather.
+// Both wgmma kernels lose to it over wide gradients from few tokens: 8 or more 128 x 128 tiles of
+// the E x K gradient per SM (0.67x the time after the gather, 73 of the random shapes in
+// bench/results/tune-*.json.gz; no real model's stem comes near).
 WhyNot implicit_weight_grad_rule(cuda::Implicit kernel, const WeightGradProblem& p) {
   WhyNot why = not_a_view(p.x5, p.g);
+  if (why.empty() && kernel != cuda::Implicit::kMma &&
+      (p.embed + 127) / 128 * ((p.g.patch_size() + 127) / 128) >= 8 * sm_count(p.x)) {
+    why = "rule: 8 or more output tiles per SM run faster as gather + cuBLAS";
+  }
   if (!why.empty() || kernel == cuda::Implicit::kRowsSm90) return why;  // rows: its own rule (ruled)
   if (kernel == cuda::Implicit::kMma) {
     // mma.sync needs a full 128-column tile of the patch; the wgmma kernel wins below it too.
