@@ -88,8 +88,7 @@ def host_section(saved: dict, name: str) -> str:
 
 def tune_section(saved: dict, name: str) -> str:
     report = saved["report"]
-    shapes = {r["tags"].get("shape", "") for r in saved["records"]}
-    random_shapes = 1 + max((int(s.rsplit("-", 1)[1]) for s in shapes if s.startswith("random-")), default=-1)
+    random_shapes = tune.random_shape_count({r["tags"].get("shape") for r in saved["records"]})
     tables = [tune.format_judgement(report["evaluate"], f"Held-out records ({', '.join(saved['evaluate_on'])}), "
                                     "never trained on:"),
               tune.format_judgement(report["train"], f"\nTraining records ({', '.join(saved['train_on'])}):")]
@@ -98,11 +97,12 @@ def tune_section(saved: dict, name: str) -> str:
         f"`python -m patchgemm tune --from-json bench/results/{name} --relabel --json bench/results/{name}` "
         f"(the sweep: `python -m patchgemm tune --random {random_shapes} --json ...`; `--relabel` replaces the "
         "heuristic's recorded choices with today's rules' on the GPU, untimed). Regret = t(selected) / "
-        "t(fastest candidate), GPU time of each candidate as autotune measures it (CUDA events around back-to-back calls behind a spin "
-        "kernel); geometric mean / worst over the records (one per op call signature). `single best` = per op "
-        "the one candidate of least mean regret on the training records; `learned vs single best` = its "
-        "time / the learned choice's. This GPU's model; the shipped one (`patchgemm/data/selector.json`) is "
-        "trained on the records of every GPU saved here (`--from-json` with all of them, `--model ...`).", "",
+        "t(fastest candidate), GPU time of each candidate as autotune measures it (CUDA events around "
+        "back-to-back calls behind a spin kernel); geometric mean / worst over the records (one per op call "
+        "signature). `single best` = per op the one candidate of least mean regret on the training "
+        "records; `learned vs single best` = its time / the learned choice's. This GPU's model; the shipped "
+        "one (`patchgemm/data/selector.json`) is trained on the records of every GPU saved here "
+        "(`--from-json` with all of them, `--model ...`).", "",
         *tables, ""])
 
 

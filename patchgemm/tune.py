@@ -103,16 +103,20 @@ def _relabel_record(r: Record, choice: "selection.Choice") -> None:
             picked = picked or pick
 
 
+def random_shape_count(shape_ids) -> int:
+    """How many shapes of the random sequence records of these shape ids span (a random shape's id
+    ends in its index)."""
+    return 1 + max((int(i.rsplit("-", 1)[1]) for i in shape_ids if i and i.startswith("random-")), default=-1)
+
+
 def relabel(records: List[Record], device: torch.device, seed: int = 0, shapes: Optional[List[Shape]] = None,
             log=print) -> int:
     """Re-runs each record's shape under today's heuristic (nothing timed) and replaces the record's
     "heuristic" tag and rule features: saved timings then judge changed rules, and train on them.
     Returns how many records were relabeled; a record whose shape no longer produces its signature
     keeps its tags."""
-    if shapes is None:  # the sets tune sweeps (a random shape's id ends in its index)
-        ids = {r.tags.get("shape") for r in records}
-        numbered = [int(i.rsplit("-", 1)[1]) for i in ids if i and i.startswith("random-")]
-        shapes = TUNING + HELDOUT + random_shapes(max(numbered, default=-1) + 1, seed)
+    if shapes is None:  # the sets tune sweeps
+        shapes = TUNING + HELDOUT + random_shapes(random_shape_count({r.tags.get("shape") for r in records}), seed)
     known = {s.id: s for s in shapes}
     by_shape: Dict[str, List[Record]] = {}
     for r in records:
