@@ -8,8 +8,9 @@ is trained on soft labels made from the times, as MIOpen's learned selector is: 
 candidate c is ``softmax(-log(t_c / t_fastest) / temperature)`` over the candidates that apply, so a
 candidate 2% slower than the fastest is almost as good a label and one 2x slower is not. Records are
 weighted by what is at stake (the log of the slowest-to-fastest ratio). The features include, per
-candidate, whether it applies and whether the heuristic's rules pick it (the model starts from what
-the rules know). At run time the C++ side
+candidate, whether it applies and whether it is the one the heuristic runs (the model starts from
+what the rules know; the C++ side runs the heuristic once per new signature to find it, since a
+kernel may decline a problem its table says it supports). At run time the C++ side
 (csrc/selection/learned.cpp) computes the same scores and runs the best-scored candidate that applies.
 
 The model file is JSON: per op its candidates, features, normalization and weights.

@@ -91,16 +91,13 @@ def _heuristic_choices(run) -> Dict[tuple, "selection.Choice"]:
     return {(c.op, c.signature): c for c in heuristic}
 
 
-def _relabel_record(r: Record, choice: "selection.Choice") -> None:
-    """The record's heuristic tag and its rule features (``rules_pick:<name>``: the first candidate that
-    applies and whose rule accepts) as today's rules set them."""
-    r.tags["heuristic"] = choice.chosen
-    picked = False
-    for v in choice.candidates:
-        if f"rules_pick:{v.name}" in r.features:
-            pick = not picked and r.features.get(f"applies:{v.name}") == 1.0 and v.status != "passed over"
-            r.features[f"rules_pick:{v.name}"] = 1.0 if pick else 0.0
-            picked = picked or pick
+def set_heuristic(r: Record, name: str) -> None:
+    """Tags the record with the heuristic's choice and sets its rule features to match
+    (``rules_pick:<name>`` is 1 for the candidate the heuristic runs, 0 for the others)."""
+    r.tags["heuristic"] = name
+    for k in r.features:
+        if k.startswith("rules_pick:"):
+            r.features[k] = 1.0 if k == f"rules_pick:{name}" else 0.0
 
 
 def random_shape_count(shape_ids) -> int:
@@ -132,7 +129,7 @@ def relabel(records: List[Record], device: torch.device, seed: int = 0, shapes: 
                 choices.update(_heuristic_choices(run))
             for r in rs:
                 if (r.op, r.signature) in choices:
-                    _relabel_record(r, choices[(r.op, r.signature)])
+                    set_heuristic(r, choices[(r.op, r.signature)].chosen)
                     relabeled += 1
     return relabeled
 

@@ -78,6 +78,24 @@ def test_autotune_times_caches_and_reads_back(autotune, device):
     assert third[0].chosen == c.chosen and third[0].how == f"autotune: cached in {path}"
 
 
+@needs_gpu
+def test_rule_features_name_the_candidate_the_heuristic_runs(autotune):
+    # "tiny" passes its table's checks here but its kernel declines the problem (patches of 768
+    # elements): the record's rule features name what the heuristic ran instead, as the learned
+    # mode computes them.
+    x = randn(2, 3, 64, 64, device="cuda", dtype=torch.bfloat16)
+    w = randn(768, 3, 16, 16, device="cuda", dtype=torch.bfloat16)
+    patchgemm.set_selection("heuristic")
+    _, (h,) = run_explained(lambda: patchgemm.patch_embed(x, w, None))
+    assert h.chosen != "tiny" and any(v.name == "tiny" and v.status == "unsupported" for v in h.candidates)
+    patchgemm.set_selection("autotune", cache_dir=autotune)
+    run_explained(lambda: patchgemm.patch_embed(x, w, None))
+    with open(cache_file(autotune)) as f:
+        (record,) = learned.parse_records(f.read().splitlines()[2:])
+    assert record.features["applies:tiny"] == 1.0
+    assert [k for k, v in record.features.items() if k.startswith("rules_pick:") and v] == [f"rules_pick:{h.chosen}"]
+
+
 def test_autotune_never_chooses_an_inapplicable_candidate(autotune):
     # A hierarchical token order: only the gather + GEMM path applies on the CPU.
     x = randn(2, 3, 8, 8)
@@ -263,6 +281,10 @@ def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
     assert {"grouped_linear", "grouped_linear_grad_input", "patch_embed", "patch_weight_grad"} <= ops_seen
     for r in records:
         assert r.tags["sets"] and r.tags["device"] == "cpu" and r.tags["heuristic"] in r.times
+        # The rule features name the candidate the heuristic ran (autotune runs it: a kernel may
+        # decline a problem its table supports), as the learned mode computes them.
+        picks = [k for k, v in r.features.items() if k.startswith("rules_pick:") and v]
+        assert picks == [f"rules_pick:{r.tags['heuristic']}"]
         assert r.chosen == min((t, n) for n, t in r.times.items() if t is not None)[1]
     train = tune._select(records, ["train"], None, exclude=["test"])
     test = tune._select(records, ["test"], None)

@@ -176,38 +176,45 @@ class Table {
     return std::move(*result);
   }
 
-  // The first supported candidate, in table order, whose rule accepts the problem.
   Result run_heuristic(const Problem& p, const std::string& how) const {
     const bool observed = detail::observed();
-    const bool rules = detail::rules_apply();
     std::vector<Verdict> verdicts;
+    auto [result, chosen] = run_rules(p, observed ? &verdicts : nullptr);
+    if (observed) detail::note(op_, signature_(p), how, std::move(verdicts));
+    return std::move(result);
+  }
+
+  // The heuristic's choice: the first supported candidate, in table order, whose rule accepts the
+  // problem and whose run does not decline. Its result and index; every candidate's verdict goes to
+  // `verdicts` where given.
+  std::pair<Result, size_t> run_rules(const Problem& p, std::vector<Verdict>* verdicts) const {
+    const bool rules = detail::rules_apply();
     for (size_t i = 0; i < candidates_.size(); ++i) {
       const auto& c = candidates_[i];
       WhyNot why = why_not(c, p);
       if (!why.empty()) {
-        if (observed) verdicts.push_back({c.name, Verdict::kUnsupported, std::move(why)});
+        if (verdicts) verdicts->push_back({c.name, Verdict::kUnsupported, std::move(why)});
         continue;
       }
       if (c.rule && rules) why = c.rule(p);
       if (!why.empty()) {
-        if (observed) verdicts.push_back({c.name, Verdict::kRuledOut, std::move(why)});
+        if (verdicts) verdicts->push_back({c.name, Verdict::kRuledOut, std::move(why)});
         continue;
       }
       std::optional<Result> result = c.run(p, rules, why);
       if (!result) {
-        if (observed) verdicts.push_back({c.name, Verdict::kUnsupported, std::move(why)});
+        if (verdicts) verdicts->push_back({c.name, Verdict::kUnsupported, std::move(why)});
         continue;
       }
-      if (observed) {
-        verdicts.push_back({c.name, Verdict::kChosen, ""});
+      if (verdicts) {
+        verdicts->push_back({c.name, Verdict::kChosen, ""});
         for (size_t j = i + 1; j < candidates_.size(); ++j) {
           const WhyNot later = why_not(candidates_[j], p);
-          verdicts.push_back(later.empty() ? Verdict{candidates_[j].name, Verdict::kNotReached, c.name + " comes first"}
-                                           : Verdict{candidates_[j].name, Verdict::kUnsupported, later});
+          verdicts->push_back(later.empty() ? Verdict{candidates_[j].name, Verdict::kNotReached, c.name + " comes first"}
+                                            : Verdict{candidates_[j].name, Verdict::kUnsupported, later});
         }
-        detail::note(op_, signature_(p), how, std::move(verdicts));
       }
-      return std::move(*result);
+      return {std::move(*result), i};
     }
     TORCH_CHECK(false, op_, ": no implementation applies to this call (", signature_(p), "); please report it");
   }
@@ -231,15 +238,23 @@ class Table {
       fallback = "the remembered \"" + remembered->name + "\" does not apply: " + why;
       return std::nullopt;
     }
-    add_rule_features(p, f);  // a new choice: what the heuristic would do
-    if (mode == Mode::kAutotune) {
-      if (!detail::timing_allowed(f.device)) {
-        fallback = "autotune: no timing during CUDA-graph capture";
-        return std::nullopt;
-      }
-      return run_autotuned(p, f, signature, key);
+    // A new choice. Both modes record what the heuristic runs (running it: a kernel may decline).
+    if (mode == Mode::kAutotune && !detail::timing_allowed(f.device)) {
+      fallback = "autotune: no timing during CUDA-graph capture";
+      return std::nullopt;
     }
-    return run_learned(p, f, key, fallback);
+    std::vector<Verdict> verdicts;
+    auto [heuristic_result, heuristic_pick] = run_rules(p, detail::observed() ? &verdicts : nullptr);
+    add_rule_features(p, heuristic_pick, f);
+    if (mode == Mode::kAutotune) return run_autotuned(p, f, signature, key);
+    const std::vector<double> scores = detail::learned_scores(op_, names_, f);
+    if (scores.empty()) {  // the heuristic's choice stands (its result is at hand)
+      if (detail::observed()) {
+        detail::note(op_, signature, "heuristic (learned: no usable model for " + op_ + ")", std::move(verdicts));
+      }
+      return heuristic_result;
+    }
+    return run_learned(p, scores, f.device, key, heuristic_pick, std::move(heuristic_result));
   }
 
   // Times every candidate that applies (each runs once first: a kernel declining in `run`, or
@@ -293,42 +308,37 @@ class Table {
     return result;
   }
 
-  // The model's best-scored candidate that applies and runs; remembered in memory.
-  std::optional<Result> run_learned(const Problem& p, const ProblemFeatures& f, const std::string& key,
-                                    std::string& fallback) const {
-    const std::vector<double> scores = detail::learned_scores(op_, names_, f);
-    if (scores.empty()) {
-      fallback = "learned: no usable model for " + op_;
-      return std::nullopt;
-    }
+  // The best-scored candidate that applies and runs (the heuristic's pick has run: its result is
+  // taken as it is); remembered in memory.
+  Result run_learned(const Problem& p, const std::vector<double>& scores, const at::Device& device,
+                     const std::string& key, size_t heuristic_pick, Result heuristic_result) const {
     std::vector<size_t> order(candidates_.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return scores[a] > scores[b]; });
     for (size_t i : order) {
       const auto& c = candidates_[i];
-      WhyNot why = why_not(c, p);
       std::optional<Result> result;
-      if (why.empty()) result = c.run(p, /*ruled=*/false, why);
+      if (i == heuristic_pick) {
+        result = std::move(heuristic_result);
+      } else {
+        WhyNot why = why_not(c, p);
+        if (why.empty()) result = c.run(p, /*ruled=*/false, why);
+      }
       if (!result) continue;
-      detail::remember_predicted(f.device, key, c.name);
+      detail::remember_predicted(device, key, c.name);
       if (detail::observed()) note_single(p, c.name, "learned: predicted now", "scored lower");
-      return result;
+      return std::move(*result);
     }
-    fallback = "learned: no candidate applies";
-    return std::nullopt;
+    TORCH_CHECK(false, op_, ": the learned order lost the heuristic's choice; please report it");
   }
 
-  // Adds, per candidate, whether it applies and whether the rules pick it (the first that applies
-  // and whose rule accepts; a kernel's finer limits are not asked): the learned model starts from
-  // what the heuristic knows.
-  void add_rule_features(const Problem& p, ProblemFeatures& f) const {
-    bool picked = false;
-    for (const auto& c : candidates_) {
-      const bool applies = why_not(c, p).empty();
-      const bool pick = !picked && applies && (!c.rule || c.rule(p).empty());
-      picked = picked || pick;
-      f.values.emplace_back("applies:" + c.name, applies ? 1.0 : 0.0);
-      f.values.emplace_back("rules_pick:" + c.name, pick ? 1.0 : 0.0);
+  // Adds, per candidate, whether it applies (its `supports`) and whether it is the one the heuristic
+  // runs (`pick`): the learned model starts from what the heuristic knows.
+  void add_rule_features(const Problem& p, size_t pick, ProblemFeatures& f) const {
+    for (size_t i = 0; i < candidates_.size(); ++i) {
+      const auto& c = candidates_[i];
+      f.values.emplace_back("applies:" + c.name, why_not(c, p).empty() ? 1.0 : 0.0);
+      f.values.emplace_back("rules_pick:" + c.name, i == pick ? 1.0 : 0.0);
     }
   }
 
