@@ -78,8 +78,8 @@ def _inputs(features: List[str], values: Dict[str, float]) -> List[float]:
     return [math.log2(1.0 + max(_value(values, f), 0.0)) for f in features]
 
 
-def train(records: List[Record], hidden: int = 32, steps: int = 2000, temperature: float = 0.2,
-          weight_decay: float = 1e-2, seed: int = 0, description: str = "") -> dict:
+def train(records: List[Record], hidden: int = 64, steps: int = 2000, temperature: float = 0.2,
+          weight_decay: float = 1e-3, seed: int = 0, description: str = "") -> dict:
     """A model per op from its records (ops whose records never offer a choice get none)."""
     model = {"format": FORMAT, "description": description, "ops": {}}
     by_op: Dict[str, List[Record]] = {}

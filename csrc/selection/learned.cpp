@@ -3,7 +3,7 @@
 //   x = (log2(1 + max(v, 0)) - mean) / scale    over the model's features, by name
 //   scores = W2 relu(W1 x + b1) + b2            one score per candidate the model knows
 // `params` holds mean [F], scale [F], W1 [H, F], b1 [H], W2 [C, H], b2 [C], row-major, in that order.
-// A query costs F * H + H * C multiply-adds (about 2,000): a few microseconds, once per signature.
+// A query costs F * H + H * C multiply-adds (about 3,000): a few microseconds, once per signature.
 #include <c10/util/Exception.h>
 
 #include <cmath>
