@@ -42,6 +42,7 @@ def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, lo
     tags: Dict[str, Dict[str, str]] = {}  # (op, signature) -> tags
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     failures: List[str] = []
+    timed: Dict[str, str] = {}  # op, flags and signature -> the record's line
     with selection._restored_selection():
         for set_name, shapes in sets.items():
             for i, s in enumerate(shapes):
@@ -53,13 +54,16 @@ def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, lo
                 except RuntimeError as e:  # reported, and the sweep goes on
                     log(f"  {s.id}: FAILED: {e}")
                     failures.append(s.id)
+                # Kept shape by shape: the heuristic passes switch autotune's directory, which
+                # empties its memory (all of it where the directory is "", memory only).
+                for line in selection.autotune_records():
+                    timed["\t".join(line.split("\t", 3)[:3])] = line
                 if (i + 1) % 25 == 0 or i + 1 == len(shapes):
                     log(f"  {set_name}: {i + 1}/{len(shapes)} shapes")
-        timed = selection.autotune_records()  # (another selection's cache directory replaces them)
     if failures:
         log(f"  {len(failures)} shape(s) failed: {', '.join(failures)}")
     records = []
-    for r in learned.parse_records(timed):
+    for r in learned.parse_records(timed.values()):
         t = tags.get(f"{r.op}\t{r.signature}")
         if t is not None:
             r.tags = dict(t)

@@ -345,6 +345,14 @@ def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
         ops._forget_selections()
 
 
+def test_tune_sweep_in_memory_keeps_every_shapes_records():
+    # With no cache directory the records live in memory only, which each shape's heuristic pass
+    # empties: the sweep keeps them shape by shape.
+    records = tune.sweep({"test": SHAPES["test"]}, torch.device("cpu"), "", log=lambda *a: None)
+    assert {r.tags["shape"] for r in records} == {s.id for s in SHAPES["test"]}
+    assert {r.op for r in records} >= {"grouped_linear", "grouped_linear_grad_input", "patch_embed"}
+
+
 def test_tune_sweep_gives_back_the_selection_in_force(tmp_path):
     mine, sweeps = tmp_path / "mine", tmp_path / "sweep"
     patchgemm.set_selection("autotune", cache_dir=str(mine))
