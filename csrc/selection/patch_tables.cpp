@@ -63,13 +63,16 @@ WhyNot implicit_mma_pays(int64_t width, int64_t rows, const at::Tensor& on) {
   return {};
 }
 
+// The 128 x 128 tiles of a rows x cols output (the fused kernels' CTA tile).
+int64_t output_tiles(int64_t rows, int64_t cols) { return (rows + 127) / 128 * ((cols + 127) / 128); }
+
 // The fused GEMMs do not split K: an output of 128 x 128 tiles for under half the SMs, over a long
 // K, leaves most SMs idle, where cuBLAS splits K (ViT-B/16 at batch 1 to 4: 12 to 42 tiles, K = 768).
 // Thin outputs (width <= 128) are memory-bound, and the gather that cuBLAS needs costs more, down to a
 // quarter of the SMs: below that a few CTAs stream all of x alone (up to 50x slower than the gather +
-// cuBLAS, e.g. 64 tokens x 64 wide over K = 65536; bench/results/tune-h100.json).
+// cuBLAS, e.g. 64 tokens x 64 wide over K = 65536; bench/results/tune-h100.json.gz).
 WhyNot fills_the_gpu(int64_t rows, int64_t width, int64_t K, const at::Tensor& on) {
-  const int64_t tiles = (rows + 127) / 128 * ((width + 127) / 128);
+  const int64_t tiles = output_tiles(rows, width);
   if (K >= 512 && (4 * tiles < sm_count(on) || (width > 128 && 2 * tiles < sm_count(on)))) {
     return "rule: a few output tiles over a long K run faster split by cuBLAS";
   }
@@ -417,7 +420,7 @@ WeightGrads finish(const WeightGradProblem& p, const WeightGrads& grads) {
 WhyNot implicit_weight_grad_rule(cuda::Implicit kernel, const WeightGradProblem& p) {
   WhyNot why = not_a_view(p.x5, p.g);
   if (why.empty() && kernel != cuda::Implicit::kMma &&
-      (p.embed + 127) / 128 * ((p.g.patch_size() + 127) / 128) >= 8 * sm_count(p.x)) {
+      output_tiles(p.embed, p.g.patch_size()) >= 8 * sm_count(p.x)) {
     why = "rule: 8 or more output tiles per SM run faster as gather + cuBLAS";
   }
   if (!why.empty() || kernel == cuda::Implicit::kRowsSm90) return why;  // rows: its own rule (ruled)
