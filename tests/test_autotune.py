@@ -211,15 +211,22 @@ def test_no_timing_during_cuda_graph_capture(autotune):
     x, w, b, ref = grouped_case("cuda", batch=24)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), patchgemm.explain() as e:
-        with torch.cuda.graph(graph, stream=stream):
-            y = patchgemm.grouped_linear(x, w, b)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_close_to_ref(y, ref, torch.float32)
-    assert e[0].how == "heuristic (autotune: no timing during CUDA-graph capture)"
+
+    def captured_call():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), patchgemm.explain() as e:
+            with torch.cuda.graph(graph, stream=stream):
+                y = patchgemm.grouped_linear(x, w, b)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_ref(y, ref, torch.float32)
+        return e[0].how
+
+    assert captured_call() == "heuristic (autotune: no timing during CUDA-graph capture)"
     assert not glob.glob(os.path.join(autotune, "autotune-*.tsv"))
+    # Learned runs the heuristic to make a new choice: not inside a graph, which would keep both.
+    patchgemm.set_selection("learned", cache_dir="")
+    assert captured_call() == "heuristic (learned: no new choice during CUDA-graph capture)"
 
 
 # ---- modes and names -----------------------------------------------------------------------------

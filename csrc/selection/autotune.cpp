@@ -369,15 +369,15 @@ void remember_predicted(const at::Device& device, const std::string& key, const 
   device_memory(m, device).chosen[key] = {name, "learned: predicted earlier in this process"};
 }
 
-bool timing_allowed(const at::Device& device) {
+bool capturing_graph(const at::Device& device) {
 #ifdef PATCHGEMM_WITH_CUDA
   if (device.is_cuda()) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device.index()), &status));
-    return status == cudaStreamCaptureStatusNone;
+    return status != cudaStreamCaptureStatusNone;
   }
 #endif
-  return true;
+  return false;
 }
 
 std::vector<double> time_in_turns(const at::Device& device, const std::vector<std::function<void()>>& fns) {

@@ -10,7 +10,7 @@
 // and keeps the fastest, in memory and in a cache file per device (selection/autotune.cpp); learned
 // asks a small model trained on such timings (selection/learned.cpp). Both run the chosen candidate
 // without its rule, as it was timed, and fall back to the heuristic where they cannot choose (no
-// timing during CUDA-graph capture, no model for the op).
+// new choice during CUDA-graph capture, no model for the op).
 //
 // Around that choice: `force` pins a candidate per op (process-wide; also PATCHGEMM_FORCE="op=name,
 // ..."), forcing one that does not apply is an error naming the reason; `explain` records every
@@ -103,8 +103,9 @@ void remember_measured(const ProblemFeatures& f, const std::string& key,
                        const std::vector<std::pair<std::string, double>>& times, const std::string& chosen);
 // Remembers a predicted choice (memory only).
 void remember_predicted(const at::Device& device, const std::string& key, const std::string& name);
-// Whether candidates may be timed now: not while the current stream is capturing a CUDA graph.
-bool timing_allowed(const at::Device& device);
+// Whether `device`'s current stream is capturing a CUDA graph (then nothing is timed, and no
+// new choice runs a candidate the graph would not need).
+bool capturing_graph(const at::Device& device);
 // Each function's time in ms (median over rounds in which they take turns), on `device`'s current
 // stream (CUDA events) or the host's clock.
 std::vector<double> time_in_turns(const at::Device& device, const std::vector<std::function<void()>>& fns);
@@ -176,6 +177,7 @@ class Table {
     return std::move(*result);
   }
 
+  // The heuristic's choice, noted for explain() as made `how`.
   Result run_heuristic(const Problem& p, const std::string& how) const {
     const bool observed = detail::observed();
     std::vector<Verdict> verdicts;
@@ -238,9 +240,12 @@ class Table {
       fallback = "the remembered \"" + remembered->name + "\" does not apply: " + why;
       return std::nullopt;
     }
-    // A new choice. Both modes record what the heuristic runs (running it: a kernel may decline).
-    if (mode == Mode::kAutotune && !detail::timing_allowed(f.device)) {
-      fallback = "autotune: no timing during CUDA-graph capture";
+    // A new choice. Both modes record what the heuristic runs, by running it (a kernel may decline
+    // its problem). A CUDA graph being captured would keep that extra run, and autotune cannot time
+    // there: the heuristic chooses instead, and nothing is remembered.
+    if (detail::capturing_graph(f.device)) {
+      fallback = std::string(mode == Mode::kAutotune ? "autotune: no timing" : "learned: no new choice") +
+                 " during CUDA-graph capture";
       return std::nullopt;
     }
     std::vector<Verdict> verdicts;
