@@ -42,7 +42,6 @@ def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, lo
     tags: Dict[str, Dict[str, str]] = {}  # (op, signature) -> tags
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     failures: List[str] = []
-    timed: Dict[str, str] = {}  # op, flags and signature -> the record's line
     with selection._restored_selection():
         for set_name, shapes in sets.items():
             for i, s in enumerate(shapes):
@@ -54,16 +53,13 @@ def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, lo
                 except RuntimeError as e:  # reported, and the sweep goes on
                     log(f"  {s.id}: FAILED: {e}")
                     failures.append(s.id)
-                # Kept shape by shape: the heuristic passes switch autotune's directory, which
-                # empties its memory (all of it where the directory is "", memory only).
-                for line in selection.autotune_records():
-                    timed["\t".join(line.split("\t", 3)[:3])] = line
                 if (i + 1) % 25 == 0 or i + 1 == len(shapes):
                     log(f"  {set_name}: {i + 1}/{len(shapes)} shapes")
+        timed = selection.autotune_records()
     if failures:
         log(f"  {len(failures)} shape(s) failed: {', '.join(failures)}")
     records = []
-    for r in learned.parse_records(timed.values()):
+    for r in learned.parse_records(timed):
         t = tags.get(f"{r.op}\t{r.signature}")
         if t is not None:
             r.tags = dict(t)
@@ -88,8 +84,10 @@ def _passes(s: Shape, device: torch.device):
     return forward, forward_backward
 
 
-def _heuristic_choices(run) -> Dict[tuple, "selection.Choice"]:
-    selection.set_selection("heuristic")
+def _heuristic_choices(run, cache_dir: Optional[str] = None) -> Dict[tuple, "selection.Choice"]:
+    # (A sweep passes its autotune directory: changing the directory empties autotune's memory,
+    # which holds a memory-only sweep's records.)
+    selection.set_selection("heuristic", cache_dir=cache_dir)
     with selection.explain() as heuristic:
         run()
     return {(c.op, c.signature): c for c in heuristic}
@@ -140,7 +138,7 @@ def relabel(records: List[Record], device: torch.device, seed: int = 0, shapes: 
 
 def _tune_shape(s, device, cache_dir, set_name, device_name, tags) -> None:
     for run in _passes(s, device):
-        chosen = {key: c.chosen for key, c in _heuristic_choices(run).items()}
+        chosen = {key: c.chosen for key, c in _heuristic_choices(run, cache_dir).items()}
         selection.set_selection("autotune", cache_dir=cache_dir)
         with selection.explain() as tuned:
             run()
