@@ -40,10 +40,10 @@ class HostCase:
     make: Callable[[Callable, bool], dict]  # (randn on the device and dtype, tiny) -> {pass: (ours, theirs)}
 
 
-def _pair(ours, theirs, inputs, grad_shape, r):
+def _pair(ours, theirs, inputs, grad_shape, r, memory_format=torch.contiguous_format):
     """(fwd, fwd+bwd) callables for both sides: forward under no_grad, or forward + backward of a
-    fixed output gradient."""
-    grad = r(*grad_shape)
+    fixed output gradient (in `memory_format`, as the output's)."""
+    grad = r(*grad_shape).contiguous(memory_format=memory_format)
 
     def forward(fn):
         def run():
@@ -78,6 +78,13 @@ def cases() -> List[HostCase]:
         w, b = r(384, 3, 2, 16, 16, requires_grad=True), r(384, requires_grad=True)
         return _pair(lambda x, w, b: pg.patch_embed(x, w, b), lambda x, w, b: F.conv3d(x, w, b, stride=(2, 16, 16)),
                      (x, w, b), (n, 384, 8, 14, 14), r)
+
+    def patch_embed_channels_last(r, tiny):  # ConvNeXt-T's first downsample: channels-last x, cuDNN's path
+        n = 2 if tiny else 64
+        x = r(n, 56, 56, 96).permute(0, 3, 1, 2).requires_grad_()
+        w, b = r(192, 96, 2, 2, requires_grad=True), r(192, requires_grad=True)
+        return _pair(lambda x, w, b: pg.patch_embed(x, w, b), lambda x, w, b: F.conv2d(x, w, b, stride=2),
+                     (x, w, b), (n, 192, 28, 28), r, torch.channels_last)
 
     def patch_unembed(r, tiny):  # a decoder's last layer: tokens of a 14 x 14 grid back to 4-channel 56 x 56
         n = 2 if tiny else 64
@@ -126,6 +133,7 @@ def cases() -> List[HostCase]:
 
     return [HostCase("patch_embed", "conv2d", patch_embed), HostCase("PatchEmbed module", "nn.Conv2d", patch_embed_module),
             HostCase("patch_embed 3-D", "conv3d", patch_embed_3d),
+            HostCase("patch_embed channels-last", "conv2d", patch_embed_channels_last),
             HostCase("patch_unembed 2-D", "conv_transpose2d", patch_unembed),
             HostCase("patch_unembed U1", "conv_transpose3d", patch_unembed_3d),
             HostCase("grouped_linear", "baddbmm", grouped_linear), HostCase("ragged grouped_linear", "_grouped_mm", ragged),

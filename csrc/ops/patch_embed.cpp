@@ -117,7 +117,6 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
   // are channels-last [B, E, *grid] and tokens.
   p.tokens_out = tokens || N == 1 || g.channels_last;
   p.x5 = to_5d(x);
-  p.w2 = weight_rows(weight, g.channels_last);
   if (tokens) {
     p.out_shape = {g.batch, N, embed};
   } else {
@@ -168,7 +167,6 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
   }
   for (int d = 0; d < 3; ++d) g.size[d] = g.grid[d] * g.kernel[d];
   p.x = x, p.weight = weight, p.bias = bias, p.tokens = tokens, p.rank = rank;
-  p.w2 = weight_rows(weight, g.channels_last);
   p.out_format = g.channels_last ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
   p.out_shape = {g.batch, out_channels};
   p.out_shape.insert(p.out_shape.end(), g.size.end() - rank, g.size.end());

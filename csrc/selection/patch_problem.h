@@ -14,6 +14,10 @@
 
 namespace patchgemm {
 
+// weight [rows, C, *k] as [rows, K] in the patch matrix's column order: (c, i, j, l), or (i, j, l, c)
+// for channels-last x (a view where the weight lies that way too, else a copy).
+at::Tensor weight_rows(const at::Tensor& weight, bool channels_last);
+
 // patch_embed: y = conv(x, weight, bias, stride = kernel) as tokens [B, N, E] or channels-first.
 struct EmbedProblem {
   at::Tensor x, weight;  // as given: [B, C, *S], [E, C, *k]
@@ -24,8 +28,11 @@ struct EmbedProblem {
   PatchGeometry g;         // g.channels_last: x lies channels-last, and so does a channels-first output
   int64_t rank = 0;
   at::Tensor x5;                     // x as [B, C, D, H, W]
-  at::Tensor w2;                     // weight as [E, K]: weight_rows(weight, g.channels_last)
   std::vector<int64_t> out_shape;    // the op's output
+
+  // weight as [E, K] in the patch matrix's column order. Made by the implementations that use it,
+  // not with the problem: for channels-last x it is a copy, which cuDNN's path never needs.
+  at::Tensor w2() const { return weight_rows(weight, g.channels_last); }
 };
 
 // patch_unembed: y = conv_transpose(x, weight, bias, stride = kernel), [B, C_out, *(grid * k)].
@@ -37,9 +44,10 @@ struct UnembedProblem {
   int64_t rank = 0;
   at::Tensor x_tokens;  // [B, N, C_in] (a view)
   at::Tensor x_fused;   // what the fused kernels read: tokens [B, N, C_in] or channels-first [B, C_in, N]
-  at::Tensor w2;        // [C_in, K]: weight_rows(weight, g.channels_last)
   std::vector<int64_t> out_shape;
   at::MemoryFormat out_format = at::MemoryFormat::Contiguous;  // channels-last input: channels-last out
+
+  at::Tensor w2() const { return weight_rows(weight, g.channels_last); }  // [C_in, K], as EmbedProblem's
 };
 
 // patch_weight_grad: (dW [E, C, *k], dbias [E], [C] (transposed) or [0]).
@@ -58,10 +66,6 @@ using WeightGrads = std::tuple<at::Tensor, at::Tensor>;
 // x5 as its own patch matrix [B, 1, K] when one patch covers the whole volume and the strides allow
 // a view (no gather at all: e.g. Qwen2-VL's patch embedding).
 std::optional<at::Tensor> patch_matrix_as_view(const at::Tensor& x5, const PatchGeometry& g);
-
-// weight [rows, C, *k] as [rows, K] in the patch matrix's column order: (c, i, j, l), or (i, j, l, c)
-// for channels-last x (a view where the weight lies that way too, else a copy).
-at::Tensor weight_rows(const at::Tensor& weight, bool channels_last);
 
 // The implementations on gather / scatter + one GEMM (patch_gemm.cpp): every backend.
 at::Tensor embed_by_gemm(const EmbedProblem& p);          // the patch matrix gathered, or a view of x

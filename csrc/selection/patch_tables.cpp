@@ -86,7 +86,7 @@ WhyNot fills_the_gpu(int64_t rows, int64_t width, int64_t K, const at::Tensor& o
 // keeps up with cuBLAS there. (bench/heldout.py --candidates measures them all.)
 WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
   const PatchGeometry& g = p.g;
-  const int64_t kw = g.kernel[2], embed = p.w2.size(0), rows = g.batch * g.tokens();
+  const int64_t kw = g.kernel[2], embed = p.weight.size(0), rows = g.batch * g.tokens();
   WhyNot why = fills_the_gpu(rows, embed, g.patch_size(), p.x);
   if (!why.empty()) return why;
   if (kernel == cuda::Implicit::kSm90 && embed >= 1024 && rows >= 128 * sm_count(p.x)) {
@@ -122,7 +122,7 @@ double patch_matrix_bytes(const PatchGeometry& g, const at::Tensor& x) {
 // A 16-bit embedding writing tokens that ATen's permute copy + linear runs at least as fast as the
 // gather + GEMM: a small GEMM or a small patch matrix.
 bool small_tokens_embed(const EmbedProblem& p) {
-  return gemm_macs(p.g, p.w2.size(0)) < kSmallEmbedMacs || patch_matrix_bytes(p.g, p.x) < kSmallEmbedPatchBytes;
+  return gemm_macs(p.g, p.weight.size(0)) < kSmallEmbedMacs || patch_matrix_bytes(p.g, p.x) < kSmallEmbedPatchBytes;
 }
 
 // Channels-last x on CUDA: cuDNN's channels-last kernels read x as it lies and write the channels-last
@@ -206,14 +206,14 @@ Candidate<EmbedProblem, at::Tensor> implicit_embed(const char* name, cuda::Impli
             if (!why.empty()) return why;
             if (kernel != cuda::Implicit::kMma) return implicit_wgmma_embed_pays(kernel, p);
             const int64_t rows = p.g.batch * p.g.tokens();
-            why = fills_the_gpu(rows, p.w2.size(0), p.g.patch_size(), p.x);
-            return !why.empty() ? why : implicit_mma_pays(p.w2.size(0), rows, p.x);
+            why = fills_the_gpu(rows, p.weight.size(0), p.g.patch_size(), p.x);
+            return !why.empty() ? why : implicit_mma_pays(p.weight.size(0), rows, p.x);
           },
           [kernel](const EmbedProblem& p, bool ruled, WhyNot& why) -> std::optional<at::Tensor> {
             at::Tensor y = at::empty(p.out_shape, p.x.options());
-            const int64_t embed = p.w2.size(0), N = p.g.tokens();
+            const int64_t embed = p.weight.size(0), N = p.g.tokens();
             const at::Tensor out = p.tokens_out ? y.view({p.g.batch, N, embed}) : y.view({p.g.batch, embed, N});
-            if (!cuda::implicit_embed(kernel, p.x5, p.w2, p.bias, p.g, out, p.tokens_out, ruled, why)) {
+            if (!cuda::implicit_embed(kernel, p.x5, p.w2(), p.bias, p.g, out, p.tokens_out, ruled, why)) {
               return std::nullopt;
             }
             return y;
@@ -240,7 +240,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
          nullptr,
          [](const EmbedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            at::Tensor y = at::empty(p.out_shape, p.x.options());
-           if (!cuda::tiny_embed(p.x5, p.w2, p.bias, p.g, y.view({p.g.batch, p.w2.size(0), p.g.tokens()}), why)) {
+           if (!cuda::tiny_embed(p.x5, p.w2(), p.bias, p.g, y.view({p.g.batch, p.weight.size(0), p.g.tokens()}), why)) {
              return std::nullopt;
            }
            return y;
@@ -308,7 +308,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
     },
     patch_signature<EmbedProblem>,
     [](const EmbedProblem& p) {
-      return patch_features(p.x, p.g, p.w2.size(0), p.tokens, {{"bias", p.bias ? 1.0 : 0.0},
+      return patch_features(p.x, p.g, p.weight.size(0), p.tokens, {{"bias", p.bias ? 1.0 : 0.0},
                                                               {"tokens_out", p.tokens_out ? 1.0 : 0.0}});
     });
 
@@ -323,13 +323,13 @@ Candidate<UnembedProblem, at::Tensor> implicit_unembed(const char* name, cuda::I
           [](const UnembedProblem& p) { return fused_kernels_apply(p.x, p.g); },
           [kernel](const UnembedProblem& p) -> WhyNot {
             if (p.g.patch_size() < 128) return "rule: patches under 128 elements leave the tiles idle";
-            if (kernel == cuda::Implicit::kMma) return implicit_mma_pays(p.w2.size(0), p.g.batch * p.g.tokens(), p.x);
+            if (kernel == cuda::Implicit::kMma) return implicit_mma_pays(p.weight.size(0), p.g.batch * p.g.tokens(), p.x);
             return {};
           },
           [kernel](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
             at::Tensor y = at::empty(p.out_shape, p.x.options());
             const at::Tensor y5 = to_5d(y);
-            if (!cuda::implicit_unembed(kernel, p.x_fused, p.tokens, p.w2, p.bias, p.g, y5, why)) return std::nullopt;
+            if (!cuda::implicit_unembed(kernel, p.x_fused, p.tokens, p.w2(), p.bias, p.g, y5, why)) return std::nullopt;
             return y;
           }};
 }
@@ -344,13 +344,13 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
          // Over 256 input channels one block fills an SM, and GEMM -> scatter runs faster, but for
          // the copy of x it makes first (a small grid, unaligned rows).
          [](const UnembedProblem& p) -> WhyNot {
-           if (p.w2.size(0) <= 256 || unembed_gemm_copies_x(p)) return {};
+           if (p.weight.size(0) <= 256 || unembed_gemm_copies_x(p)) return {};
            return "rule: over 256 input channels GEMM -> scatter runs faster where it needs no copy of x";
          },
          [](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            at::Tensor y = at::empty(p.out_shape, p.x.options());
            const at::Tensor y5 = to_5d(y);
-           if (!cuda::tiny_unembed(p.x_fused, p.tokens, p.w2, p.bias, p.g, y5, why)) return std::nullopt;
+           if (!cuda::tiny_unembed(p.x_fused, p.tokens, p.w2(), p.bias, p.g, y5, why)) return std::nullopt;
            return y;
          }},
         implicit_unembed("implicit_sm90", cuda::Implicit::kSm90, "cuda sm_90a",
@@ -378,7 +378,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
          [](const UnembedProblem& p) { return row_major_tokens(p.g); },
          nullptr,
          [](const UnembedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
-           std::vector<int64_t> shape{p.g.batch, p.w2.size(0)};
+           std::vector<int64_t> shape{p.g.batch, p.weight.size(0)};
            for (int64_t s : grid_of(p.g, p.rank)) shape.push_back(s);
            const at::Tensor x = p.tokens ? p.x.transpose(1, 2).reshape(shape) : p.x;
            return aten_conv(x, p.weight, p.bias, kernel_of(p.g, p.rank), true).contiguous(p.out_format);
@@ -386,7 +386,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
     },
     patch_signature<UnembedProblem>,
     [](const UnembedProblem& p) {
-      return patch_features(p.x, p.g, p.w2.size(0), p.tokens, {{"bias", p.bias ? 1.0 : 0.0}});
+      return patch_features(p.x, p.g, p.weight.size(0), p.tokens, {{"bias", p.bias ? 1.0 : 0.0}});
     });
 
 // ---- patch_weight_grad ---------------------------------------------------------------------------

@@ -99,13 +99,13 @@ at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens) {
 
 at::Tensor embed_by_gemm(const EmbedProblem& p) {
   const PatchGeometry& g = p.g;
-  const int64_t embed = p.w2.size(0), N = g.tokens();
+  const int64_t embed = p.weight.size(0), N = g.tokens();
   if (p.tokens_out) {
     at::Tensor y = at::empty({g.batch, N, embed}, p.x.options());
     const auto view = patch_matrix_as_view(p.x5, g);
     const at::Tensor pm = view ? *view : patchify(p.x5, g, /*ones_column=*/false);
     // y[B*N, E] = P[B*N, ld] @ W'^T; the bias in the GEMM's epilogue where the backend has one.
-    run_gemm(merge_batch(pm), padded_weight(p.w2, std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(y),
+    run_gemm(merge_batch(pm), padded_weight(p.w2(), std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(y),
              p.bias ? std::optional<at::Tensor>(p.bias->unsqueeze(0)) : std::nullopt, false, kConv);
     return embed_output(p, y);
   }
@@ -118,12 +118,12 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
     // fastest, and adds the bias), then one transposing copy into the channels-first output, where
     // [W' | bias | 0] would cost two passes over W each call.
     const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/false).narrow(2, 0, g.patch_size());
-    const at::Tensor tokens = at::linear(pm, p.w2, p.bias);
+    const at::Tensor tokens = at::linear(pm, p.w2(), p.bias);
     y.view({g.batch, embed, N}).copy_(tokens.transpose(1, 2));
     return y;
   }
   const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/p.bias.has_value());
-  const at::Tensor w = padded_weight(p.w2, p.bias, pm.size(2));
+  const at::Tensor w = padded_weight(p.w2(), p.bias, pm.size(2));
   run_gemm(w.unsqueeze(0).expand({g.batch, embed, w.size(1)}), pm.transpose(1, 2), y.view({g.batch, embed, N}),
            std::nullopt, false, kConv);
   return y;
@@ -137,8 +137,8 @@ at::Tensor embed_by_aten_linear(const EmbedProblem& p) {
                                   g.kernel[2]});
   const at::Tensor pm = g.channels_last ? v.permute({0, 2, 4, 6, 3, 5, 7, 1}) : v.permute({0, 2, 4, 6, 1, 3, 5, 7});
   const at::Tensor y = at::linear(pm.reshape({g.batch * g.tokens(), g.patch_size()}),
-                                  p.w2, p.bias);
-  return embed_output(p, y.view({g.batch, g.tokens(), p.w2.size(0)}));
+                                  p.w2(), p.bias);
+  return embed_output(p, y.view({g.batch, g.tokens(), p.weight.size(0)}));
 }
 
 // x is copied into tokens order once where channels-first x would make a slow GEMM: B GEMMs of
@@ -153,13 +153,13 @@ bool unembed_gemm_copies_x(const UnembedProblem& p) {
 
 at::Tensor unembed_by_gemm(const UnembedProblem& p) {
   const PatchGeometry& g = p.g;
-  const int64_t in_channels = p.w2.size(0), K = g.patch_size(), align = row_alignment(p.x);
+  const int64_t in_channels = p.weight.size(0), K = g.patch_size(), align = row_alignment(p.x);
   at::Tensor y = at::empty(p.out_shape, p.x.options().memory_format(p.out_format));
   at::Tensor q = at::empty({g.batch, g.tokens(), (K + align - 1) / align * align}, p.x.options());
   // Q[B*N, K] = x_tokens[B*N, C_in] @ W[C_in, K]: one GEMM (batched over B with W shared when
   // x's strides keep B and N apart, e.g. channels-first input).
   const at::Tensor a = merge_batch(unembed_gemm_copies_x(p) ? p.x_tokens.contiguous() : p.x_tokens);
-  const at::Tensor w = padded_weight(p.w2, std::nullopt, q.size(2));
+  const at::Tensor w = padded_weight(p.w2(), std::nullopt, q.size(2));
   run_gemm(a, w.unsqueeze(0).expand({a.size(0), in_channels, w.size(1)}), a.size(0) == 1 ? merge_batch(q) : q,
            std::nullopt, false, kConv);
   const at::Tensor y5 = to_5d(y);
