@@ -96,6 +96,7 @@ class ModelSpec:
     build: Callable[[], nn.Module]
     input_shape: Sequence[int]
     forms: Sequence[str] = ("original", "converted")
+    channels_last: bool = False     # the model and its input in channels_last (as CNNs are often trained)
 
 
 def _timm(name: str) -> Callable[[], nn.Module]:
@@ -121,6 +122,7 @@ def specs(tiny: bool = False) -> List[ModelSpec]:
         ModelSpec("ViT-B/16", "timm", _timm("vit_base_patch16_224"), (128, 3, 224, 224)),
         ModelSpec("ViT-L/14", "timm", _timm("vit_large_patch14_clip_224"), (32, 3, 224, 224)),
         ModelSpec("ConvNeXt-T", "timm", _timm("convnext_tiny"), (64, 3, 224, 224)),
+        ModelSpec("ConvNeXt-CL", "timm", _timm("convnext_tiny"), (64, 3, 224, 224), channels_last=True),
         ModelSpec("Swin-T", "timm", _timm("swin_tiny_patch4_window7_224"), (64, 3, 224, 224)),
         ModelSpec("VideoMAE-S", "transformers", _videomae, (8, 16, 3, 224, 224)),
         ModelSpec("MATEY-3D", None, MateyStyle3d, (8, 4, 128, 128, 128), ("conv", "use_linear", "converted")),
@@ -254,6 +256,9 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
         torch.manual_seed(0)
         original = spec.build().to(dev)
         x = torch.randn(*spec.input_shape, device=dev)
+        if spec.channels_last:
+            original = original.to(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last)
         models, notes = [], []
         for form in spec.forms:
             note = ""
