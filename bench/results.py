@@ -67,8 +67,9 @@ def _table_section(saved: dict, title: str, command: str, method: str, table: st
 
 
 def models_section(saved: dict, name: str) -> str:
+    models = ",".join(dict.fromkeys(r["model"] for r in saved["models"]))  # the run's models, in order
     return _table_section(
-        saved, "Models, a training step", f"python -m patchgemm bench --models --json {name}",
+        saved, "Models, a training step", f"python -m patchgemm bench --models {models} --json {name}",
         "forward + backward under bf16 autocast, random weights, models built from their libraries' configs. GPU "
         "ms is the profiler's sum of kernel times per step; wall ms the wall time per step with 10 steps back to "
         "back, the fastest of 31 rounds in which a model's forms take turns with the garbage collector off (a "
