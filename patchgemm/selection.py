@@ -158,7 +158,9 @@ class Choice:
     """One op call: the candidate that ran, how it was chosen, and every candidate's verdict.
 
     ``how``: ``"forced"``, ``"heuristic"`` (with the reason in parentheses where another mode could not
-    choose), ``"autotune: timed now"``, ``"autotune: cached in <file>"``, ``"learned: predicted now"``...
+    choose), ``"autotune: timed now"``, ``"autotune: cached in <file>"``, ``"learned: predicted now"``...;
+    ``"forced; run with PyTorch's autograd ..."`` (or ``"heuristic; ..."``) where the choice, PyTorch's
+    convolution, runs as that op itself, so that no patchgemm op runs its backward.
     """
 
     op: str
@@ -169,7 +171,7 @@ class Choice:
 
     @property
     def forced(self) -> bool:
-        return self.how == "forced"
+        return self.how == "forced" or self.how.startswith("forced;")
 
     def __str__(self) -> str:
         lines = [f"{self.op} {self.signature} -> {self.chosen} ({self.how})"]

@@ -121,6 +121,83 @@ def test_explain_reports_every_candidate(device):
     assert {c.op for c in e} == {"patch_embed", "patch_unembed", "patch_weight_grad"}, str(e)
 
 
+def _autograd_nodes(t):
+    """The names of the autograd nodes t's graph reaches."""
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is not None and type(fn).__name__ not in seen:
+            seen.add(type(fn).__name__)
+            stack.extend(f for f, _ in fn.next_functions)
+    return seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
+def test_a_settled_aten_conv_runs_with_pytorchs_autograd(device, out_format):
+    """Where patch_embed's choice is ATen's convolution before anything runs (forced here; on CUDA the
+    rules' channels-last case too), the op is that convolution as PyTorch's autograd records it: one
+    convolution_backward gives dx, dW and db, and no patchgemm op runs the backward. Values,
+    gradients and the output's memory format are the conv's; explain says how. A forced backward
+    op, or x that does not lie channels-last, keeps patchgemm's own autograd and backward ops."""
+    tokens = out_format == "tokens"
+    x = randn(2, 8, 8, 8, dtype=torch.float64, device=device).contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    w = randn(16, 8, 2, 2, dtype=torch.float64, device=device, requires_grad=True)
+    b = randn(16, dtype=torch.float64, device=device, requires_grad=True)
+    ref = F.conv2d(x, w, b, stride=2)
+    ref = ref.flatten(2).transpose(1, 2) if tokens else ref
+    g = randn(*ref.shape, dtype=torch.float64, device=device)
+    ref_grads = torch.autograd.grad(ref, (x, w, b), g)
+
+    def step(x):
+        with patchgemm.explain() as e:
+            y = patchgemm.patch_embed(x, w, b, out_format=out_format)
+            grads = torch.autograd.grad(y, (x, w, b), g)
+        return y, grads, e
+
+    with patchgemm.force(patch_embed="aten_conv"):
+        y, grads, e = step(x)
+    assert [c.op for c in e] == ["patch_embed"], str(e)
+    assert e[0].chosen == "aten_conv" and e[0].forced and "PyTorch's autograd" in e[0].how, str(e)
+    assert "ConvolutionBackward0" in _autograd_nodes(y)
+    assert y.is_contiguous() if tokens else y.is_contiguous(memory_format=torch.channels_last)
+    assert_close_to_ref(y, ref, torch.float64)
+    for got, want, name in zip(grads, ref_grads, ("dx", "dW", "db")):
+        assert_close_to_ref(got, want, torch.float64, name)
+
+    contiguous_x = x.detach().contiguous().requires_grad_()
+    for forced, x_in in [({"patch_embed": "aten_conv", "patch_weight_grad": "gather_gemm"}, x),
+                         ({"patch_embed": "aten_conv"}, contiguous_x)]:
+        with patchgemm.force(**forced):
+            y, grads, e = step(x_in)
+        assert "ConvolutionBackward0" not in _autograd_nodes(y)
+        assert {c.op for c in e} == {"patch_embed", "patch_unembed", "patch_weight_grad"}, str(e)
+        assert e[0].how == "forced", str(e)
+        for got, want, name in zip(grads, ref_grads, ("dx", "dW", "db")):
+            assert_close_to_ref(got, want, torch.float64, name)
+
+
+@needs_gpu
+def test_channels_last_downsampling_runs_cudnn_with_pytorchs_autograd():
+    """ConvNeXt's k = 2 downsampling of channels-last x: the rules choose cuDNN's convolution, which then
+    runs with PyTorch's autograd; in the autotune mode the choice is measured, and patchgemm's autograd
+    stays."""
+    x = randn(4, 64, 32, 32, dtype=torch.bfloat16, device="cuda").contiguous(memory_format=torch.channels_last)
+    w = randn(128, 64, 2, 2, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    with patchgemm.explain() as e:
+        y = patchgemm.patch_embed(x, w)
+    assert [(c.op, c.chosen) for c in e] == [("patch_embed", "aten_conv")] and e[0].how.startswith("heuristic;")
+    assert "ConvolutionBackward0" in _autograd_nodes(y)
+    ref = F.conv2d(x.double(), w.double(), stride=2)
+    assert_close_to_ref(y, ref, torch.bfloat16)
+    old = patchgemm.set_selection("autotune", cache_dir="")
+    try:
+        assert "ConvolutionBackward0" not in _autograd_nodes(patchgemm.patch_embed(x, w))
+    finally:
+        patchgemm.set_selection(old)
+
+
 def test_cpu_grouped_linear_with_bias_runs_baddbmm():
     x, w, b = randn(4, 3, 8), randn(3, 5, 8), randn(3, 5)
     assert patchgemm.explain(patchgemm.grouped_linear, x, w, b)[0].chosen == "aten_bmm"
@@ -296,9 +373,9 @@ RULE_CASES = [
     # channels-last 3-D with long kernels: cuDNN ran 20-90x slower than the GEMM path
     ((2, 96, 32, 128, 32), (8, 8, 8), 384, "channels_last", {"patch_embed": "gather_gemm",
                                                              "patch_weight_grad": "gather_gemm"}),
-    # ConvNeXt's k = 2 downsampling, channels-last: cuDNN's channels-last kernels
-    ((32, 192, 28, 28), (2, 2), 384, "channels_last", {"patch_embed": "aten_conv",
-                                                       "patch_weight_grad": "aten_conv_backward"}),
+    # ConvNeXt's k = 2 downsampling, channels-last: cuDNN's channels-last kernels, with PyTorch's
+    # autograd (its convolution_backward: no patchgemm op runs the backward)
+    ((32, 192, 28, 28), (2, 2), 384, "channels_last", {"patch_embed": "aten_conv", "patch_weight_grad": None}),
     # Swin's stem: the wgmma weight gradient below 128 patch values
     ((64, 3, 224, 224), (4, 4), 96, "channels_first", {"patch_weight_grad": "implicit_sm90"}),
     # ViT-B/16 at batch 1, writing tokens: a patch matrix under 2 MB, ATen's permute copy + linear;

@@ -14,6 +14,9 @@
 //                   swapped, transposed = true)
 //   instance_norm_act  instance_norm_act_backward, from x and the per-channel statistics
 //   swiglu          swiglu_backward, from gate_up (h is not saved: the backward recomputes it)
+// One exception: where patch_embed's choice settles on ATen's convolution before anything runs
+// (channels-last x on cuDNN, plain tensors: never under torch.compile), the op is that convolution
+// with PyTorch's autograd (patch_embed_as_aten_conv).
 // The patch matrix is never saved: patch_weight_grad recomputes it from x, an input of the op
 // (saving an input costs no memory); nor is the normalized activation: the norm's backward
 // recomputes it from x.
@@ -23,6 +26,7 @@
 #include <torch/library.h>
 
 #include "kernels/gemm/gemm.h"
+#include "selection/patch_problem.h"
 #include "selection/ragged_problem.h"
 
 namespace patchgemm {
@@ -343,6 +347,9 @@ struct PatchUnembed : Function<PatchUnembed> {
 at::Tensor patch_embed_autograd(const at::Tensor& x, const at::Tensor& weight,
                                 const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
   if (!needs_autograd(x, weight, bias)) return call_below_autograd(patch_embed_op(), x, weight, bias, tokens, levels);
+  // Where the choice is ATen's convolution anyway, PyTorch's autograd records that convolution: its
+  // one convolution_backward costs the host less than our two backward ops, each setting up cuDNN.
+  if (std::optional<at::Tensor> y = patch_embed_as_aten_conv(x, weight, bias, tokens, levels)) return *y;
   return PatchEmbed::apply(x, weight, bias, tokens, levels);
 }
 

@@ -93,11 +93,9 @@ PatchGeometry embed_geometry(const char* op, const char* name, const at::Tensor&
   return g;
 }
 
-}  // namespace
-
-at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias, bool tokens,
-                       c10::IntArrayRef levels) {
+// patch_embed's arguments, checked, as its problem.
+EmbedProblem embed_problem(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           bool tokens, c10::IntArrayRef levels) {
   constexpr const char* op = "patch_embed";
   const int64_t rank = spatial_rank(op, weight, "[E, C, *kernel]");
   check_floating(op, "x", x);
@@ -109,7 +107,7 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(g.channels == weight.size(1), op, ": x has ", g.channels, " channels (shape ",
               x.sizes(), ") but weight [E, C, *kernel] expects ", weight.size(1), " (shape ",
               weight.sizes(), ")");
-  const int64_t embed = weight.size(0), K = g.patch_size(), N = g.tokens();
+  const int64_t embed = weight.size(0), N = g.tokens();
   check_bias(op, bias, embed, weight);
   p.x = x, p.weight = weight, p.bias = bias, p.tokens = tokens, p.rank = rank;
   p.g.channels_last = lies_channels_last(x);
@@ -123,7 +121,33 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight,
     p.out_shape = {g.batch, embed};
     p.out_shape.insert(p.out_shape.end(), g.grid.end() - rank, g.grid.end());
   }
-  return select_patch_embed(p);
+  return p;
+}
+
+// A tensor the op's C++ sees as it is: no symbolic sizes, no fake or functional wrapper (under
+// torch.compile the autograd layer keeps to the ops, whose fake kernels trace).
+bool plain(const at::Tensor& t) {
+  return !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
+         !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+}
+
+}  // namespace
+
+at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       bool tokens, c10::IntArrayRef levels) {
+  return select_patch_embed(embed_problem(x, weight, bias, tokens, levels));
+}
+
+std::optional<at::Tensor> patch_embed_as_aten_conv(const at::Tensor& x, const at::Tensor& weight,
+                                                   const std::optional<at::Tensor>& bias, bool tokens,
+                                                   c10::IntArrayRef levels) {
+  // Asked for channels-last x only: where the rules send a forward to cuDNN on real models
+  // (ConvNeXt's downsampling). Elsewhere the question would cost every call a second problem.
+  if (!plain(x) || !plain(weight) || (bias && bias->defined() && !plain(*bias))) return std::nullopt;
+  if (!levels.empty() || !(x.is_cuda() || x.is_cpu()) || !lies_channels_last(x)) return std::nullopt;
+  const EmbedProblem p = embed_problem(x, weight, bias, tokens, levels);
+  if (!embed_settles_on_aten_conv(p)) return std::nullopt;
+  return embed_by_aten_conv(p);
 }
 
 at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,

@@ -73,6 +73,7 @@ at::Tensor embed_by_gemm(const EmbedProblem& p);          // the patch matrix ga
 // patch per sample, or channels-last).
 at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens);
 at::Tensor embed_by_aten_linear(const EmbedProblem& p);   // tokens_out: ATen's permute + reshape copy, then linear
+at::Tensor embed_by_aten_conv(const EmbedProblem& p);     // ATen's convolution (cuDNN's on CUDA)
 at::Tensor unembed_by_gemm(const UnembedProblem& p);      // GEMM, then the scatter
 at::Tensor unembed_by_aten_linear(const UnembedProblem& p);  // ATen's matmul, then a permute copy and the bias
 // Whether unembed_by_gemm first copies x into tokens order (channels-first x that would make a
@@ -86,5 +87,18 @@ at::Tensor bias_grad_by_sum(const WeightGradProblem& p);
 at::Tensor select_patch_embed(const EmbedProblem& p);
 at::Tensor select_patch_unembed(const UnembedProblem& p);
 WeightGrads select_patch_weight_grad(const WeightGradProblem& p);
+// Whether patch_embed's choice for `p` is ATen's convolution, settled without running anything
+// (forced, or the heuristic's first candidate that applies and is not ruled out), with neither
+// backward op forced; noted for explain() if so. Then the op can run as that convolution with
+// PyTorch's own autograd (ops/patch_embed.cpp).
+bool embed_settles_on_aten_conv(const EmbedProblem& p);
+
+// For the autograd layer (ops/autograd.cpp): where patch_embed's choice settles on ATen's
+// convolution, the op computed as that convolution called with autograd on, so PyTorch's autograd
+// records it (one convolution_backward for dx, dW and db, as nn.Conv*d's); nullopt elsewhere
+// (ops/patch_embed.cpp).
+std::optional<at::Tensor> patch_embed_as_aten_conv(const at::Tensor& x, const at::Tensor& weight,
+                                                   const std::optional<at::Tensor>& bias, bool tokens,
+                                                   c10::IntArrayRef levels);
 
 }  // namespace patchgemm

@@ -300,11 +300,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            return row_major_tokens(p.g);
          },
          nullptr,
-         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
-           const at::Tensor y = aten_conv(p.x, p.weight, p.bias, kernel_of(p.g, p.rank), false);
-           if (p.tokens) return y.flatten(2).transpose(1, 2).contiguous();
-           return y.contiguous(p.g.channels_last ? p.x.suggest_memory_format() : at::MemoryFormat::Contiguous);
-         }},
+         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_aten_conv(p); }},
     },
     patch_signature<EmbedProblem>,
     [](const EmbedProblem& p) {
@@ -514,6 +510,20 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
     });
 
 }  // namespace
+
+at::Tensor embed_by_aten_conv(const EmbedProblem& p) {
+  const at::Tensor y = aten_conv(p.x, p.weight, p.bias, kernel_of(p.g, p.rank), false);
+  if (p.tokens) return y.flatten(2).transpose(1, 2).contiguous();
+  return y.contiguous(p.g.channels_last ? p.x.suggest_memory_format() : at::MemoryFormat::Contiguous);
+}
+
+bool embed_settles_on_aten_conv(const EmbedProblem& p) {
+  // A forced backward candidate must run: then the backward stays with patchgemm's ops.
+  if (!selection::detail::forced("patch_unembed").empty() || !selection::detail::forced("patch_weight_grad").empty()) {
+    return false;
+  }
+  return kEmbedTable.settled_on(p, "aten_conv", "run with PyTorch's autograd (backward: its convolution_backward)");
+}
 
 at::Tensor select_patch_embed(const EmbedProblem& p) { return kEmbedTable.run(p); }
 at::Tensor select_patch_unembed(const UnembedProblem& p) { return kUnembedTable.run(p); }

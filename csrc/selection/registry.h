@@ -163,6 +163,47 @@ class Table {
     return run_heuristic(p, fallback.empty() ? "heuristic" : "heuristic (" + fallback + ")");
   }
 
+  // Whether this call's choice is `name`, settled without running anything: forced, or (in the
+  // heuristic mode) the first candidate that applies and whose rule accepts the problem. The caller
+  // relies on `name` never declining in its run. If so, the choice is noted for explain() as made
+  // "forced; <how>" or "heuristic; <how>", and the caller runs `name`'s computation itself.
+  bool settled_on(const Problem& p, const std::string& name, const std::string& how) const {
+    const std::string forced = detail::forced(op_);
+    std::vector<Verdict> verdicts;
+    if (!forced.empty()) {
+      if (forced != name || !why_not(*find(forced, /*required=*/true), p).empty()) return false;
+      if (detail::observed()) note_single(p, name, "forced; " + how, "another is forced");
+      return true;
+    }
+    if (detail::mode() != Mode::kHeuristic) return false;
+    const bool rules = detail::rules_apply(), observed = detail::observed();
+    for (const auto& c : candidates_) {
+      if (c.name == name) {
+        if (!why_not(c, p).empty()) return false;
+        if (observed) {
+          verdicts.push_back({c.name, Verdict::kChosen, ""});
+          for (const auto& later : candidates_) {
+            if (&later <= &c) continue;
+            const WhyNot why = why_not(later, p);
+            verdicts.push_back(why.empty() ? Verdict{later.name, Verdict::kNotReached, c.name + " comes first"}
+                                           : Verdict{later.name, Verdict::kUnsupported, why});
+          }
+          detail::note(op_, signature_(p), "heuristic; " + how, std::move(verdicts));
+        }
+        return true;
+      }
+      WhyNot why = why_not(c, p);
+      if (why.empty()) {
+        if (c.rule && rules) why = c.rule(p);
+        if (why.empty()) return false;  // an earlier candidate comes first (it may run, or decline)
+        if (observed) verdicts.push_back({c.name, Verdict::kRuledOut, std::move(why)});
+      } else if (observed) {
+        verdicts.push_back({c.name, Verdict::kUnsupported, std::move(why)});
+      }
+    }
+    return false;
+  }
+
  private:
   using Candidates = std::vector<Candidate<Problem, Result>>;
 
