@@ -169,7 +169,6 @@ class Table {
   // "forced; <how>" or "heuristic; <how>", and the caller runs `name`'s computation itself.
   bool settled_on(const Problem& p, const std::string& name, const std::string& how) const {
     const std::string forced = detail::forced(op_);
-    std::vector<Verdict> verdicts;
     if (!forced.empty()) {
       if (forced != name || !why_not(*find(forced, /*required=*/true), p).empty()) return false;
       if (detail::observed()) note_single(p, name, "forced; " + how, "another is forced");
@@ -177,29 +176,21 @@ class Table {
     }
     if (detail::mode() != Mode::kHeuristic) return false;
     const bool rules = detail::rules_apply(), observed = detail::observed();
-    for (const auto& c : candidates_) {
-      if (c.name == name) {
-        if (!why_not(c, p).empty()) return false;
+    std::vector<Verdict> verdicts;
+    for (size_t i = 0; i < candidates_.size(); ++i) {
+      const auto& c = candidates_[i];
+      WhyNot why;
+      const Verdict::Kind kind = screen(c, p, rules, why);
+      if (kind == Verdict::kChosen) {  // the heuristic would run c first (which, were it not `name`, may decline)
+        if (c.name != name) return false;
         if (observed) {
           verdicts.push_back({c.name, Verdict::kChosen, ""});
-          for (const auto& later : candidates_) {
-            if (&later <= &c) continue;
-            const WhyNot why = why_not(later, p);
-            verdicts.push_back(why.empty() ? Verdict{later.name, Verdict::kNotReached, c.name + " comes first"}
-                                           : Verdict{later.name, Verdict::kUnsupported, why});
-          }
+          add_later_verdicts(i, p, verdicts);
           detail::note(op_, signature_(p), "heuristic; " + how, std::move(verdicts));
         }
         return true;
       }
-      WhyNot why = why_not(c, p);
-      if (why.empty()) {
-        if (c.rule && rules) why = c.rule(p);
-        if (why.empty()) return false;  // an earlier candidate comes first (it may run, or decline)
-        if (observed) verdicts.push_back({c.name, Verdict::kRuledOut, std::move(why)});
-      } else if (observed) {
-        verdicts.push_back({c.name, Verdict::kUnsupported, std::move(why)});
-      }
+      if (observed) verdicts.push_back({c.name, kind, std::move(why)});
     }
     return false;
   }
@@ -234,14 +225,10 @@ class Table {
     const bool rules = detail::rules_apply();
     for (size_t i = 0; i < candidates_.size(); ++i) {
       const auto& c = candidates_[i];
-      WhyNot why = why_not(c, p);
-      if (!why.empty()) {
-        if (verdicts) verdicts->push_back({c.name, Verdict::kUnsupported, std::move(why)});
-        continue;
-      }
-      if (c.rule && rules) why = c.rule(p);
-      if (!why.empty()) {
-        if (verdicts) verdicts->push_back({c.name, Verdict::kRuledOut, std::move(why)});
+      WhyNot why;
+      const Verdict::Kind kind = screen(c, p, rules, why);
+      if (kind != Verdict::kChosen) {
+        if (verdicts) verdicts->push_back({c.name, kind, std::move(why)});
         continue;
       }
       std::optional<Result> result = c.run(p, rules, why);
@@ -251,15 +238,30 @@ class Table {
       }
       if (verdicts) {
         verdicts->push_back({c.name, Verdict::kChosen, ""});
-        for (size_t j = i + 1; j < candidates_.size(); ++j) {
-          const WhyNot later = why_not(candidates_[j], p);
-          verdicts->push_back(later.empty() ? Verdict{candidates_[j].name, Verdict::kNotReached, c.name + " comes first"}
-                                            : Verdict{candidates_[j].name, Verdict::kUnsupported, later});
-        }
+        add_later_verdicts(i, p, *verdicts);
       }
       return {std::move(*result), i};
     }
     TORCH_CHECK(false, op_, ": no implementation applies to this call (", signature_(p), "); please report it");
+  }
+
+  // The heuristic's verdict on `c` before running it: kUnsupported, or kRuledOut by its rule (where
+  // `rules` apply), with the reason in `why`; kChosen where it would run `c`.
+  Verdict::Kind screen(const Candidate<Problem, Result>& c, const Problem& p, bool rules, WhyNot& why) const {
+    why = why_not(c, p);
+    if (!why.empty()) return Verdict::kUnsupported;
+    if (c.rule && rules) why = c.rule(p);
+    return why.empty() ? Verdict::kChosen : Verdict::kRuledOut;
+  }
+
+  // explain()'s verdicts on the candidates after the chosen one, `chosen`: not reached, or unsupported.
+  void add_later_verdicts(size_t chosen, const Problem& p, std::vector<Verdict>& verdicts) const {
+    for (size_t j = chosen + 1; j < candidates_.size(); ++j) {
+      const WhyNot why = why_not(candidates_[j], p);
+      verdicts.push_back(why.empty() ? Verdict{candidates_[j].name, Verdict::kNotReached,
+                                               candidates_[chosen].name + " comes first"}
+                                     : Verdict{candidates_[j].name, Verdict::kUnsupported, why});
+    }
   }
 
   // Autotune or learned: the remembered choice for this signature, else a new one (remembered).
