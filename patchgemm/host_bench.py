@@ -93,6 +93,13 @@ def cases() -> List[HostCase]:
         return _pair(lambda x, w, b: pg.patch_unembed(x, w, b), lambda x, w, b: F.conv_transpose2d(x, w, b, stride=4),
                      (x, w, b), (n, 4, 56, 56), r)
 
+    def patch_unembed_channels_last(r, tiny):  # the mirror of ConvNeXt's downsample: a k = 2 upsampling decoder
+        n = 2 if tiny else 64
+        x = r(n, 28, 28, 192).permute(0, 3, 1, 2).requires_grad_()
+        w, b = r(192, 96, 2, 2, requires_grad=True), r(96, requires_grad=True)
+        return _pair(lambda x, w, b: pg.patch_unembed(x, w, b), lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2),
+                     (x, w, b), (n, 96, 56, 56), r, torch.channels_last)
+
     def patch_unembed_3d(r, tiny):  # the suite's U1: ConvTranspose3d(768, 192, 4) on [8, 768, 8^3]
         n = 1 if tiny else 8
         x = r(n, 768, 8, 8, 8, requires_grad=True)
@@ -135,6 +142,7 @@ def cases() -> List[HostCase]:
             HostCase("patch_embed 3-D", "conv3d", patch_embed_3d),
             HostCase("patch_embed channels-last", "conv2d", patch_embed_channels_last),
             HostCase("patch_unembed 2-D", "conv_transpose2d", patch_unembed),
+            HostCase("patch_unembed channels-last", "conv_transpose2d", patch_unembed_channels_last),
             HostCase("patch_unembed U1", "conv_transpose3d", patch_unembed_3d),
             HostCase("grouped_linear", "baddbmm", grouped_linear), HostCase("ragged grouped_linear", "_grouped_mm", ragged),
             HostCase("grouped_pointwise_conv", "conv1d groups", pointwise),
@@ -189,8 +197,8 @@ def run(device: Optional[str] = None, dtype: torch.dtype = torch.bfloat16, pairs
 
 
 def format_rows(rows: List[HostRow], header: bool = True) -> str:
-    lines = [f"{'op':<24} {'pass':<8} {'PyTorch op':<20} {'ours us':>8} {'torch us':>9} {'torch/ours':>10}"] if header else []
-    lines += [f"{r.op:<24} {r.pass_:<8} {r.baseline:<20} {r.ours_us:>8.1f} {r.baseline_us:>9.1f} {r.ratio:>10.2f}"
+    lines = [f"{'op':<28} {'pass':<8} {'PyTorch op':<20} {'ours us':>8} {'torch us':>9} {'torch/ours':>10}"] if header else []
+    lines += [f"{r.op:<28} {r.pass_:<8} {r.baseline:<20} {r.ours_us:>8.1f} {r.baseline_us:>9.1f} {r.ratio:>10.2f}"
               for r in rows]
     return "\n".join(lines)
 

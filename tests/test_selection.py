@@ -2,6 +2,7 @@
 conv's / the linears' result; forcing one that does not apply is a clear error; explain, the dispatch
 log and PATCHGEMM_FORCE report and pin what runs."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -133,33 +134,42 @@ def _autograd_nodes(t):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
-def test_a_settled_aten_conv_runs_with_pytorchs_autograd(device, out_format):
-    """Where patch_embed's choice is ATen's convolution before anything runs (forced here; on CUDA the
-    rules' channels-last case too), the op is that convolution as PyTorch's autograd records it: one
-    convolution_backward gives dx, dW and db, and no patchgemm op runs the backward. Values,
-    gradients and the output's memory format are the conv's; explain says how. A forced backward
-    op, or x that does not lie channels-last, keeps patchgemm's own autograd and backward ops."""
-    tokens = out_format == "tokens"
-    x = randn(2, 8, 8, 8, dtype=torch.float64, device=device).contiguous(memory_format=torch.channels_last)
-    x.requires_grad_()
-    w = randn(16, 8, 2, 2, dtype=torch.float64, device=device, requires_grad=True)
-    b = randn(16, dtype=torch.float64, device=device, requires_grad=True)
-    ref = F.conv2d(x, w, b, stride=2)
+@pytest.mark.parametrize("case", ["patch_embed", "patch_embed tokens", "patch_unembed"])
+def test_a_settled_aten_conv_runs_with_pytorchs_autograd(device, case):
+    """Where patch_embed's (patch_unembed's) choice is ATen's (transposed) convolution before anything
+    runs (forced here; on CUDA the rules' channels-last case too), the op is that convolution as
+    PyTorch's autograd records it: one convolution_backward gives dx, dW and db, and no patchgemm op
+    runs the backward. Values, gradients and the output's memory format are the conv's; explain says
+    how. A forced backward op (patch_unembed or patch_embed gives dx), or x that does not lie
+    channels-last, keeps patchgemm's own autograd and backward ops."""
+    tokens = case.endswith("tokens")
+    if case == "patch_unembed":
+        op, aten, dx_op, dx_impl = "patch_unembed", "aten_conv_transpose", "patch_embed", "gather_gemm"
+        x, w, b = randn(2, 16, 4, 4), randn(16, 8, 2, 2), randn(8)
+        run, ref_fn = patchgemm.patch_unembed, lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2)
+    else:
+        op, aten, dx_op, dx_impl = "patch_embed", "aten_conv", "patch_unembed", "gemm_scatter"
+        x, w, b = randn(2, 8, 8, 8), randn(16, 8, 2, 2), randn(16)
+        out_format = "tokens" if tokens else "channels_first"
+        run = functools.partial(patchgemm.patch_embed, out_format=out_format)
+        ref_fn = lambda x, w, b: F.conv2d(x, w, b, stride=2)  # noqa: E731
+    x = x.to(device, torch.float64).contiguous(memory_format=torch.channels_last).requires_grad_()
+    w, b = (t.to(device, torch.float64).requires_grad_() for t in (w, b))
+    ref = ref_fn(x, w, b)
     ref = ref.flatten(2).transpose(1, 2) if tokens else ref
     g = randn(*ref.shape, dtype=torch.float64, device=device)
     ref_grads = torch.autograd.grad(ref, (x, w, b), g)
 
     def step(x):
         with patchgemm.explain() as e:
-            y = patchgemm.patch_embed(x, w, b, out_format=out_format)
+            y = run(x, w, b)
             grads = torch.autograd.grad(y, (x, w, b), g)
         return y, grads, e
 
-    with patchgemm.force(patch_embed="aten_conv"):
+    with patchgemm.force(**{op: aten}):
         y, grads, e = step(x)
-    assert [c.op for c in e] == ["patch_embed"], str(e)
-    assert e[0].chosen == "aten_conv" and e[0].forced and "PyTorch's autograd" in e[0].how, str(e)
+    assert [c.op for c in e] == [op], str(e)
+    assert e[0].chosen == aten and e[0].forced and "PyTorch's autograd" in e[0].how, str(e)
     assert "ConvolutionBackward0" in _autograd_nodes(y)
     assert y.is_contiguous() if tokens else y.is_contiguous(memory_format=torch.channels_last)
     assert_close_to_ref(y, ref, torch.float64)
@@ -167,8 +177,8 @@ def test_a_settled_aten_conv_runs_with_pytorchs_autograd(device, out_format):
         assert_close_to_ref(got, want, torch.float64, name)
 
     contiguous_x = x.detach().contiguous().requires_grad_()
-    for forced, x_in in [({"patch_embed": "aten_conv", "patch_weight_grad": "gather_gemm"}, x),
-                         ({"patch_embed": "aten_conv"}, contiguous_x)]:
+    for forced, x_in in [({op: aten, dx_op: dx_impl}, x), ({op: aten, "patch_weight_grad": "gather_gemm"}, x),
+                         ({op: aten}, contiguous_x)]:
         with patchgemm.force(**forced):
             y, grads, e = step(x_in)
         assert "ConvolutionBackward0" not in _autograd_nodes(y)
@@ -179,21 +189,25 @@ def test_a_settled_aten_conv_runs_with_pytorchs_autograd(device, out_format):
 
 
 @needs_gpu
-def test_channels_last_downsampling_runs_cudnn_with_pytorchs_autograd():
-    """ConvNeXt's k = 2 downsampling of channels-last x: the rules choose cuDNN's convolution, which then
-    runs with PyTorch's autograd; in the autotune mode the choice is measured, and patchgemm's autograd
-    stays."""
-    x = randn(4, 64, 32, 32, dtype=torch.bfloat16, device="cuda").contiguous(memory_format=torch.channels_last)
+@pytest.mark.parametrize("op", ["patch_embed", "patch_unembed"])
+def test_channels_last_k2_runs_cudnn_with_pytorchs_autograd(op):
+    """ConvNeXt's k = 2 downsampling of channels-last x (and a decoder's k = 2 upsampling): the rules
+    choose cuDNN's (transposed) convolution, which then runs with PyTorch's autograd; in the autotune
+    mode the choice is measured, and patchgemm's autograd stays."""
+    x = randn(4, 64 if op == "patch_embed" else 128, 32, 32, dtype=torch.bfloat16, device="cuda")
+    x = x.contiguous(memory_format=torch.channels_last)
     w = randn(128, 64, 2, 2, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    run, conv, aten = ((patchgemm.patch_embed, F.conv2d, "aten_conv") if op == "patch_embed"
+                       else (patchgemm.patch_unembed, F.conv_transpose2d, "aten_conv_transpose"))
     with patchgemm.explain() as e:
-        y = patchgemm.patch_embed(x, w)
-    assert [(c.op, c.chosen) for c in e] == [("patch_embed", "aten_conv")] and e[0].how.startswith("heuristic;")
+        y = run(x, w)
+    assert [(c.op, c.chosen) for c in e] == [(op, aten)] and e[0].how.startswith("heuristic;"), str(e)
     assert "ConvolutionBackward0" in _autograd_nodes(y)
-    ref = F.conv2d(x.double(), w.double(), stride=2)
-    assert_close_to_ref(y, ref, torch.bfloat16)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert_close_to_ref(y, conv(x.double(), w.double(), stride=2), torch.bfloat16)
     old = patchgemm.set_selection("autotune", cache_dir="")
     try:
-        assert "ConvolutionBackward0" not in _autograd_nodes(patchgemm.patch_embed(x, w))
+        assert "ConvolutionBackward0" not in _autograd_nodes(run(x, w))
     finally:
         patchgemm.set_selection(old)
 

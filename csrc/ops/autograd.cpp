@@ -14,9 +14,10 @@
 //                   swapped, transposed = true)
 //   instance_norm_act  instance_norm_act_backward, from x and the per-channel statistics
 //   swiglu          swiglu_backward, from gate_up (h is not saved: the backward recomputes it)
-// One exception: where patch_embed's choice settles on ATen's convolution before anything runs
-// (channels-last x on cuDNN, plain tensors: never under torch.compile), the op is that convolution
-// with PyTorch's autograd (patch_embed_as_aten_conv).
+// One exception: where patch_embed's (patch_unembed's) choice settles on ATen's (transposed)
+// convolution before anything runs (channels-last x on cuDNN, plain tensors: never under
+// torch.compile), the op is that convolution with PyTorch's autograd (patch_embed_as_aten_conv,
+// patch_unembed_as_aten_conv_transpose).
 // The patch matrix is never saved: patch_weight_grad recomputes it from x, an input of the op
 // (saving an input costs no memory); nor is the normalized activation: the norm's backward
 // recomputes it from x.
@@ -357,6 +358,7 @@ at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   const OptionalTensor& bias, bool tokens,
                                   c10::IntArrayRef levels) {
   if (!needs_autograd(x, weight, bias)) return call_below_autograd(patch_unembed_op(), x, weight, bias, tokens, levels);
+  if (std::optional<at::Tensor> y = patch_unembed_as_aten_conv_transpose(x, weight, bias, tokens, levels)) return *y;
   return PatchUnembed::apply(x, weight, bias, tokens, levels);
 }
 

@@ -124,35 +124,9 @@ EmbedProblem embed_problem(const at::Tensor& x, const at::Tensor& weight, const 
   return p;
 }
 
-// A tensor the op's C++ sees as it is: no symbolic sizes, no fake or functional wrapper (under
-// torch.compile the autograd layer keeps to the ops, whose fake kernels trace).
-bool plain(const at::Tensor& t) {
-  return !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
-         !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
-}
-
-}  // namespace
-
-at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       bool tokens, c10::IntArrayRef levels) {
-  return select_patch_embed(embed_problem(x, weight, bias, tokens, levels));
-}
-
-std::optional<at::Tensor> patch_embed_as_aten_conv(const at::Tensor& x, const at::Tensor& weight,
-                                                   const std::optional<at::Tensor>& bias, bool tokens,
-                                                   c10::IntArrayRef levels) {
-  // Asked for channels-last x only: where the rules send a forward to cuDNN on real models
-  // (ConvNeXt's downsampling). Elsewhere the question would cost every call a second problem.
-  if (!plain(x) || !plain(weight) || (bias && bias->defined() && !plain(*bias))) return std::nullopt;
-  if (!levels.empty() || !(x.is_cuda() || x.is_cpu()) || !lies_channels_last(x)) return std::nullopt;
-  const EmbedProblem p = embed_problem(x, weight, bias, tokens, levels);
-  if (!embed_settles_on_aten_conv(p)) return std::nullopt;
-  return embed_by_aten_conv(p);
-}
-
-at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias, bool tokens,
-                         c10::IntArrayRef levels) {
+// patch_unembed's arguments, checked, as its problem.
+UnembedProblem unembed_problem(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               bool tokens, c10::IntArrayRef levels) {
   constexpr const char* op = "patch_unembed";
   const int64_t rank = spatial_rank(op, weight, "[C_in, C_out, *kernel]");
   check_floating(op, "x", x);
@@ -194,7 +168,54 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
   p.out_format = g.channels_last ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
   p.out_shape = {g.batch, out_channels};
   p.out_shape.insert(p.out_shape.end(), g.size.end() - rank, g.size.end());
-  return select_patch_unembed(p);
+  return p;
+}
+
+// A tensor the op's C++ sees as it is: no symbolic sizes, no fake or functional wrapper (under
+// torch.compile the autograd layer keeps to the ops, whose fake kernels trace).
+bool plain(const at::Tensor& t) {
+  return !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
+         !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+}
+
+// Whether to ask if a call's choice settles on ATen's convolution: for plain channels-last x only,
+// where the rules send a call to cuDNN on real models (ConvNeXt's downsampling). Elsewhere the
+// question would cost every call a second problem. (Tokens x carries levels: never asked.)
+bool may_settle_on_aten(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        c10::IntArrayRef levels) {
+  if (!plain(x) || !plain(weight) || (bias && bias->defined() && !plain(*bias))) return false;
+  return levels.empty() && (x.is_cuda() || x.is_cpu()) && lies_channels_last(x);
+}
+
+}  // namespace
+
+at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       bool tokens, c10::IntArrayRef levels) {
+  return select_patch_embed(embed_problem(x, weight, bias, tokens, levels));
+}
+
+std::optional<at::Tensor> patch_embed_as_aten_conv(const at::Tensor& x, const at::Tensor& weight,
+                                                   const std::optional<at::Tensor>& bias, bool tokens,
+                                                   c10::IntArrayRef levels) {
+  if (!may_settle_on_aten(x, weight, bias, levels)) return std::nullopt;
+  const EmbedProblem p = embed_problem(x, weight, bias, tokens, levels);
+  if (!embed_settles_on_aten_conv(p)) return std::nullopt;
+  return embed_by_aten_conv(p);
+}
+
+at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, bool tokens,
+                         c10::IntArrayRef levels) {
+  return select_patch_unembed(unembed_problem(x, weight, bias, tokens, levels));
+}
+
+std::optional<at::Tensor> patch_unembed_as_aten_conv_transpose(const at::Tensor& x, const at::Tensor& weight,
+                                                               const std::optional<at::Tensor>& bias, bool tokens,
+                                                               c10::IntArrayRef levels) {
+  if (!may_settle_on_aten(x, weight, bias, levels)) return std::nullopt;
+  const UnembedProblem p = unembed_problem(x, weight, bias, tokens, levels);
+  if (!unembed_settles_on_aten_conv_transpose(p)) return std::nullopt;
+  return unembed_by_aten_conv_transpose(p);
 }
 
 std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, const at::Tensor& x,

@@ -76,6 +76,7 @@ at::Tensor embed_by_aten_linear(const EmbedProblem& p);   // tokens_out: ATen's 
 at::Tensor embed_by_aten_conv(const EmbedProblem& p);     // ATen's convolution (cuDNN's on CUDA)
 at::Tensor unembed_by_gemm(const UnembedProblem& p);      // GEMM, then the scatter
 at::Tensor unembed_by_aten_linear(const UnembedProblem& p);  // ATen's matmul, then a permute copy and the bias
+at::Tensor unembed_by_aten_conv_transpose(const UnembedProblem& p);  // ATen's transposed convolution
 // Whether unembed_by_gemm first copies x into tokens order (channels-first x that would make a
 // slow GEMM: a small grid, or rows that are not 16-byte aligned).
 bool unembed_gemm_copies_x(const UnembedProblem& p);
@@ -92,6 +93,8 @@ WeightGrads select_patch_weight_grad(const WeightGradProblem& p);
 // backward op forced; noted for explain() if so. Then the op can run as that convolution with
 // PyTorch's own autograd (ops/patch_embed.cpp).
 bool embed_settles_on_aten_conv(const EmbedProblem& p);
+// The same for patch_unembed and ATen's transposed convolution.
+bool unembed_settles_on_aten_conv_transpose(const UnembedProblem& p);
 
 // For the autograd layer (ops/autograd.cpp): where patch_embed's choice settles on ATen's
 // convolution, the op computed as that convolution called with autograd on, so PyTorch's autograd
@@ -100,5 +103,9 @@ bool embed_settles_on_aten_conv(const EmbedProblem& p);
 std::optional<at::Tensor> patch_embed_as_aten_conv(const at::Tensor& x, const at::Tensor& weight,
                                                    const std::optional<at::Tensor>& bias, bool tokens,
                                                    c10::IntArrayRef levels);
+// The same for patch_unembed and ATen's transposed convolution.
+std::optional<at::Tensor> patch_unembed_as_aten_conv_transpose(const at::Tensor& x, const at::Tensor& weight,
+                                                               const std::optional<at::Tensor>& bias, bool tokens,
+                                                               c10::IntArrayRef levels);
 
 }  // namespace patchgemm

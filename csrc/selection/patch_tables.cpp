@@ -374,10 +374,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
          [](const UnembedProblem& p) { return row_major_tokens(p.g); },
          nullptr,
          [](const UnembedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
-           std::vector<int64_t> shape{p.g.batch, p.weight.size(0)};
-           for (int64_t s : grid_of(p.g, p.rank)) shape.push_back(s);
-           const at::Tensor x = p.tokens ? p.x.transpose(1, 2).reshape(shape) : p.x;
-           return aten_conv(x, p.weight, p.bias, kernel_of(p.g, p.rank), true).contiguous(p.out_format);
+           return unembed_by_aten_conv_transpose(p);
          }},
     },
     patch_signature<UnembedProblem>,
@@ -517,12 +514,30 @@ at::Tensor embed_by_aten_conv(const EmbedProblem& p) {
   return y.contiguous(p.g.channels_last ? p.x.suggest_memory_format() : at::MemoryFormat::Contiguous);
 }
 
+at::Tensor unembed_by_aten_conv_transpose(const UnembedProblem& p) {
+  std::vector<int64_t> shape{p.g.batch, p.weight.size(0)};
+  for (int64_t s : grid_of(p.g, p.rank)) shape.push_back(s);
+  const at::Tensor x = p.tokens ? p.x.transpose(1, 2).reshape(shape) : p.x;
+  return aten_conv(x, p.weight, p.bias, kernel_of(p.g, p.rank), true).contiguous(p.out_format);
+}
+
+namespace {
+
+constexpr const char* kWithPyTorchsAutograd = "run with PyTorch's autograd (backward: its convolution_backward)";
+
+// A forced backward candidate must run: then the backward stays with patchgemm's ops.
+bool backward_forced(const char* grad_input_op) {
+  return !selection::detail::forced(grad_input_op).empty() || !selection::detail::forced("patch_weight_grad").empty();
+}
+
+}  // namespace
+
 bool embed_settles_on_aten_conv(const EmbedProblem& p) {
-  // A forced backward candidate must run: then the backward stays with patchgemm's ops.
-  if (!selection::detail::forced("patch_unembed").empty() || !selection::detail::forced("patch_weight_grad").empty()) {
-    return false;
-  }
-  return kEmbedTable.settled_on(p, "aten_conv", "run with PyTorch's autograd (backward: its convolution_backward)");
+  return !backward_forced("patch_unembed") && kEmbedTable.settled_on(p, "aten_conv", kWithPyTorchsAutograd);
+}
+
+bool unembed_settles_on_aten_conv_transpose(const UnembedProblem& p) {
+  return !backward_forced("patch_embed") && kUnembedTable.settled_on(p, "aten_conv_transpose", kWithPyTorchsAutograd);
 }
 
 at::Tensor select_patch_embed(const EmbedProblem& p) { return kEmbedTable.run(p); }
