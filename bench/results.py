@@ -21,7 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from patchgemm.bench import Row, format_table  # noqa: E402
 from patchgemm.host_bench import HostRow  # noqa: E402
 from patchgemm.host_bench import format_rows as format_host_rows  # noqa: E402
-from patchgemm.model_bench import ModelRow, format_rows  # noqa: E402
+from patchgemm.model_bench import ModelRow, format_rows, paired_wall_ratio  # noqa: E402
 from patchgemm import tune  # noqa: E402
 
 import distributed  # noqa: E402
@@ -74,8 +74,19 @@ def models_section(saved: dict, name: str) -> str:
         "ms is the profiler's sum of kernel times per step; wall ms the wall time per step with 10 steps back to "
         "back, the fastest of 31 rounds in which a model's forms take turns with the garbage collector off (a "
         "busy host's interruptions only add time; `wall_rounds` in the JSON holds every round); peak MB what a "
-        "step allocates above the weights; `GPU x` / `wall x` = the first form's GPU / wall time over this form's.",
-        format_rows([ModelRow(**r) for r in saved["models"]]))
+        "step allocates above the weights; `GPU x` / `wall x` = the first form's GPU / wall time over this form's; "
+        "`paired` = the median over rounds of the first form's wall time over this form's in the same round.",
+        format_rows(_with_paired_ratios([ModelRow(**r) for r in saved["models"]])))
+
+
+def _with_paired_ratios(rows: List[ModelRow]) -> List[ModelRow]:
+    """Rows saved before the paired ratio was: it from their rounds, against their model's first form."""
+    first = {}
+    for row in rows:
+        base = first.setdefault(row.model, row)
+        if row is not base and row.vs_original_wall_paired is None:
+            row.vs_original_wall_paired = paired_wall_ratio(base, row)
+    return rows
 
 
 def host_section(saved: dict, name: str) -> str:

@@ -15,6 +15,7 @@ whose library is missing is skipped with a line saying so.
 
 import gc
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -159,8 +160,17 @@ class ModelRow:
     peak_mb: Optional[float]  # peak memory a step allocates above what the model held before it
     vs_original_gpu: Optional[float] = None   # the original form's gpu_ms / this form's
     vs_original_wall: Optional[float] = None  # the original form's wall_ms / this form's
+    # The median over rounds of the original form's wall time / this form's in the same round: the
+    # ratio of times taken moments apart, which a host whose speed drifts between rounds moves less.
+    vs_original_wall_paired: Optional[float] = None
     wall_rounds: List[float] = field(default_factory=list)  # wall ms per step, round by round
     note: str = ""
+
+
+def paired_wall_ratio(base: ModelRow, row: ModelRow) -> Optional[float]:
+    """The median over rounds of base's wall time / row's in the same round (None without rounds)."""
+    pairs = [b / w for b, w in zip(base.wall_rounds, row.wall_rounds)]
+    return statistics.median(pairs) if pairs else None
 
 
 def _training_step(model: nn.Module, x: torch.Tensor, device: torch.device) -> Callable[[int], object]:
@@ -281,6 +291,7 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
             if row is not base:
                 row.vs_original_gpu = base.gpu_ms / row.gpu_ms
                 row.vs_original_wall = base.wall_ms / row.wall_ms
+                row.vs_original_wall_paired = paired_wall_ratio(base, row)
             if i >= 2:  # e.g. converted against use_linear as well as against the conv original
                 prev = measured[i - 1]
                 row.note = "; ".join(filter(None, [
@@ -299,12 +310,12 @@ def format_rows(rows: List[ModelRow], header: bool = True) -> str:
         width = int(fmt.split(".")[0])
         return f"{'-':>{width}}" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
-    lines = [f"{'model':<12} {'form':<11} {'GPU ms':>8} {'wall ms':>8} {'peak MB':>8} {'GPU x':>6} {'wall x':>6}  note"]
+    lines = [f"{'model':<12} {'form':<11} {'GPU ms':>8} {'wall ms':>8} {'peak MB':>8} {'GPU x':>6} {'wall x':>6} {'paired':>6}  note"]
     lines = lines if header else []
     for r in rows:
         lines.append(f"{r.model:<12} {r.form:<11} {num(r.gpu_ms, '8.2f')} {num(r.wall_ms, '8.2f')} "
-                     f"{num(r.peak_mb, '8.0f')} {num(r.vs_original_gpu, '6.3f')} {num(r.vs_original_wall, '6.3f')}  "
-                     f"{r.note}")
+                     f"{num(r.peak_mb, '8.0f')} {num(r.vs_original_gpu, '6.3f')} {num(r.vs_original_wall, '6.3f')} "
+                     f"{num(r.vs_original_wall_paired, '6.3f')}  {r.note}")
     return "\n".join(lines)
 
 
