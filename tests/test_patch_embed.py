@@ -335,6 +335,19 @@ def test_convert_mixed_model():
     assert isinstance(root.model, patchgemm.PatchEmbed)
 
 
+def test_convert_leaves_pointwise_convs():
+    """1 x 1 convs (a GEMM cuDNN runs as well, nothing to gather) stay nn.Conv, with a reason, also two
+    of them in an nn.Sequential (not an hMLP stem); grouped ones become GroupedPointwiseConv."""
+    model = nn.Sequential(nn.Conv2d(8, 16, 1), nn.GELU(), nn.Conv2d(16, 8, 1),
+                          nn.Sequential(nn.ConvTranspose2d(8, 8, 1), nn.Conv1d(8, 8, (1,))),
+                          nn.Conv2d(8, 8, 1, groups=2))
+    report = patchgemm.convert(model, inplace=False)
+    skipped = dict(report.skipped)
+    assert set(skipped) == {"0", "2", "3.0", "3.1"}, str(report)
+    assert all("pointwise" in why for why in skipped.values())
+    assert dict(report.swapped) == {"4": "Conv2d -> GroupedPointwiseConv"}
+
+
 def _conv_stack(kinds, widths, kernels, rank, device):
     conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[rank] if kinds == "conv" else \
         {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[rank]
