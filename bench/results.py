@@ -5,10 +5,11 @@
 Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m patchgemm bench
 --models --json` (models), `python -m patchgemm bench --host --json` (host time per call) or
 `python bench/heldout.py --json` (held-out shapes) or `torchrun ... bench/distributed.py --json`
-(several GPUs) or `python -m patchgemm tune --json` (autotune records) wrote; bench/results/ keeps the
-current ones per GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-host.json /
-<gpu>-heldout.json / <gpu>-x<world>-distributed.json / tune-<gpu>.json.gz. Every
-section says the date, GPU, versions and command of its run.
+(several GPUs) or `python bench/timm_zoo.py --json` (convert across timm's models) or `python -m
+patchgemm tune --json` (autotune records) wrote; bench/results/ keeps the current ones per GPU,
+named <gpu>-suite.json / <gpu>-models.json / <gpu>-host.json / <gpu>-heldout.json /
+<gpu>-x<world>-distributed.json / <gpu>-zoo.json / tune-<gpu>.json.gz. Every section says the
+date, GPU, versions and command of its run.
 """
 
 import argparse
@@ -25,6 +26,7 @@ from patchgemm.model_bench import ModelRow, format_rows, paired_wall_ratio  # no
 from patchgemm import tune  # noqa: E402
 
 import distributed  # noqa: E402
+import timm_zoo  # noqa: E402
 import heldout  # noqa: E402
 
 INTRO = """# Benchmark results
@@ -87,6 +89,16 @@ def _with_paired_ratios(rows: List[ModelRow]) -> List[ModelRow]:
         if row is not base and row.vs_original_wall_paired is None:
             row.vs_original_wall_paired = paired_wall_ratio(base, row)
     return rows
+
+
+def zoo_section(saved: dict, name: str) -> str:
+    return _table_section(
+        saved, "convert() across timm's zoo", f"python bench/timm_zoo.py --json {name}",
+        "per model (random weights, batch 8 at its input size) the modules convert swaps; fp32 (TF32 off) relative "
+        "differences of the output and of x's gradient, and the largest parameter-gradient difference over the "
+        "largest parameter gradient's norm; `GPU x` = the original's GPU time per bf16 training step over the "
+        "converted model's (profiler kernel sums).",
+        timm_zoo.format_rows(saved["rows"]))
 
 
 def host_section(saved: dict, name: str) -> str:
@@ -170,6 +182,8 @@ def main(argv=None) -> int:
             sections.append(tune_section(saved, name))
         elif "models" in saved:
             sections.append(models_section(saved, name))
+        elif saved.get("kind") == "timm_zoo":
+            sections.append(zoo_section(saved, name))
         elif saved.get("kind") == "distributed":
             sections.append(distributed_section(saved, name))
         elif "host" in saved:

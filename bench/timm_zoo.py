@@ -1,7 +1,7 @@
 """convert() across timm's model zoo: what it swaps, whether values and gradients match, and the
 GPU time of a training step against the original.
 
-    python bench/timm_zoo.py [MODEL,MODEL,...]     (default: ZOO; needs timm and a GPU)
+    python bench/timm_zoo.py [--json PATH] [MODEL,MODEL,...]     (default: ZOO; needs timm and a GPU)
 
 Per model (random weights, batch 8 at the model's input size): the modules swapped; fp32 (TF32 off)
 relative differences of the output and of x's gradient, and the largest parameter-gradient
@@ -11,13 +11,15 @@ and `GPU x`: the original's GPU time per bf16-autocast training step over the co
 (the profiler's kernel sum, as `bench --models`). Where `GPU x` < 1 convert has made the model slower.
 """
 
+import argparse
+import json
 import sys
 
 import torch
 
 import patchgemm
 from patchgemm import model_bench
-from patchgemm.bench import kernel_ms
+from patchgemm.bench import environment, kernel_ms
 
 ZOO = ("vit_small_patch16_224,vit_base_patch32_224,deit3_small_patch16_224,beit_base_patch16_224,"
        "vit_small_patch14_dinov2,flexivit_small,convnext_tiny,convnextv2_atto,swin_tiny_patch4_window7_224,"
@@ -30,7 +32,7 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def check(name: str, device: torch.device, batch: int = 8) -> str:
+def check(name: str, device: torch.device, batch: int = 8) -> dict:
     import timm
 
     torch.manual_seed(0)
@@ -49,19 +51,40 @@ def check(name: str, device: torch.device, batch: int = 8) -> str:
               if p.grad is not None), default=0.0)
     ratio = (kernel_ms(model_bench._training_step(model, x, device), device, warmup=2, reps=3)
              / kernel_ms(model_bench._training_step(conv, x, device), device, warmup=2, reps=3))
-    return f"{name:<32} {len(report.swapped):>4} {_rel(yb, ya):>9.1e} {_rel(xb.grad, xa.grad):>9.1e} {dw:>9.1e} {ratio:>7.3f}"
+    return {"model": name, "swapped": len(report.swapped), "d_out": _rel(yb, ya), "d_dx": _rel(xb.grad, xa.grad),
+            "d_dw": dw, "gpu_x": ratio}
+
+
+def format_rows(rows, header: bool = True) -> str:
+    lines = [f"{'model':<32} {'swap':>4} {'d out':>9} {'d dx':>9} {'d dW':>9} {'GPU x':>7}"] if header else []
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['model']:<32} error: {r['error']}")
+        else:
+            lines.append(f"{r['model']:<32} {r['swapped']:>4} {r['d_out']:>9.1e} {r['d_dx']:>9.1e} {r['d_dw']:>9.1e} "
+                         f"{r['gpu_x']:>7.3f}")
+    return "\n".join(lines)
 
 
 def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("models", nargs="?", default=ZOO)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv[1:])
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda")
-    print(f"{'model':<32} {'swap':>4} {'d out':>9} {'d dx':>9} {'d dW':>9} {'GPU x':>7}", flush=True)
-    for name in (argv[1] if len(argv) > 1 else ZOO).split(","):
+    print(format_rows([]), flush=True)
+    rows = []
+    for name in args.models.split(","):
         try:
-            print(check(name, device), flush=True)
+            rows.append(check(name, device))
         except Exception as e:  # a model this timm lacks, or one that fails: say so, go on
-            print(f"{name:<32} error: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            rows.append({"model": name, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+        print(format_rows(rows[-1:], header=False), flush=True)
         torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"kind": "timm_zoo", "environment": environment(device), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
