@@ -194,13 +194,17 @@ def test_gradcheck_opcheck_and_compile():
 
 
 def test_convert_swaps_grouped_pointwise_convs():
+    """Grouped 1 x 1 convs become GroupedPointwiseConv; depthwise ones (a per-channel scale) and
+    ungrouped ones stay convs, with a reason."""
     model = nn.Sequential(nn.Conv2d(8, 8, 1, groups=4), nn.Conv2d(8, 8, 3, padding=1, groups=4), nn.Conv1d(8, 8, 1),
-                          nn.Conv2d(8, 16, 1, groups=2, bias=False))
+                          nn.Conv2d(8, 16, 1, groups=2, bias=False), nn.Conv2d(16, 16, 1, groups=16))
     report = patchgemm.convert(model, inplace=False)
     converted = report.model
     assert isinstance(converted[0], patchgemm.GroupedPointwiseConv)
     assert isinstance(converted[3], patchgemm.GroupedPointwiseConv) and converted[3].bias is None
-    assert isinstance(converted[1], nn.Conv2d) and any(name == "1" for name, _ in report.skipped)
+    skipped = dict(report.skipped)
+    assert isinstance(converted[1], nn.Conv2d) and "1" in skipped
+    assert isinstance(converted[4], nn.Conv2d) and "per-channel scale" in skipped["4"]
     assert converted[0].weight is not model[0].weight  # a copy: inplace=False
     assert set(converted.state_dict()) == set(model.state_dict())  # checkpoints still load
     x = randn(2, 8, 5, 6)
