@@ -93,7 +93,8 @@ def _with_paired_ratios(rows: List[ModelRow]) -> List[ModelRow]:
 
 def zoo_section(saved: dict, name: str) -> str:
     return _table_section(
-        saved, "convert() across timm's zoo", f"python bench/timm_zoo.py --json {name}",
+        saved, "convert() across timm's zoo",
+        f"python bench/timm_zoo.py --json {name} {','.join(r['model'] for r in saved['rows'])}",
         "per model (random weights, batch 8 at its input size) the modules convert swaps; fp32 (TF32 off) relative "
         "differences of the output and of x's gradient, and the largest parameter-gradient difference over the "
         "largest parameter gradient's norm; `GPU x` = the original's GPU time per bf16 training step over the "

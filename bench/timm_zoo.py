@@ -25,7 +25,8 @@ ZOO = ("vit_small_patch16_224,vit_base_patch32_224,deit3_small_patch16_224,beit_
        "vit_small_patch14_dinov2,flexivit_small,convnext_tiny,convnextv2_atto,swin_tiny_patch4_window7_224,"
        "swinv2_cr_tiny_224,mixer_s16_224,resmlp_12_224,cait_xxs24_224,crossvit_tiny_240,twins_svt_small,"
        "twins_pcpvt_small,focalnet_tiny_srf,davit_tiny,nest_tiny,visformer_tiny,edgenext_xx_small,"
-       "inception_next_tiny,coat_lite_tiny,efficientformerv2_s0,pvt_v2_b0,rdnet_tiny,nextvit_small,starnet_s1")
+       "inception_next_tiny,coat_lite_tiny,efficientformerv2_s0,pvt_v2_b0,rdnet_tiny,nextvit_small,starnet_s1,"
+       "efficientvit_b0,ghostnetv3_100,lcnetv2_small,mobileone_s0")
 
 
 def _rel(a, b):
