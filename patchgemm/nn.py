@@ -403,15 +403,24 @@ class ConvertReport:
 
 def _patch_convs(seq: nn.Module) -> int:
     """How many of ``seq``'s children are kernel == stride convs (or conv-transposes) wider than 1."""
-    return sum(type(m) in _CONVS + _CONV_TRANSPOSES and not _ineligible(m) and not _pointwise(m)
+    return sum(type(m) in _CONVS + _CONV_TRANSPOSES and not _ineligible(m) and not _left_to_pytorch(m)
                for m in seq.children())
 
 
-def _pointwise(module: nn.Module) -> bool:
-    """A kernel of 1: no patches to gather, one GEMM, which cuDNN runs as well; on an H100 a timm
-    model's 1 x 1 convs swapped cost 2 to 21% more GPU time per training step (visformer, NextViT,
-    InceptionNeXt, StarNet, EfficientFormerV2). convert() leaves them to PyTorch."""
-    return all(k == 1 for k in module.kernel_size)
+def _left_to_pytorch(module: nn.Module) -> Optional[str]:
+    """Why convert() leaves a conv that a patchgemm module could compute, or None. 1 x 1 convs have
+    no patches to gather: one GEMM, or with one input channel per group a per-channel scale, which
+    cuDNN runs as well. Swapped, they cost timm models 2 to 21% more GPU time per training step on
+    an H100 (visformer, NextViT, InceptionNeXt, StarNet, EfficientFormerV2; depthwise: GhostNetV3,
+    LCNetV2, MobileOne); grouped ones with wider groups gain (EfficientViT-B0)."""
+    if any(k != 1 for k in module.kernel_size):
+        return None
+    if module.groups == 1:
+        return "kernel 1: a pointwise conv is one GEMM in cuDNN too; left to PyTorch"
+    if module.in_channels == module.groups:
+        return "one input channel per group: a per-channel scale (depthwise 1 x 1), one elementwise pass in cuDNN; " \
+               "left to PyTorch"
+    return None
 
 
 # Patch-embedding modules of timm and transformers whose kernel == stride conv feeds only a
@@ -497,15 +506,14 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
         if not isinstance(module, _CONVS + _CONV_TRANSPOSES):
             return None
         reason = _ineligible(module)
-        if reason and type(module) in _CONVS and not _pointwise_ineligible(module):
-            if module.in_channels == module.groups:
-                report.skipped.append((name, "one input channel per group: a per-channel scale (depthwise 1 x 1), one "
-                                             "elementwise pass in cuDNN; left to PyTorch"))
-                return None
-            new = GroupedPointwiseConv.from_conv(module)
-        elif reason or _pointwise(module):
-            report.skipped.append((name, reason or "kernel 1: a pointwise conv is one GEMM in cuDNN too; left to PyTorch"))
+        grouped_pointwise = bool(reason) and type(module) in _CONVS and not _pointwise_ineligible(module)
+        if grouped_pointwise or not reason:
+            reason = _left_to_pytorch(module)
+        if reason:
+            report.skipped.append((name, reason))
             return None
+        if grouped_pointwise:
+            new = GroupedPointwiseConv.from_conv(module)
         else:
             new = (PatchEmbed.from_conv(module) if type(module) in _CONVS
                    else PatchUnembed.from_conv_transpose(module))
