@@ -5,7 +5,7 @@
 Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m patchgemm bench
 --models --json` (models), `python -m patchgemm bench --host --json` (host time per call) or
 `python bench/heldout.py --json` (held-out shapes) or `torchrun ... bench/distributed.py --json`
-(several GPUs) or `python bench/timm_zoo.py --json` (convert across timm's models) or `python -m
+(several GPUs) or `python bench/zoo.py --json` (convert across timm's and transformers' models) or `python -m
 patchgemm tune --json` (autotune records) wrote; bench/results/ keeps the current ones per GPU,
 named <gpu>-suite.json / <gpu>-models.json / <gpu>-host.json / <gpu>-heldout.json /
 <gpu>-x<world>-distributed.json / <gpu>-zoo.json / tune-<gpu>.json.gz. Every section says the
@@ -26,7 +26,7 @@ from patchgemm.model_bench import ModelRow, format_rows, paired_wall_ratio  # no
 from patchgemm import tune  # noqa: E402
 
 import distributed  # noqa: E402
-import timm_zoo  # noqa: E402
+import zoo  # noqa: E402
 import heldout  # noqa: E402
 
 INTRO = """# Benchmark results
@@ -93,13 +93,14 @@ def _with_paired_ratios(rows: List[ModelRow]) -> List[ModelRow]:
 
 def zoo_section(saved: dict, name: str) -> str:
     return _table_section(
-        saved, "convert() across timm's zoo",
-        f"python bench/timm_zoo.py --json {name} {','.join(r['model'] for r in saved['rows'])}",
-        "per model (random weights, batch 8 at its input size) the modules convert swaps; fp32 (TF32 off) relative "
-        "differences of the output and of x's gradient, and the largest parameter-gradient difference over the "
-        "largest parameter gradient's norm; `GPU x` = the original's GPU time per bf16 training step over the "
+        saved, "convert() across timm's and transformers' models",
+        f"python bench/zoo.py --json {name} {','.join(r['model'] for r in saved['rows'])}",
+        "per model (random weights, batch 8 at its input size; videos 2) the modules convert swaps; the converted "
+        "model's fp32 (TF32 off) errors against the original in float64: output, x's gradient, and the largest "
+        "parameter-gradient error over the largest parameter gradient's norm; `/ orig` = the largest of the three "
+        "over the original fp32 model's own; `GPU x` = the original's GPU time per bf16 training step over the "
         "converted model's (profiler kernel sums).",
-        timm_zoo.format_rows(saved["rows"]))
+        zoo.format_rows(saved["rows"]))
 
 
 def host_section(saved: dict, name: str) -> str:
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
             sections.append(tune_section(saved, name))
         elif "models" in saved:
             sections.append(models_section(saved, name))
-        elif saved.get("kind") == "timm_zoo":
+        elif saved.get("kind") == "zoo":
             sections.append(zoo_section(saved, name))
         elif saved.get("kind") == "distributed":
             sections.append(distributed_section(saved, name))

@@ -125,8 +125,8 @@ class PatchEmbed(_Function):
         if need_x:  # row-major tokens unpatchify with one level, the grid
             unembed_levels = [s // k for s, k in zip(x.shape[2:], kernel)] if tokens and not levels else levels
             grad_x = call("patch_unembed", grad_y, weight, None, tokens, unembed_levels)
-        if need_w or need_b:
-            grad_w, grad_b = ops.patch_weight_grad(grad_y, x, kernel, tokens, levels, need_b, False)
+        if need_w or need_b:  # (x detached: a view cut by call() records its slice, and dW is not differentiable again)
+            grad_w, grad_b = ops.patch_weight_grad(grad_y, x.detach(), kernel, tokens, levels, need_b, False)
         return grad_x, grad_w if need_w else None, grad_b if need_b else None, None, None
 
 
@@ -205,10 +205,24 @@ _OVERLOADS = {name: getattr(ops, name).default for name in _FUNCTIONS}
 _CALLABLES = {name: overload._op for name, overload in _OVERLOADS.items()}
 
 
+def _whole_patches(x, weight, levels):
+    """x without the positions a kernel == stride conv leaves out (a differentiable view), as the
+    C++ autograd layer cuts them (csrc/ops/patch_embed.cpp: whole_patches)."""
+    if levels or x.dim() != weight.dim():
+        return x
+    for d in range(2, x.dim()):
+        size, k = x.shape[d], weight.shape[d]
+        if k >= 1 and size > k and size % k:
+            x = x.narrow(d, 0, size - size % k)
+    return x
+
+
 def call(name: str, *args):
     """``torch.ops.patchgemm.<name>(*args)``: through its C++ autograd normally, through the Python
     Function above inside a torch.func transform."""
     if active():
+        if name == "patch_embed":
+            args = (_whole_patches(args[0], args[1], args[4]), *args[1:])
         return _FUNCTIONS[name].apply(*args)
     if torch.compiler.is_compiling():
         return _OVERLOADS[name](*args)

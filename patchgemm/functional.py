@@ -237,9 +237,9 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
             directly; ``"channels_last"`` returns ``[B, E, *grid]`` strided like channels_last(_3d)
             whatever x is: those tokens' memory, so ``.flatten(2).transpose(1, 2)`` (or a
             permute to channels-last order) after it costs nothing.
-        pad: None: spatial sizes must be divisible by the patch size (else a RuntimeError naming the
-            shapes). ``"dynamic"``: zero-pad at the end of each spatial dim up to a multiple, like
-            timm's ``dynamic_img_pad`` (one copy of x).
+        pad: None: as the conv, the last positions of a spatial dim that fill no whole patch are
+            left out (x is read through a view of the rest). ``"dynamic"``: zero-pad at the end of
+            each spatial dim up to a multiple instead, like timm's ``dynamic_img_pad`` (one copy of x).
 
     Backward computes dW and dbias always and dx only when x requires grad, recomputing the patch
     matrix from x instead of saving it.

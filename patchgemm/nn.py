@@ -238,8 +238,9 @@ class PatchEmbed(_ConvAttributes, nn.Module):
     Parameters ``weight[E, C, *k]`` and ``bias[E]`` have the conv's names and shapes, so a conv's
     ``state_dict`` loads unchanged. ``out_format="tokens"`` returns ``[B, N, E]`` directly (what
     ``conv(x).flatten(2).transpose(1, 2)`` gives), ``"channels_last"`` the conv's shape over
-    those tokens' memory (see :func:`patchgemm.functional.patch_embed`); ``pad="dynamic"`` zero-pads
-    non-divisible inputs.
+    those tokens' memory (see :func:`patchgemm.functional.patch_embed`); the last positions of a
+    spatial size the patch does not divide are left out, as the conv leaves them (``pad="dynamic"``
+    zero-pads them to a whole patch instead).
     """
 
     def __init__(self, in_channels: int, embed_dim: int, patch_size, bias: bool = True, *,
@@ -823,10 +824,11 @@ class HierarchicalPatchEmbed(nn.Module):
         first = stages[0]
         kernels = [s.kernel_size for s in stages]
         total = [math.prod([k[d] for k in kernels]) for d in range(self.dims)]
-        if x.dim() != self.dims + 2 or any(s % t for s, t in zip(x.shape[2:], total)):
-            raise RuntimeError(
-                f"HierarchicalPatchEmbed: x must be [B, {first.in_channels}, *S] with S divisible by the "
-                f"total patch {tuple(total)}, got shape {tuple(x.shape)}")
+        if x.dim() != self.dims + 2:
+            raise RuntimeError(f"HierarchicalPatchEmbed: x must be [B, {first.in_channels}, *S] with {self.dims} "
+                               f"spatial dims, got shape {tuple(x.shape)}")
+        if any(s % t for s, t in zip(x.shape[2:], total)):  # each conv leaves out what fills no patch
+            return self._stage_by_stage(x, stages, norms, acts)
         grid = [s // t for s, t in zip(x.shape[2:], total)]
         # Stage-1 tokens ordered (final grid, k_L, ..., k_2): coarse first.
         levels = grid + [v for k in reversed(kernels[1:]) for v in k]
@@ -846,6 +848,13 @@ class HierarchicalPatchEmbed(nn.Module):
             return y
         # (an _unsafe_view: the same strides as the view, but not a view for FSDP2 to warn about)
         return F._unsafe_view(y.transpose(1, 2), (y.shape[0], y.shape[2], *grid))
+
+    def _stage_by_stage(self, x: Tensor, stages, norms, acts) -> Tensor:
+        """The stem as its convs compute it, one after the other: for sizes that the total patch does
+        not divide, where a stage's grid is not the next stage's patches exactly."""
+        for stage, norm, act in zip(stages, norms, acts):
+            x = _norm_act(F._patch_embed(x, stage.weight, stage.bias, "channels_first", None), norm, act, None)
+        return x.flatten(2).transpose(1, 2) if self.out_format == "tokens" else x
 
 
 class HierarchicalPatchUnembed(nn.Module):

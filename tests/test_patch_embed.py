@@ -234,8 +234,38 @@ def test_dynamic_pad(device):
     y = patchgemm.patch_embed(x, w, b, pad="dynamic")
     ref = CONV[2](F.pad(x, (0, 3, 0, 2)), w, b, stride=4)
     assert_close_to_ref(y, ref, torch.float64)
-    with pytest.raises(RuntimeError, match=r"not divisible by the patch size"):
-        patchgemm.patch_embed(x, w, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,kernel", [((2, 512, 199), (2,)), ((2, 3, 10, 13), (4, 4)), ((1, 4, 9, 8, 11), (2, 2, 4))])
+@pytest.mark.parametrize("kind", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
+def test_sizes_the_patch_does_not_divide_are_cropped_as_the_conv_does(device, shape, kernel, kind, out_format):
+    """A kernel == stride conv leaves out the last positions that fill no whole patch (wav2vec 2.0's
+    k = 2 convs over odd lengths): so do patch_embed and PatchEmbed, values and gradients."""
+    x, w, b = make(shape, kernel, torch.float64, device)
+    x = layout(x, kind).requires_grad_()
+    w.requires_grad_(), b.requires_grad_()
+    g = randn(*conv_tokens(CONV[len(kernel)](x.detach(), w.detach(), stride=kernel)).shape, dtype=torch.float64,
+              device=device)
+    y = patchgemm.patch_embed(x, w, b, out_format=out_format)
+    ref = conv_tokens(CONV[len(kernel)](x, w, b, stride=kernel))
+    grad_y = g if out_format == "tokens" else g.transpose(1, 2).reshape(y.shape)
+    ref_grads = grads(ref, (x, w, b), g)
+    assert_close_to_ref(y if out_format == "tokens" else conv_tokens(y), ref, torch.float64)
+    for got, want in zip(grads(y, (x, w, b), grad_y), ref_grads):
+        assert_close_to_ref(got, want, torch.float64)
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[len(kernel)](shape[1], 5, kernel, kernel, device=device,
+                                                                    dtype=torch.float64)
+    torch.testing.assert_close(patchgemm.PatchEmbed.from_conv(conv)(x), conv(x))
+    with torch.inference_mode():  # the op itself, below autograd
+        torch.testing.assert_close(patchgemm.PatchEmbed.from_conv(conv)(x), conv(x))
+    # under torch.func: the Python autograd path
+    _, vjp = torch.func.vjp(lambda x, w, b: patchgemm.patch_embed(x, w, b, out_format=out_format), x, w, b)
+    for got, want in zip(vjp(grad_y), ref_grads):
+        assert_close_to_ref(got, want, torch.float64)
+    with pytest.raises(RuntimeError, match=r"smaller than one patch"):  # as the conv, which raises too
+        patchgemm.patch_embed(x.narrow(2, 0, kernel[0] - 1), w, b)
 
 
 def test_unbatched_input():
@@ -253,7 +283,6 @@ def test_unbatched_input():
         (lambda x, w, b: patchgemm.patch_embed(x, w[0, 0], b), r"weight must be \[E, C, \*kernel\]"),
         (lambda x, w, b: patchgemm.patch_embed(x[:, :2], w, b), r"x has 2 channels .* expects 3"),
         (lambda x, w, b: patchgemm.patch_embed(x, w, b[:4]), r"bias must be \[5\]"),
-        (lambda x, w, b: patchgemm.patch_embed(x[..., :7], w, b), r"spatial size \[8, 7\] .* not divisible"),
         (lambda x, w, b: patchgemm.patch_embed(x.double(), w, b), r"x has dtype Double but weight has dtype Float"),
         (lambda x, w, b: patchgemm.patch_embed(x.int(), w, b), r"x must be float32"),
         (lambda x, w, b: patchgemm.patch_embed(x, w, b, out_format="nhwc"), r"out_format must be one of"),
@@ -409,8 +438,15 @@ def test_hierarchical_defaults():
     assert y.shape == (1, 64, 1, 1, 1)
     head = patchgemm.HierarchicalPatchUnembed(64, 4, stages=[2, 2, 4])
     assert head(y).shape == (1, 4, 16, 16, 16)
-    with pytest.raises(RuntimeError, match="divisible by the total patch"):
-        stem(randn(1, 4, 16, 16, 8))
+    # A size the total patch does not divide: each conv leaves out what fills no patch of its own.
+    x = randn(1, 4, 17, 16, 18)
+    ref = x
+    for i, stage in enumerate(stem.stages):
+        ref = F.conv3d(ref, stage.weight, stage.bias, stride=stage.kernel_size)
+        ref = F.gelu(stem.norms[i](ref)) if i < len(stem.norms) else ref
+    torch.testing.assert_close(stem(x), ref)
+    with pytest.raises(RuntimeError, match="3 spatial dims"):
+        stem(randn(1, 4, 16, 16))
 
 
 # ---- memory format: channels-last in, channels-last out (as PyTorch's convolutions) -----------------

@@ -345,8 +345,10 @@ struct PatchUnembed : Function<PatchUnembed> {
   }
 };
 
-at::Tensor patch_embed_autograd(const at::Tensor& x, const at::Tensor& weight,
+at::Tensor patch_embed_autograd(const at::Tensor& x_given, const at::Tensor& weight,
                                 const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
+  // What a conv leaves out is cut here, above autograd: its positions get a zero gradient.
+  const at::Tensor x = whole_patches(x_given, weight, levels);
   if (!needs_autograd(x, weight, bias)) return call_below_autograd(patch_embed_op(), x, weight, bias, tokens, levels);
   // Where the choice is ATen's convolution anyway, PyTorch's autograd records that convolution: its
   // one convolution_backward costs the host less than our two backward ops, each setting up cuDNN.

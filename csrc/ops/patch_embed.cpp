@@ -84,9 +84,7 @@ PatchGeometry embed_geometry(const char* op, const char* name, const at::Tensor&
   g.kernel = to_dims3(kernel);
   for (int d = 0; d < 3; ++d) {
     TORCH_CHECK(g.size[d] % g.kernel[d] == 0, op, ": spatial size ", x.sizes().slice(2),
-                " of ", name, " (shape ", x.sizes(), ") is not divisible by the patch size ",
-                kernel, "; crop or pad the input (patchgemm.patch_embed(..., pad=\"dynamic\") "
-                "zero-pads at the end)");
+                " of ", name, " (shape ", x.sizes(), ") is not divisible by the patch size ", kernel);
     g.grid[d] = g.size[d] / g.kernel[d];
   }
   set_levels(op, g, levels, rank);
@@ -189,9 +187,26 @@ bool may_settle_on_aten(const at::Tensor& x, const at::Tensor& weight, const std
 
 }  // namespace
 
+at::Tensor whole_patches(const at::Tensor& x, const at::Tensor& weight, c10::IntArrayRef levels) {
+  if (!levels.empty() || x.dim() != weight.dim() || x.dim() < 3 ||
+      x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+      weight.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return x;  // (the op's checks name what does not fit)
+  }
+  at::Tensor whole = x;
+  for (int64_t d = 2; d < x.dim(); ++d) {
+    const int64_t size = x.size(d), k = weight.size(d);
+    if (k < 1 || size % k == 0) continue;
+    TORCH_CHECK(size > k, "patch_embed: x ", x.sizes(), " is smaller than one patch ", weight.sizes().slice(2),
+                " in spatial dim ", d - 2, " (weight ", weight.sizes(), ")");
+    whole = whole.narrow(d, 0, size - size % k);
+  }
+  return whole;
+}
+
 at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        bool tokens, c10::IntArrayRef levels) {
-  return select_patch_embed(embed_problem(x, weight, bias, tokens, levels));
+  return select_patch_embed(embed_problem(whole_patches(x, weight, levels), weight, bias, tokens, levels));
 }
 
 std::optional<at::Tensor> patch_embed_as_aten_conv(const at::Tensor& x, const at::Tensor& weight,

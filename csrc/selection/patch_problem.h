@@ -96,6 +96,13 @@ bool embed_settles_on_aten_conv(const EmbedProblem& p);
 // The same for patch_unembed and ATen's transposed convolution.
 bool unembed_settles_on_aten_conv_transpose(const UnembedProblem& p);
 
+// x [B, C, *S] without the last positions of each spatial dim that fill no whole patch of weight
+// [E, C, *k], which a kernel == stride convolution leaves out: a view, or x itself where every
+// size is a multiple (and where levels order the tokens: those need whole grids). Both the autograd
+// layer and the op take it, so a backward sees only the positions the forward read and autograd
+// gives the rest a zero gradient (ops/patch_embed.cpp).
+at::Tensor whole_patches(const at::Tensor& x, const at::Tensor& weight, c10::IntArrayRef levels);
+
 // For the autograd layer (ops/autograd.cpp): where patch_embed's choice settles on ATen's
 // convolution, the op computed as that convolution called with autograd on, so PyTorch's autograd
 // records it (one convolution_backward for dx, dW and db, as nn.Conv*d's); nullopt elsewhere
