@@ -8,7 +8,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from . import _functorch
 from ._functorch import call as _call
+from .selection import aten_convolution_args as _aten_convolution_args
 
 LAYOUTS = ("bgd", "gbd")
 _unsafe_view = torch.ops.aten._unsafe_view.default  # a reshape whose result is not a view (as matmul's)
@@ -25,6 +27,12 @@ def _autocast(*tensors):
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
                  for t in tensors)
+
+
+def _eager(x: Tensor) -> bool:
+    """A plain tensor outside torch.compile and torch.func: where the Python layer may make a
+    settled ATen convolution itself (selection.aten_convolution_args)."""
+    return type(x) is Tensor and not _functorch.active() and not torch.compiler.is_compiling()
 
 
 def _grid(grid, where: str) -> list:
@@ -267,6 +275,11 @@ def _patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: 
         if any(extra):
             x = torch.nn.functional.pad(x, [p for e in reversed(extra) for p in (0, e)])
     x, weight, bias = _autocast(x, weight, bias)
+    if out_format == "channels_first" and not x.is_contiguous() and _eager(x):
+        args = _aten_convolution_args(x, weight, bias, False)
+        if args is not None:  # what the op would run, with PyTorch's autograd
+            y = torch.convolution(x, weight, bias, *args)
+            return y.squeeze(0) if unbatched else y
     y = _call("patch_embed", x, weight, bias, out_format != "channels_first", [])
     if out_format == "channels_last":
         grid = [s // k for s, k in zip(x.shape[2:], weight.shape[2:])]
@@ -306,6 +319,11 @@ def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     elif grid is not None and tuple(_grid(grid, "patch_unembed")) != tuple(x.shape[2:]):
         raise RuntimeError(f"patch_unembed: grid {tuple(grid)} does not match x {tuple(x.shape)}")
     x, weight, bias = _autocast(x, weight, bias)
+    if not tokens and not x.is_contiguous() and _eager(x):
+        args = _aten_convolution_args(x, weight, bias, True)
+        if args is not None:  # what the op would run, with PyTorch's autograd
+            y = torch.convolution(x, weight, bias, *args)
+            return y.squeeze(0) if unbatched else y
     y = _call("patch_unembed", x, weight, bias, tokens, grid if tokens else [])
     return y.squeeze(0) if unbatched else y
 

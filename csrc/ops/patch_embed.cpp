@@ -209,6 +209,13 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight, const std:
   return select_patch_embed(embed_problem(whole_patches(x, weight, levels), weight, bias, tokens, levels));
 }
 
+bool settles_on_aten_conv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          bool transposed) {
+  if (!may_settle_on_aten(x, weight, bias, {})) return false;
+  if (transposed) return unembed_settles_on_aten_conv_transpose(unembed_problem(x, weight, bias, false, {}));
+  return embed_settles_on_aten_conv(embed_problem(whole_patches(x, weight, {}), weight, bias, false, {}));
+}
+
 std::optional<at::Tensor> patch_embed_as_aten_conv(const at::Tensor& x, const at::Tensor& weight,
                                                    const std::optional<at::Tensor>& bias, bool tokens,
                                                    c10::IntArrayRef levels) {

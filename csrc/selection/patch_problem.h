@@ -103,6 +103,12 @@ bool unembed_settles_on_aten_conv_transpose(const UnembedProblem& p);
 // gives the rest a zero gradient (ops/patch_embed.cpp).
 at::Tensor whole_patches(const at::Tensor& x, const at::Tensor& weight, c10::IntArrayRef levels);
 
+// Whether a channels-first call of patch_embed (transposed: patch_unembed) on these arguments
+// settles on ATen's (transposed) convolution, for the Python layer's cache of such calls
+// (patchgemm/selection.py), which then makes that convolution itself (ops/patch_embed.cpp).
+bool settles_on_aten_conv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          bool transposed);
+
 // For the autograd layer (ops/autograd.cpp): where patch_embed's choice settles on ATen's
 // convolution, the op computed as that convolution called with autograd on, so PyTorch's autograd
 // records it (one convolution_backward for dx, dW and db, as nn.Conv*d's); nullopt elsewhere
