@@ -276,9 +276,9 @@ def _patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: 
             x = torch.nn.functional.pad(x, [p for e in reversed(extra) for p in (0, e)])
     x, weight, bias = _autocast(x, weight, bias)
     if out_format == "channels_first" and not x.is_contiguous() and _eager(x):
-        args = _aten_convolution_args(x, weight, bias, False)
-        if args is not None:  # what the op would run, with PyTorch's autograd
-            y = torch.convolution(x, weight, bias, *args)
+        settled = _aten_convolution_args(x, weight, bias, False)
+        if settled is not None:  # what the op would run, with PyTorch's autograd
+            y = torch.convolution(x, weight, bias, *settled[0]).contiguous(memory_format=settled[1])
             return y.squeeze(0) if unbatched else y
     y = _call("patch_embed", x, weight, bias, out_format != "channels_first", [])
     if out_format == "channels_last":
@@ -320,9 +320,9 @@ def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
         raise RuntimeError(f"patch_unembed: grid {tuple(grid)} does not match x {tuple(x.shape)}")
     x, weight, bias = _autocast(x, weight, bias)
     if not tokens and not x.is_contiguous() and _eager(x):
-        args = _aten_convolution_args(x, weight, bias, True)
-        if args is not None:  # what the op would run, with PyTorch's autograd
-            y = torch.convolution(x, weight, bias, *args)
+        settled = _aten_convolution_args(x, weight, bias, True)
+        if settled is not None:  # what the op would run, with PyTorch's autograd
+            y = torch.convolution(x, weight, bias, *settled[0]).contiguous(memory_format=settled[1])
             return y.squeeze(0) if unbatched else y
     y = _call("patch_unembed", x, weight, bias, tokens, grid if tokens else [])
     return y.squeeze(0) if unbatched else y

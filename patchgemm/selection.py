@@ -143,8 +143,9 @@ _settled_version = [-1]
 
 def aten_convolution_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                           transposed: bool) -> Optional[tuple]:
-    """``torch.convolution``'s arguments after (x, weight, bias) where this call settles on ATen's
-    (transposed) convolution, else None."""
+    """Where this call settles on ATen's (transposed) convolution: ``torch.convolution``'s arguments
+    after (x, weight, bias), and the output's memory format (x's: channels_last(_3d), as the op's,
+    also where ATen's own kernel, as for float64 on CUDA, returns another); else None."""
     version = _C.settled_choices_version()
     if version < 0:
         return None
@@ -159,7 +160,8 @@ def aten_convolution_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
         if ops._settles_on_aten_conv(x, weight, bias, transposed):
             kernel = list(weight.shape[2:])
             zeros = [0] * len(kernel)
-            args = (kernel, zeros, [1] * len(kernel), transposed, zeros, 1)
+            fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d  # (x lies channels-last)
+            args = ((kernel, zeros, [1] * len(kernel), transposed, zeros, 1), fmt)
         if len(_settled) >= 1024:
             _settled.clear()
         _settled[key] = args
