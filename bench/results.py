@@ -98,7 +98,7 @@ def zoo_section(saved: dict, name: str) -> str:
         "per model (random weights, batch 8 at its input size; videos 2) the modules convert swaps; the converted "
         "model's fp32 (TF32 off) errors against the original in float64: output, x's gradient, and the largest "
         "parameter-gradient error over the largest parameter gradient's norm; `/ orig` = the largest of the three "
-        "over the original fp32 model's own; `GPU x` = the original's GPU time per bf16 training step over the "
+        "over the original fp32 model's own (errors under 1e-6 counted as 1e-6); `GPU x` = the original's GPU time per bf16 training step over the "
         "converted model's (profiler kernel sums).",
         zoo.format_rows(saved["rows"]))
 
