@@ -7,8 +7,8 @@ MODEL is a timm model name, or ``transformers.<Class>`` for one of TRANSFORMERS_
 library's default config). The default list is TIMM_ZOO then TRANSFORMERS_ZOO; a model whose library
 is missing is reported as an error row and skipped.
 
-Per model (random weights, batch 8 at the model's input size; videos 2): the modules swapped; the
-converted model's fp32 (TF32 off) errors against the original run in float64: of the output, of x's
+Per model (random weights, batch 8 at the model's input size; videos and the Qwen2.5-VL tower 2):
+the modules swapped; the converted model's fp32 (TF32 off) errors against the original run in float64: of the output, of x's
 gradient, and the largest parameter-gradient error relative to the largest parameter gradient's norm
 (a gradient that is zero in exact arithmetic, as a key projection's bias under softmax, is all
 rounding and meaningless on its own); `/ orig`, the largest of those three over the original fp32
@@ -70,7 +70,9 @@ def _qwen_vl(version: str) -> Callable[[], nn.Module]:
             config, tower = m.Qwen2VLVisionConfig(), m.Qwen2VisionTransformerPretrainedModel
         else:
             from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
-            config, tower = m.Qwen2_5_VLVisionConfig(), m.Qwen2_5_VisionTransformerPretrainedModel
+            # (the config's default width is its language model's, 3584: the 7B model's tower is 1280 wide)
+            config = m.Qwen2_5_VLVisionConfig(hidden_size=1280, num_heads=16)
+            tower = m.Qwen2_5_VisionTransformerPretrainedModel
         return _VisionTower(tower._from_config(config), (1, 16, 16))
     return build
 
@@ -115,7 +117,7 @@ TRANSFORMERS_ZOO: Dict[str, Tuple[Callable[[], nn.Module], Callable[[nn.Module],
                                            lambda m: _image(m.config), 8),
     "transformers.Wav2Vec2Model": (_transformers("Wav2Vec2Model", "Wav2Vec2Config"), lambda m: (16000,), 8),
     "transformers.Qwen2VLVision": (_qwen_vl("2"), _qwen_vl_input, 8),
-    "transformers.Qwen2_5_VLVision": (_qwen_vl("2.5"), _qwen_vl_input, 8),
+    "transformers.Qwen2_5_VLVision": (_qwen_vl("2.5"), _qwen_vl_input, 2),
 }
 ZOO = TIMM_ZOO + "," + ",".join(TRANSFORMERS_ZOO)
 
