@@ -91,11 +91,15 @@ def _with_paired_ratios(rows: List[ModelRow]) -> List[ModelRow]:
     return rows
 
 
+def _unless_default(models: str, default: str) -> str:
+    return "" if models == default else f" {models}"
+
+
 def zoo_section(saved: dict, name: str) -> str:
     return _table_section(
         saved, "convert() across timm's and transformers' models",
-        f"python bench/zoo.py --json {name} {','.join(r['model'] for r in saved['rows'])}",
-        "per model (random weights, batch 8 at its input size; videos 2) the modules convert swaps; the converted "
+        f"python bench/zoo.py --json {name}" + _unless_default(",".join(r["model"] for r in saved["rows"]), zoo.ZOO),
+        "per model (random weights, batch 8 at its input size; videos and the Qwen2.5-VL tower 2) the modules convert swaps; the converted "
         "model's fp32 (TF32 off) errors against the original in float64: output, x's gradient, and the largest "
         "parameter-gradient error over the largest parameter gradient's norm; `/ orig` = the largest of the three "
         "over the original fp32 model's own (errors under 1e-6 counted as 1e-6); `GPU x` = the original's GPU time per bf16 training step over the "
