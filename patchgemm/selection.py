@@ -152,8 +152,10 @@ def aten_convolution_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     if version != _settled_version[0]:
         _settled.clear()
         _settled_version[0] = version
-    # (devices by index: a meta or other x sharing the CPU's -1 asks again or runs the conv, both right)
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), weight.shape, weight.dtype, bias is None, transposed)
+    # (devices by index: a meta x shares the CPU's -1, and the op and the conv are both right for it;
+    # the weight's type, as a subclass such as DTensor never settles in C++)
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), type(weight), weight.shape, weight.dtype, bias is None,
+           transposed)
     args = _settled.get(key, False)
     if args is False:  # not asked yet: the op's own checks and rules answer
         args = None
