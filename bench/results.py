@@ -5,8 +5,8 @@
 Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m patchgemm bench
 --models --json` (models), `python -m patchgemm bench --host --json` (host time per call) or
 `python bench/heldout.py --json` (held-out shapes) or `torchrun ... bench/distributed.py --json`
-(several GPUs) or `python bench/zoo.py --json` (convert across timm's and transformers' models) or `python -m
-patchgemm tune --json` (autotune records) wrote; bench/results/ keeps the current ones per GPU,
+(several GPUs) or `python bench/zoo.py --json` (convert across timm's and transformers' models) or
+`python -m patchgemm tune --json` (autotune records) wrote; bench/results/ keeps the current ones per GPU,
 named <gpu>-suite.json / <gpu>-models.json / <gpu>-host.json / <gpu>-heldout.json /
 <gpu>-x<world>-distributed.json / <gpu>-zoo.json / tune-<gpu>.json.gz. Every section says the
 date, GPU, versions and command of its run.
@@ -91,19 +91,17 @@ def _with_paired_ratios(rows: List[ModelRow]) -> List[ModelRow]:
     return rows
 
 
-def _unless_default(models: str, default: str) -> str:
-    return "" if models == default else f" {models}"
-
-
 def zoo_section(saved: dict, name: str) -> str:
+    models = ",".join(r["model"] for r in saved["rows"])
     return _table_section(
         saved, "convert() across timm's and transformers' models",
-        f"python bench/zoo.py --json {name}" + _unless_default(",".join(r["model"] for r in saved["rows"]), zoo.ZOO),
-        "per model (random weights, batch 8 at its input size; videos and the Qwen2.5-VL tower 2) the modules convert swaps; the converted "
-        "model's fp32 (TF32 off) errors against the original in float64: output, x's gradient, and the largest "
-        "parameter-gradient error over the largest parameter gradient's norm; `/ orig` = the largest of the three "
-        "over the original fp32 model's own (errors under 1e-6 counted as 1e-6); `GPU x` = the original's GPU time per bf16 training step over the "
-        "converted model's (profiler kernel sums).",
+        f"python bench/zoo.py --json {name}" + ("" if models == zoo.ZOO else f" {models}"),
+        "per model (random weights, batch 8 at its input size; videos and the Qwen2.5-VL tower 2) the modules "
+        "convert swaps; the converted model's fp32 (TF32 off) errors against the original in float64: output, "
+        "x's gradient, and the largest parameter-gradient error over the largest parameter gradient's norm; "
+        "`/ orig` = the largest of the three over the original fp32 model's own (errors under 1e-6 counted as "
+        "1e-6); `GPU x` = the original's GPU time per bf16 training step over the converted model's (profiler "
+        "kernel sums).",
         zoo.format_rows(saved["rows"]))
 
 

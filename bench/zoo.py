@@ -8,12 +8,13 @@ library's default config). The default list is TIMM_ZOO then TRANSFORMERS_ZOO; a
 is missing is reported as an error row and skipped.
 
 Per model (random weights, batch 8 at the model's input size; videos and the Qwen2.5-VL tower 2):
-the modules swapped; the converted model's fp32 (TF32 off) errors against the original run in float64: of the output, of x's
-gradient, and the largest parameter-gradient error relative to the largest parameter gradient's norm
-(a gradient that is zero in exact arithmetic, as a key projection's bias under softmax, is all
-rounding and meaningless on its own); `/ orig`, the largest of those three over the original fp32
-model's own error, errors under ROUNDING counted as ROUNDING (about 1 or below: as exact as the
-original; some models' gradients are mostly rounding, for both); and, on a GPU, `GPU x`: the original's GPU time per bf16-autocast training step over the converted
+the modules swapped; the converted model's fp32 (TF32 off) errors against the original run in
+float64: of the output, of x's gradient, and the largest parameter-gradient error relative to the
+largest parameter gradient's norm (a gradient that is zero in exact arithmetic, as a key
+projection's bias under softmax, is all rounding and meaningless on its own); `/ orig`, the largest
+of those three over the original fp32 model's own error, errors under ROUNDING counted as ROUNDING
+(about 1 or below: as exact as the original; some models' gradients are mostly rounding, for both);
+and, on a GPU, `GPU x`: the original's GPU time per bf16-autocast training step over the converted
 model's (the profiler's kernel sum, as `bench --models`). Where `GPU x` < 1 convert has made the
 model slower. On the CPU (``--device cpu``) the timing is left out: a check of values only.
 """
@@ -195,7 +196,8 @@ def main(argv):
     parser.add_argument("models", nargs="?", default=ZOO)
     parser.add_argument("--json")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batch", type=int, default=0, help="samples per batch (default: 8; videos 2)")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="samples per batch (default: 8; videos and the Qwen2.5-VL tower 2)")
     args = parser.parse_args(argv[1:])
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     device = torch.device(args.device)

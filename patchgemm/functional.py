@@ -29,10 +29,16 @@ def _autocast(*tensors):
                  for t in tensors)
 
 
-def _eager(x: Tensor) -> bool:
-    """A plain tensor outside torch.compile and torch.func: where the Python layer may make a
-    settled ATen convolution itself (selection.aten_convolution_args)."""
-    return type(x) is Tensor and not _functorch.active() and not torch.compiler.is_compiling()
+def _settled_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool) -> Optional[Tensor]:
+    """The channels-first patch op's result made here where its choice settles on ATen's (transposed)
+    convolution (selection.aten_convolution_args): for plain, non-contiguous x outside torch.compile
+    and torch.func; None elsewhere, where the op runs."""
+    if x.is_contiguous() or type(x) is not Tensor or _functorch.active() or torch.compiler.is_compiling():
+        return None
+    settled = _aten_convolution_args(x, weight, bias, transposed)
+    if settled is None:
+        return None
+    return torch.convolution(x, weight, bias, *settled[0]).contiguous(memory_format=settled[1])
 
 
 def _grid(grid, where: str) -> list:
@@ -275,12 +281,9 @@ def _patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: 
         if any(extra):
             x = torch.nn.functional.pad(x, [p for e in reversed(extra) for p in (0, e)])
     x, weight, bias = _autocast(x, weight, bias)
-    if out_format == "channels_first" and not x.is_contiguous() and _eager(x):
-        settled = _aten_convolution_args(x, weight, bias, False)
-        if settled is not None:  # what the op would run, with PyTorch's autograd
-            y = torch.convolution(x, weight, bias, *settled[0]).contiguous(memory_format=settled[1])
-            return y.squeeze(0) if unbatched else y
-    y = _call("patch_embed", x, weight, bias, out_format != "channels_first", [])
+    y = _settled_conv(x, weight, bias, False) if out_format == "channels_first" else None
+    if y is None:
+        y = _call("patch_embed", x, weight, bias, out_format != "channels_first", [])
     if out_format == "channels_last":
         grid = [s // k for s, k in zip(x.shape[2:], weight.shape[2:])]
         y = _unsafe_view(y.transpose(1, 2), (y.shape[0], y.shape[2], *grid))  # the tokens' memory, not a view
@@ -319,12 +322,9 @@ def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     elif grid is not None and tuple(_grid(grid, "patch_unembed")) != tuple(x.shape[2:]):
         raise RuntimeError(f"patch_unembed: grid {tuple(grid)} does not match x {tuple(x.shape)}")
     x, weight, bias = _autocast(x, weight, bias)
-    if not tokens and not x.is_contiguous() and _eager(x):
-        settled = _aten_convolution_args(x, weight, bias, True)
-        if settled is not None:  # what the op would run, with PyTorch's autograd
-            y = torch.convolution(x, weight, bias, *settled[0]).contiguous(memory_format=settled[1])
-            return y.squeeze(0) if unbatched else y
-    y = _call("patch_unembed", x, weight, bias, tokens, grid if tokens else [])
+    y = None if tokens else _settled_conv(x, weight, bias, True)
+    if y is None:
+        y = _call("patch_unembed", x, weight, bias, tokens, grid if tokens else [])
     return y.squeeze(0) if unbatched else y
 
 
