@@ -4,15 +4,16 @@ import os as _os
 import sys as _sys
 
 from . import ops as _ops  # noqa: F401  (loads the compiled library, registers the fake kernels)
-from .functional import (grouped_linear, grouped_mlp, grouped_pointwise_conv, instance_norm_act, patch_embed,
-                         patch_unembed, swiglu)
+from .functional import (grouped_linear, grouped_mlp, grouped_pointwise_conv, instance_norm_act, moe_experts,
+                         patch_embed, patch_unembed, swiglu)
 from .nn import (ConvertReport, GroupedLinear, GroupedMLP, GroupedPointwiseConv, HierarchicalPatchEmbed, HierarchicalPatchUnembed,
-                 PatchEmbed, PatchUnembed, convert)
+                 MoEExperts, PatchEmbed, PatchUnembed, convert)
 from .selection import explain, force, get_selection, kernels, set_selection
 
 __version__ = "0.2.0.dev0"
 __all__ = [
-    "grouped_linear", "grouped_mlp", "grouped_pointwise_conv", "swiglu", "GroupedLinear", "GroupedMLP",
+    "grouped_linear", "grouped_mlp", "grouped_pointwise_conv", "swiglu", "moe_experts", "GroupedLinear", "GroupedMLP",
+    "MoEExperts",
     "GroupedPointwiseConv", "patch_embed", "patch_unembed", "instance_norm_act", "PatchEmbed", "PatchUnembed",
     "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "explain", "force", "kernels",
     "set_selection", "get_selection", "__version__",

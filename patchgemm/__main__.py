@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     bench.add_argument("--models", nargs="?", const="all", metavar="NAMES",
                        help="instead of the suite: a training step of real models, original vs converted "
                        "(comma-separated names, default all: ViT-B/16, ViT-L/14, ConvNeXt-T, ConvNeXt-CL, Swin-T, "
-                       "VideoMAE-S, MATEY-3D)")
+                       "VideoMAE-S, MATEY-3D, Mixtral-S, Mixtral-S-bf16, OLMoE-S, OLMoE-S-bf16, Qwen3-MoE-S)")
     bench.add_argument("--host", action="store_true",
                        help="instead of the suite: the host time per call of every op vs the PyTorch op it replaces")
     sub.add_parser("info", help="version, build flavour, torch/CUDA/BLAS versions")

@@ -213,6 +213,58 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
     return grouped_linear(swiglu(gate_up), w_down, bias_down, layout)
 
 
+def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
+    """The routed experts of a mixture of experts: for each token, the SwiGLU MLPs of the experts
+    its router picked, weighted and summed.
+
+    Args:
+        x: ``[T, D]``, the tokens.
+        expert_index: ``[T, k]`` integers, each token's k experts; the value E (the number of
+            experts) marks a slot with no expert (it adds nothing).
+        expert_weight: ``[T, k]``, the router's weight of each.
+        w_gate_up: ``[E, 2H, D]``, per expert the gate weight (rows ``:H``) then the up weight.
+        w_down: ``[E, D, H]``.
+
+    Returns ``[T, D]`` in x's dtype: ``sum_j expert_weight[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
+    with ``e = expert_index[t, j]``, as transformers' Mixtral, Qwen-MoE, OLMoE and DeepSeek experts
+    compute it (their ``gate_up_proj`` / ``down_proj`` layout). The T k token-expert pairs are sorted by
+    expert and run as two ragged grouped GEMMs with the fused SwiGLU between them; the group
+    offsets stay on x's device (no host sync where ``torch._grouped_mm`` runs the GEMMs).
+    """
+    for name, t in (("x", x), ("expert_index", expert_index), ("expert_weight", expert_weight),
+                    ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"moe_experts: {name} must be a tensor, got {type(t).__name__}")
+    if w_gate_up.dim() != 3 or w_down.dim() != 3 or w_gate_up.shape[1] % 2 or w_down.shape[0] != w_gate_up.shape[0] \
+            or w_down.shape[2] * 2 != w_gate_up.shape[1] or w_down.shape[1] != w_gate_up.shape[2]:
+        raise RuntimeError(f"moe_experts: w_gate_up must be [E, 2H, D] and w_down [E, D, H] with the same E, H and D, "
+                           f"got {tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
+    experts, _, dim = w_gate_up.shape
+    if x.dim() != 2 or x.shape[1] != dim:
+        raise RuntimeError(f"moe_experts: x must be [T, D] with D = {dim} (w_gate_up {tuple(w_gate_up.shape)}), "
+                           f"got shape {tuple(x.shape)}")
+    if expert_index.dim() != 2 or expert_index.shape[0] != x.shape[0] or expert_index.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError(f"moe_experts: expert_index must be [T, k] int32/int64 with T = {x.shape[0]} (x "
+                           f"{tuple(x.shape)}), got {expert_index.dtype} {tuple(expert_index.shape)}")
+    if expert_weight.shape != expert_index.shape:
+        raise RuntimeError(f"moe_experts: expert_weight must have expert_index's shape {tuple(expert_index.shape)}, "
+                           f"got {tuple(expert_weight.shape)}")
+    tokens, top_k = expert_index.shape
+    index = expert_index.reshape(-1)
+    weight = expert_weight.reshape(-1)
+    # A slot with no expert (index E) runs with the last expert and weight 0: the sizes add up to
+    # T k without reading how many such slots there are on the host.
+    weight = weight.masked_fill(index >= experts, 0)
+    sorted_index, order = torch.sort(index.clamp(max=experts - 1), stable=True)
+    bounds = torch.arange(1, experts + 1, device=index.device, dtype=sorted_index.dtype)
+    offsets = torch.searchsorted(sorted_index, bounds, out_int32=True)  # pairs of experts <= e
+    gate_up = grouped_linear(x[order // top_k], w_gate_up, offsets=offsets)
+    y = grouped_linear(swiglu(gate_up), w_down, offsets=offsets) * weight[order].unsqueeze(-1)
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(order.shape[0], device=order.device)
+    return y[unsort].view(tokens, top_k, dim).sum(1).to(x.dtype)
+
+
 # ---- kernel == stride convolutions ----------------------------------------------------------------
 
 FORMATS = ("channels_first", "tokens")

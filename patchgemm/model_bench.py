@@ -98,6 +98,8 @@ class ModelSpec:
     input_shape: Sequence[int]
     forms: Sequence[str] = ("original", "converted")
     channels_last: bool = False     # the model and its input in channels_last (as CNNs are often trained)
+    token_ids: int = 0              # > 0: the input is token ids below this (a language model), not randn
+    weights: torch.dtype = torch.float32  # the parameters' dtype (the step runs under bf16 autocast either way)
 
 
 def _timm(name: str) -> Callable[[], nn.Module]:
@@ -114,11 +116,30 @@ def _videomae() -> nn.Module:
     return VideoMAEModel(config)
 
 
+def _moe(family: str, **sizes) -> Callable[[], nn.Module]:
+    """A transformers mixture-of-experts language model (no head) of the family's config."""
+    def build():
+        import transformers
+        config = getattr(transformers, f"{family}Config")(**sizes)
+        return getattr(transformers, f"{family}Model")(config)
+    return build
+
+
+_mixtral = _moe("Mixtral", hidden_size=1024, intermediate_size=3584, num_hidden_layers=4, num_attention_heads=16,
+                num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000)
+_olmoe = _moe("Olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=16,
+              num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304)
+
+
 def specs(tiny: bool = False) -> List[ModelSpec]:
     """The benchmark's models; ``tiny``: small sizes for a CPU smoke run."""
     if tiny:
         return [ModelSpec("MATEY-3D", None, lambda: MateyStyle3d(2, 64, 16, 1, 4), (1, 2, 32, 32, 32),
-                          ("conv", "use_linear", "converted"))]
+                          ("conv", "use_linear", "converted")),
+                ModelSpec("OLMoE-S", "transformers", _moe("Olmoe", hidden_size=32, intermediate_size=16,
+                                                          num_hidden_layers=1, num_attention_heads=4, num_experts=8,
+                                                          num_experts_per_tok=2, vocab_size=64, eos_token_id=None,
+                                                          pad_token_id=None), (2, 16), token_ids=64)]
     return [
         ModelSpec("ViT-B/16", "timm", _timm("vit_base_patch16_224"), (128, 3, 224, 224)),
         ModelSpec("ViT-L/14", "timm", _timm("vit_large_patch14_clip_224"), (32, 3, 224, 224)),
@@ -127,6 +148,19 @@ def specs(tiny: bool = False) -> List[ModelSpec]:
         ModelSpec("Swin-T", "timm", _timm("swin_tiny_patch4_window7_224"), (64, 3, 224, 224)),
         ModelSpec("VideoMAE-S", "transformers", _videomae, (8, 16, 3, 224, 224)),
         ModelSpec("MATEY-3D", None, MateyStyle3d, (8, 4, 128, 128, 128), ("conv", "use_linear", "converted")),
+        # Mixtures of experts, four layers, 4096 tokens: Mixtral's 8 wide experts (top 2), OLMoE's and
+        # Qwen3-MoE's many narrow ones (top 8). Float32 weights, as mixed-precision training keeps them
+        # (transformers' grouped_mm experts then run float32 GEMMs: torch._grouped_mm has no autocast
+        # rule), and bfloat16 weights (-bf16).
+        ModelSpec("Mixtral-S", "transformers", _mixtral, (8, 512), token_ids=32000),
+        ModelSpec("Mixtral-S-bf16", "transformers", _mixtral, (8, 512), token_ids=32000, weights=torch.bfloat16),
+        ModelSpec("OLMoE-S", "transformers", _olmoe, (4, 1024), token_ids=50304),
+        ModelSpec("OLMoE-S-bf16", "transformers", _olmoe, (4, 1024), token_ids=50304, weights=torch.bfloat16),
+        ModelSpec("Qwen3-MoE-S", "transformers", _moe("Qwen3Moe", hidden_size=2048, intermediate_size=6144,
+                                                      moe_intermediate_size=768, num_hidden_layers=4,
+                                                      num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                                      num_experts=128, num_experts_per_tok=8, vocab_size=151936),
+                  (4, 1024), token_ids=151936),
     ]
 
 
@@ -250,7 +284,9 @@ def measure(models: Sequence[nn.Module], x: torch.Tensor, device: torch.device, 
 
 
 def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tiny: bool = False,
-        progress=print) -> List[ModelRow]:
+        progress=print, on_rows: Callable[[List[ModelRow]], object] = lambda rows: None) -> List[ModelRow]:
+    """Every named model's rows (all models without names); ``on_rows`` sees the rows so far after
+    each model."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     wanted = [n.lower() for n in names or []]
     rows = []
@@ -264,8 +300,9 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
                 progress(f"skipped {spec.name}: {spec.library} is not installed")
                 continue
         torch.manual_seed(0)
-        original = spec.build().to(dev)
-        x = torch.randn(*spec.input_shape, device=dev)
+        original = spec.build().to(dev, spec.weights)
+        x = (torch.randint(0, spec.token_ids, spec.input_shape, device=dev) if spec.token_ids
+             else torch.randn(*spec.input_shape, device=dev))
         if spec.channels_last:
             original = original.to(memory_format=torch.channels_last)
             x = x.contiguous(memory_format=torch.channels_last)
@@ -299,6 +336,7 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
                     f"wall {prev.wall_ms / row.wall_ms:.3f}x", row.note]))
             progress(format_rows([row], header=False))
             rows.append(row)
+        on_rows(rows)
         del models, original
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -332,10 +370,12 @@ def main(names: Optional[Sequence[str]] = None, device: Optional[str] = None, js
     if unknown:
         print(f"patchgemm bench --models: unknown model(s) {unknown}; the models are {[s.name for s in specs(tiny)]}")
         return 2
+    def save(rows):  # after each model, so that a run cut short keeps what it measured
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump({"environment": environment(dev), "models": [asdict(r) for r in rows]}, f, indent=1)
+
     print(format_rows([]))
-    rows = run(names, device=str(dev), tiny=tiny)
+    rows = run(names, device=str(dev), tiny=tiny, on_rows=save)
     print("\n" + format_rows(rows))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"environment": environment(dev), "models": [asdict(r) for r in rows]}, f, indent=1)
     return 0

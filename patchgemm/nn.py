@@ -2,6 +2,7 @@
 
 import copy
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
@@ -144,6 +145,97 @@ class GroupedMLP(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, dim={self.dim}, hidden={self.hidden}, out_dim={self.out_dim}, "
                 f"activation={self.activation!r}, bias={self.bias_down is not None}, layout={self.layout!r}")
+
+
+class MoEExperts(nn.Module):
+    """The routed experts of a mixture of experts, ``num_experts`` SwiGLU MLPs ``dim -> hidden ->
+    dim``, through moe_experts: ``forward(x [T, dim], expert_index [T, k], expert_weight [T, k])``.
+
+    Parameters as transformers' experts modules name and lay them out, so their ``state_dict`` keys
+    load: ``gate_up_proj[E, 2*hidden, dim]`` (gate rows first, then up) and
+    ``down_proj[E, dim, hidden]``. ``convert`` swaps transformers' SwiGLU experts (Mixtral, Qwen-MoE,
+    OLMoE, DeepSeek and the others of that layout) for one sharing their parameters.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, *, device=None, dtype=None):
+        super().__init__()
+        if min(num_experts, dim, hidden) < 1:
+            raise ValueError(f"MoEExperts: sizes must be >= 1, got num_experts={num_experts}, dim={dim}, hidden={hidden}")
+        factory = {"device": device, "dtype": dtype}
+        # (transformers' attribute names, which code around the experts may read)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, dim, hidden
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim, **factory))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for weight, fan_in in ((self.gate_up_proj, self.hidden_dim), (self.down_proj, self.intermediate_dim)):
+            bound = 1 / math.sqrt(fan_in)
+            nn.init.uniform_(weight, -bound, bound)
+
+    @classmethod
+    def from_experts(cls, module: nn.Module) -> "MoEExperts":
+        """One sharing the parameters of a transformers experts module (``gate_up_proj``,
+        ``down_proj``); ValueError saying why where that module computes something else."""
+        why = _moe_experts_ineligible(module)
+        if why:
+            raise ValueError(f"MoEExperts.from_experts: {why}")
+        experts, two_hidden, dim = module.gate_up_proj.shape
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.num_experts, new.hidden_dim, new.intermediate_dim = experts, dim, two_hidden // 2
+        new.gate_up_proj, new.down_proj = module.gate_up_proj, module.down_proj
+        new.train(module.training)
+        return new
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return F.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, dim={self.hidden_dim}, hidden={self.intermediate_dim}"
+
+
+def _acts_as_silu(act) -> bool:
+    """Whether ``act`` computes SiLU (transformers' ACT2FN["silu"], nn.SiLU, F.silu, ...): probed."""
+    if not callable(act):
+        return False
+    probe = torch.linspace(-6, 6, 25, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            out = act(probe)
+    except Exception:  # an activation that cannot run on a float64 CPU tensor is not one we know
+        return False
+    return isinstance(out, Tensor) and out.shape == probe.shape and torch.allclose(out, nn.functional.silu(probe))
+
+
+def _moe_experts_ineligible(module: nn.Module) -> Optional[str]:
+    """Why a module is not a transformers experts module that MoEExperts computes, or None. Its
+    layout must be the default of transformers' ``use_experts_implementation``: gate and up
+    concatenated in ``gate_up_proj[E, 2H, D]``, ``down_proj[E, D, H]``, no biases, SiLU, the default
+    gate, no norm after the experts, and no other parameters or submodules."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is None or not type(module).__module__.startswith("transformers."):
+        return "not a transformers module"
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, nn.Parameter) or not isinstance(down, nn.Parameter):
+        return "no gate_up_proj / down_proj parameters"
+    layout = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+              "has_post_expert_norm": False}
+    odd = [f"{k}={getattr(module, k)}" for k, v in layout.items() if getattr(module, k, v) != v]
+    if odd:
+        return f"its layout ({', '.join(odd)}) is not the SwiGLU experts layout"
+    if getattr(type(module), "_apply_gate", None) is not getattr(moe, "_default_apply_gate", ()):
+        return "its own gate function"
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2 or tuple(down.shape) != (
+            gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not [E, 2H, D] and [E, D, H]"
+    others = [n for n, _ in module.named_parameters() if n not in ("gate_up_proj", "down_proj")]
+    others += [n for n, m in module.named_children() if n != "act_fn"]
+    if others:
+        return f"other parameters or submodules ({', '.join(others)})"
+    if not _acts_as_silu(getattr(module, "act_fn", None)):
+        return "its activation is not SiLU"
+    return None
 
 
 def _as_tuple(value, rank: int, name: str) -> Tuple[int, ...]:
@@ -474,6 +566,8 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
       input channel per group) for GroupedPointwiseConv. (Depthwise 1 x 1 convs, a per-channel
       scale, stay: on an H100 timm models with them swapped (GhostNetV3, LCNetV2, MobileOne) took
       7 to 11% more GPU time per training step.)
+    - every transformers experts module of the SwiGLU layout (``gate_up_proj[E, 2H, D]``,
+      ``down_proj[E, D, H]``: Mixtral, Qwen-MoE, OLMoE, DeepSeek, ...) for MoEExperts.
 
     Returns a :class:`ConvertReport` (``report.model`` is the model; with ``inplace=False`` a
     converted deep copy, the original untouched)."""
@@ -492,6 +586,13 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
                                    f"{type(conv).__name__} -> PatchEmbed writing tokens "
                                    f"(in {type(module).__module__.split('.')[0]} {type(module).__name__})"))
             return module  # its other children stay as they are
+        if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.dim() == 3:
+            why = _moe_experts_ineligible(module)  # (a transformers experts module, or one like it)
+            if why:
+                report.skipped.append((name, f"experts: {why}"))
+                return None
+            report.swapped.append((name, f"{type(module).__name__} -> MoEExperts"))
+            return MoEExperts.from_experts(module)
         if type(module) is nn.Sequential and _patch_convs(module) >= 2:
             first = next(iter(module.children()))
             stem = HierarchicalPatchEmbed if type(first) in _CONVS else HierarchicalPatchUnembed
