@@ -348,10 +348,10 @@ def format_rows(rows: List[ModelRow], header: bool = True) -> str:
         width = int(fmt.split(".")[0])
         return f"{'-':>{width}}" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
-    lines = [f"{'model':<12} {'form':<11} {'GPU ms':>8} {'wall ms':>8} {'peak MB':>8} {'GPU x':>6} {'wall x':>6} {'paired':>6}  note"]
+    lines = [f"{'model':<14} {'form':<11} {'GPU ms':>8} {'wall ms':>8} {'peak MB':>8} {'GPU x':>6} {'wall x':>6} {'paired':>6}  note"]
     lines = lines if header else []
     for r in rows:
-        lines.append(f"{r.model:<12} {r.form:<11} {num(r.gpu_ms, '8.2f')} {num(r.wall_ms, '8.2f')} "
+        lines.append(f"{r.model:<14} {r.form:<11} {num(r.gpu_ms, '8.2f')} {num(r.wall_ms, '8.2f')} "
                      f"{num(r.peak_mb, '8.0f')} {num(r.vs_original_gpu, '6.3f')} {num(r.vs_original_wall, '6.3f')} "
                      f"{num(r.vs_original_wall_paired, '6.3f')}  {r.note}")
     return "\n".join(lines)
