@@ -163,6 +163,13 @@ MOE_MODELS = {
     "Qwen2Moe": dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=32,
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
                      num_experts_per_tok=2, vocab_size=64),
+    "DeepseekV3": dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                       n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16,
+                       qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, vocab_size=64, n_group=2, topk_group=1),
+    "Glm4Moe": dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2,
+                    first_k_dense_replace=0, vocab_size=64, head_dim=8),
 }
 
 
@@ -190,6 +197,12 @@ def test_convert_transformers_moe_models(family):
 
 
 def test_convert_leaves_experts_of_another_layout():
+    gpt_oss = _moe_model("GptOss", hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64, head_dim=8)
+    report = patchgemm.convert(gpt_oss)
+    assert not any(isinstance(m, patchgemm.MoEExperts) for m in gpt_oss.modules())
+    assert [why for name, why in report.skipped if name == "layers.0.mlp.experts"] == [
+        "experts: its layout (has_bias=True, is_transposed=True, is_concatenated=False) is not the SwiGLU experts layout"]
     model = _moe_model("Mixtral", **dict(MOE_MODELS["Mixtral"], hidden_act="gelu"))
     report = patchgemm.convert(model)
     assert not any(isinstance(m, patchgemm.MoEExperts) for m in model.modules())
