@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import patchgemm
-from conftest import DEVICES, DTYPES, assert_close_to_ref, randn
+from conftest import DEVICES, DTYPES, assert_close_to_ref, needs_gpu, randn
 
 
 def experts_reference(x, index, weight, w_gate_up, w_down):
@@ -107,6 +107,76 @@ def test_compiles_fullgraph():
     y.sum().backward()
     assert_close_to_ref(y, experts_reference(x, index, weight, w_gate_up, w_down), torch.float32, "y")
     assert w_down.grad is not None
+
+
+def _needs_grouped_mm():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("torch._grouped_mm's CUDA path needs sm_90")
+
+
+@needs_gpu
+def test_cuda_no_host_sync_forward_and_backward():
+    """The offsets are found on the device and torch._grouped_mm reads them there: a training step
+    of the experts never waits for the GPU."""
+    _needs_grouped_mm()
+    x, index, weight, w_gate_up, w_down = problem(256, 4, 8, 64, 32, torch.bfloat16, "cuda", no_expert=True)
+    patchgemm.moe_experts(x, index, weight, w_gate_up, w_down).sum().backward()  # warm up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = patchgemm.moe_experts(x, index, weight, w_gate_up, w_down)
+        grads = torch.autograd.grad(y.sum(), (x, weight, w_gate_up, w_down))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    inputs = [t.detach().double().cpu().requires_grad_() for t in (x, weight, w_gate_up, w_down)]
+    ref = experts_reference(inputs[0], index.cpu(), *inputs[1:])
+    assert_close_to_ref(y, ref, torch.bfloat16, "y")
+    for g, r in zip(grads, torch.autograd.grad(ref.sum(), inputs)):
+        assert_close_to_ref(g, r, torch.bfloat16, "grad")
+
+
+@needs_gpu
+def test_cuda_graph_capture_and_replay():
+    _needs_grouped_mm()
+    x, index, weight, w_gate_up, w_down = problem(128, 2, 8, 64, 32, torch.bfloat16, "cuda")
+    params = (x, weight, w_gate_up, w_down)
+
+    def step():
+        y = patchgemm.moe_experts(x, index, weight, w_gate_up, w_down)
+        return (y, *torch.autograd.grad(y.float().pow(2).sum(), params))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up on a side stream, as graph capture requires
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    with torch.no_grad():  # new tokens and a new routing, replayed
+        x.copy_(torch.randn_like(x))
+        index.copy_(torch.randint(0, 8, index.shape, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    inputs = [t.detach().double().cpu().requires_grad_() for t in params]
+    ref = experts_reference(inputs[0], index.cpu(), *inputs[1:])
+    ref_grads = torch.autograd.grad(ref.pow(2).sum(), inputs)
+    assert_close_to_ref(outs[0], ref, torch.bfloat16, "y")
+    for g, r in zip(outs[1:], ref_grads):
+        assert_close_to_ref(g, r, torch.bfloat16, "grad")
+
+
+@needs_gpu
+def test_cuda_inductor_compiles_a_training_step():
+    x, index, weight, w_gate_up, w_down = problem(64, 2, 4, 64, 32, torch.bfloat16, "cuda")
+    compiled = torch.compile(patchgemm.moe_experts, fullgraph=True)
+    y = compiled(x, index, weight, w_gate_up, w_down)
+    grads = torch.autograd.grad(y.float().sum(), (x, w_gate_up, w_down))
+    inputs = [t.detach().double().cpu().requires_grad_() for t in (x, weight, w_gate_up, w_down)]
+    ref = experts_reference(inputs[0], index.cpu(), *inputs[1:])
+    ref_grads = torch.autograd.grad(ref.sum(), [inputs[0], inputs[2], inputs[3]])
+    assert_close_to_ref(y, ref, torch.bfloat16, "y")
+    for g, r in zip(grads, ref_grads):
+        assert_close_to_ref(g, r, torch.bfloat16, "grad")
 
 
 def test_bad_input_names_the_argument():
