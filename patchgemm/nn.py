@@ -482,7 +482,7 @@ class PatchUnembed(_ConvAttributes, nn.Module):
 @dataclass
 class ConvertReport:
     """What :func:`convert` did: ``swapped`` (name, "Conv2d -> PatchEmbed") and ``skipped``
-    (name, reason) per convolution found; ``model`` is the converted model."""
+    (name, reason) per convolution or experts module found; ``model`` is the converted model."""
     model: nn.Module
     swapped: List[Tuple[str, str]] = field(default_factory=list)
     skipped: List[Tuple[str, str]] = field(default_factory=list)
