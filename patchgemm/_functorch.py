@@ -5,8 +5,9 @@ refuses C++ autograd functions while a functorch transform is active. So while o
 functional API calls these Python autograd Functions instead: the same backward ops, the same
 gradients. functorch applies a Function once per transform level; its forward runs the op's
 backend kernel (vmap batches it by PyTorch's per-sample fallback). The input gradients of the
-patch ops are patch ops again, called through `call`, so they are differentiable in turn; the
-weight and bias gradients are not differentiable again.
+GEMM ops are such ops again, called through `call`, so they are differentiable in turn; the
+weight and bias gradients are not differentiable again. swiglu and instance_norm_act run as ATen
+ops (differentiable to any order).
 """
 
 import torch
@@ -62,8 +63,12 @@ class GroupedLinear(_Function):
         x, weight = ctx.saved_tensors
         group_major, = ctx.args
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        return (*grouped_linear_grads(grad_y, x, weight, group_major, need_x, need_w, need_b and ctx.has_bias),
-                None)
+        # dx = grad_y @ W is grouped_linear again, differentiable in turn; dW is not (its operands
+        # detached: the backend op refuses inputs that still require grad).
+        grad_x = call("grouped_linear", grad_y, weight.transpose(1, 2), None, group_major) if need_x else None
+        _, grad_w, _ = grouped_linear_grads(grad_y.detach(), x.detach(), weight, group_major, False, need_w, False)
+        grad_b = _opmath_sum(grad_y, (1 if group_major else 0,)) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
 
 
 class RaggedGroupedLinear(_Function):
@@ -75,8 +80,8 @@ class RaggedGroupedLinear(_Function):
     def backward(ctx, grad_y):
         x, weight, offsets = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = ops.ragged_grouped_linear_grad_input(grad_y, weight, offsets) if need_x else None
-        grad_w = ops.ragged_grouped_linear_grad_weight(grad_y, x, offsets) if need_w else None
+        grad_x = call("ragged_grouped_linear", grad_y, weight.transpose(1, 2), None, offsets) if need_x else None
+        grad_w = ops.ragged_grouped_linear_grad_weight(grad_y.detach(), x.detach(), offsets) if need_w else None
         grad_b = None
         if need_b and ctx.has_bias:
             ends = offsets.to(device=grad_y.device, dtype=torch.int64)
@@ -98,12 +103,14 @@ class GroupedPointwiseConv(_Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
         grad_x = grad_w = grad_b = None
-        if need_x:  # dx in x's memory format, as the conv's
+        if need_x:  # dx in x's memory format, as the conv's: the conv of grad_y by the groups' transposes
             fmt = torch._prims_common.suggest_memory_format(x) if x.numel() else torch.contiguous_format
-            grad_x = ops.grouped_pointwise_conv_grad_input(grad_y.contiguous(memory_format=fmt), weight,
-                            groups)
+            out_per_group, in_per_group = weight.shape[0] // groups, weight.shape[1]
+            weight_t = weight.reshape(groups, out_per_group, in_per_group).transpose(1, 2).reshape(
+                groups * in_per_group, out_per_group, *weight.shape[2:])
+            grad_x = call("grouped_pointwise_conv", grad_y.contiguous(memory_format=fmt), weight_t, None, groups)
         if need_w:
-            grad_w, grad_b = ops.grouped_pointwise_conv_grad_weight(grad_y, x, groups, need_b)
+            grad_w, grad_b = ops.grouped_pointwise_conv_grad_weight(grad_y.detach(), x.detach(), groups, need_b)
         elif need_b:
             grad_b = _opmath_sum(grad_y, (0, *range(2, grad_y.dim())))
         return grad_x, grad_w, grad_b if need_b else None, None
@@ -152,48 +159,38 @@ class PatchUnembed(_Function):
         return grad_x, grad_w, grad_b if need_b else None, None, None
 
 
-class Swiglu(torch.autograd.Function):
-    generate_vmap_rule = True
+# swiglu and instance_norm_act run as ATen ops here: differentiable to any order (their fused
+# backward kernels are not), vmap batching them natively.
 
-    @staticmethod
-    def forward(gate_up):
-        return _below(ops.swiglu, gate_up)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, grad_h):
-        return ops.swiglu_backward(grad_h, ctx.saved_tensors[0])
+def _swiglu_composite(gate_up):
+    gate, up = gate_up.to(_opmath(gate_up.dtype)).chunk(2, -1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
 
 
-class InstanceNormAct(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, weight, bias, eps, gelu, tokens):
-        return _below(ops.instance_norm_act, x, weight, bias, eps, gelu, tokens)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, weight, bias, _, gelu, tokens = inputs
-        ctx.gelu, ctx.tokens, ctx.has_weight, ctx.has_bias = gelu, tokens, weight is not None, bias is not None
-        ctx.save_for_backward(x, weight, bias, output[1], output[2])
-        ctx.mark_non_differentiable(output[1], output[2])
-
-    @staticmethod
-    def backward(ctx, grad_y, _grad_mean, _grad_rstd):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        grad_x, grad_w, grad_b = ops.instance_norm_act_backward(grad_y, x, weight, bias, mean, rstd,
-                                        ctx.gelu, ctx.tokens)
-        return (grad_x, grad_w if ctx.has_weight else None, grad_b if ctx.has_bias else None, None, None, None)
+def _instance_norm_act_composite(x, weight, bias, eps, gelu, tokens):
+    """(y, mean, rstd) as the op returns them (csrc/ops/autograd.cpp: instance_norm_act_composite)."""
+    xf = (x.transpose(1, 2) if tokens else x.flatten(2)).to(_opmath(x.dtype))  # [B, C, N]
+    mean = xf.mean(-1, keepdim=True)
+    rstd = (xf.var(-1, unbiased=False, keepdim=True) + eps).rsqrt()
+    z = (xf - mean) * rstd
+    if weight is not None:
+        z = z * weight.to(z.dtype).unsqueeze(-1)
+    if bias is not None:
+        z = z + bias.to(z.dtype).unsqueeze(-1)
+    if gelu:
+        z = torch.nn.functional.gelu(z)
+    z = z.to(x.dtype)
+    return (z.transpose(1, 2) if tokens else z.view(x.shape)), mean.squeeze(-1).detach(), rstd.squeeze(-1).detach()
 
 
-_FUNCTIONS = {
-    "grouped_linear": GroupedLinear, "ragged_grouped_linear": RaggedGroupedLinear,
-    "grouped_pointwise_conv": GroupedPointwiseConv, "patch_embed": PatchEmbed, "patch_unembed": PatchUnembed,
-    "swiglu": Swiglu, "instance_norm_act": InstanceNormAct,
+def _opmath(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_UNDER_TRANSFORMS = {
+    "grouped_linear": GroupedLinear.apply, "ragged_grouped_linear": RaggedGroupedLinear.apply,
+    "grouped_pointwise_conv": GroupedPointwiseConv.apply, "patch_embed": PatchEmbed.apply,
+    "patch_unembed": PatchUnembed.apply, "swiglu": _swiglu_composite, "instance_norm_act": _instance_norm_act_composite,
 }
 
 
@@ -201,7 +198,7 @@ _FUNCTIONS = {
 # matching (torch.ops.patchgemm.<name>(...)). Outside torch.compile, its C++ callable is called
 # without OpOverload.__call__'s Python frame (the same call, which dynamo traces only through the
 # OpOverload itself).
-_OVERLOADS = {name: getattr(ops, name).default for name in _FUNCTIONS}
+_OVERLOADS = {name: getattr(ops, name).default for name in _UNDER_TRANSFORMS}
 _CALLABLES = {name: overload._op for name, overload in _OVERLOADS.items()}
 
 
@@ -223,7 +220,7 @@ def call(name: str, *args):
     if active():
         if name == "patch_embed":
             args = (_whole_patches(args[0], args[1], args[4]), *args[1:])
-        return _FUNCTIONS[name].apply(*args)
+        return _UNDER_TRANSFORMS[name](*args)
     if torch.compiler.is_compiling():
         return _OVERLOADS[name](*args)
     return _CALLABLES[name](*args)

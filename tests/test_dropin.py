@@ -61,6 +61,45 @@ def test_torch_func_transforms_give_the_reference_gradients(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_torch_func_input_gradient_with_weights_that_require_grad(device):
+    """torch.func.grad of x alone while the weights are ordinary tensors that require grad (a
+    module's parameters), and the input gradient's own gradient: as the reference's."""
+    for name, ours, ref, inputs in _cases(device):
+        x, *weights = inputs
+        weights = [w.requires_grad_() for w in weights]
+        loss = lambda f: lambda x: f(x, *weights).pow(3).sum()  # noqa: E731
+        _close(grad(loss(ours))(x), grad(loss(ref))(x))
+        twice = lambda f: lambda x: grad(loss(f))(x).square().sum()  # noqa: E731
+        _close(grad(twice(ours))(x), grad(twice(ref))(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_create_graph_gradients_are_right_or_refused(device):
+    """A second derivative through the ops' C++ autograd (create_graph=True): the norm and SwiGLU
+    give the reference's; the GEMM ops, whose weight gradients are not twice differentiable,
+    refuse with an error rather than return a wrong one; the patch ops' x gradient alone is
+    differentiable again."""
+    for name, ours, ref, inputs in _cases(device):
+        def second(f):
+            leaves = [t.detach().clone().requires_grad_() for t in inputs]
+            first = torch.autograd.grad(f(*leaves).pow(3).sum(), leaves, create_graph=True)
+            return torch.autograd.grad(sum(g.square().sum() for g in first), leaves)
+        if name in ("swiglu", "instance_norm_act"):
+            _close(second(ours), second(ref))
+            continue
+        with pytest.raises(RuntimeError, match="not differentiable again, so backward with create_graph=True"):
+            second(ours)
+        if name.startswith("patch"):  # x's gradient alone (a gradient penalty): differentiable again
+            x, *weights = inputs
+            def penalty(f):
+                leaf = x.detach().clone().requires_grad_()
+                ws = [w.detach().clone().requires_grad_() for w in weights]
+                (gx,) = torch.autograd.grad(f(leaf, *ws).pow(3).sum(), leaf, create_graph=True)
+                return torch.autograd.grad(gx.square().sum(), [leaf, *ws])
+            _close(penalty(ours), penalty(ref))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_vmap_and_grad_of_the_input_gradient(device):
     x, w, b = (randn(*s, dtype=F64, device=device) for s in [(4, 2, 3, 4, 4), (5, 3, 2, 2), (5,)])
     _close([vmap(lambda x: patchgemm.patch_embed(x, w, b))(x)],

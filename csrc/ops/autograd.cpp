@@ -23,6 +23,7 @@
 // recomputes it from x.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -91,6 +92,15 @@ bool needs_bias_grad(AutogradContext* ctx) {
   return ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(kBias);
 }
 
+// create_graph=True (grad mode on in backward): a gradient made by an op with no derivative of its
+// own would enter the graph as a constant, and a second derivative through it would silently
+// leave it out. Refused instead, naming what; torch.func transforms differentiate them again.
+void refuse_second_derivative(bool computed, const char* op, const char* what) {
+  TORCH_CHECK(!(computed && at::GradMode::is_enabled()), "patchgemm.", op, ": the ", what,
+              " is not differentiable again, so backward with create_graph=True cannot compute it "
+              "(torch.func transforms, e.g. torch.func.grad, can)");
+}
+
 // ---- grouped_linear ------------------------------------------------------------------------------
 
 const auto& grouped_linear_op() {
@@ -114,6 +124,8 @@ struct GroupedLinear : Function<GroupedLinear> {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &grad_y = grads[0];
     const bool group_major = ctx->saved_data["group_major"].toBool();
+    refuse_second_derivative(ctx->needs_input_grad(kX) || ctx->needs_input_grad(kWeight), "grouped_linear",
+                             "gradient of x and of the weight");
     at::Tensor grad_x, grad_w, grad_b;
     if (ctx->needs_input_grad(kX)) {
       static const auto op = find_op<GradInput>("patchgemm::grouped_linear_grad_input");
@@ -157,6 +169,8 @@ struct RaggedGroupedLinear : Function<RaggedGroupedLinear> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &offsets = saved[2], &grad_y = grads[0];
+    refuse_second_derivative(ctx->needs_input_grad(kX) || ctx->needs_input_grad(kWeight), "grouped_linear",
+                             "gradient of x and of the weight (ragged groups)");
     at::Tensor grad_x, grad_w, grad_b;
     if (ctx->needs_input_grad(kX)) {
       static const auto op = find_op<RaggedGrad>("patchgemm::ragged_grouped_linear_grad_input");
@@ -215,6 +229,8 @@ struct GroupedPointwiseConv : Function<GroupedPointwiseConv> {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &grad_y = grads[0];
     const int64_t groups = ctx->saved_data["groups"].toInt();
+    refuse_second_derivative(ctx->needs_input_grad(kX) || ctx->needs_input_grad(kWeight), "grouped_pointwise_conv",
+                             "gradient of x and of the weight");
     at::Tensor grad_x, grad_w, grad_b;
     if (ctx->needs_input_grad(kX)) {
       static const auto op = find_op<PointwiseGrad>("patchgemm::grouped_pointwise_conv_grad_input");
@@ -300,6 +316,7 @@ struct PatchEmbed : Function<PatchEmbed> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const PatchContext c = load_patch_context(ctx);
     const at::Tensor& grad_y = grads[0];
+    refuse_second_derivative(ctx->needs_input_grad(kWeight), "patch_embed", "weight gradient");
     at::Tensor grad_x, grad_w, grad_b;
     if (ctx->needs_input_grad(kX)) {
       const std::vector<int64_t> unembed_levels =
@@ -327,6 +344,7 @@ struct PatchUnembed : Function<PatchUnembed> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const PatchContext c = load_patch_context(ctx);
     const at::Tensor& grad_y = grads[0];
+    refuse_second_derivative(ctx->needs_input_grad(kWeight), "patch_unembed", "weight gradient");
     at::Tensor grad_x, grad_w, grad_b;
     if (ctx->needs_input_grad(kX)) {
       grad_x = patch_embed_op().call(grad_y, c.weight, std::nullopt, c.tokens, c.levels);
@@ -379,8 +397,17 @@ struct Swiglu : Function<Swiglu> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor gate_up = ctx->get_saved_variables()[0];
+    if (at::GradMode::is_enabled()) {
+      // create_graph: the gradient in ATen ops, differentiable in turn (swiglu_backward is not).
+      const at::ScalarType dtype = gate_up.scalar_type();
+      const std::vector<at::Tensor> halves = gate_up.to(at::toOpMathType(dtype)).chunk(2, -1);
+      const at::Tensor sig = at::sigmoid(halves[0]), silu = halves[0] * sig;
+      const at::Tensor grad_h = grads[0].to(sig.scalar_type());
+      return {at::cat({grad_h * halves[1] * (sig + silu * (1 - sig)), grad_h * silu}, -1).to(dtype)};
+    }
     static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("patchgemm::swiglu_backward");
-    return {op.call(grads[0], ctx->get_saved_variables()[0])};
+    return {op.call(grads[0], gate_up)};
   }
 };
 
@@ -409,6 +436,22 @@ NormResult instance_norm_act_below_autograd(const at::Tensor& x, const OptionalT
   return instance_norm_act_op().call(x, weight, bias, eps, gelu, tokens);
 }
 
+// The norm in ATen ops, its statistics included (in the op-math dtype, as the op's), so that it is
+// differentiable twice: what a create_graph backward differentiates.
+at::Tensor instance_norm_act_composite(const at::Tensor& x, const OptionalTensor& weight, const OptionalTensor& bias,
+                                       double eps, bool gelu, bool tokens) {
+  // [B, C, N]: channels-first x flattened, or tokens [B, N, C] transposed
+  const at::Tensor xf = (tokens ? x.transpose(1, 2) : x.flatten(2)).to(at::toOpMathType(x.scalar_type()));
+  const at::Tensor mean = xf.mean({-1}, /*keepdim=*/true);
+  const at::Tensor rstd = (xf.var({-1}, /*unbiased=*/false, /*keepdim=*/true) + eps).rsqrt();
+  at::Tensor z = (xf - mean) * rstd;
+  if (weight) z = z * weight->to(z.scalar_type()).unsqueeze(-1);
+  if (bias) z = z + bias->to(z.scalar_type()).unsqueeze(-1);
+  if (gelu) z = at::gelu(z);
+  z = z.to(x.scalar_type());
+  return tokens ? z.transpose(1, 2) : z.view(x.sizes());
+}
+
 struct InstanceNormAct : Function<InstanceNormAct> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const OptionalTensor& weight, const OptionalTensor& bias,
@@ -416,6 +459,7 @@ struct InstanceNormAct : Function<InstanceNormAct> {
     const NormResult result = instance_norm_act_below_autograd(x, weight, bias, eps, gelu, tokens);
     const auto& [y, mean, rstd] = result;
     ctx->save_for_backward({x, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), mean, rstd});
+    ctx->saved_data["eps"] = eps;
     ctx->saved_data["gelu"] = gelu;
     ctx->saved_data["tokens"] = tokens;
     ctx->saved_data["has_weight"] = has_value(weight);
@@ -431,11 +475,28 @@ struct InstanceNormAct : Function<InstanceNormAct> {
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const OptionalTensor weight = has_weight ? OptionalTensor(saved[1]) : std::nullopt;
     const OptionalTensor bias = has_bias ? OptionalTensor(saved[2]) : std::nullopt;
+    // Edges: x, then weight and bias where given.
+    const size_t weight_edge = 1, bias_edge = has_weight ? 2 : 1;
+    if (at::GradMode::is_enabled()) {
+      // create_graph: the gradient of a recomputation in ATen ops, differentiable in turn (the
+      // fused backward's, from saved statistics, is not).
+      std::vector<std::pair<size_t, at::Tensor>> wanted;  // (output slot, input)
+      if (ctx->needs_input_grad(0)) wanted.emplace_back(0, saved[0]);
+      if (has_weight && ctx->needs_input_grad(weight_edge)) wanted.emplace_back(1, saved[1]);
+      if (has_bias && ctx->needs_input_grad(bias_edge)) wanted.emplace_back(2, saved[2]);
+      variable_list inputs, out(6);
+      for (const auto& w : wanted) inputs.push_back(w.second);
+      if (inputs.empty()) return out;
+      const at::Tensor y = instance_norm_act_composite(saved[0], weight, bias, ctx->saved_data["eps"].toDouble(),
+                                                       ctx->saved_data["gelu"].toBool(), ctx->saved_data["tokens"].toBool());
+      const variable_list g = torch::autograd::grad({y}, inputs, {grads[0]}, /*retain_graph=*/true,
+                                                    /*create_graph=*/true, /*allow_unused=*/true);
+      for (size_t i = 0; i < wanted.size(); ++i) out[wanted[i].first] = g[i];
+      return out;
+    }
     auto [grad_x, grad_w, grad_b] = op.call(grads[0], saved[0], weight, bias, saved[3], saved[4],
                                             ctx->saved_data["gelu"].toBool(),
                                             ctx->saved_data["tokens"].toBool());
-    // Edges: x, then weight and bias where given.
-    const size_t weight_edge = 1, bias_edge = has_weight ? 2 : 1;
     return {ctx->needs_input_grad(0) ? grad_x : at::Tensor(),
             has_weight && ctx->needs_input_grad(weight_edge) ? grad_w : at::Tensor(),
             has_bias && ctx->needs_input_grad(bias_edge) ? grad_b : at::Tensor(),
