@@ -258,11 +258,64 @@ def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_u
     sorted_index, order = torch.sort(index.clamp(max=experts - 1), stable=True)
     bounds = torch.arange(1, experts + 1, device=index.device, dtype=sorted_index.dtype)
     offsets = torch.searchsorted(sorted_index, bounds, out_int32=True)  # pairs of experts <= e
-    gate_up = grouped_linear(x[order // top_k], w_gate_up, offsets=offsets)
-    y = grouped_linear(swiglu(gate_up), w_down, offsets=offsets) * weight[order].unsqueeze(-1)
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.shape[0], device=order.device)
-    return y[unsort].view(tokens, top_k, dim).sum(1).to(x.dtype)
+    gate_up = grouped_linear(_rows_by_expert(x, order, unsort, top_k), w_gate_up, offsets=offsets)
+    y = grouped_linear(swiglu(gate_up), w_down, offsets=offsets) * weight[order].unsqueeze(-1)
+    return _rows_by_slot(y, order, unsort).view(tokens, top_k, dim).sum(1).to(x.dtype)
+
+
+# The pairs' rows move between (token, slot) order and expert order by gathers both ways: the
+# backward of a gather through a permutation is the gather through its inverse, not ATen's
+# scatter-add (which sorts its indices), and a token's k pair gradients are summed as the forward
+# sums its k outputs.
+
+class _RowsByExpert(torch.autograd.Function):
+    """``x[order // k]``: each pair's token row, pairs in expert order; backward: each token's k pair
+    gradients, summed."""
+
+    @staticmethod
+    def forward(x, order, unsort, top_k):
+        return x[order // top_k]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+        ctx.top_k = inputs[3]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (unsort,) = ctx.saved_tensors
+        return grad[unsort].view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _RowsBySlot(torch.autograd.Function):
+    """``y[unsort]``: the pairs' rows back in (token, slot) order; backward: ``grad[order]``."""
+
+    @staticmethod
+    def forward(y, order, unsort):
+        return y[unsort]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad[order], None, None
+
+
+def _rows_by_expert(x, order, unsort, top_k):
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RowsByExpert.apply(x, order, unsort, top_k)
+    return x[order // top_k]
+
+
+def _rows_by_slot(y, order, unsort):
+    if torch.is_grad_enabled() and y.requires_grad:
+        return _RowsBySlot.apply(y, order, unsort)
+    return y[unsort]
 
 
 # ---- kernel == stride convolutions ----------------------------------------------------------------
