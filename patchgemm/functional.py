@@ -274,6 +274,8 @@ class _RowsByExpert(torch.autograd.Function):
     """``x[order // k]``: each pair's token row, pairs in expert order; backward: each token's k pair
     gradients, summed."""
 
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(x, order, unsort, top_k):
         return x[order // top_k]
@@ -291,6 +293,8 @@ class _RowsByExpert(torch.autograd.Function):
 
 class _RowsBySlot(torch.autograd.Function):
     """``y[unsort]``: the pairs' rows back in (token, slot) order; backward: ``grad[order]``."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(y, order, unsort):

@@ -99,6 +99,11 @@ def test_torch_func_grad_matches_autograd():
     want = torch.autograd.grad(loss(x, w_gate_up, w_down), (x, w_gate_up, w_down))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+    # per-sample gradients: vmap over grad
+    xs = torch.stack([x.detach(), 2 * x.detach()])
+    per_sample = torch.func.vmap(torch.func.grad(loss, argnums=2), in_dims=(0, None, None))(xs, w_gate_up, w_down)
+    for i in range(2):
+        torch.testing.assert_close(per_sample[i], torch.autograd.grad(loss(xs[i], w_gate_up, w_down), w_down)[0])
 
 
 def test_no_tokens():
