@@ -168,7 +168,8 @@ def _swiglu_composite(gate_up):
 
 
 def _instance_norm_act_composite(x, weight, bias, eps, gelu, tokens):
-    """(y, mean, rstd) as the op returns them (csrc/ops/autograd.cpp: instance_norm_act_composite)."""
+    """(y, mean, rstd) as the op returns them, computed as its ATen implementation computes them
+    (csrc/kernels/norm/instance_norm_aten.cpp)."""
     xf = (x.transpose(1, 2) if tokens else x.flatten(2)).to(_opmath(x.dtype))  # [B, C, N]
     mean = xf.mean(-1, keepdim=True)
     rstd = (xf.var(-1, unbiased=False, keepdim=True) + eps).rsqrt()

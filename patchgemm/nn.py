@@ -181,11 +181,8 @@ class MoEExperts(nn.Module):
         if why:
             raise ValueError(f"MoEExperts.from_experts: {why}")
         experts, two_hidden, dim = module.gate_up_proj.shape
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.num_experts, new.hidden_dim, new.intermediate_dim = experts, dim, two_hidden // 2
+        new = cls(experts, dim, two_hidden // 2, device="meta")
         new.gate_up_proj, new.down_proj = module.gate_up_proj, module.down_proj
-        new.train(module.training)
         return new
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:

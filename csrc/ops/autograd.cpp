@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include "kernels/gemm/gemm.h"
+#include "selection/norm_problem.h"
 #include "selection/patch_problem.h"
 #include "selection/ragged_problem.h"
 
@@ -99,6 +100,13 @@ void refuse_second_derivative(bool computed, const char* op, const char* what) {
   TORCH_CHECK(!(computed && at::GradMode::is_enabled()), "patchgemm.", op, ": the ", what,
               " is not differentiable again, so backward with create_graph=True cannot compute it "
               "(torch.func transforms, e.g. torch.func.grad, can)");
+}
+
+// create_graph=True for the ops whose fused backward has no derivative (swiglu, the norm): the
+// gradient of their forward recomputed in ATen ops, which autograd differentiates again.
+variable_list grad_of_recomputation(const at::Tensor& y, const variable_list& inputs, const at::Tensor& grad_y) {
+  return torch::autograd::grad({y}, inputs, {grad_y}, /*retain_graph=*/true, /*create_graph=*/true,
+                               /*allow_unused=*/true);
 }
 
 // ---- grouped_linear ------------------------------------------------------------------------------
@@ -399,12 +407,8 @@ struct Swiglu : Function<Swiglu> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const at::Tensor gate_up = ctx->get_saved_variables()[0];
     if (at::GradMode::is_enabled()) {
-      // create_graph: the gradient in ATen ops, differentiable in turn (swiglu_backward is not).
-      const at::ScalarType dtype = gate_up.scalar_type();
-      const std::vector<at::Tensor> halves = gate_up.to(at::toOpMathType(dtype)).chunk(2, -1);
-      const at::Tensor sig = at::sigmoid(halves[0]), silu = halves[0] * sig;
-      const at::Tensor grad_h = grads[0].to(sig.scalar_type());
-      return {at::cat({grad_h * halves[1] * (sig + silu * (1 - sig)), grad_h * silu}, -1).to(dtype)};
+      const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+      return grad_of_recomputation(at::silu(halves[0]) * halves[1], {gate_up}, grads[0]);
     }
     static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("patchgemm::swiglu_backward");
     return {op.call(grads[0], gate_up)};
@@ -436,22 +440,6 @@ NormResult instance_norm_act_below_autograd(const at::Tensor& x, const OptionalT
   return instance_norm_act_op().call(x, weight, bias, eps, gelu, tokens);
 }
 
-// The norm in ATen ops, its statistics included (in the op-math dtype, as the op's), so that it is
-// differentiable twice: what a create_graph backward differentiates.
-at::Tensor instance_norm_act_composite(const at::Tensor& x, const OptionalTensor& weight, const OptionalTensor& bias,
-                                       double eps, bool gelu, bool tokens) {
-  // [B, C, N]: channels-first x flattened, or tokens [B, N, C] transposed
-  const at::Tensor xf = (tokens ? x.transpose(1, 2) : x.flatten(2)).to(at::toOpMathType(x.scalar_type()));
-  const at::Tensor mean = xf.mean({-1}, /*keepdim=*/true);
-  const at::Tensor rstd = (xf.var({-1}, /*unbiased=*/false, /*keepdim=*/true) + eps).rsqrt();
-  at::Tensor z = (xf - mean) * rstd;
-  if (weight) z = z * weight->to(z.scalar_type()).unsqueeze(-1);
-  if (bias) z = z + bias->to(z.scalar_type()).unsqueeze(-1);
-  if (gelu) z = at::gelu(z);
-  z = z.to(x.scalar_type());
-  return tokens ? z.transpose(1, 2) : z.view(x.sizes());
-}
-
 struct InstanceNormAct : Function<InstanceNormAct> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const OptionalTensor& weight, const OptionalTensor& bias,
@@ -477,9 +465,7 @@ struct InstanceNormAct : Function<InstanceNormAct> {
     const OptionalTensor bias = has_bias ? OptionalTensor(saved[2]) : std::nullopt;
     // Edges: x, then weight and bias where given.
     const size_t weight_edge = 1, bias_edge = has_weight ? 2 : 1;
-    if (at::GradMode::is_enabled()) {
-      // create_graph: the gradient of a recomputation in ATen ops, differentiable in turn (the
-      // fused backward's, from saved statistics, is not).
+    if (at::GradMode::is_enabled()) {  // (its statistics recomputed too, unlike the saved ones)
       std::vector<std::pair<size_t, at::Tensor>> wanted;  // (output slot, input)
       if (ctx->needs_input_grad(0)) wanted.emplace_back(0, saved[0]);
       if (has_weight && ctx->needs_input_grad(weight_edge)) wanted.emplace_back(1, saved[1]);
@@ -487,10 +473,11 @@ struct InstanceNormAct : Function<InstanceNormAct> {
       variable_list inputs, out(6);
       for (const auto& w : wanted) inputs.push_back(w.second);
       if (inputs.empty()) return out;
-      const at::Tensor y = instance_norm_act_composite(saved[0], weight, bias, ctx->saved_data["eps"].toDouble(),
-                                                       ctx->saved_data["gelu"].toBool(), ctx->saved_data["tokens"].toBool());
-      const variable_list g = torch::autograd::grad({y}, inputs, {grads[0]}, /*retain_graph=*/true,
-                                                    /*create_graph=*/true, /*allow_unused=*/true);
+      const bool tokens = ctx->saved_data["tokens"].toBool();
+      const at::Tensor y = std::get<0>(instance_norm_act_aten(
+          saved[0], saved[1], saved[2], ctx->saved_data["eps"].toDouble(), ctx->saved_data["gelu"].toBool(),
+          norm_shape("instance_norm_act", saved[0], tokens)));
+      const variable_list g = grad_of_recomputation(y, inputs, grads[0]);
       for (size_t i = 0; i < wanted.size(); ++i) out[wanted[i].first] = g[i];
       return out;
     }

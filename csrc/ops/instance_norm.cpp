@@ -9,9 +9,6 @@
 #include "selection/norm_problem.h"
 
 namespace patchgemm {
-namespace {
-
-constexpr const char* kOp = "instance_norm_act";
 
 NormShape norm_shape(const char* op, const at::Tensor& x, bool tokens) {
   NormShape s;
@@ -31,6 +28,10 @@ NormShape norm_shape(const char* op, const at::Tensor& x, bool tokens) {
   }
   return s;
 }
+
+namespace {
+
+constexpr const char* kOp = "instance_norm_act";
 
 void check_affine(const char* op, const char* name, const std::optional<at::Tensor>& t,
                   const at::Tensor& x, const NormShape& s) {

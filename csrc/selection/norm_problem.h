@@ -23,6 +23,9 @@ struct NormBackwardProblem {
   NormShape s;
 };
 
+// x's [B, C, S] view (ops/instance_norm.cpp), checking x's rank for `op`.
+NormShape norm_shape(const char* op, const at::Tensor& x, bool tokens);
+
 // (y, mean, rstd) and (grad_x, grad_weight, grad_bias) from the implementation the tables pick
 // (an affine gradient undefined where there is no weight / bias).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_instance_norm_act(const NormProblem& p);
