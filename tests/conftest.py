@@ -42,6 +42,20 @@ def assert_close_to_ref(out, ref, dtype, what="output", tol=None):
         f"{what}: relative error {err / max(denom, 1e-30):.3g} > {tol:g} ({dtype})")
 
 
+def capture_cuda_graph(step):
+    """(graph, what step returned while captured): step runs once on a side stream first, as graph
+    capture requires (kernels set up, memory cached); replay the graph to run it again."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def poison_allocator(nbytes, device):
     """Fill, then free, a block of the size the next output will take, so an op that forgets to
     write part of its output returns NaNs instead of lucky zeros (caching allocators reuse it)."""

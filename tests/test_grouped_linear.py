@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import patchgemm
-from conftest import DEVICES, DTYPES, HAS_GPU, assert_close_to_ref, needs_gpu, poison_allocator, randn
+from conftest import (DEVICES, DTYPES, HAS_GPU, assert_close_to_ref, capture_cuda_graph, needs_gpu, poison_allocator,
+                      randn)
 
 ops = torch.ops.patchgemm
 
@@ -348,14 +349,7 @@ def test_cuda_graph_capture_and_replay(has_bias):
         y = patchgemm.grouped_linear(x, weight, bias)
         return (y, *torch.autograd.grad(y, inputs, grad_y))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up on a side stream, as graph capture requires
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_cuda_graph(step)
     with torch.no_grad():
         for t in inputs:
             t.copy_(torch.randn_like(t))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import patchgemm
-from conftest import DEVICES, DTYPES, assert_close_to_ref, needs_gpu, randn
+from conftest import DEVICES, DTYPES, assert_close_to_ref, capture_cuda_graph, needs_gpu, randn
 
 
 def experts_reference(x, index, weight, w_gate_up, w_down, dtype=torch.float64):
@@ -172,14 +172,7 @@ def test_cuda_graph_capture_and_replay():
         y = patchgemm.moe_experts(x, index, weight, w_gate_up, w_down)
         return (y, *torch.autograd.grad(y.float().pow(2).sum(), params))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up on a side stream, as graph capture requires
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_cuda_graph(step)
     with torch.no_grad():  # new tokens and a new routing, replayed
         x.copy_(torch.randn_like(x))
         index.copy_(torch.randint(0, 8, index.shape, device="cuda"))

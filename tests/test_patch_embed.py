@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import patchgemm
-from conftest import (DEVICES, DTYPES, FUSED, WGMMA, assert_close_to_ref, fused_mode, needs_gpu, poison_allocator, randn,
-                      selection)
+from conftest import (DEVICES, DTYPES, FUSED, WGMMA, assert_close_to_ref, capture_cuda_graph, fused_mode, needs_gpu,
+                      poison_allocator, randn, selection)
 
 ops = torch.ops.patchgemm
 
@@ -1262,14 +1262,7 @@ def test_gpu_forward_keeps_no_patch_matrix():
 def test_gpu_cuda_graph_capture():
     x, w, b = make((2, 4, 16, 16, 16), (2, 2, 2), torch.bfloat16, "cuda", embed=32)
     ref = patchgemm.patch_embed(x, w, b)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        patchgemm.patch_embed(x, w, b)  # warm-up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = patchgemm.patch_embed(x, w, b)
+    graph, out = capture_cuda_graph(lambda: patchgemm.patch_embed(x, w, b))
     x.copy_(randn(*x.shape, dtype=x.dtype, device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
