@@ -7,6 +7,7 @@
 #   microbench  the C++ microbenchmarks (MICROBENCH_ARGS=...)
 #   heldout     bench/heldout.py $HELDOUT_ARGS (default: --set all), JSON to $OUT/heldout.json
 #   models      python -m patchgemm bench --models, JSON to $OUT/models.json
+#   tune        python -m patchgemm tune $TUNE_ARGS (memory-only cache), records to $OUT/tune.json.gz
 # Results go to $OUT (the device tool's result folder) or ./gpu-logs; build and stderr logs to $LOGS
 # (/tmp), their tails printed on failure. SAVE_WHEEL=1 also leaves the built wheel in $OUT/wheel,
 # in parts of at most 15 MB (the device tool returns files of up to 16 MiB), to carry to later runs;
@@ -83,4 +84,9 @@ fi
 if want models; then
   step "models"
   python3 -m patchgemm bench --models --json "$OUT/models.json" 2>"$LOGS/models.err" | tee "$OUT/models.txt"
+fi
+if want tune; then
+  step "tune (${TUNE_ARGS:-defaults})"
+  python3 -m patchgemm tune ${TUNE_ARGS:-} --cache-dir "" --json "$OUT/tune.json.gz" 2>"$LOGS/tune.err" \
+    | tee "$OUT/tune.txt" | grep -vE "^  (tuning|random|models|heldout): [0-9]+/" ; tail -5 "$LOGS/tune.err"
 fi

@@ -116,17 +116,19 @@ def host_section(saved: dict, name: str) -> str:
 
 def tune_section(saved: dict, name: str) -> str:
     report = saved["report"]
-    random_shapes = tune.random_shape_count({r["tags"].get("shape") for r in saved["records"]})
+    shape_ids = {r["tags"].get("shape") for r in saved["records"]}
+    random_shapes, model_shapes = tune.random_shape_count(shape_ids), tune.random_shape_count(shape_ids, "model-")
     tables = [tune.format_judgement(report["evaluate"], f"Held-out records ({', '.join(saved['evaluate_on'])}), "
                                     "never trained on:"),
               tune.format_judgement(report["train"], f"\nTraining records ({', '.join(saved['train_on'])}):")]
     return "\n".join([
         f"## Selection modes, regret: {_where(saved.get('environment', {}))}", "",
         f"`python -m patchgemm tune --from-json bench/results/{name} --relabel --json bench/results/{name}` "
-        f"(the sweep: `python -m patchgemm tune --random {random_shapes} --json ...`; `--relabel` replaces the "
+        f"(the sweep: `python -m patchgemm tune --random {random_shapes} --model-like {model_shapes} --json ...`, "
+        "in parts merged by `--from-json`; `--relabel` replaces the "
         "heuristic's recorded choices with today's rules' on the GPU, untimed). Regret = t(selected) / "
         "t(fastest candidate), GPU time of each candidate as autotune measures it (CUDA events around "
-        "back-to-back calls behind a spin kernel); geometric mean / worst over the records (one per op call "
+        "back-to-back calls behind a spin kernel); geometric mean / worst / share over 1.2x over the records (one per op call "
         "signature). `single best` = per op the one candidate of least mean regret on the training "
         "records; `learned vs single best` = its time / the learned choice's. This GPU's model; the shipped "
         "one (`patchgemm/data/selector.json`) is trained on the records of every GPU saved here "
@@ -159,16 +161,17 @@ def transfer_section(paths: List[pathlib.Path]) -> str:
     names = ",".join(f"bench/results/{p.name}" for p in paths)
     lines = ["## Selection modes across GPUs", "",
              f"`python bench/results.py` on {', '.join(p.name for p in paths)}: the model trained on one GPU's "
-             "tuning + random records, or on all of them, judged on each GPU's held-out records (regret as above; "
+             "tuning + random + models records, or on all of them, judged on each GPU's held-out records (regret as above; "
              "`all` rows). The shipped model (`patchgemm/data/selector.json`) is the one trained on all of them: "
              f"`python -m patchgemm tune --from-json {names} --model patchgemm/data/selector.json`.", "",
-             "| trained on | judged on | heuristic mean / worst | learned mean / worst | single best mean / worst |",
+             "| trained on | judged on | heuristic mean / worst / > 1.2x | learned mean / worst / > 1.2x | "
+             "single best mean / worst / > 1.2x |",
              "|---|---|---|---|---|"]
     for train_gpu in [*gpus, None]:
         for eval_gpu in gpus:
-            _, report = tune.train_and_judge(records, ["tuning", "random"], ["heldout"], train_gpu, eval_gpu)
+            _, report = tune.train_and_judge(records, ["tuning", "random", "models"], ["heldout"], train_gpu, eval_gpu)
             row = report["evaluate"][-1]
-            cells = [f"{row[m]['mean']:.3f} / {row[m]['worst']:.2f}" for m in ("heuristic", "learned", "single best")]
+            cells = [tune._mode_cell(row[m]) for m in ("heuristic", "learned", "single best")]
             lines.append(f"| {train_gpu or ' + '.join(gpus)} | {eval_gpu} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])
 

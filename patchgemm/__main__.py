@@ -57,13 +57,15 @@ def main(argv=None) -> int:
     kernels = sub.add_parser("kernels", help="every op's implementations, in the order the default choice tries them")
     kernels.add_argument("op", nargs="?", help="only this op's")
     tune = sub.add_parser("tune", help="autotune shape sets, train the learned selector, report regret per mode")
-    tune.add_argument("--train-on", default="tuning,random", help="sets whose records train the model "
-                      "(tuning, random, heldout; default tuning,random)")
+    tune.add_argument("--train-on", default="tuning,random,models", help="sets whose records train the model "
+                      "(tuning, random, models, heldout; default tuning,random,models)")
     tune.add_argument("--evaluate-on", default="heldout", help="sets whose records judge it (default heldout)")
     tune.add_argument("--random", type=int, default=200, help="shapes in the random set (default 200)")
-    tune.add_argument("--random-start", type=int, default=0, metavar="K", help="sweep only random shapes K .. "
-                      "N - 1 of the seed's sequence (to extend a saved sweep; merge the --json files)")
-    tune.add_argument("--seed", type=int, default=0, help="the random set's seed")
+    tune.add_argument("--random-start", type=int, default=0, metavar="K", help="sweep only shapes K .. N - 1 of "
+                      "the random and models sets' sequences (to extend a saved sweep; merge the --json files)")
+    tune.add_argument("--model-like", type=int, default=200, metavar="N", help="shapes in the models set: layer "
+                      "kinds of real models drawn at random (default 200)")
+    tune.add_argument("--seed", type=int, default=0, help="the random and models sets' seed")
     tune.add_argument("--cache-dir", help="autotune's directory (default ~/.cache/patchgemm or $PATCHGEMM_CACHE_DIR)")
     tune.add_argument("--model", metavar="PATH", help="write the trained model here")
     tune.add_argument("--json", metavar="PATH", help="write the records and the report (gzip-compressed where "

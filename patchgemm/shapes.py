@@ -13,6 +13,10 @@ The split between the sets is the point of this file:
   move that shape to TUNING.
 - ``random_shapes(n, seed)``: shapes drawn at random over the same families, more training data
   for the learned selector (``python -m patchgemm tune``).
+- ``model_shapes(n, seed)``: shapes drawn at random from the layer kinds of real models (image,
+  video and 3-D stems at common resolutions, hierarchical downsampling with C -> 2C, decoder heads
+  and upsampling, channel counts that are not multiples of 8), where ``random_shapes``' uniform
+  grid is thin. Training data too; the held-out set stays out of both.
 
 ``bench/heldout.py`` measures the default choice against PyTorch on these sets.
 """
@@ -20,7 +24,7 @@ The split between the sets is the point of this file:
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -314,4 +318,94 @@ def random_shapes(n: int, seed: int = 0) -> List[Shape]:
         while batch > 1 and batch * groups * max(din, dout) > _MAX_ELEMENTS:
             batch //= 2
         shapes.append(_grouped(f"random-grouped-{i}", (batch, groups, din), dout, dtype=dtype, bias=rng.random() < 0.7))
+    return shapes
+
+
+# Common values of real models' layers (timm / transformers configs, U-Nets, physics stems).
+_IMAGE_SIZES = (96, 128, 160, 192, 224, 240, 256, 288, 320, 336, 384, 448, 480, 512, 518, 560, 640, 768, 1024)
+_STEM_WIDTHS = (64, 96, 128, 192, 256, 384, 512, 640, 768, 1024, 1152, 1280, 1408, 1536)
+_STAGE_CHANNELS = (32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768)
+_ODD_CHANNELS = (5, 6, 7, 11, 13, 20, 30, 50, 60, 90, 100, 120, 125, 150, 180, 250, 300, 360, 500, 750)
+
+
+def _fits(batch: int, per_sample: int) -> int:
+    """The largest batch up to `batch` whose tensors stay within _MAX_ELEMENTS (0: none fits)."""
+    return min(batch, _MAX_ELEMENTS // per_sample)
+
+
+def _model_stem(rng: random.Random, i: int, dtype: str) -> Optional[Shape]:
+    if rng.random() < 0.7:  # images: [B, C, H, W], often not square
+        k = _pick(rng, (4, 7, 8, 14, 14, 16, 16, 16, 32))
+        square = rng.random() < 0.75
+        size = (max(_pick(rng, _IMAGE_SIZES) // k, 1) * k,) * 2 if square else \
+            tuple(max(_pick(rng, _IMAGE_SIZES) // k, 1) * k for _ in range(2))
+        kernel = (k, k)
+    elif rng.random() < 0.5:  # video: tubelets over frames
+        t, k = _pick(rng, (1, 2, 2, 4)), _pick(rng, (14, 16, 16))
+        frames = _pick(rng, (4, 8, 16, 32))
+        side = _pick(rng, (160, 224, 224, 256, 288))
+        size, kernel = (max(frames // t, 1) * t, side // k * k, side // k * k), (t, k, k)
+    else:  # 3-D fields: cubes
+        k = _pick(rng, (2, 4, 4, 8, 8, 16))
+        size, kernel = (_pick(rng, (32, 64, 64, 96, 128)),) * 3, (k, k, k)
+    channels = _pick(rng, (3, 3, 3, 1, 4, 2) + _ODD_CHANNELS[:4]) if len(size) == 2 else _pick(rng, (1, 2, 3, 4, 5, 7, 11))
+    width = _pick(rng, _STEM_WIDTHS)
+    grid = [s // k for s, k in zip(size, kernel)]
+    batch = _fits(_pick(rng, (1, 2, 4, 8, 16, 32, 64, 128, 256)), max(channels * math.prod(size), width * math.prod(grid)))
+    if batch == 0:
+        return None
+    layout = rng.random()
+    return _embed(f"model-stem-{i}", (batch, channels) + size, width, kernel, dtype, tokens=layout < 0.6,
+                  channels_last=layout > 0.9, dx=rng.random() < 0.1, bias=rng.random() < 0.9)
+
+
+def _model_downsample(rng: random.Random, i: int, dtype: str) -> Optional[Shape]:
+    rank = _pick(rng, (2, 2, 2, 2, 3, 1))
+    channels = _pick(rng, _ODD_CHANNELS[4:] if rng.random() < 0.15 else _STAGE_CHANNELS)
+    width = channels * 2 if rng.random() < 0.7 else _pick(rng, (channels, channels * 4, _pick(rng, _STAGE_CHANNELS)))
+    k = 2 if rng.random() < 0.8 else 4
+    grid = {1: (128, 256, 512, 1024, 2048), 2: (7, 8, 12, 14, 16, 24, 28, 32, 48, 56, 64), 3: (4, 8, 12, 16, 24, 32)}[rank]
+    square = rng.random() < 0.8
+    size = (_pick(rng, grid) * k,) * rank if square else tuple(_pick(rng, grid) * k for _ in range(rank))
+    batch = _fits(_pick(rng, (1, 2, 4, 8, 16, 32, 64, 128, 256)), channels * math.prod(size))
+    if batch == 0:
+        return None
+    channels_last = rank > 1 and rng.random() < 0.6
+    return _embed(f"model-down-{i}", (batch, channels) + size, width, (k,) * rank, dtype,
+                  tokens=not channels_last and rng.random() < 0.3, channels_last=channels_last,
+                  dx=rng.random() < 0.9, bias=rng.random() < 0.6)
+
+
+def _model_head(rng: random.Random, i: int, dtype: str) -> Optional[Shape]:
+    rank = _pick(rng, (2, 2, 2, 3, 1))
+    if rng.random() < 0.5:  # a decoder head: tokens or a feature map back to pixels
+        k = {1: _pick(rng, (2, 4, 8)), 2: _pick(rng, (4, 8, 14, 16, 16)), 3: _pick(rng, (2, 4, 8, 16))}[rank]
+        c_in, width = _pick(rng, (128, 192, 256, 384, 512, 768, 1024)), _pick(rng, (1, 2, 3, 3, 4, 5, 11))
+        grid = {1: (256, 1024, 4096), 2: (7, 8, 14, 16, 24, 32, 37), 3: (4, 8, 16)}[rank]
+    else:  # upsampling inside a decoder (U-Net, feature pyramid): C -> C / 2 or C
+        k = 2 if rng.random() < 0.8 else 4
+        c_in = _pick(rng, _ODD_CHANNELS[8:] if rng.random() < 0.2 else _STAGE_CHANNELS + (1024,))
+        width = c_in // 2 if rng.random() < 0.6 else c_in
+        grid = {1: (128, 512, 2048), 2: (7, 8, 14, 16, 28, 32, 56, 64), 3: (4, 8, 16, 32)}[rank]
+    grid = (_pick(rng, grid),) * rank
+    batch = _fits(_pick(rng, (1, 2, 4, 8, 16, 32, 64)), max(c_in * math.prod(grid), width * math.prod(grid) * k ** rank))
+    if batch == 0:
+        return None
+    tokens = rng.random() < 0.35
+    x = (batch, math.prod(grid), c_in) if tokens else (batch, c_in) + grid
+    return _unembed(f"model-head-{i}", x, width, (k,) * rank, dtype, tokens=tokens, grid=grid if tokens else (),
+                    bias=rng.random() < 0.8)
+
+
+def model_shapes(n: int, seed: int = 0) -> List[Shape]:
+    """``n`` shapes drawn from real models' layer kinds: stems, downsampling and heads (see the top)."""
+    rng = random.Random(seed)
+    shapes: List[Shape] = []
+    while len(shapes) < n:
+        i = len(shapes)
+        dtype = _pick(rng, ("bf16", "bf16", "fp16", "fp32"))
+        family = rng.random()
+        s = (_model_stem if family < 0.4 else _model_downsample if family < 0.7 else _model_head)(rng, i, dtype)
+        if s is not None:
+            shapes.append(s)
     return shapes

@@ -1,7 +1,7 @@
 """``python -m patchgemm tune``: time every implementation over shape sets, keep the records, train the
 learned selector on some sets and report every mode's regret on the others.
 
-    python -m patchgemm tune [--random N [--random-start K]] [--train-on tuning,random]
+    python -m patchgemm tune [--random N [--random-start K]] [--model-like N] [--train-on tuning,random,models]
                              [--evaluate-on heldout] [--model PATH] [--json PATH] [--cache-dir DIR]
     python -m patchgemm tune --from-json A.json[,B.json] [--relabel] [--train-device TEXT] [--evaluate-device TEXT] ...
     python -m patchgemm tune --from-json A.json[,B.json] --cross-validate K [--train-device TEXT] ...
@@ -11,8 +11,8 @@ note its choice, then under autotune, which times every candidate of every op ca
 writes the records to the autotune cache (so a tuned machine's later processes start tuned). The
 records of the ``--train-on`` sets train the model; those of the ``--evaluate-on`` sets, which it
 never sees, judge it. Regret = t(selected) / t(fastest candidate) per record; reported per mode as
-geometric mean and worst case, with the speedup of each mode over "always the single best
-implementation" (per op, the candidate of least mean regret on the training records, the heuristic's
+geometric mean, worst case and share of records over 1.2x, with the speedup of each mode over
+"always the single best implementation" (per op, the candidate of least mean regret on the training records, the heuristic's
 choice where it does not apply). ``--relabel`` re-runs saved records' shapes under today's heuristic
 (untimed), so that saved timings judge changed rules. ``--cross-validate K`` judges each training
 record by a model trained without its shape, so that choices about training (which records, which
@@ -31,9 +31,9 @@ import torch
 from . import learned, selection
 from .bench import environment
 from .learned import Record
-from .shapes import HELDOUT, TUNING, Shape, problem, random_shapes
+from .shapes import HELDOUT, TUNING, Shape, model_shapes, problem, random_shapes
 
-SETS = ("tuning", "heldout", "random")
+SETS = ("tuning", "heldout", "random", "models")
 
 
 def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, log=print) -> List[Record]:
@@ -102,10 +102,10 @@ def set_heuristic(r: Record, name: str) -> None:
             r.features[k] = 1.0 if k == f"rules_pick:{name}" else 0.0
 
 
-def random_shape_count(shape_ids) -> int:
-    """How many shapes of the random sequence records of these shape ids span (a random shape's id
-    ends in its index)."""
-    return 1 + max((int(i.rsplit("-", 1)[1]) for i in shape_ids if i and i.startswith("random-")), default=-1)
+def random_shape_count(shape_ids, prefix: str = "random-") -> int:
+    """How many shapes of a random sequence (``random-``: random_shapes, ``model-``: model_shapes)
+    records of these shape ids span (such a shape's id ends in its index)."""
+    return 1 + max((int(i.rsplit("-", 1)[1]) for i in shape_ids if i and i.startswith(prefix)), default=-1)
 
 
 def relabel(records: List[Record], device: torch.device, seed: int = 0, shapes: Optional[List[Shape]] = None,
@@ -115,7 +115,9 @@ def relabel(records: List[Record], device: torch.device, seed: int = 0, shapes: 
     Returns how many records were relabeled; a record whose shape no longer produces its signature
     keeps its tags."""
     if shapes is None:  # the sets tune sweeps
-        shapes = TUNING + HELDOUT + random_shapes(random_shape_count({r.tags.get("shape") for r in records}), seed)
+        ids = {r.tags.get("shape") for r in records}
+        shapes = (TUNING + HELDOUT + random_shapes(random_shape_count(ids), seed)
+                  + model_shapes(random_shape_count(ids, "model-"), seed))
     known = {s.id: s for s in shapes}
     by_shape: Dict[str, List[Record]] = {}
     for r in records:
@@ -194,18 +196,25 @@ def judge(records: List[Record], model: Optional[dict] = None, best: Optional[Di
         row = {"op": op or "all", "records": len(rs),
                "choices": sum(sum(t is not None for t in r.times.values()) > 1 for r in rs)}
         for mode, regrets in modes.items():
-            row[mode] = {"mean": _geomean(regrets), "worst": max(regrets, default=float("nan"))}
+            row[mode] = {"mean": _geomean(regrets), "worst": max(regrets, default=float("nan")),
+                         "over_1.2": sum(x > 1.2 for x in regrets) / len(regrets) if regrets else float("nan")}
         row["learned vs single best"] = _geomean([s / l for s, l in zip(modes["single best"], modes["learned"])])
         row["heuristic vs single best"] = _geomean([s / h for s, h in zip(modes["single best"], modes["heuristic"])])
         rows.append(row)
     return rows
 
 
+def _mode_cell(regret: dict) -> str:
+    """"mean / worst / share of records over 1.2x" (the share: reports saved before it had none)."""
+    share = regret.get("over_1.2")
+    return f"{regret['mean']:.3f} / {regret['worst']:.2f}" + (f" / {share:.1%}" if share is not None else "")
+
+
 def format_judgement(rows: List[dict], title: str) -> str:
-    lines = [title, "| op | records (with a choice) | heuristic mean / worst | learned mean / worst | "
-             "single best mean / worst | learned vs single best |", "|---|---|---|---|---|---|"]
+    lines = [title, "| op | records (with a choice) | heuristic mean / worst / > 1.2x | learned mean / worst / > 1.2x | "
+             "single best mean / worst / > 1.2x | learned vs single best |", "|---|---|---|---|---|---|"]
     for row in rows:
-        cells = [f"{row[m]['mean']:.3f} / {row[m]['worst']:.2f}" for m in ("heuristic", "learned", "single best")]
+        cells = [_mode_cell(row[m]) for m in ("heuristic", "learned", "single best")]
         lines.append(f"| {row['op']} | {row['records']} ({row['choices']}) | " + " | ".join(cells)
                      + f" | {row['learned vs single best']:.3f}x |")
     return "\n".join(lines)
@@ -231,13 +240,24 @@ def read_json(path: str):
 
 
 def load_records(paths: List[str]):
-    """Records saved by ``--json`` (the first file's environment with them)."""
-    records, env = [], {}
+    """Records saved by ``--json`` (the first file's environment with them). A problem measured more
+    than once on one GPU (by shapes of two sets, or by two sweeps) is one record, its first (list the
+    held-out sweep's file first to judge by its timings), tagged with every set that produced it: a
+    problem a held-out shape produced never trains."""
+    records: Dict[tuple, Record] = {}
+    env: dict = {}
     for path in paths:
         saved = read_json(path)
         env = env or saved.get("environment", {})
-        records += [Record(**d) for d in saved["records"]]
-    return records, env
+        for d in saved["records"]:
+            r = Record(**d)
+            first = records.setdefault((r.tags.get("device"), r.key), r)
+            if first is not r:
+                sets = set(filter(None, first.tags.get("sets", "").split(","))) | set(r.tags.get("sets", "").split(","))
+                first.tags["sets"] = ",".join(sorted(filter(None, sets)))
+                if "heuristic" not in first.tags and "heuristic" in r.tags:
+                    first.tags["heuristic"] = r.tags["heuristic"]
+    return list(records.values()), env
 
 
 def train_and_judge(records: List[Record], train_on: List[str], evaluate_on: List[str],
@@ -298,7 +318,7 @@ def main(args) -> int:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cache_dir = args.cache_dir if args.cache_dir is not None else selection.default_cache_dir()
         randoms = random_shapes(args.random, args.seed)[args.random_start:]
-        shapes = {"tuning": TUNING, "heldout": HELDOUT, "random": randoms}
+        shapes = {"tuning": TUNING, "heldout": HELDOUT, "random": randoms, "models": model_shapes(args.model_like, args.seed)[args.random_start:]}
         sets = {name: shapes[name] for name in dict.fromkeys(train_on + evaluate_on)}
         print(f"tuning {', '.join(sets)} on {device} (cache: {cache_dir or 'memory only'})")
         records = sweep(sets, device, cache_dir)

@@ -6,6 +6,7 @@ are clear errors."""
 import glob
 import gzip
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 import patchgemm
 from patchgemm import learned, tune
 from patchgemm.ops import ops
-from patchgemm.shapes import _embed, _grouped, _unembed
+from patchgemm.shapes import _MAX_ELEMENTS, HELDOUT, _embed, _grouped, _unembed, model_shapes, problem
 from conftest import DEVICES, assert_close_to_ref, needs_gpu, randn
 
 
@@ -401,6 +402,27 @@ def test_bad_model_files_are_clear_errors(tmp_path):
         ops._set_learned_model("grouped_linear", ["strided_batched"], ["m"], 2, [0.0, 1.0])
 
 
+def test_model_shapes_are_a_reproducible_sequence_apart_from_the_held_out_set():
+    shapes = model_shapes(400, seed=0)
+    assert shapes[:100] == model_shapes(100, seed=0)  # --random-start and relabel count on prefixes
+    assert shapes != model_shapes(400, seed=1)
+    assert tune.random_shape_count({s.id for s in shapes}, "model-") == 400
+    assert {s.id.split("-")[1] for s in shapes} == {"stem", "down", "head"}
+    held_out = {(s.op, s.x, s.width, s.kernel, s.dtype, s.tokens, s.channels_last) for s in HELDOUT}
+    assert not [s.id for s in shapes if (s.op, s.x, s.width, s.kernel, s.dtype, s.tokens, s.channels_last) in held_out]
+    assert any(s.x[1] % 8 for s in shapes if s.op == "patch_embed" and not s.channels_last and s.x[1] > 3)
+    for s in shapes:
+        c_in = s.x[-1] if s.tokens and s.op == "patch_unembed" else s.x[1]
+        grid = s.grid if s.tokens else s.x[2:]
+        size = [g * k for g, k in zip(grid, s.kernel)] if s.op == "patch_unembed" else s.x[2:]
+        assert len(size) == len(s.kernel) and all(n % k == 0 for n, k in zip(size, s.kernel)), s
+        out = s.width * math.prod(size) if s.op == "patch_unembed" else s.width * math.prod(n // k for n, k in zip(size, s.kernel))
+        assert max(math.prod(s.x), s.x[0] * out) <= _MAX_ELEMENTS and c_in >= 1, s
+    small = next(s for s in shapes if s.op == "patch_embed" and math.prod(s.x) < 1 << 16)
+    inputs = problem(small, torch.device("cpu")).make_inputs()  # the sweep can build its inputs
+    assert inputs["x"].shape == small.x
+
+
 def _synthetic_records():
     """Two GPUs' records of 8 training shapes and 1 shape the held-out set also produced: candidate
     "a" is faster when m is small, "b" when it is large."""
@@ -414,6 +436,20 @@ def _synthetic_records():
                 {"m": m, "device_sms": 100.0 if gpu == "GPU A" else 132.0},
                 {"shape": f"s{i}", "device": gpu, "sets": sets, "heuristic": "a"}))
     return records
+
+
+def test_a_problem_saved_twice_is_one_record_of_both_sets(tmp_path):
+    records = _synthetic_records()
+    again = learned.Record(**json.loads(json.dumps(vars(records[0]))))  # the same problem, swept again
+    again.tags.update(sets="heldout", shape="h0")
+    paths = []
+    for i, rs in enumerate([records, [again]]):
+        paths.append(str(tmp_path / f"tune-{i}.json"))
+        pathlib.Path(paths[-1]).write_text(json.dumps({"environment": {"run": i}, "records": [vars(r) for r in rs]}))
+    loaded, env = tune.load_records(paths)
+    assert env == {"run": 0} and len(loaded) == len(records)
+    assert loaded[0].tags["sets"] == "heldout,tuning" and loaded[0].tags["shape"] == "s0"
+    assert loaded[0] not in tune._select(loaded, ["tuning"], None, exclude=["heldout"])
 
 
 def test_cross_validation_judges_each_record_by_a_model_without_its_shape(monkeypatch):
