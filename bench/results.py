@@ -161,7 +161,7 @@ def transfer_section(paths: List[pathlib.Path]) -> str:
     names = ",".join(f"bench/results/{p.name}" for p in paths)
     lines = ["## Selection modes across GPUs", "",
              f"`python bench/results.py` on {', '.join(p.name for p in paths)}: the model trained on one GPU's "
-             "tuning + random + models records, or on all of them, judged on each GPU's held-out records (regret as above; "
+             f"{' + '.join(tune.TRAINING_SETS)} records, or on all of them, judged on each GPU's held-out records (regret as above; "
              "`all` rows). The shipped model (`patchgemm/data/selector.json`) is the one trained on all of them: "
              f"`python -m patchgemm tune --from-json {names} --model patchgemm/data/selector.json`.", "",
              "| trained on | judged on | heuristic mean / worst / > 1.2x | learned mean / worst / > 1.2x | "
@@ -169,7 +169,7 @@ def transfer_section(paths: List[pathlib.Path]) -> str:
              "|---|---|---|---|---|"]
     for train_gpu in [*gpus, None]:
         for eval_gpu in gpus:
-            _, report = tune.train_and_judge(records, ["tuning", "random", "models"], ["heldout"], train_gpu, eval_gpu)
+            _, report = tune.train_and_judge(records, list(tune.TRAINING_SETS), ["heldout"], train_gpu, eval_gpu)
             row = report["evaluate"][-1]
             cells = [tune._mode_cell(row[m]) for m in ("heuristic", "learned", "single best")]
             lines.append(f"| {train_gpu or ' + '.join(gpus)} | {eval_gpu} | " + " | ".join(cells) + " |")

@@ -348,7 +348,7 @@ def _model_stem(rng: random.Random, i: int, dtype: str) -> Optional[Shape]:
     else:  # 3-D fields: cubes
         k = _pick(rng, (2, 4, 4, 8, 8, 16))
         size, kernel = (_pick(rng, (32, 64, 64, 96, 128)),) * 3, (k, k, k)
-    channels = _pick(rng, (3, 3, 3, 1, 4, 2) + _ODD_CHANNELS[:4]) if len(size) == 2 else _pick(rng, (1, 2, 3, 4, 5, 7, 11))
+    channels = _pick(rng, (3, 3, 3, 1, 4, 2) + _ODD_CHANNELS[:4] if len(size) == 2 else (1, 2, 3, 4, 5, 7, 11))
     width = _pick(rng, _STEM_WIDTHS)
     grid = [s // k for s, k in zip(size, kernel)]
     batch = _fits(_pick(rng, (1, 2, 4, 8, 16, 32, 64, 128, 256)), max(channels * math.prod(size), width * math.prod(grid)))

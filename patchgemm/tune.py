@@ -12,11 +12,11 @@ writes the records to the autotune cache (so a tuned machine's later processes s
 records of the ``--train-on`` sets train the model; those of the ``--evaluate-on`` sets, which it
 never sees, judge it. Regret = t(selected) / t(fastest candidate) per record; reported per mode as
 geometric mean, worst case and share of records over 1.2x, with the speedup of each mode over
-"always the single best implementation" (per op, the candidate of least mean regret on the training records, the heuristic's
-choice where it does not apply). ``--relabel`` re-runs saved records' shapes under today's heuristic
-(untimed), so that saved timings judge changed rules. ``--cross-validate K`` judges each training
-record by a model trained without its shape, so that choices about training (which records, which
-options) are made without looking at the held-out sets.
+"always the single best implementation" (per op, the candidate of least mean regret on the training
+records, the heuristic's choice where it does not apply). ``--relabel`` re-runs saved records'
+shapes under today's heuristic (untimed), so that saved timings judge changed rules.
+``--cross-validate K`` judges each training record by a model trained without its shape, so that
+choices about training (which records, which options) are made without looking at the held-out sets.
 """
 
 import gzip
@@ -34,6 +34,7 @@ from .learned import Record
 from .shapes import HELDOUT, TUNING, Shape, model_shapes, problem, random_shapes
 
 SETS = ("tuning", "heldout", "random", "models")
+TRAINING_SETS = ("tuning", "random", "models")  # `--train-on`'s default: what the shipped model trains on
 
 
 def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, log=print) -> List[Record]:
@@ -82,6 +83,12 @@ def _passes(s: Shape, device: torch.device):
         torch.autograd.grad(prob.ours(**inputs), [inputs[k] for k in prob.grad_inputs], dy)
 
     return forward, forward_backward
+
+
+def add_sets(tags: Dict[str, str], sets: str) -> None:
+    """Adds the comma-separated `sets` to the record tags' "sets" (kept sorted, without repeats)."""
+    names = set(filter(None, tags.get("sets", "").split(","))) | set(filter(None, sets.split(",")))
+    tags["sets"] = ",".join(sorted(names))
 
 
 def _heuristic_choices(run, cache_dir: Optional[str] = None) -> Dict[tuple, "selection.Choice"]:
@@ -146,8 +153,7 @@ def _tune_shape(s, device, cache_dir, set_name, device_name, tags) -> None:
             run()
         for c in tuned:
             t = tags.setdefault(f"{c.op}\t{c.signature}", {"device": device_name, "shape": s.id})
-            sets = set(filter(None, t.get("sets", "").split(",")))
-            t["sets"] = ",".join(sorted(sets | {set_name}))
+            add_sets(t, set_name)
             if (c.op, c.signature) in chosen:
                 t["heuristic"] = chosen[(c.op, c.signature)]
 
@@ -205,14 +211,14 @@ def judge(records: List[Record], model: Optional[dict] = None, best: Optional[Di
 
 
 def _mode_cell(regret: dict) -> str:
-    """"mean / worst / share of records over 1.2x" (the share: reports saved before it had none)."""
-    share = regret.get("over_1.2")
-    return f"{regret['mean']:.3f} / {regret['worst']:.2f}" + (f" / {share:.1%}" if share is not None else "")
+    """A mode's "mean / worst / share of records over 1.2x"."""
+    return f"{regret['mean']:.3f} / {regret['worst']:.2f} / {regret['over_1.2']:.1%}"
 
 
 def format_judgement(rows: List[dict], title: str) -> str:
-    lines = [title, "| op | records (with a choice) | heuristic mean / worst / > 1.2x | learned mean / worst / > 1.2x | "
-             "single best mean / worst / > 1.2x | learned vs single best |", "|---|---|---|---|---|---|"]
+    lines = [title, "| op | records (with a choice) | heuristic mean / worst / > 1.2x | "
+             "learned mean / worst / > 1.2x | single best mean / worst / > 1.2x | learned vs single best |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
         cells = [_mode_cell(row[m]) for m in ("heuristic", "learned", "single best")]
         lines.append(f"| {row['op']} | {row['records']} ({row['choices']}) | " + " | ".join(cells)
@@ -253,8 +259,7 @@ def load_records(paths: List[str]):
             r = Record(**d)
             first = records.setdefault((r.tags.get("device"), r.key), r)
             if first is not r:
-                sets = set(filter(None, first.tags.get("sets", "").split(","))) | set(r.tags.get("sets", "").split(","))
-                first.tags["sets"] = ",".join(sorted(filter(None, sets)))
+                add_sets(first.tags, r.tags.get("sets", ""))
                 if "heuristic" not in first.tags and "heuristic" in r.tags:
                     first.tags["heuristic"] = r.tags["heuristic"]
     return list(records.values()), env
@@ -317,8 +322,9 @@ def main(args) -> int:
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cache_dir = args.cache_dir if args.cache_dir is not None else selection.default_cache_dir()
-        randoms = random_shapes(args.random, args.seed)[args.random_start:]
-        shapes = {"tuning": TUNING, "heldout": HELDOUT, "random": randoms, "models": model_shapes(args.model_like, args.seed)[args.random_start:]}
+        shapes = {"tuning": TUNING, "heldout": HELDOUT,
+                  "random": random_shapes(args.random, args.seed)[args.random_start:],
+                  "models": model_shapes(args.model_like, args.seed)[args.random_start:]}
         sets = {name: shapes[name] for name in dict.fromkeys(train_on + evaluate_on)}
         print(f"tuning {', '.join(sets)} on {device} (cache: {cache_dir or 'memory only'})")
         records = sweep(sets, device, cache_dir)
