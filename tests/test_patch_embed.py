@@ -528,6 +528,26 @@ def test_gpu_gather_scatter_tilings(dtype, shape, kernel, memory):
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,kernel", [((3, 512, 8, 12), (4, 4)),     # K = 8192, 6 tokens per sample
+                                          ((1, 128, 24, 40), (8, 8)),    # one sample of 15 (unaligned) tokens
+                                          ((2, 32, 4, 16, 16), (4, 8, 8)),  # 3-D, K = 8192, 2 tokens
+                                          ((4, 8, 32, 32), (32, 32))])   # one patch per sample
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_gather_gemm_long_patches_through_tokens(dtype, shape, kernel, has_bias):
+    """Channels-first output of long patches on few tokens: one GEMM over every token, then a
+    transposing copy into y (csrc/kernels/patch/patch_gemm.cpp, embed_gemm_through_tokens)."""
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=64, bias=has_bias)
+    ref = CONV[len(kernel)](x.double(), w.double(), b.double() if has_bias else None, stride=kernel)
+    poison_allocator(2 * ref.numel() * x.element_size(), "cuda")
+    with patchgemm.force(patch_embed="gather_gemm"), patchgemm.explain() as e:
+        y = patchgemm.patch_embed(x, w, b)
+    assert [c.chosen for c in e] == ["gather_gemm"]
+    assert y.is_contiguous() and y.shape == ref.shape
+    assert_close_to_ref(y, ref, dtype)
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype,shape,kernel", [(torch.bfloat16, (3, 3, 64, 96), (16, 16)),   # ViT-like, K = 768
                                                 (torch.float16, (2, 5, 4, 8, 24), (2, 2, 8)),  # 3-D, 16-byte rows
                                                 (torch.float32, (2, 3, 8, 24), (2, 8)),        # 32-byte rows

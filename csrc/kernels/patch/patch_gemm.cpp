@@ -2,7 +2,8 @@
 // patchify.h for the patch matrix.
 //
 //   embed        y = P @ W^T (+ b): tokens [B, N, E] as one plain GEMM, channels-first [B, E, N] as
-//                one GEMM batched over B (W shared, stride 0).
+//                one GEMM batched over B (W shared, stride 0), or for long patches on few tokens
+//                as tokens then one transposing copy.
 //   unembed      Q = x_tokens @ W, then y = unpatchify(Q) + b (the bias rides on the scatter).
 //   weight grad  dW = grad_y^T @ P, recomputing P from x (never saved); with a ones column in P the
 //                same GEMM also yields dbias.
@@ -97,23 +98,41 @@ at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens) {
   return y_tokens.view(shape).permute(order);
 }
 
+// Channels-first output made through tokens (one GEMM over all B*N tokens, then one transposing
+// copy) where the GEMM batched over B runs long reductions on few tiles: patches of at least 8192
+// values, and B GEMMs of under 256 tokens each or rows of y (N tokens) of unaligned length. The one
+// GEMM leaves cuBLAS free to split the reduction over the GPU, which it does not for a batch; with
+// shorter patches the copy costs more than it saves. Its output rows (E) must be aligned for
+// cuBLAS's fast kernels.
+bool embed_gemm_through_tokens(const EmbedProblem& p) {
+  const int64_t N = p.g.tokens(), align = row_alignment(p.x);
+  return p.g.patch_size() >= 8192 && p.weight.size(0) % align == 0 &&
+         ((p.g.batch > 1 && N < 256) || N % align != 0);
+}
+
 at::Tensor embed_by_gemm(const EmbedProblem& p) {
   const PatchGeometry& g = p.g;
   const int64_t embed = p.weight.size(0), N = g.tokens();
-  if (p.tokens_out) {
-    at::Tensor y = at::empty({g.batch, N, embed}, p.x.options());
+  const bool on_cpu = p.x.device().is_cpu();
+  if (p.tokens_out || (!on_cpu && embed_gemm_through_tokens(p))) {
+    const auto options = p.x.options();
+    at::Tensor y = p.tokens_out ? at::empty({g.batch, N, embed}, options) : at::empty(p.out_shape, options);
+    // (channels-first y of one token per sample is its tokens' memory too)
+    at::Tensor tokens = p.tokens_out || N == 1 ? y.view({g.batch, N, embed}) : at::empty({g.batch, N, embed}, options);
     const auto view = patch_matrix_as_view(p.x5, g);
     const at::Tensor pm = view ? *view : patchify(p.x5, g, /*ones_column=*/false);
     // y[B*N, E] = P[B*N, ld] @ W'^T; the bias in the GEMM's epilogue where the backend has one.
-    run_gemm(merge_batch(pm), padded_weight(p.w2(), std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(y),
+    run_gemm(merge_batch(pm), padded_weight(p.w2(), std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(tokens),
              p.bias ? std::optional<at::Tensor>(p.bias->unsqueeze(0)) : std::nullopt, false, kConv);
-    return embed_output(p, y);
+    if (p.tokens_out) return embed_output(p, tokens);
+    if (N != 1) y.view({g.batch, embed, N}).copy_(tokens.transpose(1, 2));
+    return y;
   }
   // Channels-first: y[b] [E, N] = W' [E, K'] @ P[b]^T, batched over B with W' shared. The bias is
   // a column of W' against a ones column of P: no pass over y (whose bias would run along rows,
   // which BLAS epilogues do not offer).
   at::Tensor y = at::empty(p.out_shape, p.x.options());
-  if (p.x.device().is_cpu()) {
+  if (on_cpu) {
     // CPU: tokens [B*N, E] = P @ W^T + bias by ATen's linear (whose CPU GEMM runs this orientation
     // fastest, and adds the bias), then one transposing copy into the channels-first output, where
     // [W' | bias | 0] would cost two passes over W each call.
