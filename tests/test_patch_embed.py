@@ -532,11 +532,13 @@ def test_gpu_gather_scatter_tilings(dtype, shape, kernel, memory):
 @pytest.mark.parametrize("shape,kernel", [((3, 512, 8, 12), (4, 4)),     # K = 8192, 6 tokens per sample
                                           ((1, 128, 24, 40), (8, 8)),    # one sample of 15 (unaligned) tokens
                                           ((2, 32, 4, 16, 16), (4, 8, 8)),  # 3-D, K = 8192, 2 tokens
-                                          ((4, 8, 32, 32), (32, 32))])   # one patch per sample
+                                          ((4, 8, 32, 32), (32, 32)),    # one patch per sample
+                                          ((24, 64, 28, 28), (4, 4))])   # K = 1024 into 7 x 7 rows
 @pytest.mark.parametrize("has_bias", [True, False])
-def test_gpu_gather_gemm_long_patches_through_tokens(dtype, shape, kernel, has_bias):
-    """Channels-first output of long patches on few tokens: one GEMM over every token, then a
-    transposing copy into y (csrc/kernels/patch/patch_gemm.cpp, embed_gemm_through_tokens)."""
+def test_gpu_gather_gemm_through_tokens(dtype, shape, kernel, has_bias):
+    """Channels-first output of long patches on few tokens, or into unaligned rows: one GEMM over
+    every token, then a transposing copy into y (csrc/kernels/patch/patch_gemm.cpp,
+    embed_gemm_through_tokens)."""
     x, w, b = make(shape, kernel, dtype, "cuda", embed=64, bias=has_bias)
     ref = CONV[len(kernel)](x.double(), w.double(), b.double() if has_bias else None, stride=kernel)
     poison_allocator(2 * ref.numel() * x.element_size(), "cuda")

@@ -2,8 +2,8 @@
 // patchify.h for the patch matrix.
 //
 //   embed        y = P @ W^T (+ b): tokens [B, N, E] as one plain GEMM, channels-first [B, E, N] as
-//                one GEMM batched over B (W shared, stride 0), or for long patches on few tokens
-//                as tokens then one transposing copy.
+//                one GEMM batched over B (W shared, stride 0), or where that runs slowly as
+//                tokens then one transposing copy.
 //   unembed      Q = x_tokens @ W, then y = unpatchify(Q) + b (the bias rides on the scatter).
 //   weight grad  dW = grad_y^T @ P, recomputing P from x (never saved); with a ones column in P the
 //                same GEMM also yields dbias.
@@ -99,15 +99,17 @@ at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens) {
 }
 
 // Channels-first output made through tokens (one GEMM over all B*N tokens, then one transposing
-// copy) where the GEMM batched over B runs long reductions on few tiles: patches of at least 8192
-// values, and B GEMMs of under 256 tokens each or rows of y (N tokens) of unaligned length. The one
-// GEMM leaves cuBLAS free to split the reduction over the GPU, which it does not for a batch; with
-// shorter patches the copy costs more than it saves. Its output rows (E) must be aligned for
-// cuBLAS's fast kernels.
+// copy) where the GEMM batched over B runs slowly: long patches (8192 values or more) on B GEMMs of
+// under 256 tokens each or on rows of y (N tokens) of unaligned length, a long reduction on few
+// tiles that cuBLAS does not split for a batch; or patches of 1024 values or more into unaligned
+// rows of y over at least 1024 tokens in all, which keep cuBLAS off its fast kernels. Shorter
+// patches pay more for the copy than they save. The tokens' rows (E) must be aligned themselves.
 bool embed_gemm_through_tokens(const EmbedProblem& p) {
-  const int64_t N = p.g.tokens(), align = row_alignment(p.x);
-  return p.g.patch_size() >= 8192 && p.weight.size(0) % align == 0 &&
-         ((p.g.batch > 1 && N < 256) || N % align != 0);
+  const int64_t N = p.g.tokens(), K = p.g.patch_size(), align = row_alignment(p.x);
+  if (p.weight.size(0) % align != 0) return false;
+  const bool unaligned = N % align != 0;
+  const bool long_patches = K >= 8192 && ((p.g.batch > 1 && N < 256) || unaligned);
+  return long_patches || (K >= 1024 && unaligned && p.g.batch * N >= 1024);
 }
 
 at::Tensor embed_by_gemm(const EmbedProblem& p) {
