@@ -171,13 +171,9 @@ def transfer_section(paths: List[pathlib.Path]) -> str:
     shipped = learned.load()
     for train_gpu in [*gpus, None]:
         for eval_gpu in gpus:
-            if train_gpu is None:
-                train = tune._select(records, list(tune.TRAINING_SETS), None, exclude=["heldout"])
-                test = tune._select(records, ["heldout"], eval_gpu)
-                row = tune.judge(test, shipped, tune.single_best(train))[-1]
-            else:
-                _, report = tune.train_and_judge(records, list(tune.TRAINING_SETS), ["heldout"], train_gpu, eval_gpu)
-                row = report["evaluate"][-1]
+            _, report = tune.train_and_judge(records, list(tune.TRAINING_SETS), ["heldout"], train_gpu, eval_gpu,
+                                             model=shipped if train_gpu is None else None)
+            row = report["evaluate"][-1]
             cells = [tune._mode_cell(row[m]) for m in ("heuristic", "learned", "single best")]
             lines.append(f"| {train_gpu or ' + '.join(gpus)} | {eval_gpu} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])

@@ -266,15 +266,18 @@ def load_records(paths: List[str]):
 
 
 def train_and_judge(records: List[Record], train_on: List[str], evaluate_on: List[str],
-                    train_device: Optional[str] = None, evaluate_device: Optional[str] = None):
-    """The model trained on the ``train_on`` sets' records (of GPUs named ``train_device``), and each
-    mode's regret on them and on the ``evaluate_on`` sets' records (of ``evaluate_device``)."""
+                    train_device: Optional[str] = None, evaluate_device: Optional[str] = None,
+                    model: Optional[dict] = None):
+    """The model trained on the ``train_on`` sets' records (of GPUs named ``train_device``), or the
+    given `model`, and each mode's regret on those records and on the ``evaluate_on`` sets' records
+    (of ``evaluate_device``)."""
     # A record that a held-out shape also produced never trains.
     train = _select(records, train_on, train_device, exclude=evaluate_on)
     test = _select(records, evaluate_on, evaluate_device)
-    devices = ", ".join(sorted({r.tags.get("device", "?") for r in train}))
-    model = learned.train(train, description=f"trained on {len(train)} records of the sets {', '.join(train_on)} "
-                          f"({devices})")
+    if model is None:
+        devices = ", ".join(sorted({r.tags.get("device", "?") for r in train}))
+        model = learned.train(train, description=f"trained on {len(train)} records of the sets "
+                              f"{', '.join(train_on)} ({devices})")
     best = single_best(train)
     return model, {"train": judge(train, model, best), "evaluate": judge(test, model, best), "single_best": best}
 
