@@ -495,8 +495,8 @@ def test_channels_last_in_channels_last_out(device, dtype, shape, kernel, force)
         want = torch.autograd.grad(u_ref, [x64, wt64], du.double())
         for g, r in zip(got, want):
             assert_close_to_ref(g, r, dtype)
-    ran = {c.chosen for c in e}
-    assert ran <= set(chosen.values()) if force else not ran & set(FUSED)  # the fused kernels write channels-first
+    if force:
+        assert {c.chosen for c in e} <= set(chosen.values())
     for op, args in [("patch_embed", (xs.detach(), w, b, False, [])), ("patch_unembed", (xs.detach(), wt.detach(), None, False, [])),
                      ("patch_weight_grad", (dy, xs.detach(), list(kernel), False, [], True, False))]:
         torch.library.opcheck(getattr(torch.ops.patchgemm, op).default, args)
@@ -672,6 +672,83 @@ def implicit_wgmma(request):
     fused_always; returns whether they should run here."""
     with selection(rules=False, exclude=() if request.param else WGMMA):
         yield request.param and wgmma_built()
+
+
+# Channels-last volumes through the fused kernels, which read them as channels-first volumes with
+# rows of kw * C values (csrc/kernels/patch/patchify.h, channels_first_view): (x shape, kernel, E,
+# the candidate forced for each op, whether the unembedding has a bias).
+_SM90 = {"patch_embed": "implicit_sm90", "patch_unembed": "implicit_sm90", "patch_weight_grad": "implicit_sm90"}
+CHANNELS_LAST_FUSED = [
+    ((4, 96, 16, 16), (2, 2), 192, _SM90, True),      # ConvNeXt's downsampling: rows of 192
+    ((2, 64, 8, 8, 8), (2, 2, 2), 128, _SM90, True),  # 3-D
+    ((2, 24, 12, 20), (4, 2), 64, _SM90, True),       # rows of 48, 30 tokens per sample
+    ((2, 32, 16, 32), (2, 2), 64, {"patch_embed": "implicit_rows_sm90", "patch_unembed": "implicit_sm90",
+                                   "patch_weight_grad": "implicit_rows_sm90"}, True),  # rows of 64 by TMA
+    ((2, 8, 8, 8), (2, 2), 32, dict(_SM90, patch_unembed="tiny"), False),  # K = 32
+    ((4, 96, 16, 16), (2, 2), 192, {"patch_embed": "implicit_mma"}, True),  # mma.sync (sm_80+)
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,embed,forced,unembed_bias", CHANNELS_LAST_FUSED)
+def test_gpu_fused_kernels_channels_last(dtype, shape, kernel, embed, forced, unembed_bias):
+    """patch_embed and patch_unembed on channels-last x, forward and backward, on each fused kernel:
+    channels-last outputs and gradients, float64-close, every output element written."""
+    if "sm90" in "".join(forced.values()) and not wgmma_built():
+        pytest.skip("needs the sm_90a kernels on a 9.0 GPU")
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=embed)
+    xs, ws, bs = x.contiguous(memory_format=fmt).requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = CONV[len(kernel)](x64, w64, b64, stride=kernel)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda").contiguous(memory_format=fmt)
+    want = torch.autograd.grad(ref, [x64, w64, b64], dy.double())
+    with patchgemm.force(**forced), patchgemm.explain() as e:
+        poison_allocator(2 * ref.numel() * x.element_size(), "cuda")
+        y = patchgemm.patch_embed(xs, ws, bs)
+        got = torch.autograd.grad(y, [xs, ws, bs], dy)
+    assert e[0].chosen == forced["patch_embed"]
+    if len(forced) == 3:
+        assert {c.op: c.chosen for c in e} == forced
+    assert y.is_contiguous(memory_format=fmt) and got[0].is_contiguous(memory_format=fmt)
+    assert_close_to_ref(y, ref, dtype)
+    for g, r, name in zip(got, want, ["grad_x", "grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+
+    # The transpose, from the embedding's output back to x's shape.
+    z = y.detach().requires_grad_()
+    wt = (randn(embed, shape[1], *kernel, dtype=dtype, device="cuda") / math.sqrt(embed)).requires_grad_()
+    bt = randn(shape[1], dtype=dtype, device="cuda").requires_grad_() if unembed_bias else None
+    z64, wt64 = z.detach().double().requires_grad_(), wt.detach().double().requires_grad_()
+    bt64 = bt.detach().double().requires_grad_() if unembed_bias else None
+    u_ref = CONV_T[len(kernel)](z64, wt64, bt64, stride=kernel)
+    du = randn(*u_ref.shape, dtype=dtype, device="cuda").contiguous(memory_format=fmt)
+    params, params64 = [z, wt] + ([bt] if unembed_bias else []), [z64, wt64] + ([bt64] if unembed_bias else [])
+    want = torch.autograd.grad(u_ref, params64, du.double())
+    with patchgemm.force(**forced), patchgemm.explain() as e:
+        poison_allocator(2 * u_ref.numel() * x.element_size(), "cuda")
+        u = patchgemm.patch_unembed(z, wt, bt)
+        got = torch.autograd.grad(u, params, du)
+    if len(forced) == 3:
+        assert {c.op: c.chosen for c in e} == forced
+    assert u.is_contiguous(memory_format=fmt) and got[0].is_contiguous(memory_format=fmt)
+    assert_close_to_ref(u, u_ref, dtype)
+    for g, r, name in zip(got, want, ["grad_z", "grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+
+
+@needs_gpu
+def test_gpu_fused_kernels_decline_channels_last_with_gaps():
+    """Channels-last x whose pixels are not adjacent (a slice of its channels) is no channels-first
+    volume: the fused kernels decline it, by name when forced, and the default path is right."""
+    x, w, b = make((2, 64, 8, 8), (2, 2), torch.bfloat16, "cuda", embed=64)
+    xs = x.contiguous(memory_format=torch.channels_last)[:, :32]
+    w = w[:, :32].contiguous()
+    with patchgemm.force(patch_embed="implicit_mma"), pytest.raises(RuntimeError, match="gaps between pixels"):
+        patchgemm.patch_embed(xs, w, b)
+    ref = F.conv2d(xs.double(), w.double(), b.double(), stride=2)
+    assert_close_to_ref(patchgemm.patch_embed(xs, w, b), ref, torch.bfloat16)
 
 
 def cropped(x):

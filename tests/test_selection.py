@@ -228,21 +228,24 @@ def test_a_settled_call_is_made_as_the_aten_conv_without_the_op(device, op, monk
 
 @needs_gpu
 @pytest.mark.parametrize("op", ["patch_embed", "patch_unembed"])
-def test_channels_last_k2_runs_cudnn_with_pytorchs_autograd(op):
-    """ConvNeXt's k = 2 downsampling of channels-last x (and a decoder's k = 2 upsampling): the rules
-    choose cuDNN's (transposed) convolution, which then runs with PyTorch's autograd; in the autotune
-    mode the choice is measured, and patchgemm's autograd stays."""
-    x = randn(4, 64 if op == "patch_embed" else 128, 32, 32, dtype=torch.bfloat16, device="cuda")
-    x = x.contiguous(memory_format=torch.channels_last)
-    w = randn(128, 64, 2, 2, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    run, conv, aten = ((patchgemm.patch_embed, F.conv2d, "aten_conv") if op == "patch_embed"
-                       else (patchgemm.patch_unembed, F.conv_transpose2d, "aten_conv_transpose"))
+def test_channels_last_cudnn_choice_runs_with_pytorchs_autograd(op):
+    """Channels-last x with a short window into E >= 1024 (and an unembedding of 1 x 1 patches from
+    512 channels): the rules choose cuDNN's (transposed) convolution, which then runs with PyTorch's
+    autograd; in the autotune mode the choice is measured, and patchgemm's autograd stays."""
+    if op == "patch_embed":
+        x, w, k = randn(4, 64, 32, 32), randn(1024, 64, 2, 2), 2
+        run, conv, aten = patchgemm.patch_embed, F.conv2d, "aten_conv"
+    else:
+        x, w, k = randn(4, 512, 32, 32), randn(512, 64, 1, 1), 1
+        run, conv, aten = patchgemm.patch_unembed, F.conv_transpose2d, "aten_conv_transpose"
+    x = x.to("cuda", torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w = w.to("cuda", torch.bfloat16).requires_grad_()
     with patchgemm.explain() as e:
         y = run(x, w)
     assert [(c.op, c.chosen) for c in e] == [(op, aten)] and e[0].how.startswith("heuristic;"), str(e)
     assert "ConvolutionBackward0" in _autograd_nodes(y)
     assert y.is_contiguous(memory_format=torch.channels_last)
-    assert_close_to_ref(y, conv(x.double(), w.double(), stride=2), torch.bfloat16)
+    assert_close_to_ref(y, conv(x.double(), w.double(), stride=k), torch.bfloat16)
     old = patchgemm.set_selection("autotune", cache_dir="")
     try:
         assert "ConvolutionBackward0" not in _autograd_nodes(run(x, w))
@@ -422,12 +425,17 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
 
 # The rules' choices on shapes they were fitted to (bench/results/tune-h100.json.gz): what each one is for.
 RULE_CASES = [
-    # channels-last 3-D with long kernels: cuDNN ran 20-90x slower than the GEMM path
+    # channels-last 3-D with long kernels: cuDNN ran 20-90x slower than the GEMM path (few output
+    # tiles over K = 49152: the fused kernels would not fill the GPU)
     ((2, 96, 32, 128, 32), (8, 8, 8), 384, "channels_last", {"patch_embed": "gather_gemm",
                                                              "patch_weight_grad": "gather_gemm"}),
-    # ConvNeXt's k = 2 downsampling, channels-last: cuDNN's channels-last kernels, with PyTorch's
-    # autograd (its convolution_backward: no patchgemm op runs the backward)
-    ((32, 192, 28, 28), (2, 2), 384, "channels_last", {"patch_embed": "aten_conv", "patch_weight_grad": None}),
+    # ConvNeXt's k = 2 downsampling, channels-last: the fused forward (1.2x-2x cuDNN's), and for
+    # E > 256 cuDNN's weight gradient
+    ((32, 192, 28, 28), (2, 2), 384, "channels_last", {"patch_embed": "implicit_sm90",
+                                                       "patch_weight_grad": "aten_conv_backward"}),
+    # ... but into E >= 1024, cuDNN's channels-last kernels, with PyTorch's autograd (its
+    # convolution_backward: no patchgemm op runs the backward)
+    ((16, 64, 32, 32), (2, 2), 1024, "channels_last", {"patch_embed": "aten_conv", "patch_weight_grad": None}),
     # Swin's stem: the wgmma weight gradient below 128 patch values
     ((64, 3, 224, 224), (4, 4), 96, "channels_first", {"patch_weight_grad": "implicit_sm90"}),
     # ViT-B/16 at batch 1, writing tokens: a patch matrix under 2 MB, ATen's permute copy + linear;
@@ -451,6 +459,7 @@ def test_rules_choose_what_they_were_fitted_to(shape, kernel, embed, layout, exp
     w = randn(embed, shape[1], *kernel, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     b = randn(embed, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     with patchgemm.explain() as e:
-        patchgemm.patch_embed(x, w, b, out_format="tokens" if layout == "tokens" else "channels_first").sum().backward()
+        y = patchgemm.patch_embed(x, w, b, out_format="tokens" if layout == "tokens" else "channels_first")
+        y.backward(torch.randn_like(y))  # grad_y in y's memory format, as a network's next layer gives it
     chosen = {c.op: c.chosen for c in e}
     assert {op: chosen.get(op) for op in expected} == expected, str(e)

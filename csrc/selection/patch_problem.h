@@ -81,6 +81,9 @@ at::Tensor unembed_by_aten_conv_transpose(const UnembedProblem& p);  // ATen's t
 // slow GEMM: a small grid, or rows that are not 16-byte aligned).
 bool unembed_gemm_copies_x(const UnembedProblem& p);
 WeightGrads weight_grad_by_gemm(const WeightGradProblem& p);
+// dW [E, K] in the patch matrix's column order as the weight's shape [E, C, *k]: a view where it can
+// be (channels-last x: channels-last strides, as PyTorch's convolution backward gives).
+at::Tensor weight_grad_in_weight_shape(const at::Tensor& rows, const WeightGradProblem& p);
 // The bias gradient by a sum over grad_y (or x, transposed), for paths whose GEMM does not yield it.
 at::Tensor bias_grad_by_sum(const WeightGradProblem& p);
 

@@ -45,11 +45,18 @@ at::Tensor aten_conv(const at::Tensor& x, const at::Tensor& weight, const std::o
 }
 
 #ifdef PATCHGEMM_PTX_KERNELS
-// What the fused kernels need of every problem: CUDA tensors, and the channels-first patch order
-// (they read and write (c, i, j, l) patches, and write channels-first outputs).
-WhyNot fused_kernels_apply(const at::Tensor& t, const PatchGeometry& g) {
+// What the fused kernels need of every problem: CUDA tensors, and channels-first patches, which a
+// channels-last volume v5 also is where its pixels lie without gaps (patchify.h: channels_first_view).
+WhyNot fused_kernels_apply(const at::Tensor& t, const PatchGeometry& g, const at::Tensor& v5) {
   if (!t.is_cuda()) return "CUDA tensors only";
-  return g.channels_last ? "channels-last x: the fused kernels read and write channels-first patches" : WhyNot();
+  return has_channels_first_view(v5, g) ? WhyNot() : "channels-last x with gaps between pixels (W stride != C)";
+}
+
+// The volume and geometry the fused kernels see (where fused_kernels_apply holds).
+std::pair<at::Tensor, PatchGeometry> fused_view(const at::Tensor& v5, const PatchGeometry& g) {
+  auto view = channels_first_view(v5, g);
+  TORCH_INTERNAL_ASSERT(view, "fused_view: no channels-first view of ", v5.sizes(), " strides ", v5.strides());
+  return *std::move(view);
 }
 
 int64_t sm_count(const at::Tensor& on) { return at::cuda::getDeviceProperties(on.get_device())->multiProcessorCount; }
@@ -85,15 +92,15 @@ WhyNot fills_the_gpu(int64_t rows, int64_t width, int64_t K, const at::Tensor& o
 // cuBLAS's higher throughput outweighs the gather (E >= 1024 over many tokens); the row-TMA kernel
 // keeps up with cuBLAS there. (bench/heldout.py --candidates measures them all.)
 WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
-  const PatchGeometry& g = p.g;
+  const auto [x5, g] = fused_view(p.x5, p.g);
   const int64_t kw = g.kernel[2], embed = p.weight.size(0), rows = g.batch * g.tokens();
   WhyNot why = fills_the_gpu(rows, embed, g.patch_size(), p.x);
   if (!why.empty()) return why;
   if (kernel == cuda::Implicit::kSm90 && embed >= 1024 && rows >= 128 * sm_count(p.x)) {
     return "rule: large GEMMs of E >= 1024 run faster on cuBLAS after the gather";
   }
-  const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(p.x5, 8);
-  if (widest_run(p.x5, kw) >= 4 || pair_major || embed <= 128) return {};
+  const bool pair_major = kw == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
+  if (widest_run(x5, kw) >= 4 || pair_major || embed <= 128) return {};
   return "rule: 4-byte runs one token at a time (odd kw / 2) into E > 128 run faster as gather + cuBLAS";
 }
 #endif
@@ -194,7 +201,7 @@ Candidate<EmbedProblem, at::Tensor> implicit_embed(const char* name, cuda::Impli
                                                   const char* conditions) {
   return {name, backends, conditions,
           [kernel](const EmbedProblem& p) -> WhyNot {  // (the output's layout here: before y is allocated)
-            const WhyNot why = fused_kernels_apply(p.x, p.g);
+            const WhyNot why = fused_kernels_apply(p.x, p.g, p.x5);
             if (!why.empty()) return why;
             if (kernel == cuda::Implicit::kRowsSm90 && !p.tokens_out) return "tokens output only";
             if (kernel == cuda::Implicit::kPairsSm90 && p.tokens_out) return "channels-first output only";
@@ -203,6 +210,9 @@ Candidate<EmbedProblem, at::Tensor> implicit_embed(const char* name, cuda::Impli
           },
           [kernel](const EmbedProblem& p) {
             WhyNot why = not_a_view(p.x5, p.g);
+            if (why.empty() && p.weight.size(0) >= 1024 && !cudnn_wins_channels_last(p.x, p.g).empty()) {
+              why = "rule: channels-last x with short windows into E >= 1024 runs faster on cuDNN";
+            }
             if (!why.empty()) return why;
             if (kernel != cuda::Implicit::kMma) return implicit_wgmma_embed_pays(kernel, p);
             const int64_t rows = p.g.batch * p.g.tokens();
@@ -210,13 +220,12 @@ Candidate<EmbedProblem, at::Tensor> implicit_embed(const char* name, cuda::Impli
             return !why.empty() ? why : implicit_mma_pays(p.weight.size(0), rows, p.x);
           },
           [kernel](const EmbedProblem& p, bool ruled, WhyNot& why) -> std::optional<at::Tensor> {
-            at::Tensor y = at::empty(p.out_shape, p.x.options());
             const int64_t embed = p.weight.size(0), N = p.g.tokens();
-            const at::Tensor out = p.tokens_out ? y.view({p.g.batch, N, embed}) : y.view({p.g.batch, embed, N});
-            if (!cuda::implicit_embed(kernel, p.x5, p.w2(), p.bias, p.g, out, p.tokens_out, ruled, why)) {
-              return std::nullopt;
-            }
-            return y;
+            const at::Tensor y = p.tokens_out ? at::empty({p.g.batch, N, embed}, p.x.options())
+                                              : at::empty({p.g.batch, embed, N}, p.x.options());
+            const auto [x5, g] = fused_view(p.x5, p.g);
+            if (!cuda::implicit_embed(kernel, x5, p.w2(), p.bias, g, y, p.tokens_out, ruled, why)) return std::nullopt;
+            return p.tokens_out ? embed_output(p, y) : y.view(p.out_shape);
           }};
 }
 #endif
@@ -234,7 +243,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
         {"tiny", "cuda sm_80+", "channels-first out, patches of at most 64 elements, E % 16 == 0 (fp32: 8), E <= 512, "
                                 "N % 8 == 0; 16-bit and fp32",
          [](const EmbedProblem& p) {
-           const WhyNot why = fused_kernels_apply(p.x, p.g);
+           const WhyNot why = fused_kernels_apply(p.x, p.g, p.x5);
            return !why.empty() ? why : p.tokens_out ? "channels-first output only" : WhyNot();
          },
          nullptr,
@@ -311,22 +320,36 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
 // ---- patch_unembed -------------------------------------------------------------------------------
 
 #ifdef PATCHGEMM_PTX_KERNELS
+// The fused unembeddings write y, which they allocate without gaps in the output's memory format:
+// they need only CUDA tensors.
+WhyNot fused_unembed_applies(const UnembedProblem& p) { return p.x.is_cuda() ? WhyNot() : "CUDA tensors only"; }
+
+// A fused unembedding's run: y in the op's output format, written through its channels-first view,
+// from x as tokens [B, N, C_in] (also channels-last x) or channels-first [B, C_in, N].
+template <typename Kernel>
+std::optional<at::Tensor> fused_unembed(const UnembedProblem& p, Kernel kernel) {
+  at::Tensor y = at::empty(p.out_shape, p.x.options().memory_format(p.out_format));
+  const auto [y5, g] = fused_view(to_5d(y), p.g);
+  const bool tokens = p.tokens || p.g.channels_last;
+  if (!kernel(tokens ? p.x_tokens : p.x_fused, tokens, g, y5)) return std::nullopt;
+  return y;
+}
+
 // The unembedding's implicit kernels need a full 128-column tile of the patch (K); on wgmma they
 // win at any C_in measured (192 to 1536), on mma.sync where it pays.
 Candidate<UnembedProblem, at::Tensor> implicit_unembed(const char* name, cuda::Implicit kernel, const char* backends,
                                                       const char* conditions) {
   return {name, backends, conditions,
-          [](const UnembedProblem& p) { return fused_kernels_apply(p.x, p.g); },
+          fused_unembed_applies,
           [kernel](const UnembedProblem& p) -> WhyNot {
             if (p.g.patch_size() < 128) return "rule: patches under 128 elements leave the tiles idle";
             if (kernel == cuda::Implicit::kMma) return implicit_mma_pays(p.weight.size(0), p.g.batch * p.g.tokens(), p.x);
             return {};
           },
           [kernel](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
-            at::Tensor y = at::empty(p.out_shape, p.x.options());
-            const at::Tensor y5 = to_5d(y);
-            if (!cuda::implicit_unembed(kernel, p.x_fused, p.tokens, p.w2(), p.bias, p.g, y5, why)) return std::nullopt;
-            return y;
+            return fused_unembed(p, [&](const at::Tensor& x, bool tokens, const PatchGeometry& g, const at::Tensor& y5) {
+              return cuda::implicit_unembed(kernel, x, tokens, p.w2(), p.bias, g, y5, why);
+            });
           }};
 }
 #endif
@@ -336,7 +359,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
     {
 #ifdef PATCHGEMM_PTX_KERNELS
         {"tiny", "cuda sm_80+", "16-bit, kw even, patches of at most 64 elements, C_in <= 512",
-         [](const UnembedProblem& p) { return fused_kernels_apply(p.x, p.g); },
+         fused_unembed_applies,
          // Over 256 input channels one block fills an SM, and GEMM -> scatter runs faster, but for
          // the copy of x it makes first (a small grid, unaligned rows).
          [](const UnembedProblem& p) -> WhyNot {
@@ -344,13 +367,13 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
            return "rule: over 256 input channels GEMM -> scatter runs faster where it needs no copy of x";
          },
          [](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
-           at::Tensor y = at::empty(p.out_shape, p.x.options());
-           const at::Tensor y5 = to_5d(y);
-           if (!cuda::tiny_unembed(p.x_fused, p.tokens, p.w2(), p.bias, p.g, y5, why)) return std::nullopt;
-           return y;
+           return fused_unembed(p, [&](const at::Tensor& x, bool tokens, const PatchGeometry& g, const at::Tensor& y5) {
+             return cuda::tiny_unembed(x, tokens, p.w2(), p.bias, g, y5, why);
+           });
          }},
         implicit_unembed("implicit_sm90", cuda::Implicit::kSm90, "cuda sm_90a",
-                         "16-bit, kw = 2 or 4, C_in % 8 == 0 (tokens) or N % 64 == 0, K % 8 == 0"),
+                         "16-bit, kw = 2, 4 or a multiple of 8 (channels-last: kw * C), C_in % 8 == 0 (tokens) or "
+                         "N % 64 == 0, K % 8 == 0"),
         implicit_unembed("implicit_mma", cuda::Implicit::kMma, "cuda sm_80+",
                          "16-bit, kw = 2, C_in % 8 == 0 (tokens) or N % 8 == 0, K >= 16"),
 #endif
@@ -394,14 +417,15 @@ std::string weight_grad_signature(const WeightGradProblem& p) {
 }
 
 #ifdef PATCHGEMM_PTX_KERNELS
-bool dy_tokens(const WeightGradProblem& p) { return p.tokens || p.g.tokens() == 1; }
+// Whether grad_y lies tokens-major: tokens, one patch per sample, or channels-last.
+bool dy_tokens(const WeightGradProblem& p) { return p.tokens || p.g.tokens() == 1 || p.dy.stride(2) == 1; }
 
 // The kernels read grad_y as tokens [B, N, E] or channels-first [B, E, N].
 at::Tensor dy_for_kernels(const WeightGradProblem& p) { return dy_tokens(p) ? p.dy : p.dy.transpose(1, 2); }
 
 WeightGrads finish(const WeightGradProblem& p, const WeightGrads& grads) {
   const auto& [grad_w, grad_b] = grads;
-  return {grad_w.view(p.w_shape), grad_b.defined() ? grad_b : bias_grad_by_sum(p)};
+  return {weight_grad_in_weight_shape(grad_w, p), grad_b.defined() ? grad_b : bias_grad_by_sum(p)};
 }
 
 // The weight gradient's wgmma kernel wins wherever grad_y is channels-first (which cuBLAS needs
@@ -422,7 +446,8 @@ WhyNot implicit_weight_grad_rule(cuda::Implicit kernel, const WeightGradProblem&
     if (p.g.patch_size() < 128) return "rule: patches under 128 elements leave the tiles idle";
     return implicit_mma_pays(p.embed, p.g.batch * p.g.tokens(), p.x);
   }
-  const bool pairs = p.g.kernel[2] == 2 && p.g.grid[2] % 4 == 0 && runs_aligned(p.x5, 8);
+  const auto [x5, g] = fused_view(p.x5, p.g);
+  const bool pairs = g.kernel[2] == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
   if (dy_tokens(p) && p.embed > (pairs ? 512 : 256) && patch_matrix_bytes(p.g, p.x) >= kSmallWeightGradPatchBytes) {
     return "rule: tokens grad_y with E over 256 (pairs: 512) and a patch matrix of 8 MB or more runs faster as "
            "gather + cuBLAS";
@@ -433,10 +458,11 @@ WhyNot implicit_weight_grad_rule(cuda::Implicit kernel, const WeightGradProblem&
 Candidate<WeightGradProblem, WeightGrads> implicit_weight_grad(const char* name, cuda::Implicit kernel,
                                                                const char* backends, const char* conditions) {
   return {name, backends, conditions,
-          [](const WeightGradProblem& p) { return fused_kernels_apply(p.x, p.g); },
+          [](const WeightGradProblem& p) { return fused_kernels_apply(p.x, p.g, p.x5); },
           [kernel](const WeightGradProblem& p) { return implicit_weight_grad_rule(kernel, p); },
           [kernel](const WeightGradProblem& p, bool ruled, WhyNot& why) -> std::optional<WeightGrads> {
-            auto grads = cuda::implicit_weight_grad(kernel, dy_for_kernels(p), dy_tokens(p), p.x5, p.g, p.embed,
+            const auto [x5, g] = fused_view(p.x5, p.g);
+            auto grads = cuda::implicit_weight_grad(kernel, dy_for_kernels(p), dy_tokens(p), x5, g, p.embed,
                                                     p.with_bias && !p.transposed, ruled, why);
             if (!grads) return std::nullopt;
             return finish(p, *grads);
@@ -450,16 +476,17 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
 #ifdef PATCHGEMM_PTX_KERNELS
         {"tiny", "cuda sm_80+", "16-bit, kw = 2, gw % 4 == 0, patches of at most 64 elements, E <= 256; the bias "
                                 "gradient in the same pass",
-         [](const WeightGradProblem& p) { return fused_kernels_apply(p.x, p.g); },
+         [](const WeightGradProblem& p) { return fused_kernels_apply(p.x, p.g, p.x5); },
          [](const WeightGradProblem& p) { return not_a_view(p.x5, p.g); },
          [](const WeightGradProblem& p, bool, WhyNot& why) -> std::optional<WeightGrads> {
            const auto bias = !p.with_bias ? cuda::BiasGrad::kNone
                              : p.transposed ? cuda::BiasGrad::kUnembed
                                             : cuda::BiasGrad::kEmbed;
-           auto grads = cuda::tiny_weight_grad(dy_for_kernels(p), dy_tokens(p), p.x5, p.g, p.embed, bias, why);
+           const auto [x5, g] = fused_view(p.x5, p.g);
+           auto grads = cuda::tiny_weight_grad(dy_for_kernels(p), dy_tokens(p), x5, g, p.embed, bias, why);
            if (!grads) return std::nullopt;
            const auto& [grad_w, grad_b] = *grads;
-           return WeightGrads{grad_w.view(p.w_shape), p.with_bias ? grad_b : at::empty({0}, p.x.options())};
+           return WeightGrads{weight_grad_in_weight_shape(grad_w, p), p.with_bias ? grad_b : at::empty({0}, p.x.options())};
          }},
         implicit_weight_grad("implicit_rows_sm90", cuda::Implicit::kRowsSm90, "cuda sm_90a",
                              "16-bit, tokens grad_y, x contiguous, kw of 16 to 64, kh a multiple of 128 / kw, "

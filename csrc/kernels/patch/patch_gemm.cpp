@@ -86,6 +86,18 @@ std::optional<at::Tensor> patch_matrix_as_view(const at::Tensor& x5, const Patch
   return x5.as_strided({g.batch, 1, g.patch_size()}, {x5.stride(0), g.patch_size(), 1});
 }
 
+at::Tensor weight_grad_in_weight_shape(const at::Tensor& rows, const WeightGradProblem& p) {
+  if (!p.g.channels_last) return rows.reshape(p.w_shape);
+  // Columns (i, j, l, c): [E, *k, C] -> [E, C, *k], channels-last strides (the op keeps them).
+  std::vector<int64_t> shape{p.w_shape[0]}, order{0, p.rank + 1};
+  for (int64_t d = 0; d < p.rank; ++d) {
+    shape.push_back(p.w_shape[2 + d]);
+    order.push_back(1 + d);
+  }
+  shape.push_back(p.w_shape[1]);
+  return rows.reshape(shape).permute(order);
+}
+
 at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens) {
   if (p.tokens || !p.g.channels_last) return y_tokens.view(p.out_shape);
   // Channels-last output: [B, *grid, E] is its memory.
@@ -265,18 +277,7 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
     run_gemm(merge_batch(dy.contiguous()).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);
   }
   if (g.batch == 0) dw.zero_();
-  at::Tensor grad_w = dw.select(0, 0).narrow(1, 0, K);
-  if (g.channels_last) {  // columns (i, j, l, c): [E, *k, C] -> [E, C, *k]
-    std::vector<int64_t> shape{p.w_shape[0]}, order{0, p.rank + 1};
-    for (int64_t d = 0; d < p.rank; ++d) {
-      shape.push_back(p.w_shape[2 + d]);
-      order.push_back(1 + d);
-    }
-    shape.push_back(p.w_shape[1]);
-    grad_w = grad_w.reshape(shape).permute(order);  // channels-last strides: the op keeps them
-  } else {
-    grad_w = grad_w.reshape(p.w_shape);
-  }
+  const at::Tensor grad_w = weight_grad_in_weight_shape(dw.select(0, 0).narrow(1, 0, K), p);
   at::Tensor grad_b = ones_column ? dw.select(0, 0).select(1, K).contiguous() : bias_grad_by_sum(p);
   return {grad_w, grad_b};
 }

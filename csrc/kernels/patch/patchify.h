@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace patchgemm {
@@ -32,6 +33,10 @@ struct PatchGeometry {
   // The column order of P: (i, j, l, c) when true (the weight then as weight.permute(0, 2.., 1)),
   // else (c, i, j, l). Only the gather / scatter + GEMM paths take the channels-last order.
   bool channels_last = false;
+  // Set by channels_first_view: the channels-first geometry of a channels-last volume, whose patch
+  // rows interleave this many channels (column k of a patch holds channel k % interleaved_channels;
+  // the unembedding's bias needs it). 0: a volume's own geometry.
+  int64_t interleaved_channels = 0;
 
   int64_t tokens() const { return grid[0] * grid[1] * grid[2]; }
   int64_t patch_size() const { return channels * kernel[0] * kernel[1] * kernel[2]; }
@@ -65,6 +70,14 @@ inline at::Tensor to_5d(const at::Tensor& t) {
   while (v.dim() < 5) v = v.unsqueeze(2);
   return v;
 }
+
+// The fused kernels read and write channels-first patches: columns (c, i, j, l), rows of kw unit-stride
+// elements. A channels-last volume v5 [B, C, D, H, W] (channel stride 1, W stride C) cut into g's
+// patches is such a volume too: [B, 1, D, H, W * C] cut into kd x kh x (kw * C) patches, whose
+// columns (i, j, l') are the channels-last (i, j, l, c). That view and geometry; v5 and g themselves
+// for a channels-first g; nullopt where v5's strides leave gaps between pixels (has_channels_first_view).
+bool has_channels_first_view(const at::Tensor& v5, const PatchGeometry& g);
+std::optional<std::pair<at::Tensor, PatchGeometry>> channels_first_view(const at::Tensor& v5, const PatchGeometry& g);
 
 // Whether runs of v elements of x5 [B, C, D, H, W] are v-aligned wherever a patch row starts (the
 // pointer and every stride that moves, in elements).

@@ -26,6 +26,7 @@ struct Problem {
   int E;
   int gh, gw, tokens;  // patch grid rows and columns, tokens per sample
   int64_t rows;        // B * tokens
+  int interleaved;     // PatchGeometry::interleaved_channels: column k's channel is k % it where > 0
 };
 
 // n / d for 0 <= n < 2^31 by a multiply-high (Granlund and Montgomery), for coordinates that change
@@ -137,13 +138,16 @@ __device__ __forceinline__ int patch_offset(const Problem& p, int k) {
 }
 
 // patch_offset without divisions, for kernels that take it per store: multiply-high divisions by
-// the patch's kw, kh and kd (built on the host). Also gives element k's channel.
+// the patch's kw, kh and kd (built on the host). Also gives element k's channel (of a volume's own
+// geometry, or interleaved in the rows of a channels_first_view).
 struct PatchDivs {
   FastDiv kw, kh, kd;
   explicit PatchDivs(const Problem& p)
       : kw(static_cast<uint32_t>(p.kw)), kh(static_cast<uint32_t>(p.kh)), kd(static_cast<uint32_t>(p.kd)) {}
 
-  __device__ __forceinline__ int channel(int k) const { return kd(kh(kw(k))); }
+  __device__ __forceinline__ int channel(const Problem& p, int k) const {
+    return p.interleaved > 0 ? k % p.interleaved : kd(kh(kw(k)));
+  }
   __device__ __forceinline__ int offset(const Problem& p, int k) const {
     int l, j, i;
     const int c = kd.divmod(kh.divmod(kw.divmod(k, l), j), i);
@@ -178,6 +182,7 @@ inline bool make_problem(const at::Tensor& x5, const PatchGeometry& g, int64_t E
   p.gw = static_cast<int>(g.grid[2]);
   p.tokens = static_cast<int>(N);
   p.rows = g.batch * N;
+  p.interleaved = static_cast<int>(g.interleaved_channels);
   return true;
 }
 

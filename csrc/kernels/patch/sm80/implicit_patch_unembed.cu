@@ -208,15 +208,17 @@ bool implicit_unembed(Implicit kernel, const at::Tensor& x, bool tokens, const a
   Problem p;
   // x moves in 16-byte pieces of 8 channels (tokens) or 8 tokens of a sample (channels-first); y
   // takes 16-byte stores of the kw-element runs of 8 / kw tokens of a grid row: kw = 2, and on
-  // wgmma kw = 4 too.
+  // wgmma kw = 4 too, or of 8 elements of one token's run (wgmma, kw % 8 == 0).
   const bool wgmma = kernel == Implicit::kSm90;
   const int64_t kw = g.kernel[2];
   if (dtype != at::kHalf && dtype != at::kBFloat16) return decline(why, "16-bit dtypes only");
   if (kernel != Implicit::kMma && kernel != Implicit::kSm90) return decline(why, "no such unembedding kernel");
   if (tokens ? C_in % 8 : N % 8) return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 8");
   if (g.levels.size() != 1) return decline(why, "row-major token order only (no levels)");
-  if (!(kw == 2 || (kw == 4 && wgmma))) return decline(why, wgmma ? "kw must be 2 or 4" : "kw must be 2");
-  if (g.grid[2] % (8 / kw)) return decline(why, "gw must be a multiple of 8 / kw");
+  if (!(kw == 2 || (wgmma && (kw == 4 || kw % 8 == 0)))) {
+    return decline(why, wgmma ? "kw must be 2, 4 or a multiple of 8" : "kw must be 2");
+  }
+  if (kw < 8 && g.grid[2] % (8 / kw)) return decline(why, "gw must be a multiple of 8 / kw");
   if (K < 16 || C_in < 16) return decline(why, "needs K >= 16 and C_in >= 16");
   if (!runs_aligned(y5, 8)) return decline(why, "the output's rows must be multiples of 8 elements");
   if (device->major < 8) return decline(why, "needs sm_80 or newer");

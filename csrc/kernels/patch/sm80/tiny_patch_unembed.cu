@@ -212,6 +212,8 @@ bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const 
   if (K == 0 || K > kMaxK) return decline(why, "patches of 1 to 64 elements only");
   if (C_in == 0 || C_in > kMaxC) return decline(why, "1 to 512 input channels only");
   if (g.kernel[2] % 2) return decline(why, "kw must be even");
+  // (A column pair shares its channel's bias, which interleaved channels do not.)
+  if (bias && g.interleaved_channels > 1) return decline(why, "a bias over channels-last patches");
   if (tokens ? C_in % 8 : N % 4) return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 4");
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(x.get_device());
   if (device->major < 8) return decline(why, "needs sm_80 or newer");

@@ -266,6 +266,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Ten
   if (K > kMaxK || E > kMaxE || E % 2) return decline_grads(why, "patches of at most 64 elements, E even and at most 256");
   if (tokens ? E % 8 : N % 8) return decline_grads(why, tokens ? "E must be a multiple of 8" : "patches per sample must be a multiple of 8");
   if (g.kernel[2] != 2 || g.grid[2] % 4) return decline_grads(why, "kw must be 2 and gw a multiple of 4");
+  if (bias == BiasGrad::kUnembed && g.interleaved_channels > 1) {
+    return decline_grads(why, "the transposed op's bias gradient over channels-last patches");
+  }
   if (x5.stride(4) != 1 || !runs_aligned(x5, 8)) return decline_grads(why, "x's rows must be contiguous and 16-byte aligned");
   if (at::cuda::getDeviceProperties(x5.get_device())->major < 8) return decline_grads(why, "needs sm_80 or newer");
   if (!make_problem(x5, g, E, p)) return decline_grads(why, "sizes past the kernel's 32-bit indices");

@@ -1,8 +1,10 @@
-// Implicit-GEMM patch unembedding on Hopper (sm_90a), kw = 2 or 4: the GEMM of
+// Implicit-GEMM patch unembedding on Hopper (sm_90a), kw = 2, 4 or a multiple of 8: the GEMM of
 // implicit_patch_unembed.cu, which explains it (tokens x patch columns x C_in, the output tile
 // scattered into y from the epilogue), with warpgroup MMAs (wgmma) in place of mma.sync, as the
 // forward's implicit_patch_gemm_sm90.cu. A patch row of y is a run of kw elements, and the runs of
-// consecutive tokens are adjacent: the epilogue stores 16 bytes = the runs of 8 / kw tokens.
+// consecutive tokens are adjacent: the epilogue stores 16 bytes = the runs of 8 / kw tokens. Where
+// kw % 8 == 0 (channels-last y's rows of kw * C elements are: patchify.h, channels_first_view) it
+// stores 8 elements of one token's row instead, a warp's lanes along the row.
 //
 // Persistent and warp-specialized, because the GEMM is short (C_in: 3 to 24 slices) and its output
 // large (y is 8x to 64x x): a block per SM walks tiles of 128 tokens x 192 patch columns. One
@@ -51,19 +53,24 @@ constexpr int kTileN = 192;                 // patch columns per tile
 constexpr int kTileK = 64;                  // input channels per slice
 constexpr int kStages = 4;
 constexpr int kSlotA = kTileM * 128, kSlot = kSlotA + kTileN * 128;  // bytes of a pipeline slot
-// The output stage, [run][token] rows of kw / 2 words: kw = 2, pitch = 8 mod 32 words; kw = 4,
-// 16 mod 32. Conflict-free either way.
+// The output stage, [run][token] rows of kRun / 2 words: kRun = 2, pitch = 8 mod 32 words; 4, 16
+// mod 32. kRun = 8: [token][run], a token's 24 runs of 4 words then 4 words of padding (100 = 4 mod
+// 32). Conflict-free each way.
 constexpr int kStagePitch = kTileM + 8;
+constexpr int kTokenPitch = kTileN / 2 + 4;
 constexpr int kStageBytes = kTileN / 2 * kStagePitch * 4;
+static_assert(kTileM * kTokenPitch * 4 <= kStageBytes);
 // Shared memory from a 1024-byte aligned base (the launch adds the slack): the slots, the stage, the
-// mbarriers (landed and released per slot, then stage_full and stage_free), and the storers' two
-// tables of a tile's run offsets (at most kTileN / 2 runs each).
+// mbarriers (landed and released per slot, then stage_full and stage_free), the storers' two tables
+// of a tile's run offsets (at most kTileN / 2 runs each), and (kRun = 8) their two tables of its
+// tokens' origins.
 constexpr int kStageOffset = kStages * kSlot;
 constexpr int kBarrierOffset = kStageOffset + kStageBytes;
 constexpr int kTableOffset = kBarrierOffset + (2 * kStages + 2) * 8;
-constexpr int kSmemBytes = 1024 + kTableOffset + 2 * (kTileN / 2) * 4;
+constexpr int kOriginOffset = kTableOffset + 2 * (kTileN / 2) * 4;
+constexpr int kSmemBytes = 1024 + kOriginOffset + 2 * kTileM * 8;
 
-// p describes y (the volume the patches tile) with p.E = C_in, the reduction. kRun = p.kw. Tile t
+// p describes y (the volume the patches tile) with p.E = C_in, the reduction. kRun = p.kw, or 8. Tile t
 // covers tokens 128 (t / tiles_n) .. and columns 192 (t % tiles_n) ..: the blocks running at once
 // share their x rows in L2.
 // Where y's tiles are pair boxes (kBoxStore): where a tile goes, y's channels and a channel's columns.
@@ -90,6 +97,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // no whole-warp counting as named barriers do).
   const SlotBarriers<1> stage_full{released.base + kStages * 8}, stage_free{stage_full.base + 8};
   int* run_offset = reinterpret_cast<int*>(smem + kTableOffset);
+  int64_t* token_origin = reinterpret_cast<int64_t*>(smem + kOriginOffset);  // kRun = 8; -1: past the end
   landed.init();
   released.init(2);  // one arrival per consumer warpgroup
   stage_full.init(kConsumers);
@@ -99,6 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int k_tiles = (p.E + kTileK - 1) / kTileK;
 
   // 16-byte stores: kGroup tokens (one patch-grid row: gw % kGroup == 0) of one run.
+  static_assert(kRun == 2 || kRun == 4 || kRun == 8);
   constexpr int kWordsPerRun = kRun / 2, kGroup = 8 / kRun, kGroups = kTileM / kGroup, kRuns = kTileN / kRun;
   // Registers move from the producer's warpgroup, which needs few, to the consumers' accumulators
   // and bias (launch bounds give each thread 168; 128 x 56 + 256 x 224 fit the SM's 64 K).
@@ -106,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     set_max_registers<56, false>();
     if (threadIdx.x >= 32) {  // the storers
       if constexpr (kBoxStore) return;
-      // Lane l of storer warp w stores the token groups l (and l + 32 where kw = 4), runs w, w + 3, ...:
+      // Lane l of storer warp w stores the token groups l, l + 32, ... (one for kw = 2), runs w, w + 3, ...:
       // a warp's 16-byte stores are 32 consecutive groups of one run, and a thread's origins stay in
       // registers.
       constexpr int kGroupsPerLane = kGroups / 32, kStorerWarps = kStorers / 32;
@@ -131,6 +140,39 @@ __global__ void __launch_bounds__(kThreads, 1)
           origin[h] = token < p.rows ? patch_origin(p, token) : -1;
         }
       };
+      if constexpr (kRun == 8) {
+        // The tile's 128 x 24 pieces, runs fastest: a warp stores 512 bytes of a token's row (or the
+        // rows of kd * kh, if shorter), and a thread's pieces are kStorers apart.
+        auto write_origins = [&](int tile, int64_t* table) {
+          const int64_t m0 = static_cast<int64_t>(tile / tiles_n) * kTileM;
+          for (int t = threadIdx.x - 32; t < kTileM; t += kStorers) table[t] = m0 + t < p.rows ? patch_origin(p, m0 + t) : -1;
+        };
+        write_table(blockIdx.x, run_offset);
+        write_origins(blockIdx.x, token_origin);
+        stage_free.arrive(0);
+        for (int tile = blockIdx.x, n = 0; tile < tiles; tile += gridDim.x, ++n) {
+          const int* table = run_offset + n % 2 * kRuns;
+          const int64_t* origins = token_origin + n % 2 * kTileM;
+          stage_full.wait(n);
+#pragma unroll 4
+          for (int piece = threadIdx.x - 32; piece < kTileM * kRuns; piece += kStorers) {
+            const int token = piece / kRuns, run = piece - token * kRuns;
+            const int offset = table[run];
+            const int64_t origin = origins[token];
+            if (offset >= 0 && origin >= 0) {
+              *reinterpret_cast<uint4*>(y + origin + offset) =
+                  *reinterpret_cast<const uint4*>(stage + token * kTokenPitch + run * kWordsPerRun);
+            }
+          }
+          const int next = tile + static_cast<int>(gridDim.x);
+          if (next < tiles) {
+            write_table(next, run_offset + (n + 1) % 2 * kRuns);
+            write_origins(next, token_origin + (n + 1) % 2 * kTileM);
+          }
+          stage_free.arrive(0);
+        }
+        return;
+      }
       write_table(blockIdx.x, run_offset);
       stage_free.arrive(0);  // phase 0: the first table is written; phase n + 1: tile n is stored
       find_origins(blockIdx.x);
@@ -190,12 +232,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int tile = blockIdx.x, n = 0; tile < tiles; tile += gridDim.x, ++n) {
     const int col0 = tile % tiles_n * kTileN;
     // acc[4 j + 2 half + i]: token wg*64 + wq*16 + g + 8 half, column 8 j + 2 q + i. The bias is per
-    // output channel, column / (kd * kh * kw), the same for both columns of a pair (kw is even);
-    // fetched now, used after the GEMM.
-    float bias_of[kTileN / 8];
+    // output channel (PatchDivs::channel), a pair of 16-bit values per column pair; fetched now, used
+    // after the GEMM.
+    uint32_t bias_of[kTileN / 8];
 #pragma unroll
     for (int j = 0; j < kTileN / 8; ++j) {
-      bias_of[j] = bias ? to_float(bias[divs.channel(min(col0 + 8 * j + 2 * q, p.K - 1))]) : 0.f;
+      const int column = min(col0 + 8 * j + 2 * q, p.K - 2);
+      bias_of[j] = bias ? pack2<T>(to_float(bias[divs.channel(p, column)]), to_float(bias[divs.channel(p, column + 1)]))
+                        : 0u;
     }
     float acc[kTileN / 2];
 #pragma unroll
@@ -232,8 +276,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int token = wg * 64 + wq * 16 + g + half * 8;
+          float lo, hi;
+          unpack2<T>(bias_of[j], lo, hi);
           st_shared(base + kStageOffset + pair_box_offset(4 * j + q, token, box.tiles_m.gw),
-                    pack2<T>(acc[4 * j + 2 * half] + bias_of[j], acc[4 * j + 2 * half + 1] + bias_of[j]));
+                    pack2<T>(acc[4 * j + 2 * half] + lo, acc[4 * j + 2 * half + 1] + hi));
         }
       }
       fence_proxy_async();  // the stage's writes, visible to the TMA store
@@ -249,11 +295,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int j = 0; j < kTileN / 8; ++j) {
       const int column = 8 * j + 2 * q, run = column / kRun;
+      float lo, hi;
+      unpack2<T>(bias_of[j], lo, hi);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int token = wg * 64 + wq * 16 + g + half * 8;
-        stage[(run * kStagePitch + token) * kWordsPerRun + column % kRun / 2] =
-            pack2<T>(acc[4 * j + 2 * half] + bias_of[j], acc[4 * j + 2 * half + 1] + bias_of[j]);
+        const int word = kRun == 8 ? token * kTokenPitch + run * kWordsPerRun + q
+                                   : (run * kStagePitch + token) * kWordsPerRun + column % kRun / 2;
+        stage[word] = pack2<T>(acc[4 * j + 2 * half] + lo, acc[4 * j + 2 * half + 1] + hi);
       }
     }
     stage_full.arrive(0);
@@ -319,6 +368,10 @@ bool launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x, const
                        const std::optional<at::Tensor>& bias, const at::Tensor& y5) {
   BoxStore box{};
   CUtensorMap y_map{};
+  if (p.kw % 8 == 0) {
+    return tokens ? launch<T, true, 8, false>(p, x, w, bias, y5, box, y_map)
+                  : launch<T, false, 8, false>(p, x, w, bias, y5, box, y_map);
+  }
   if (p.kw == 4) {
     return tokens ? launch<T, true, 4, false>(p, x, w, bias, y5, box, y_map)
                   : launch<T, false, 4, false>(p, x, w, bias, y5, box, y_map);
