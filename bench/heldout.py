@@ -1,10 +1,11 @@
 """The default selection against the best PyTorch path, on shapes outside the benchmark suite.
 
-    python bench/heldout.py [--set heldout|tuning|all] [--filter TEXT] [--candidates] [--kernels]
-                            [--json PATH] [--markdown PATH]
+    python bench/heldout.py [--set heldout|tuning|all|channels-last] [--count N] [--filter TEXT]
+                            [--candidates] [--kernels] [--json PATH] [--markdown PATH]
 
 The shape sets, ``TUNING`` (rules may be fitted to these) and ``HELDOUT`` (never tuned on), live in
-``patchgemm/shapes.py``, which explains the split.
+``patchgemm/shapes.py``, which explains the split; ``channels-last`` is ``shapes.channels_last_shapes``
+(``--count`` channels-last embeddings, default 50, each with its transpose), apart from ``all``.
 
 For each shape and pass (forward; forward + backward with the gradients the layer needs), the GPU
 time (the sum of the kernel times the profiler records: the host's time does not count) of
@@ -28,7 +29,7 @@ import torch
 
 import patchgemm
 from patchgemm.bench import environment, input_sets, kernel_ms
-from patchgemm.shapes import HELDOUT, TUNING, Problem, Shape, problem
+from patchgemm.shapes import HELDOUT, TUNING, Problem, Shape, channels_last_shapes, problem
 
 ROUNDS, REPS = 3, 10  # see measure()
 
@@ -185,7 +186,8 @@ def format_markdown(results: List[Result], env: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--set", choices=["heldout", "tuning", "all"], default="all")
+    parser.add_argument("--set", choices=["heldout", "tuning", "all", "channels-last"], default="all")
+    parser.add_argument("--count", type=int, default=50, help="channels-last embeddings in --set channels-last")
     parser.add_argument("--filter", help="only shapes whose id contains this text (comma-separated: any of them)")
     parser.add_argument("--candidates", action="store_true", help="also time every candidate, forced")
     parser.add_argument("--kernels", action="store_true", help="print the kernels of ours and each PyTorch path")
@@ -195,6 +197,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sets = {"tuning": TUNING, "heldout": HELDOUT}
+    if args.set == "channels-last":
+        sets = {"channels-last": channels_last_shapes(args.count)}
     wanted = [f.strip() for f in (args.filter or "").split(",") if f.strip()]
     chosen = [(name, s) for name, shapes in sets.items() if args.set in (name, "all") for s in shapes
               if not wanted or any(f in s.id for f in wanted)]

@@ -17,13 +17,15 @@ The split between the sets is the point of this file:
   video and 3-D stems at common resolutions, hierarchical downsampling with C -> 2C, decoder heads
   and upsampling, channel counts that are not multiples of 8), where ``random_shapes``' uniform
   grid is thin. Training data too; the held-out set stays out of both.
+- ``channels_last_shapes(n, seed)``: the channels-last 16-bit embeddings of those two, each with its
+  mirror transpose, for measuring the channels-last paths alone.
 
 ``bench/heldout.py`` measures the default choice against PyTorch on these sets.
 """
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -232,18 +234,21 @@ def problem(s: Shape, device: torch.device) -> Problem:
         c_in, k = s.x[-1] if s.tokens else s.x[1], s.kernel
         grid = s.grid if s.tokens else s.x[2:]
 
+        fmt_x = fmt if not s.tokens else (lambda t: t)
+
         def make_inputs():
             w = randn(c_in, s.width, *k, dtype=dtype, device=device) / math.sqrt(c_in)
-            return {"x": randn(*s.x, dtype=dtype, device=device, requires_grad=True),
-                    "w": w.requires_grad_(),
+            return {"x": fmt_x(randn(*s.x, dtype=dtype, device=device)).requires_grad_(),
+                    "w": fmt_x(w).requires_grad_(),
                     "b": randn(s.width, dtype=dtype, device=device, requires_grad=True) if s.bias else None}
 
         def channels_first(x):
             return x.transpose(1, 2).reshape(x.shape[0], c_in, *grid) if s.tokens else x
 
         conv_t = _CONV_T[rank]
+        out_fmt = _memory_format(rank) if s.channels_last and not s.tokens else torch.contiguous_format
         paths = {"conv_transpose": lambda x, w, b: conv_t(channels_first(x), w, b, stride=k),
-                 "linear": lambda x, w, b: linear_patch_unembed(channels_first(x), w, b)}
+                 "linear": lambda x, w, b: linear_patch_unembed(channels_first(x), w, b).contiguous(memory_format=out_fmt)}
         ours = (lambda x, w, b: pg.patch_unembed(x, w, b, in_format="tokens", grid=grid)) if s.tokens else \
             (lambda x, w, b: pg.patch_unembed(x, w, b))
         return Problem(make_inputs, ours, paths, ["x", "w"] + (["b"] if s.bias else []),
@@ -395,6 +400,22 @@ def _model_head(rng: random.Random, i: int, dtype: str) -> Optional[Shape]:
     x = (batch, math.prod(grid), c_in) if tokens else (batch, c_in) + grid
     return _unembed(f"model-head-{i}", x, width, (k,) * rank, dtype, tokens=tokens, grid=grid if tokens else (),
                     bias=rng.random() < 0.8)
+
+
+def channels_last_shapes(n: int, seed: int = 0) -> List[Shape]:
+    """``n`` channels-last 16-bit embeddings of ``random_shapes`` and ``model_shapes`` (seed ``seed``),
+    each followed by its mirror: the transpose from the embedding's output back to x's shape, with x
+    and the weight channels-last too."""
+    pool = [s for s in random_shapes(20 * n, seed) + model_shapes(20 * n, seed)
+            if s.op == "patch_embed" and s.channels_last and s.dtype != "fp32"]
+    random.Random(seed + 1).shuffle(pool)
+    shapes = []
+    for s in pool[:n]:
+        grid = tuple(size // k for size, k in zip(s.x[2:], s.kernel))
+        shapes += [replace(s, id=f"cl-{s.id}"),
+                   _unembed(f"cl-{s.id}-transpose", (s.x[0], s.width) + grid, s.x[1], s.kernel, s.dtype,
+                            channels_last=True, bias=s.bias)]
+    return shapes
 
 
 def model_shapes(n: int, seed: int = 0) -> List[Shape]:

@@ -410,10 +410,11 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
     spec = importlib.util.spec_from_file_location("heldout", path)
     heldout = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(heldout)
-    from patchgemm.shapes import _embed, _grouped, _unembed
+    from patchgemm.shapes import _embed, _grouped, _unembed, channels_last_shapes
 
     shapes = [_embed("e", (2, 4, 8, 8), 16, (2, 2), channels_last=True),
               _unembed("u", (2, 3, 12), 4, (4,), tokens=True, grid=(3,)),
+              _unembed("uc", (2, 16, 4, 4), 4, (2, 2), channels_last=True),
               _grouped("g", (4, 3, 8), 5, bias=False)]
     results = [r for s in shapes for r in heldout.measure(s, "tuning", torch.device("cpu"), candidates=True)]
     assert [(r.id, r.pass_) for r in results] == [(s.id, p) for s in shapes for p in ("fwd", "fwd+bwd")]
@@ -421,6 +422,13 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
         assert r.ratio > 0 and r.chosen[r.op] in {c.name for c in patchgemm.kernels(r.op)}
         assert r.candidates_ms  # every op of the pass, each candidate timed or marked unsupported
     assert {row["op"] for row in heldout.summary(results)} == {"patch_embed", "patch_unembed", "grouped_linear"}
+    # --set channels-last: channels-last 16-bit embeddings, each followed by its transpose back to x
+    cl = channels_last_shapes(3)
+    assert [s.op for s in cl] == ["patch_embed", "patch_unembed"] * 3 and len({s.id for s in cl}) == 6
+    for embed, transpose in zip(cl[::2], cl[1::2]):
+        assert embed.channels_last and transpose.channels_last and embed.dtype in ("bf16", "fp16")
+        assert transpose.x[:2] == (embed.x[0], embed.width) and transpose.width == embed.x[1]
+        assert [g * k for g, k in zip(transpose.x[2:], transpose.kernel)] == list(embed.x[2:])
 
 
 # The rules' choices on shapes they were fitted to (bench/results/tune-h100.json.gz): what each one is for.
