@@ -685,6 +685,10 @@ CHANNELS_LAST_FUSED = [
     ((2, 32, 16, 32), (2, 2), 64, {"patch_embed": "implicit_rows_sm90", "patch_unembed": "implicit_sm90",
                                    "patch_weight_grad": "implicit_rows_sm90"}, True),  # rows of 64 by TMA
     ((2, 8, 8, 8), (2, 2), 32, dict(_SM90, patch_unembed="tiny"), False),  # K = 32
+    # an image stem's 3 channels, a 3-D stem's 6: rows of 12, runs of 4 (the transpose's stores
+    # need rows of 2, 4 or 8k values: GEMM -> scatter there)
+    ((2, 3, 16, 32), (4, 4), 64, dict(_SM90, patch_unembed="gemm_scatter"), True),
+    ((2, 6, 8, 8, 8), (2, 2, 2), 32, dict(_SM90, patch_unembed="gemm_scatter"), True),
     ((4, 96, 16, 16), (2, 2), 192, {"patch_embed": "implicit_mma"}, True),  # mma.sync (sm_80+)
 ]
 
