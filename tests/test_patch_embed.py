@@ -755,6 +755,24 @@ def test_gpu_fused_kernels_decline_channels_last_with_gaps():
     assert_close_to_ref(patchgemm.patch_embed(xs, w, b), ref, torch.bfloat16)
 
 
+@needs_gpu
+def test_gpu_fused_transposes_bias_channels_last_rows_of_two():
+    """Channels-last kw = 1 over 2 channels: rows of kw * C = 2 values interleaving the channels,
+    whose column pairs need two bias values. mma.sync's transpose adds one per pair, so it declines;
+    the sm90 one (where built) gives each column its channel's."""
+    x = randn(2, 16, 2, 8, dtype=torch.bfloat16, device="cuda").contiguous(memory_format=torch.channels_last)
+    w = randn(16, 2, 64, 1, dtype=torch.bfloat16, device="cuda") / 4
+    b = randn(2, dtype=torch.bfloat16, device="cuda")
+    with patchgemm.force(patch_unembed="implicit_mma"), pytest.raises(RuntimeError, match="a bias over channels-last"):
+        patchgemm.patch_unembed(x, w, b)
+    ref = F.conv_transpose2d(x.double(), w.double(), b.double(), stride=(64, 1))
+    for forced in (["implicit_sm90"] if wgmma_built() else []) + [None]:
+        with patchgemm.force(**({"patch_unembed": forced} if forced else {})):
+            y = patchgemm.patch_unembed(x, w, b)
+        assert y.is_contiguous(memory_format=torch.channels_last)
+        assert_close_to_ref(y, ref, torch.bfloat16)
+
+
 def cropped(x):
     """x as a view into a larger tensor (w still contiguous, other strides and offset aligned)."""
     big = torch.zeros(x.shape[0], x.shape[1] + 1, *x.shape[2:-1], x.shape[-1], dtype=x.dtype, device=x.device)

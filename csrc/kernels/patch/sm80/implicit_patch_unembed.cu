@@ -219,6 +219,9 @@ bool implicit_unembed(Implicit kernel, const at::Tensor& x, bool tokens, const a
     return decline(why, wgmma ? "kw must be 2, 4 or a multiple of 8" : "kw must be 2");
   }
   if (kw < 8 && g.grid[2] % (8 / kw)) return decline(why, "gw must be a multiple of 8 / kw");
+  // (mma.sync adds one channel's bias to a column pair, which interleaved channels do not share:
+  // channels-last kw = 1 over 2+ channels makes rows of kw * C = 2.)
+  if (!wgmma && bias && g.interleaved_channels > 1) return decline(why, "a bias over channels-last patches");
   if (K < 16 || C_in < 16) return decline(why, "needs K >= 16 and C_in >= 16");
   if (!runs_aligned(y5, 8)) return decline(why, "the output's rows must be multiples of 8 elements");
   if (device->major < 8) return decline(why, "needs sm_80 or newer");
