@@ -1,11 +1,13 @@
 """The C++ autograd (csrc/ops/autograd.cpp): every combination of inputs that need a gradient, with and
 without a bias, against PyTorch's own autograd in float64; dynamic-shape compile through backward."""
 
+import contextlib
 import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 
 import patchgemm
 from conftest import DEVICES, assert_close_to_ref, randn
@@ -110,3 +112,58 @@ def test_compile_dynamic_backward(device):
         want = torch.autograd.grad(y_ref.square().sum(), [x, w, u])
         for a, r in zip(got, want):
             torch.testing.assert_close(a, r)
+
+
+class _Seen(torch.utils._python_dispatch.TorchDispatchMode):
+    """A mode that only records the ops it sees; while it is active no call is plain."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _plain_cases(device, dtype):
+    cl = torch.channels_last
+    x = randn(2, 4, 8, 12, dtype=dtype, device=device)
+    w, b = randn(6, 4, 2, 4, dtype=dtype, device=device), randn(6, dtype=dtype, device=device)
+    xu = randn(2, 6, 4, 3, dtype=dtype, device=device)
+    xr, wr = randn(10, 4, dtype=dtype, device=device), randn(3, 5, 4, dtype=dtype, device=device)
+    offsets = torch.tensor([3, 3, 10], device=device)
+    return {
+        "patch_embed": (lambda x, w, b: patchgemm.patch_embed(x, w, b), (x, w, b)),
+        "patch_embed channels-last": (lambda x, w, b: patchgemm.patch_embed(x, w, b), (x.contiguous(memory_format=cl), w, b)),
+        "patch_embed tokens": (lambda x, w, b: patchgemm.patch_embed(x, w, b, out_format="tokens"), (x, w, b)),
+        "patch_unembed": (lambda x, w, b: patchgemm.patch_unembed(x, w, b[:4]), (xu, w, b)),
+        "patch_unembed channels-last": (lambda x, w, b: patchgemm.patch_unembed(x, w, b[:4]),
+                                        (xu.contiguous(memory_format=cl), w, b)),
+        "ragged grouped_linear": (lambda x, w, b: patchgemm.grouped_linear(x, w, b, offsets=offsets),
+                                  (xr, wr, randn(3, 5, dtype=dtype, device=device))),
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(_plain_cases("cpu", torch.float64)))
+def test_plain_calls_match_the_dispatcher(device, case):
+    """Plain calls of the patch and ragged ops run their C++ from the autograd kernel (checked once,
+    no second pass through the dispatcher); under a TorchDispatchMode no call is plain, and they go
+    through the dispatcher, where the mode sees them. Both give the same values and gradients."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float64
+    fn, inputs = _plain_cases(device, dtype)[case]
+    results = []
+    for mode in (None, _Seen()):
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        with mode or contextlib.nullcontext():
+            y = fn(*leaves)
+            grads = torch.autograd.grad(y, leaves, torch.ones_like(y))
+        if mode is not None:
+            assert any(op.startswith("patchgemm.") for op in mode.ops), mode.ops
+        results.append((y, *grads))
+    for got, want in zip(*results):
+        if device == "cpu":
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        else:  # (where the plain call settles on cuDNN, the mode's runs patchgemm's kernels)
+            assert_close_to_ref(got, want, dtype)

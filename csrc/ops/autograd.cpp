@@ -2,9 +2,10 @@
 // because a Python autograd.Function costs tens of microseconds of host time per layer and call,
 // which is as long as the GPU work of a ViT patch embedding (P1/P2 in BENCHMARKS.md).
 //
-// Forward and backward call the ops through the dispatcher, never the C++ functions directly:
-// that reaches the right backend, and under torch.compile the fake kernels (patchgemm/ops.py), so
-// the compiled backward traces the same ops.
+// Forward and backward call the ops through the dispatcher: that reaches the right backend, and
+// under torch.compile the fake kernels (patchgemm/ops.py), so the compiled backward traces the same
+// ops. The patch ops, whose checks and choice cost the most host time, run a plain call (dense CPU
+// or CUDA tensors, no mode: ops/checks.h) from its problem instead, checked once here.
 //
 //   grouped_linear  dx = grouped_linear_grad_input, dW = grouped_linear_grad_weight, db = sum
 //   ragged_grouped_linear  the same through its ragged ops, db = per-group sums (segment_reduce)
@@ -15,9 +16,8 @@
 //   instance_norm_act  instance_norm_act_backward, from x and the per-channel statistics
 //   swiglu          swiglu_backward, from gate_up (h is not saved: the backward recomputes it)
 // One exception: where patch_embed's (patch_unembed's) choice settles on ATen's (transposed)
-// convolution before anything runs (channels-last x on cuDNN, plain tensors: never under
-// torch.compile), the op is that convolution with PyTorch's autograd (patch_embed_as_aten_conv,
-// patch_unembed_as_aten_conv_transpose).
+// convolution before anything runs (channels-last x on cuDNN, plain calls), the op is that
+// convolution with PyTorch's autograd (patch_problem.h: may_settle_on_aten).
 // The patch matrix is never saved: patch_weight_grad recomputes it from x, an input of the op
 // (saving an input costs no memory); nor is the normalized activation: the norm's backward
 // recomputes it from x.
@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include "kernels/gemm/gemm.h"
+#include "ops/checks.h"
 #include "selection/norm_problem.h"
 #include "selection/patch_problem.h"
 #include "selection/ragged_problem.h"
@@ -62,6 +63,16 @@ at::Tensor call_below_autograd(const Op& op, Args&&... args) {
 }
 
 bool has_value(const OptionalTensor& t) { return t.has_value() && t->defined(); }
+
+// An optional tensor as plain_call takes it (undefined: absent).
+at::Tensor or_undefined(const OptionalTensor& t) { return t.value_or(at::Tensor()); }
+
+// Runs `fn` (the op's C++ on a plain call) as its backend kernel would run: below autograd.
+template <typename Fn>
+auto below_autograd(Fn fn) {
+  at::AutoDispatchBelowADInplaceOrView below;
+  return fn();
+}
 
 // Whether a call must go through its autograd Function: grad mode on and an input that requires
 // grad, or an input with a forward-mode tangent (which Function::apply reports as unsupported).
@@ -164,10 +175,12 @@ const auto& ragged_grouped_linear_op() {
   return op;
 }
 
+// `plain`: every tensor plain (ops/checks.h), so the op's C++ runs directly, forward and backward.
 struct RaggedGroupedLinear : Function<RaggedGroupedLinear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const OptionalTensor& bias, const at::Tensor& offsets) {
-    at::Tensor y = call_below_autograd(ragged_grouped_linear_op(), x, weight, bias, offsets);
+                            const OptionalTensor& bias, const at::Tensor& offsets, bool plain) {
+    at::Tensor y = plain ? below_autograd([&] { return ragged_grouped_linear(x, weight, bias, offsets); })
+                         : call_below_autograd(ragged_grouped_linear_op(), x, weight, bias, offsets);
     ctx->save_for_backward({weight.requires_grad() ? x : at::Tensor(),
                             x.requires_grad() ? weight : at::Tensor(), offsets});
     ctx->saved_data["has_bias"] = has_value(bias);
@@ -179,14 +192,18 @@ struct RaggedGroupedLinear : Function<RaggedGroupedLinear> {
     const at::Tensor &x = saved[0], &weight = saved[1], &offsets = saved[2], &grad_y = grads[0];
     refuse_second_derivative(ctx->needs_input_grad(kX) || ctx->needs_input_grad(kWeight), "grouped_linear",
                              "gradient of x and of the weight (ragged groups)");
+    // (Grad mode is off here: the refusal above.)
+    const bool plain = plain_call({grad_y, x, weight, offsets});
     at::Tensor grad_x, grad_w, grad_b;
     if (ctx->needs_input_grad(kX)) {
       static const auto op = find_op<RaggedGrad>("patchgemm::ragged_grouped_linear_grad_input");
-      grad_x = op.call(grad_y, weight, offsets);
+      grad_x = plain ? below_autograd([&] { return ragged_grouped_linear_grad_input(grad_y, weight, offsets); })
+                     : op.call(grad_y, weight, offsets);
     }
     if (ctx->needs_input_grad(kWeight)) {
       static const auto op = find_op<RaggedGrad>("patchgemm::ragged_grouped_linear_grad_weight");
-      grad_w = op.call(grad_y, x, offsets);
+      grad_w = plain ? below_autograd([&] { return ragged_grouped_linear_grad_weight(grad_y, x, offsets); })
+                     : op.call(grad_y, x, offsets);
     }
     if (needs_bias_grad(ctx)) {
       // Per-group sums of grad_y's rows, accumulated in the op-math dtype (ATen's segment sums of
@@ -195,14 +212,18 @@ struct RaggedGroupedLinear : Function<RaggedGroupedLinear> {
                                   ragged_sizes(offsets, grad_y.device()))
                    .to(grad_y.scalar_type());
     }
-    return {grad_x, grad_w, grad_b, at::Tensor()};
+    return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor ragged_grouped_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
                                           const at::Tensor& offsets) {
-  if (!needs_autograd(x, weight, bias)) return call_below_autograd(ragged_grouped_linear_op(), x, weight, bias, offsets);
-  return RaggedGroupedLinear::apply(x, weight, bias, offsets);
+  const bool plain = plain_call({x, weight, or_undefined(bias), offsets});
+  if (!needs_autograd(x, weight, bias)) {
+    return plain ? below_autograd([&] { return ragged_grouped_linear(x, weight, bias, offsets); })
+                 : call_below_autograd(ragged_grouped_linear_op(), x, weight, bias, offsets);
+  }
+  return RaggedGroupedLinear::apply(x, weight, bias, offsets, plain);
 }
 
 // ---- grouped_pointwise_conv ----------------------------------------------------------------------
@@ -305,10 +326,35 @@ const auto& patch_weight_grad_op() {
   return op;
 }
 
+// The patch ops' autograd kernels, which backward calls directly for dx (the other op) where the
+// call is plain: they record it under create_graph=True, as through the dispatcher.
+at::Tensor patch_embed_autograd(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, bool tokens,
+                                c10::IntArrayRef levels);
+at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
+                                  bool tokens, c10::IntArrayRef levels);
+
+// dW (and db) in backward, directly where the call is plain (grad mode is off: a second derivative
+// of it is refused).
+std::tuple<at::Tensor, at::Tensor> patch_weight_grad_in_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                 c10::IntArrayRef kernel, bool tokens,
+                                                                 c10::IntArrayRef levels, bool with_bias,
+                                                                 bool transposed) {
+  if (!plain_call({grad_y, x}) || at::GradMode::is_enabled()) {
+    return patch_weight_grad_op().call(grad_y, x, kernel, tokens, levels, with_bias, transposed);
+  }
+  return below_autograd([&] {
+    return patch_weight_grads(weight_grad_problem(grad_y, x, kernel, tokens, levels, with_bias, transposed));
+  });
+}
+
+// The Functions' forward runs the op on `problem` where the call is plain (the problem the autograd
+// kernel checked), else through the dispatcher.
 struct PatchEmbed : Function<PatchEmbed> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
-    at::Tensor y = call_below_autograd(patch_embed_op(), x, weight, bias, tokens, levels);
+                            const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels,
+                            const EmbedProblem* problem) {
+    at::Tensor y = problem ? below_autograd([&] { return select_patch_embed(*problem); })
+                           : call_below_autograd(patch_embed_op(), x, weight, bias, tokens, levels);
     save_patch_context(ctx, x, weight, bias, tokens, levels);
     if (tokens && levels.empty() && x.requires_grad()) {
       // dx unpatchifies tokens, which needs the grid: row-major tokens are one level, the grid.
@@ -329,22 +375,26 @@ struct PatchEmbed : Function<PatchEmbed> {
     if (ctx->needs_input_grad(kX)) {
       const std::vector<int64_t> unembed_levels =
           ctx->saved_data.count("grid") ? ctx->saved_data["grid"].toIntVector() : c.levels;
-      grad_x = patch_unembed_op().call(grad_y, c.weight, std::nullopt, c.tokens, unembed_levels);
+      grad_x = plain_call({grad_y, c.weight})
+                   ? patch_unembed_autograd(grad_y, c.weight, std::nullopt, c.tokens, unembed_levels)
+                   : patch_unembed_op().call(grad_y, c.weight, std::nullopt, c.tokens, unembed_levels);
     }
     const bool needs_b = needs_bias_grad(ctx);
     if (ctx->needs_input_grad(kWeight) || needs_b) {
       std::tie(grad_w, grad_b) =
-          patch_weight_grad_op().call(grad_y, c.x, c.kernel, c.tokens, c.levels, needs_b, false);
+          patch_weight_grad_in_backward(grad_y, c.x, c.kernel, c.tokens, c.levels, needs_b, false);
     }
     return {grad_x, ctx->needs_input_grad(kWeight) ? grad_w : at::Tensor(),
-            needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor()};
+            needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 struct PatchUnembed : Function<PatchUnembed> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
-    at::Tensor y = call_below_autograd(patch_unembed_op(), x, weight, bias, tokens, levels);
+                            const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels,
+                            const UnembedProblem* problem) {
+    at::Tensor y = problem ? below_autograd([&] { return select_patch_unembed(*problem); })
+                           : call_below_autograd(patch_unembed_op(), x, weight, bias, tokens, levels);
     save_patch_context(ctx, x, weight, bias, tokens, levels);
     return y;
   }
@@ -355,19 +405,20 @@ struct PatchUnembed : Function<PatchUnembed> {
     refuse_second_derivative(ctx->needs_input_grad(kWeight), "patch_unembed", "weight gradient");
     at::Tensor grad_x, grad_w, grad_b;
     if (ctx->needs_input_grad(kX)) {
-      grad_x = patch_embed_op().call(grad_y, c.weight, std::nullopt, c.tokens, c.levels);
+      grad_x = plain_call({grad_y, c.weight}) ? patch_embed_autograd(grad_y, c.weight, std::nullopt, c.tokens, c.levels)
+                                              : patch_embed_op().call(grad_y, c.weight, std::nullopt, c.tokens, c.levels);
     }
     const bool needs_b = needs_bias_grad(ctx);
     if (ctx->needs_input_grad(kWeight)) {
       // The bias gradient in the same pass over grad_y where a kernel can (tiny_patch_weight_grad.cu).
       std::tie(grad_w, grad_b) =
-          patch_weight_grad_op().call(c.x, grad_y, c.kernel, c.tokens, c.levels, needs_b, true);
+          patch_weight_grad_in_backward(c.x, grad_y, c.kernel, c.tokens, c.levels, needs_b, true);
     } else if (needs_b) {
       std::vector<int64_t> dims{0};
       for (int64_t d = 2; d < grad_y.dim(); ++d) dims.push_back(d);
       grad_b = sum_for_bias_grad(grad_y, dims);
     }
-    return {grad_x, grad_w, needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_x, grad_w, needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -375,19 +426,29 @@ at::Tensor patch_embed_autograd(const at::Tensor& x_given, const at::Tensor& wei
                                 const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
   // What a conv leaves out is cut here, above autograd: its positions get a zero gradient.
   const at::Tensor x = whole_patches(x_given, weight, levels);
-  if (!needs_autograd(x, weight, bias)) return call_below_autograd(patch_embed_op(), x, weight, bias, tokens, levels);
-  // Where the choice is ATen's convolution anyway, PyTorch's autograd records that convolution: its
-  // one convolution_backward costs the host less than our two backward ops, each setting up cuDNN.
-  if (std::optional<at::Tensor> y = patch_embed_as_aten_conv(x, weight, bias, tokens, levels)) return *y;
-  return PatchEmbed::apply(x, weight, bias, tokens, levels);
+  const bool tracked = needs_autograd(x, weight, bias);
+  if (!plain_call({x, weight, or_undefined(bias)})) {
+    if (!tracked) return call_below_autograd(patch_embed_op(), x, weight, bias, tokens, levels);
+    return PatchEmbed::apply(x, weight, bias, tokens, levels, static_cast<const EmbedProblem*>(nullptr));
+  }
+  const EmbedProblem p = embed_problem(x, weight, bias, tokens, levels);
+  if (!tracked) return below_autograd([&] { return select_patch_embed(p); });
+  if (may_settle_on_aten(p.g) && embed_settles_on_aten_conv(p)) return embed_by_aten_conv(p);
+  return PatchEmbed::apply(x, weight, bias, tokens, levels, &p);
 }
 
 at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   const OptionalTensor& bias, bool tokens,
                                   c10::IntArrayRef levels) {
-  if (!needs_autograd(x, weight, bias)) return call_below_autograd(patch_unembed_op(), x, weight, bias, tokens, levels);
-  if (std::optional<at::Tensor> y = patch_unembed_as_aten_conv_transpose(x, weight, bias, tokens, levels)) return *y;
-  return PatchUnembed::apply(x, weight, bias, tokens, levels);
+  const bool tracked = needs_autograd(x, weight, bias);
+  if (!plain_call({x, weight, or_undefined(bias)})) {
+    if (!tracked) return call_below_autograd(patch_unembed_op(), x, weight, bias, tokens, levels);
+    return PatchUnembed::apply(x, weight, bias, tokens, levels, static_cast<const UnembedProblem*>(nullptr));
+  }
+  const UnembedProblem p = unembed_problem(x, weight, bias, tokens, levels);
+  if (!tracked) return below_autograd([&] { return select_patch_unembed(p); });
+  if (may_settle_on_aten(p.g) && unembed_settles_on_aten_conv_transpose(p)) return unembed_by_aten_conv_transpose(p);
+  return PatchUnembed::apply(x, weight, bias, tokens, levels, &p);
 }
 
 // ---- swiglu --------------------------------------------------------------------------------------

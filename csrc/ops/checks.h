@@ -2,6 +2,9 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <initializer_list>
 
 namespace patchgemm {
 
@@ -32,6 +35,23 @@ inline void check_dim(const char* op, const char* name, const at::Tensor& t, int
 // conv replacement's output then takes x's memory format, as PyTorch's convolutions do.
 inline bool lies_channels_last(const at::Tensor& x) {
   return x.numel() > 0 && x.suggest_memory_format() != at::MemoryFormat::Contiguous;
+}
+
+// Whether the autograd layer may run a call's C++ directly instead of through the dispatcher (ops/
+// autograd.cpp): every tensor (undefined ones: absent) a dense CPU or CUDA tensor with concrete
+// sizes, and no TorchDispatchMode active. Elsewhere (torch.compile's fake and functional tensors,
+// subclasses, modes, other devices) the dispatcher finds the kernel that handles them.
+inline bool plain_call(std::initializer_list<at::Tensor> tensors) {
+  static const c10::DispatchKeySet plain_keys({c10::DispatchKey::CPU, c10::DispatchKey::CUDA,
+                                               c10::DispatchKey::AutogradCPU, c10::DispatchKey::AutogradCUDA,
+                                               c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU,
+                                               c10::DispatchKey::AutocastCUDA});
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python)) return false;
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    if (!plain_keys.has_all(t.key_set()) || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return false;
+  }
+  return true;
 }
 
 }  // namespace patchgemm

@@ -91,6 +91,8 @@ PatchGeometry embed_geometry(const char* op, const char* name, const at::Tensor&
   return g;
 }
 
+}  // namespace
+
 // patch_embed's arguments, checked, as its problem.
 EmbedProblem embed_problem(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            bool tokens, c10::IntArrayRef levels) {
@@ -169,24 +171,6 @@ UnembedProblem unembed_problem(const at::Tensor& x, const at::Tensor& weight, co
   return p;
 }
 
-// A tensor the op's C++ sees as it is: no symbolic sizes, no fake or functional wrapper (under
-// torch.compile the autograd layer keeps to the ops, whose fake kernels trace).
-bool plain(const at::Tensor& t) {
-  return !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
-         !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
-}
-
-// Whether to ask if a call's choice settles on ATen's convolution: for plain channels-last x only,
-// where the rules send a call to cuDNN on real models (ConvNeXt's downsampling). Elsewhere the
-// question would cost every call a second problem. (Tokens x carries levels: never asked.)
-bool may_settle_on_aten(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                        c10::IntArrayRef levels) {
-  if (!plain(x) || !plain(weight) || (bias && bias->defined() && !plain(*bias))) return false;
-  return levels.empty() && (x.is_cuda() || x.is_cpu()) && lies_channels_last(x);
-}
-
-}  // namespace
-
 at::Tensor whole_patches(const at::Tensor& x, const at::Tensor& weight, c10::IntArrayRef levels) {
   if (!levels.empty() || x.dim() != weight.dim() || x.dim() < 3 ||
       x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
@@ -211,18 +195,9 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight, const std:
 
 bool settles_on_aten_conv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           bool transposed) {
-  if (!may_settle_on_aten(x, weight, bias, {})) return false;
+  if (!plain_call({x, weight, bias.value_or(at::Tensor())}) || !lies_channels_last(x)) return false;
   if (transposed) return unembed_settles_on_aten_conv_transpose(unembed_problem(x, weight, bias, false, {}));
   return embed_settles_on_aten_conv(embed_problem(whole_patches(x, weight, {}), weight, bias, false, {}));
-}
-
-std::optional<at::Tensor> patch_embed_as_aten_conv(const at::Tensor& x, const at::Tensor& weight,
-                                                   const std::optional<at::Tensor>& bias, bool tokens,
-                                                   c10::IntArrayRef levels) {
-  if (!may_settle_on_aten(x, weight, bias, levels)) return std::nullopt;
-  const EmbedProblem p = embed_problem(x, weight, bias, tokens, levels);
-  if (!embed_settles_on_aten_conv(p)) return std::nullopt;
-  return embed_by_aten_conv(p);
 }
 
 at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
@@ -231,19 +206,8 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
   return select_patch_unembed(unembed_problem(x, weight, bias, tokens, levels));
 }
 
-std::optional<at::Tensor> patch_unembed_as_aten_conv_transpose(const at::Tensor& x, const at::Tensor& weight,
-                                                               const std::optional<at::Tensor>& bias, bool tokens,
-                                                               c10::IntArrayRef levels) {
-  if (!may_settle_on_aten(x, weight, bias, levels)) return std::nullopt;
-  const UnembedProblem p = unembed_problem(x, weight, bias, tokens, levels);
-  if (!unembed_settles_on_aten_conv_transpose(p)) return std::nullopt;
-  return unembed_by_aten_conv_transpose(p);
-}
-
-std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, const at::Tensor& x,
-                                                     c10::IntArrayRef kernel, bool tokens,
-                                                     c10::IntArrayRef levels, bool with_bias,
-                                                     bool transposed) {
+WeightGradProblem weight_grad_problem(const at::Tensor& grad_y, const at::Tensor& x, c10::IntArrayRef kernel,
+                                      bool tokens, c10::IntArrayRef levels, bool with_bias, bool transposed) {
   constexpr const char* op = "patch_weight_grad";
   TORCH_CHECK(!kernel.empty() && kernel.size() <= 3, op, ": kernel_size must have 1 to 3 entries, got ", kernel);
   for (int64_t k : kernel) TORCH_CHECK(k >= 1, op, ": kernel sizes must be >= 1, got ", kernel);
@@ -269,11 +233,22 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
   p.g.channels_last = lies_channels_last(x);
   // [B, N, E] (the GEMM's A^T); channels-first grad_y is read through its strides.
   p.dy = tokens || N == 1 ? grad_y.reshape({g.batch, N, embed}) : grad_y.reshape({g.batch, embed, N}).transpose(1, 2);
+  return p;
+}
+
+WeightGrads patch_weight_grads(const WeightGradProblem& p) {
   // As PyTorch's convolution backward: a channels-last x gives a channels-last weight gradient (the
   // GEMM's own [E, *k, C] order), which a channels-last weight takes without a copy.
   auto [grad_w, grad_b] = select_patch_weight_grad(p);
-  const auto format = g.channels_last ? x.suggest_memory_format() : at::MemoryFormat::Contiguous;
+  const auto format = p.g.channels_last ? p.x.suggest_memory_format() : at::MemoryFormat::Contiguous;
   return {grad_w.contiguous(format), grad_b};
+}
+
+std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, const at::Tensor& x,
+                                                     c10::IntArrayRef kernel, bool tokens,
+                                                     c10::IntArrayRef levels, bool with_bias,
+                                                     bool transposed) {
+  return patch_weight_grads(weight_grad_problem(grad_y, x, kernel, tokens, levels, with_bias, transposed));
 }
 
 TORCH_LIBRARY_IMPL(patchgemm, CPU, m) {

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/patch/patchify.h"
@@ -17,6 +18,30 @@ namespace patchgemm {
 // weight [rows, C, *k] as [rows, K] in the patch matrix's column order: (c, i, j, l), or (i, j, l, c)
 // for channels-last x (a view where the weight lies that way too, else a copy).
 at::Tensor weight_rows(const at::Tensor& weight, bool channels_last);
+
+// The volume and geometry the fused kernels see: v5 and g, or for a channels-last volume the
+// channels-first view of its pixels (patchify.h: channels_first_view), which must exist.
+inline std::pair<at::Tensor, PatchGeometry> fused_view(const at::Tensor& v5, const PatchGeometry& g) {
+  auto view = channels_first_view(v5, g);
+  TORCH_INTERNAL_ASSERT(view, "fused_view: no channels-first view of ", v5.sizes(), " strides ", v5.strides());
+  return *std::move(view);
+}
+
+// A value a problem makes at most once, for the first implementation that needs it. A problem
+// lives for one call, and its tensors do not change while it does. (Autotune times every candidate
+// on one problem: where they share such a value, none of them pays for it again.)
+template <typename T>
+class PerCall {
+ public:
+  template <typename Make>
+  const T& get(Make make) const {
+    if (!value_) value_ = make();
+    return *value_;
+  }
+
+ private:
+  mutable std::optional<T> value_;
+};
 
 // patch_embed: y = conv(x, weight, bias, stride = kernel) as tokens [B, N, E] or channels-first.
 struct EmbedProblem {
@@ -32,7 +57,13 @@ struct EmbedProblem {
 
   // weight as [E, K] in the patch matrix's column order. Made by the implementations that use it,
   // not with the problem: for channels-last x it is a copy, which cuDNN's path never needs.
-  at::Tensor w2() const { return weight_rows(weight, g.channels_last); }
+  const at::Tensor& w2() const { return w2_.get([&] { return weight_rows(weight, g.channels_last); }); }
+  // x5 and g as the fused kernels see them (where fused_kernels_apply holds).
+  const std::pair<at::Tensor, PatchGeometry>& fused() const { return fused_.get([&] { return fused_view(x5, g); }); }
+
+ private:
+  PerCall<at::Tensor> w2_;
+  PerCall<std::pair<at::Tensor, PatchGeometry>> fused_;
 };
 
 // patch_unembed: y = conv_transpose(x, weight, bias, stride = kernel), [B, C_out, *(grid * k)].
@@ -47,7 +78,11 @@ struct UnembedProblem {
   std::vector<int64_t> out_shape;
   at::MemoryFormat out_format = at::MemoryFormat::Contiguous;  // channels-last input: channels-last out
 
-  at::Tensor w2() const { return weight_rows(weight, g.channels_last); }  // [C_in, K], as EmbedProblem's
+  // [C_in, K], as EmbedProblem's
+  const at::Tensor& w2() const { return w2_.get([&] { return weight_rows(weight, g.channels_last); }); }
+
+ private:
+  PerCall<at::Tensor> w2_;
 };
 
 // patch_weight_grad: (dW [E, C, *k], dbias [E], [C] (transposed) or [0]).
@@ -59,6 +94,12 @@ struct WeightGradProblem {
   at::Tensor x5;  // [B, C, D, H, W]
   at::Tensor dy;  // grad_y as [B, N, E] (a view; channels-first grad_y through its strides)
   std::vector<int64_t> w_shape;
+
+  // x5 and g as the fused kernels see them (where fused_kernels_apply holds).
+  const std::pair<at::Tensor, PatchGeometry>& fused() const { return fused_.get([&] { return fused_view(x5, g); }); }
+
+ private:
+  PerCall<std::pair<at::Tensor, PatchGeometry>> fused_;
 };
 
 using WeightGrads = std::tuple<at::Tensor, at::Tensor>;
@@ -112,16 +153,22 @@ at::Tensor whole_patches(const at::Tensor& x, const at::Tensor& weight, c10::Int
 bool settles_on_aten_conv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           bool transposed);
 
-// For the autograd layer (ops/autograd.cpp): where patch_embed's choice settles on ATen's
-// convolution, the op computed as that convolution called with autograd on, so PyTorch's autograd
-// records it (one convolution_backward for dx, dW and db, as nn.Conv*d's); nullopt elsewhere
-// (ops/patch_embed.cpp).
-std::optional<at::Tensor> patch_embed_as_aten_conv(const at::Tensor& x, const at::Tensor& weight,
-                                                   const std::optional<at::Tensor>& bias, bool tokens,
-                                                   c10::IntArrayRef levels);
-// The same for patch_unembed and ATen's transposed convolution.
-std::optional<at::Tensor> patch_unembed_as_aten_conv_transpose(const at::Tensor& x, const at::Tensor& weight,
-                                                               const std::optional<at::Tensor>& bias, bool tokens,
-                                                               c10::IntArrayRef levels);
+// For the autograd layer (ops/autograd.cpp), which runs a plain call (ops/checks.h: plain_call) from
+// its problem, checked once, instead of through the dispatcher (ops/patch_embed.cpp). x: whole
+// patches (whole_patches).
+EmbedProblem embed_problem(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                           bool tokens, c10::IntArrayRef levels);
+UnembedProblem unembed_problem(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               bool tokens, c10::IntArrayRef levels);
+WeightGradProblem weight_grad_problem(const at::Tensor& grad_y, const at::Tensor& x, c10::IntArrayRef kernel,
+                                      bool tokens, c10::IntArrayRef levels, bool with_bias, bool transposed);
+// patch_weight_grad's result: the chosen implementation's, in the weight's memory format.
+WeightGrads patch_weight_grads(const WeightGradProblem& p);
+// Whether the autograd layer asks if a call's choice settles on ATen's (transposed) convolution
+// (embed_settles_on_aten_conv): for channels-last x only, where the rules send calls to cuDNN on real
+// models (ConvNeXt's downsampling); elsewhere the question would cost every call a second pass over
+// the table. Where it does settle, the autograd layer calls that convolution with autograd on, so
+// PyTorch's autograd records it: one convolution_backward for dx, dW and db, as nn.Conv*d's.
+inline bool may_settle_on_aten(const PatchGeometry& g) { return g.channels_last && g.levels.size() == 1; }
 
 }  // namespace patchgemm

@@ -52,13 +52,6 @@ WhyNot fused_kernels_apply(const at::Tensor& t, const PatchGeometry& g, const at
   return has_channels_first_view(v5, g) ? WhyNot() : "channels-last x with gaps between pixels (W stride != C)";
 }
 
-// The volume and geometry the fused kernels see (where fused_kernels_apply holds).
-std::pair<at::Tensor, PatchGeometry> fused_view(const at::Tensor& v5, const PatchGeometry& g) {
-  auto view = channels_first_view(v5, g);
-  TORCH_INTERNAL_ASSERT(view, "fused_view: no channels-first view of ", v5.sizes(), " strides ", v5.strides());
-  return *std::move(view);
-}
-
 int64_t sm_count(const at::Tensor& on) { return at::cuda::getDeviceProperties(on.get_device())->multiProcessorCount; }
 
 // The mma.sync implicit GEMMs run at well under half of cuBLAS's GEMM rate, so the gather they save
@@ -92,7 +85,7 @@ WhyNot fills_the_gpu(int64_t rows, int64_t width, int64_t K, const at::Tensor& o
 // cuBLAS's higher throughput outweighs the gather (E >= 1024 over many tokens); the row-TMA kernel
 // keeps up with cuBLAS there. (bench/heldout.py --candidates measures them all.)
 WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
-  const auto [x5, g] = fused_view(p.x5, p.g);
+  const auto& [x5, g] = p.fused();
   const int64_t kw = g.kernel[2], embed = p.weight.size(0), rows = g.batch * g.tokens();
   WhyNot why = fills_the_gpu(rows, embed, g.patch_size(), p.x);
   if (!why.empty()) return why;
@@ -221,9 +214,11 @@ Candidate<EmbedProblem, at::Tensor> implicit_embed(const char* name, cuda::Impli
           },
           [kernel](const EmbedProblem& p, bool ruled, WhyNot& why) -> std::optional<at::Tensor> {
             const int64_t embed = p.weight.size(0), N = p.g.tokens();
+            const auto& [x5, g] = p.fused();
+            // (Asked first: y and W's rows cost allocations, and for channels-last x a copy.)
+            if (!cuda::implicit_embed_fits(kernel, x5, g, embed, ruled, why)) return std::nullopt;
             const at::Tensor y = p.tokens_out ? at::empty({p.g.batch, N, embed}, p.x.options())
                                               : at::empty({p.g.batch, embed, N}, p.x.options());
-            const auto [x5, g] = fused_view(p.x5, p.g);
             if (!cuda::implicit_embed(kernel, x5, p.w2(), p.bias, g, y, p.tokens_out, ruled, why)) return std::nullopt;
             return p.tokens_out ? embed_output(p, y) : y.view(p.out_shape);
           }};
@@ -367,6 +362,11 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
            return "rule: over 256 input channels GEMM -> scatter runs faster where it needs no copy of x";
          },
          [](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
+           // (Asked first: y and W's rows cost allocations, and for channels-last x a copy.)
+           const bool tokens = p.tokens || p.g.channels_last;
+           if (!cuda::tiny_unembed_fits(p.x, tokens, p.weight.size(0), p.bias.has_value(), channels_first_geometry(p.g), why)) {
+             return std::nullopt;
+           }
            return fused_unembed(p, [&](const at::Tensor& x, bool tokens, const PatchGeometry& g, const at::Tensor& y5) {
              return cuda::tiny_unembed(x, tokens, p.w2(), p.bias, g, y5, why);
            });
@@ -446,7 +446,7 @@ WhyNot implicit_weight_grad_rule(cuda::Implicit kernel, const WeightGradProblem&
     if (p.g.patch_size() < 128) return "rule: patches under 128 elements leave the tiles idle";
     return implicit_mma_pays(p.embed, p.g.batch * p.g.tokens(), p.x);
   }
-  const auto [x5, g] = fused_view(p.x5, p.g);
+  const auto& [x5, g] = p.fused();
   const bool pairs = g.kernel[2] == 2 && g.grid[2] % 4 == 0 && runs_aligned(x5, 8);
   if (dy_tokens(p) && p.embed > (pairs ? 512 : 256) && patch_matrix_bytes(p.g, p.x) >= kSmallWeightGradPatchBytes) {
     return "rule: tokens grad_y with E over 256 (pairs: 512) and a patch matrix of 8 MB or more runs faster as "
@@ -461,7 +461,7 @@ Candidate<WeightGradProblem, WeightGrads> implicit_weight_grad(const char* name,
           [](const WeightGradProblem& p) { return fused_kernels_apply(p.x, p.g, p.x5); },
           [kernel](const WeightGradProblem& p) { return implicit_weight_grad_rule(kernel, p); },
           [kernel](const WeightGradProblem& p, bool ruled, WhyNot& why) -> std::optional<WeightGrads> {
-            const auto [x5, g] = fused_view(p.x5, p.g);
+            const auto& [x5, g] = p.fused();
             auto grads = cuda::implicit_weight_grad(kernel, dy_for_kernels(p), dy_tokens(p), x5, g, p.embed,
                                                     p.with_bias && !p.transposed, ruled, why);
             if (!grads) return std::nullopt;
@@ -482,7 +482,7 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
            const auto bias = !p.with_bias ? cuda::BiasGrad::kNone
                              : p.transposed ? cuda::BiasGrad::kUnembed
                                             : cuda::BiasGrad::kEmbed;
-           const auto [x5, g] = fused_view(p.x5, p.g);
+           const auto& [x5, g] = p.fused();
            auto grads = cuda::tiny_weight_grad(dy_for_kernels(p), dy_tokens(p), x5, g, p.embed, bias, why);
            if (!grads) return std::nullopt;
            const auto& [grad_w, grad_b] = *grads;

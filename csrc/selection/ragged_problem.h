@@ -35,4 +35,10 @@ std::vector<int64_t> ragged_bounds(const char* op, const at::Tensor& offsets, in
 // Each group's sizes on `device` ([G], int64), from offsets anywhere, without a host sync.
 at::Tensor ragged_sizes(const at::Tensor& offsets, at::Device device);
 
+// The ops' C++ (ops/ragged_grouped_linear.cpp), which the autograd layer runs directly on plain calls.
+at::Tensor ragged_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                 const at::Tensor& offsets);
+at::Tensor ragged_grouped_linear_grad_input(const at::Tensor& grad_y, const at::Tensor& weight, const at::Tensor& offsets);
+at::Tensor ragged_grouped_linear_grad_weight(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& offsets);
+
 }  // namespace patchgemm

@@ -77,6 +77,8 @@ inline at::Tensor to_5d(const at::Tensor& t) {
 // columns (i, j, l') are the channels-last (i, j, l, c). That view and geometry; v5 and g themselves
 // for a channels-first g; nullopt where v5's strides leave gaps between pixels (has_channels_first_view).
 bool has_channels_first_view(const at::Tensor& v5, const PatchGeometry& g);
+// That view's geometry (g itself for a channels-first g).
+PatchGeometry channels_first_geometry(const PatchGeometry& g);
 std::optional<std::pair<at::Tensor, PatchGeometry>> channels_first_view(const at::Tensor& v5, const PatchGeometry& g);
 
 // Whether runs of v elements of x5 [B, C, D, H, W] are v-aligned wherever a patch row starts (the
@@ -145,6 +147,10 @@ enum class Implicit { kMma, kSm90, kRowsSm90, kPairsSm90 };
 bool implicit_embed(Implicit kernel, const at::Tensor& x5, const at::Tensor& w2,
                     const std::optional<at::Tensor>& bias, const PatchGeometry& g, const at::Tensor& y,
                     bool tokens_out, bool ruled, std::string& why);
+// Whether implicit_embed takes the problem (every check but its launch's: shared memory, 32-bit
+// offsets, the bias's alignment), with no allocation: callers ask before making y and W.
+bool implicit_embed_fits(Implicit kernel, const at::Tensor& x5, const PatchGeometry& g, int64_t E, bool ruled,
+                         std::string& why);
 
 // Which bias gradient a weight gradient adds: none, patch_embed's (grad_y summed per embedding), or
 // patch_unembed's, whose weight gradient this is with x and grad_y in swapped roles (x summed per
@@ -173,6 +179,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(Implicit 
 // channels-first [B, C_in, N], C_in <= 256, reading x once and writing y once.
 bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
                   const PatchGeometry& g, const at::Tensor& y5, std::string& why);
+// Whether tiny_unembed takes the problem (all its checks), with no allocation: callers ask before
+// making y and W.
+bool tiny_unembed_fits(const at::Tensor& x, bool tokens, int64_t C_in, bool with_bias, const PatchGeometry& g,
+                       std::string& why);
 
 // The implicit-GEMM unembedding, 16-bit (implicit_patch_unembed.cu; kernels kMma for kw = 2, kSm90 for
 // kw = 2 or 4): y5 = patch_unembed(x, w2 [C_in, K], bias), the GEMM's tiles scattered into y5 from

@@ -265,6 +265,8 @@ bool implicit_embed_sm90(const Problem& p, int run, bool pair_major, const at::T
 bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
                               const std::optional<at::Tensor>& bias, const at::Tensor& y, bool ruled,
                               std::string& why);
+// Whether implicit_embed_rows_sm90 takes p (all but its launch's checks), with no allocation.
+bool implicit_embed_rows_sm90_fits(const Problem& p, const at::Tensor& x5, bool ruled, std::string& why);
 
 // The forward on Hopper's wgmma for kw = 2 with a K slice's patches by one TMA box
 // (implicit_patch_gemm_pairs_sm90.cu), channels-first out y [B, E, N], for a problem implicit_embed
@@ -273,6 +275,8 @@ bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::
 // contiguous; shared memory.
 bool implicit_embed_pairs_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
                                const std::optional<at::Tensor>& bias, const at::Tensor& y, std::string& why);
+// Whether implicit_embed_pairs_sm90 takes p (all but its launch's checks), with no allocation.
+bool implicit_embed_pairs_sm90_fits(const Problem& p, const at::Tensor& x5, std::string& why);
 
 // The weight gradient on Hopper's wgmma (implicit_patch_weight_grad_sm90.cu), runs of `run` (8: kw %
 // 8 == 0; 4: kw % 4 == 0; 2: kw = 2 in pairs of 4 tokens, grid rows of 4k patches, K % 4 == 0), for

@@ -203,9 +203,9 @@ void launch(int tiles_n, const Output& o, const Layout& s, int slices, const at:
 
 }  // namespace
 
-bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
-                  const PatchGeometry& g, const at::Tensor& y5, std::string& why) {
-  const int64_t K = g.patch_size(), N = g.tokens(), C_in = w2.size(0);
+bool tiny_unembed_fits(const at::Tensor& x, bool tokens, int64_t C_in, bool with_bias, const PatchGeometry& g,
+                       std::string& why) {
+  const int64_t K = g.patch_size(), N = g.tokens();
   const auto dtype = x.scalar_type();
   if (dtype != at::kHalf && dtype != at::kBFloat16) return decline(why, "16-bit dtypes only");
   if (g.levels.size() != 1) return decline(why, "row-major token order only (no levels)");
@@ -213,12 +213,26 @@ bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const 
   if (C_in == 0 || C_in > kMaxC) return decline(why, "1 to 512 input channels only");
   if (g.kernel[2] % 2) return decline(why, "kw must be even");
   // (A column pair shares its channel's bias, which interleaved channels do not.)
-  if (bias && g.interleaved_channels > 1) return decline(why, "a bias over channels-last patches");
+  if (with_bias && g.interleaved_channels > 1) return decline(why, "a bias over channels-last patches");
   if (tokens ? C_in % 8 : N % 4) return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 4");
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(x.get_device());
   if (device->major < 8) return decline(why, "needs sm_80 or newer");
+  if (g.batch * ((N + kSlice - 1) / kSlice) >= INT_MAX || N >= INT_MAX) {
+    return decline(why, "too many patches for 32-bit indices");
+  }
+  const Layout s(static_cast<int>(C_in), tokens, K <= 32 ? 2 : 4);
+  if (s.w_bytes + kStages * s.slot_bytes > static_cast<int>(device->sharedMemPerBlockOptin)) {
+    return decline(why, "W and two slices of x do not fit in shared memory (C_in too large for this GPU)");
+  }
+  return true;
+}
+
+bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
+                  const PatchGeometry& g, const at::Tensor& y5, std::string& why) {
+  const int64_t K = g.patch_size(), N = g.tokens(), C_in = w2.size(0);
+  const auto dtype = x.scalar_type();
+  if (!tiny_unembed_fits(x, tokens, C_in, bias.has_value(), g, why)) return false;
   const int64_t slices = g.batch * ((N + kSlice - 1) / kSlice);
-  if (slices >= INT_MAX || N >= INT_MAX) return decline(why, "too many patches for 32-bit indices");
   const c10::cuda::CUDAGuard guard(y5.device());
   if (slices == 0) return true;  // y is empty
   const at::Tensor xc = contiguous_aligned(x);  // [B, N, C_in] or [B, C_in, N]
@@ -237,9 +251,6 @@ bool tiny_unembed(const at::Tensor& x, bool tokens, const at::Tensor& w2, const 
   o.volume = g.size[0] * o.plane;
   const int tiles_n = K <= 32 ? 2 : 4;
   const Layout s(o.C_in, tokens, tiles_n);
-  if (s.w_bytes + kStages * s.slot_bytes > static_cast<int>(device->sharedMemPerBlockOptin)) {
-    return decline(why, "W and two slices of x do not fit in shared memory (C_in too large for this GPU)");
-  }
   const at::Tensor* bp = bias ? &b : nullptr;
   const int n = static_cast<int>(slices);
   const bool whole = N % 8 == 0;  // 16-byte copies of channels-first rows

@@ -193,15 +193,16 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
 
 }  // namespace
 
-bool implicit_embed_pairs_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
-                               const std::optional<at::Tensor>& bias, const at::Tensor& y, std::string& why) {
-#ifdef PATCHGEMM_SM90A
+namespace {
+
+// The kernel's geometry for p, or false with the reason where it does not apply (the launch still
+// checks shared memory).
+bool pairs_geometry(const Problem& p, const at::Tensor& x5, Geometry& g, std::string& why) {
   if (!pair_tiles_fit(p)) return decline(why, "needs kw = 2, gw of 8, 16 or 32 and gh a multiple of 128 / gw");
   if (32 % (p.kd * p.kh) || p.E % 8) return decline(why, "needs kd * kh dividing 32 and E % 8 == 0");
   if (!x5.is_contiguous() || reinterpret_cast<uintptr_t>(x5.const_data_ptr()) % 16) {
     return decline(why, "x must be contiguous and 16-byte aligned");
   }
-  Geometry g;
   g.C = static_cast<int>(x5.size(1)), g.cs = 32 / (p.kd * p.kh);
   // Whole slices of channels (so K % 64 == 0 and W's rows need no padding).
   if (g.C % g.cs) return decline(why, "C must be a multiple of 32 / (kd * kh)");
@@ -214,6 +215,27 @@ bool implicit_embed_pairs_sm90(const Problem& p, const at::Tensor& x5, const at:
   const int64_t tiles = p.rows / kTileM * g.tiles_n;
   if (tiles >= INT_MAX || x5.size(0) * g.C >= INT_MAX) return decline(why, "too many tiles for 32-bit indices");
   g.tiles = static_cast<int>(tiles);
+  return true;
+}
+
+}  // namespace
+
+bool implicit_embed_pairs_sm90_fits(const Problem& p, const at::Tensor& x5, std::string& why) {
+#ifdef PATCHGEMM_SM90A
+  Geometry g;
+  return pairs_geometry(p, x5, g, why);
+#else
+  (void)p, (void)x5;
+  return decline(why, "not built for sm_90a");
+#endif
+}
+
+bool implicit_embed_pairs_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
+                               const std::optional<at::Tensor>& bias, const at::Tensor& y, std::string& why) {
+#ifdef PATCHGEMM_SM90A
+  Geometry g;
+  if (!pairs_geometry(p, x5, g, why)) return false;
+  const bool wide = p.E % 192 == 0;
   bool launched;
   if (y.scalar_type() == at::kHalf) {
     launched = wide ? launch<__half, 192>(g, x5, w, bias, y) : launch<__half, 128>(g, x5, w, bias, y);
@@ -222,6 +244,7 @@ bool implicit_embed_pairs_sm90(const Problem& p, const at::Tensor& x5, const at:
   }
   return launched || decline(why, "its tiles do not fit in shared memory");
 #else
+  (void)p, (void)x5, (void)w, (void)bias, (void)y;
   return decline(why, "not built for sm_90a");
 #endif
 }

@@ -263,13 +263,9 @@ bool launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& w, const 
   return true;
 }
 
-}  // namespace
-
-bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
-                              const std::optional<at::Tensor>& bias, const at::Tensor& y, bool ruled,
-                              std::string& why) {
-#ifdef PATCHGEMM_SM90A
-  Geometry g;
+// The kernel's geometry for p, or false with the reason where it does not apply (the launch still
+// checks shared memory and 32-bit row indices).
+bool rows_geometry(const Problem& p, const at::Tensor& x5, bool ruled, Geometry& g, std::string& why) {
   g.kd = p.kd, g.kh = p.kh, g.kw = p.kw;
   if ((g.kw != 8 && g.kw != 16 && g.kw != 32 && g.kw != 64) || g.kh % (kTileK / g.kw)) {
     return decline(why, "kw must be 8, 16, 32 or 64 and kh a multiple of 64 / kw");
@@ -299,6 +295,27 @@ bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::
   g.swizzle_mask = g.whole_rows ? 0 : patch_box_swizzle_mask(g.kw, g.gw);  // whole rows: unswizzled
   g.copied = kSlotW + g.rows_per_tile * g.pw * 128;
   g.slot = (g.copied + 1023) / 1024 * 1024;
+  return true;
+}
+
+}  // namespace
+
+bool implicit_embed_rows_sm90_fits(const Problem& p, const at::Tensor& x5, bool ruled, std::string& why) {
+#ifdef PATCHGEMM_SM90A
+  Geometry g;
+  return rows_geometry(p, x5, ruled, g, why);
+#else
+  (void)p, (void)x5, (void)ruled;
+  return decline(why, "not built for sm_90a");
+#endif
+}
+
+bool implicit_embed_rows_sm90(const Problem& p, const at::Tensor& x5, const at::Tensor& w,
+                              const std::optional<at::Tensor>& bias, const at::Tensor& y, bool ruled,
+                              std::string& why) {
+#ifdef PATCHGEMM_SM90A
+  Geometry g;
+  if (!rows_geometry(p, x5, ruled, g, why)) return false;
   const bool launched =
       y.scalar_type() == at::kHalf ? launch<__half>(g, x5, w, bias, y) : launch<__nv_bfloat16>(g, x5, w, bias, y);
   return launched || decline(why, "x past 32-bit row indices, a bias not 4-byte aligned, or tiles past shared memory");
