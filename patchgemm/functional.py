@@ -10,7 +10,6 @@ from torch import Tensor
 
 from . import _functorch
 from ._functorch import call as _call
-from .selection import aten_convolution_args as _aten_convolution_args
 
 LAYOUTS = ("bgd", "gbd")
 _unsafe_view = torch.ops.aten._unsafe_view.default  # a reshape whose result is not a view (as matmul's)
@@ -27,18 +26,6 @@ def _autocast(*tensors):
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
                  for t in tensors)
-
-
-def _settled_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool) -> Optional[Tensor]:
-    """The channels-first patch op's result made here where its choice settles on ATen's (transposed)
-    convolution (selection.aten_convolution_args): for plain, non-contiguous x outside torch.compile
-    and torch.func; None elsewhere, where the op runs."""
-    if x.is_contiguous() or type(x) is not Tensor or _functorch.active() or torch.compiler.is_compiling():
-        return None
-    settled = _aten_convolution_args(x, weight, bias, transposed)
-    if settled is None:
-        return None
-    return torch.convolution(x, weight, bias, *settled[0]).contiguous(memory_format=settled[1])
 
 
 def _grid(grid, where: str) -> list:
@@ -390,9 +377,7 @@ def _patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: 
         if any(extra):
             x = torch.nn.functional.pad(x, [p for e in reversed(extra) for p in (0, e)])
     x, weight, bias = _autocast(x, weight, bias)
-    y = _settled_conv(x, weight, bias, False) if out_format == "channels_first" else None
-    if y is None:
-        y = _call("patch_embed", x, weight, bias, out_format != "channels_first", [])
+    y = _call("patch_embed", x, weight, bias, out_format != "channels_first", [])
     if out_format == "channels_last":
         grid = [s // k for s, k in zip(x.shape[2:], weight.shape[2:])]
         y = _unsafe_view(y.transpose(1, 2), (y.shape[0], y.shape[2], *grid))  # the tokens' memory, not a view
@@ -431,9 +416,7 @@ def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     elif grid is not None and tuple(_grid(grid, "patch_unembed")) != tuple(x.shape[2:]):
         raise RuntimeError(f"patch_unembed: grid {tuple(grid)} does not match x {tuple(x.shape)}")
     x, weight, bias = _autocast(x, weight, bias)
-    y = None if tokens else _settled_conv(x, weight, bias, True)
-    if y is None:
-        y = _call("patch_unembed", x, weight, bias, tokens, grid if tokens else [])
+    y = _call("patch_unembed", x, weight, bias, tokens, grid if tokens else [])
     return y.squeeze(0) if unbatched else y
 
 

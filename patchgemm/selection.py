@@ -25,7 +25,6 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 
-from . import _C
 from .ops import ops
 
 MODES = ("heuristic", "autotune", "learned")
@@ -129,45 +128,6 @@ def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional
         _selection["pins"] = {op: ops._force(op, mode) for op in ops_with_it}
     _selection.update(mode=mode, cache_dir=cache_dir, model=model)
     return previous
-
-
-# Channels-first patch_embed / patch_unembed calls whose choice settles on ATen's (transposed)
-# convolution (channels-last x on CUDA, where the rules pick cuDNN; or forced), by their arguments'
-# shapes, strides, dtypes and devices: the functional layer makes that convolution itself for them,
-# as the op would, without the op's entry (host time). The cache holds while the C++ selection
-# state keeps its version (a force, the mode or the testing hook changes it) and is not used while
-# choices are observed (explain, PATCHGEMM_LOG_DISPATCH), so they are noted as ever.
-_settled: Dict[tuple, Optional[tuple]] = {}
-_settled_version = [-1]
-
-
-def aten_convolution_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                          transposed: bool) -> Optional[tuple]:
-    """Where this call settles on ATen's (transposed) convolution: ``torch.convolution``'s arguments
-    after (x, weight, bias), and the output's memory format (x's: channels_last(_3d), as the op's,
-    also where ATen's own kernel, as for float64 on CUDA, returns another); else None."""
-    version = _C.settled_choices_version()
-    if version < 0:
-        return None
-    if version != _settled_version[0]:
-        _settled.clear()
-        _settled_version[0] = version
-    # (devices by index: a meta x shares the CPU's -1, and the op and the conv are both right for it;
-    # the weight's type, as a subclass such as DTensor never settles in C++)
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), type(weight), weight.shape, weight.dtype, bias is None,
-           transposed)
-    args = _settled.get(key, False)
-    if args is False:  # not asked yet: the op's own checks and rules answer
-        args = None
-        if ops._settles_on_aten_conv(x, weight, bias, transposed):
-            kernel = list(weight.shape[2:])
-            zeros = [0] * len(kernel)
-            fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d  # (x lies channels-last)
-            args = ((kernel, zeros, [1] * len(kernel), transposed, zeros, 1), fmt)
-        if len(_settled) >= 1024:
-            _settled.clear()
-        _settled[key] = args
-    return args
 
 
 @contextlib.contextmanager

@@ -189,43 +189,6 @@ def test_a_settled_aten_conv_runs_with_pytorchs_autograd(device, case):
             assert_close_to_ref(got, want, torch.float64, name)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("op", ["patch_embed", "patch_unembed"])
-def test_a_settled_call_is_made_as_the_aten_conv_without_the_op(device, op, monkeypatch):
-    """A call settled on ATen's (transposed) convolution is made by the functional layer itself,
-    from a cache of its arguments (host time): the same values and memory format. A force, or
-    another selection mode, is seen at the next call; under explain the op runs and notes it."""
-    made = []
-    convolution = torch.convolution
-    monkeypatch.setattr(torch, "convolution", lambda *args: made.append(args[6]) or convolution(*args))
-    if op == "patch_embed":
-        aten, other, run = "aten_conv", "gather_gemm", patchgemm.patch_embed
-        x, w, b = randn(2, 8, 8, 8), randn(16, 8, 2, 2), randn(16)
-        ref_fn = lambda x, w, b: F.conv2d(x, w, b, stride=2)  # noqa: E731
-    else:
-        aten, other, run = "aten_conv_transpose", "gemm_scatter", patchgemm.patch_unembed
-        x, w, b = randn(2, 16, 4, 4), randn(16, 8, 2, 2), randn(8)
-        ref_fn = lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2)  # noqa: E731
-    x = x.to(device, torch.float64).contiguous(memory_format=torch.channels_last)
-    w, b = w.to(device, torch.float64), b.to(device, torch.float64)
-    ref = ref_fn(x, w, b)
-    for forced, by_aten in [(aten, True), (other, False), (aten, True), ("", False)]:
-        made.clear()
-        with patchgemm.force(**{op: forced}) if forced else contextlib.nullcontext():
-            y = run(x, w, b)
-        # (unforced, the rules pick cuDNN only for >= 64 channels and >= 1024 tokens, on CUDA)
-        assert made == ([op == "patch_unembed"] if forced == aten else []), (forced, made)
-        assert_close_to_ref(y, ref, torch.float64)
-        assert y.is_contiguous(memory_format=torch.channels_last)
-    with patchgemm.force(**{op: aten}):
-        made.clear()
-        e = patchgemm.explain(run, x, w, b)
-    assert [c.chosen for c in e] == [aten] and not made, str(e)
-    with pytest.raises(RuntimeError, match="weight"):  # the op's own checks, before any cache
-        with patchgemm.force(**{op: aten}):
-            run(x[:, :3], w, b)
-
-
 @needs_gpu
 @pytest.mark.parametrize("op", ["patch_embed", "patch_unembed"])
 def test_channels_last_cudnn_choice_runs_with_pytorchs_autograd(op):

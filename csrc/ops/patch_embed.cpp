@@ -193,13 +193,6 @@ at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight, const std:
   return select_patch_embed(embed_problem(whole_patches(x, weight, levels), weight, bias, tokens, levels));
 }
 
-bool settles_on_aten_conv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                          bool transposed) {
-  if (!plain_call({x, weight, bias.value_or(at::Tensor())}) || !lies_channels_last(x)) return false;
-  if (transposed) return unembed_settles_on_aten_conv_transpose(unembed_problem(x, weight, bias, false, {}));
-  return embed_settles_on_aten_conv(embed_problem(whole_patches(x, weight, {}), weight, bias, false, {}));
-}
-
 at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias, bool tokens,
                          c10::IntArrayRef levels) {

@@ -111,8 +111,6 @@ TORCH_LIBRARY(patchgemm, m) {
         [](bool rules, std::vector<std::string> excluded) {
           patchgemm::selection::set_testing(rules, std::move(excluded));
         });
-  m.def("_settles_on_aten_conv(Tensor x, Tensor weight, Tensor? bias, bool transposed) -> bool",
-        &patchgemm::settles_on_aten_conv);
   m.def("_explain_start() -> int", []() { return patchgemm::selection::start_recording(); });
   m.def("_explain_stop(int mark) -> str[]", [](int64_t mark) { return patchgemm::selection::stop_recording(mark); });
   // The selection mode (patchgemm.set_selection): "heuristic", "autotune" or "learned", with the

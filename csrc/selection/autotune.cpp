@@ -414,7 +414,6 @@ void set_mode(Mode mode, const std::string& cache_dir, const std::string& enviro
     m.environment = environment;
   }
   g_mode = static_cast<int>(mode);
-  detail::choices_changed();
 }
 
 std::vector<std::string> autotune_records() {

@@ -147,12 +147,6 @@ bool unembed_settles_on_aten_conv_transpose(const UnembedProblem& p);
 // gives the rest a zero gradient (ops/patch_embed.cpp).
 at::Tensor whole_patches(const at::Tensor& x, const at::Tensor& weight, c10::IntArrayRef levels);
 
-// Whether a channels-first call of patch_embed (transposed: patch_unembed) on these arguments
-// settles on ATen's (transposed) convolution, for the Python layer's cache of such calls
-// (patchgemm/selection.py), which then makes that convolution itself (ops/patch_embed.cpp).
-bool settles_on_aten_conv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                          bool transposed);
-
 // For the autograd layer (ops/autograd.cpp), which runs a plain call (ops/checks.h: plain_call) from
 // its problem, checked once, instead of through the dispatcher (ops/patch_embed.cpp). x: whole
 // patches (whole_patches).

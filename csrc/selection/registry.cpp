@@ -30,7 +30,6 @@ State& state() {
 
 std::atomic<bool> g_any_forced{true};  // until PATCHGEMM_FORCE has been read
 std::atomic<int> g_recording{0};
-std::atomic<int64_t> g_version{0};  // settled_choices_version()
 std::atomic<bool> g_rules{true}, g_any_excluded{false};
 
 bool log_dispatch() {
@@ -141,8 +140,6 @@ bool excluded(const std::string& name) {
 
 bool observed() { return g_recording.load(std::memory_order_relaxed) > 0 || log_dispatch(); }
 
-void choices_changed() { g_version.fetch_add(1); }
-
 void note(const std::string& op, const std::string& signature, const std::string& how,
           std::vector<Verdict> verdicts) {
   std::string chosen;
@@ -196,7 +193,6 @@ std::string force(const std::string& op, const std::string& name) {
     s.forced[op] = name;
   }
   g_any_forced = !s.forced.empty();
-  detail::choices_changed();
   return previous;
 }
 
@@ -211,7 +207,6 @@ void set_testing(bool rules, std::vector<std::string> excluded) {
   s.excluded = std::set<std::string>(excluded.begin(), excluded.end());
   g_any_excluded = !s.excluded.empty();
   g_rules = rules;
-  detail::choices_changed();
 }
 
 int64_t start_recording() {
@@ -220,8 +215,6 @@ int64_t start_recording() {
   if (g_recording.fetch_add(1) == 0) s.records.clear();
   return static_cast<int64_t>(s.records.size());
 }
-
-int64_t settled_choices_version() { return detail::observed() ? -1 : g_version.load(std::memory_order_relaxed); }
 
 std::vector<std::string> stop_recording(int64_t mark) {
   State& s = state();

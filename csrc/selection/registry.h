@@ -79,8 +79,6 @@ void register_table(std::vector<CandidateInfo> rows);
 std::string forced(const std::string& op);
 // Whether calls are being explained or logged: only then are all verdicts and the signature made.
 bool observed();
-// Called by whatever changes the selection state (settled_choices_version).
-void choices_changed();
 // The testing hook's state (set_testing): whether rules apply, and whether `name` is excluded.
 bool rules_apply();
 bool excluded(const std::string& name);
@@ -459,9 +457,5 @@ void set_testing(bool rules, std::vector<std::string> excluded);
 // mark, one JSON object each. Recordings nest.
 int64_t start_recording();
 std::vector<std::string> stop_recording(int64_t mark);
-// A number that changes whenever a choice the heuristic settles on may change (a force, the mode,
-// the testing hook), or -1 while choices are observed (explain, PATCHGEMM_LOG_DISPATCH): a cache of
-// settled choices (patchgemm/selection.py) holds while it is the same, and is not used at -1.
-int64_t settled_choices_version();
 
 }  // namespace patchgemm::selection
