@@ -8,7 +8,6 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _functorch
 from ._functorch import call as _call
 
 LAYOUTS = ("bgd", "gbd")

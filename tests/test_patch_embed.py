@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import patchgemm
-from conftest import (DEVICES, DTYPES, FUSED, WGMMA, assert_close_to_ref, capture_cuda_graph, fused_mode, needs_gpu,
+from conftest import (DEVICES, DTYPES, WGMMA, assert_close_to_ref, capture_cuda_graph, fused_mode, needs_gpu,
                       poison_allocator, randn, selection)
 
 ops = torch.ops.patchgemm

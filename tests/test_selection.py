@@ -2,7 +2,6 @@
 conv's / the linears' result; forcing one that does not apply is a clear error; explain, the dispatch
 log and PATCHGEMM_FORCE report and pin what runs."""
 
-import contextlib
 import functools
 import os
 import subprocess
