@@ -227,3 +227,36 @@ def test_convert_swaps_grouped_pointwise_convs():
 def test_bad_input_is_a_clear_error(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_long_16bit_weight_grad_sums_in_fp32_like_the_conv(dtype):
+    """The weight gradient of 2 groups of 16 x 16 over 8192 positions: a long reduction into one tile
+    per group, where cuBLAS splits K. torch's matmul flag (on by default) lets einsum round the partial
+    sums to 16 bits; the conv's cuDNN sums in fp32. Every candidate that runs must be as accurate."""
+    flags = torch.backends.cuda.matmul
+    old = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = True
+    try:
+        x, w, dy = randn(1, 32, 8192), randn(32, 16, 1) / 4, randn(1, 32, 8192)
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        (ref,) = torch.autograd.grad(F.conv1d(xr, wr, groups=2), wr, dy)
+        args = [t.to("cuda", dtype).requires_grad_() for t in (x, w)]
+        (conv,) = torch.autograd.grad(F.conv1d(*args, groups=2), args[1], dy.to("cuda", dtype))
+        conv_err = ((conv.double().cpu() - ref).norm() / ref.norm()).item()
+        ran = []
+        for name in {c.name for c in patchgemm.kernels(OPS[2])}:
+            try:
+                with patchgemm.force(**{OPS[2]: name}):
+                    (g,) = torch.autograd.grad(patchgemm.grouped_pointwise_conv(*args, groups=2), args[1],
+                                               dy.to("cuda", dtype))
+            except RuntimeError as err:
+                assert "does not apply" in str(err), err
+                continue
+            err = ((g.double().cpu() - ref).norm() / ref.norm()).item()
+            assert err <= 2 * conv_err, f"{name}: relative error {err:.3g}, the conv's {conv_err:.3g}"
+            ran.append(name)
+        assert "strided_batched" in ran, ran
+    finally:
+        flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = old

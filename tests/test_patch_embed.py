@@ -1416,3 +1416,47 @@ def test_long_patches_match_float64(mode, dtype, shape, kernel, embed, memory):
         grads = torch.autograd.grad(y, [xd, wd, bd], gy.to("cuda", dtype))
     for name, out, expected in zip(["y", "grad_x", "grad_weight", "grad_bias"], (y, *grads), (ref, *ref_grads)):
         assert_close_to_ref(out, expected, dtype, name, tol=1e-5 if dtype == torch.float32 else None)
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["patch_embed", "patch_unembed"])
+def test_long_16bit_reductions_sum_in_fp32_like_the_conv(op, dtype):
+    """A long reduction into few output tiles, where cuBLAS splits K: torch's matmul flag (on by
+    default) lets a matmul round the partial sums to 16 bits, 4-5x the error; the conv's cuDNN sums in
+    fp32. Every candidate standing in for the conv that runs must be as accurate (within 2x)."""
+    flags = torch.backends.cuda.matmul
+    old = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = True
+    try:
+        if op == "patch_embed":  # 6144 values per patch into 8 tokens x 33 features
+            x, w, b, k = randn(1, 96, 64, 8), randn(33, 96, 16, 4) / 80, randn(33), (16, 4)
+            conv = lambda x, w, b: F.conv2d(x, w, b, stride=k)  # noqa: E731
+            ours = lambda x, w, b: patchgemm.patch_embed(x, w, b, out_format="tokens")  # noqa: E731
+            to_ours = lambda y: y.flatten(2).transpose(1, 2)  # noqa: E731
+        else:  # 4096 channels into 8 tokens x 3 * 4 * 4 values
+            x, w, b, k = randn(1, 4096, 2, 4), randn(4096, 3, 4, 4) / 64, randn(3), (4, 4)
+            conv = lambda x, w, b: F.conv_transpose2d(x, w, b, stride=k)  # noqa: E731
+            ours = lambda x, w, b: patchgemm.patch_unembed(x, w, b)  # noqa: E731
+            to_ours = lambda y: y  # noqa: E731
+        ref = to_ours(conv(x, w, b))
+        args = [t.to("cuda", dtype) for t in (x, w, b)]
+        conv_err = _rel_err(to_ours(conv(*args)).cpu(), ref)
+        ran = []
+        for name in {c.name for c in patchgemm.kernels(op)}:
+            try:
+                with patchgemm.force(**{op: name}):
+                    y = ours(*args)
+            except RuntimeError as err:
+                assert "does not apply" in str(err), err
+                continue
+            err = _rel_err(y.cpu(), ref)
+            assert err <= 2 * conv_err, f"{name}: relative error {err:.3g}, the conv's {conv_err:.3g}"
+            ran.append(name)
+        assert "gather_gemm" in ran or "gemm_scatter" in ran, ran
+    finally:
+        flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = old

@@ -333,8 +333,8 @@ Mode mode() { return static_cast<Mode>(g_mode.load(std::memory_order_relaxed)); 
 
 std::string memory_key(const std::string& op, const std::string& signature) {
   const auto& ctx = at::globalContext();
-  std::string flags = std::string("tf32 matmul ") + (tf32_allowed(Tf32Flag::kMatmul) ? "1" : "0") + " conv " +
-                      (tf32_allowed(Tf32Flag::kCudnn) ? "1" : "0") + ", cudnn.benchmark " +
+  std::string flags = std::string("tf32 matmul ") + (tf32_allowed(GemmConvention::kMatmul) ? "1" : "0") + " conv " +
+                      (tf32_allowed(GemmConvention::kConv) ? "1" : "0") + ", cudnn.benchmark " +
                       (ctx.benchmarkCuDNN() ? "1" : "0") + ", deterministic " +
                       (ctx.deterministicAlgorithms() ? "1" : "0");
   return op + "\t" + flags + "\t" + signature;

@@ -286,9 +286,10 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
                                          "x's patches copied by ATen (permute + reshape), then linear",
          [](const EmbedProblem& p) -> WhyNot {
            if (!p.tokens_out) return "channels-first output (linear writes tokens)";
-           // at::linear follows the matmul TF32 flag; a conv replacement follows cuDNN's.
+           // at::linear follows the matmul flags; a conv replacement follows the conv's.
            if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat) return "fp32 on CUDA (linear's TF32 flag is not the conv's)";
-           return row_major_tokens(p.g);
+           WhyNot why = aten_matmul_sums_unlike_a_conv(p.x, p.g.batch * p.g.tokens(), p.weight.size(0), p.g.patch_size());
+           return why.empty() ? row_major_tokens(p.g) : why;
          },
          [](const EmbedProblem& p) -> WhyNot {
            WhyNot why = cudnn_wins_channels_last(p.x, p.g);
@@ -384,9 +385,11 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
         {"aten_linear", "cpu cuda rocm", "row-major tokens; 16-bit on CUDA: the usual hand rewrite, tokens @ W by ATen's "
                                          "matmul, then the patches copied out by a permute, then the bias",
          [](const UnembedProblem& p) -> WhyNot {
-           // at::matmul follows the matmul TF32 flag; a conv replacement follows cuDNN's.
+           // at::matmul follows the matmul flags; a conv replacement follows the conv's.
            if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat) return "fp32 on CUDA (matmul's TF32 flag is not the conv's)";
-           return row_major_tokens(p.g);
+           WhyNot why = aten_matmul_sums_unlike_a_conv(p.x, p.g.batch * p.g.tokens(), p.g.patch_size(),
+                                                        p.weight.size(0));
+           return why.empty() ? row_major_tokens(p.g) : why;
          },
          [](const UnembedProblem& p) -> WhyNot {
            WhyNot why = cudnn_wins_channels_last(p.x, p.g);

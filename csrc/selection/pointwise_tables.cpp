@@ -30,8 +30,8 @@ using selection::describe;
 using selection::Table;
 using selection::WhyNot;
 
-// A conv's GEMMs follow torch.backends.cudnn.allow_tf32, as the conv they replace.
-constexpr Tf32Flag kTf32 = Tf32Flag::kCudnn;
+// A conv's GEMMs follow a conv's numerics, as the conv they replace.
+constexpr GemmConvention kConv = GemmConvention::kConv;
 
 std::string signature(const PointwiseProblem& p) {
   std::ostringstream out;
@@ -70,7 +70,7 @@ WhyNot small_groups_apply(const at::Tensor& x, bool tokens, int64_t c_out, int64
   if (tokens) return "channels-first x only";
   const auto dtype = x.scalar_type();
   if (dtype == at::kFloat && takes_fp32) {
-    if (!tf32_allowed(kTf32)) return "fp32 runs in TF32, and torch.backends.cudnn.allow_tf32 is off";
+    if (!tf32_allowed(kConv)) return "fp32 runs in TF32, and torch.backends.cudnn.allow_tf32 is off";
   } else if (dtype != at::kHalf && dtype != at::kBFloat16) {
     return takes_fp32 ? "float32, float16 and bfloat16 only" : "16-bit dtypes only";
   }
@@ -98,12 +98,12 @@ Candidate<PointwiseProblem, at::Tensor> strided_batched() {
           [](const PointwiseProblem&) { return WhyNot(); }, per_sample_rule,
           [](const PointwiseProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
             if (p.tokens) {  // [G, N, c_in] @ [G, c_in, c_out] -> [G, N, c_out]
-              run_gemm(p.x.transpose(0, 1), p.matrix.transpose(1, 2), p.out.transpose(0, 1), p.bias, false, kTf32);
+              run_gemm(p.x.transpose(0, 1), p.matrix.transpose(1, 2), p.out.transpose(0, 1), p.bias, false, kConv);
               return p.out;
             }
             if (p.bias) p.out.copy_(p.bias->view({1, p.bias->size(0), p.bias->size(1), 1}).expand_as(p.out));
             for (int64_t b = 0; b < p.x.size(0); ++b) {  // [G, c_out, c_in] @ [G, c_in, L] -> [G, c_out, L]
-              run_gemm(p.matrix, p.x[b], p.out[b], std::nullopt, p.bias.has_value(), kTf32);
+              run_gemm(p.matrix, p.x[b], p.out[b], std::nullopt, p.bias.has_value(), kConv);
             }
             return p.out;
           }};
@@ -111,7 +111,12 @@ Candidate<PointwiseProblem, at::Tensor> strided_batched() {
 
 Candidate<PointwiseProblem, at::Tensor> aten_matmul() {
   return {"aten_matmul", "cpu cuda rocm", "any problem: torch.matmul broadcasting the per-group matrix",
-          [](const PointwiseProblem&) { return WhyNot(); }, nullptr,
+          [](const PointwiseProblem& p) {  // [G, c_out, c_in] @ [B, G, c_in, L], or one row per token
+            const int64_t c_out = p.matrix.size(1), c_in = p.matrix.size(2), groups = p.x.size(1);
+            return p.tokens ? aten_matmul_sums_unlike_a_conv(p.x, 1, c_out, c_in, p.x.size(0) * groups)
+                            : aten_matmul_sums_unlike_a_conv(p.x, c_out, p.x.size(3), c_in, p.x.size(0) * groups);
+          },
+          nullptr,
           [](const PointwiseProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
             if (p.tokens) {  // [N, G, 1, c_in] @ [G, c_in, c_out] -> [N, G, 1, c_out]
               at::Tensor y = at::matmul(p.x.unsqueeze(2), p.matrix.transpose(1, 2)).squeeze(2);
@@ -184,20 +189,24 @@ const Table<PointwiseWeightGradProblem, Grads> kGradWeight(
            const int64_t groups = p.x.size(1), c_out = p.grad_y.size(2), c_in = p.x.size(2);
            at::Tensor grad_w = at::empty({groups, c_out, c_in}, p.x.options());
            if (p.tokens) {  // [G, c_out, N] @ [G, N, c_in]
-             run_gemm(p.grad_y.transpose(0, 1).transpose(1, 2), p.x.transpose(0, 1), grad_w, std::nullopt, false, kTf32);
+             run_gemm(p.grad_y.transpose(0, 1).transpose(1, 2), p.x.transpose(0, 1), grad_w, std::nullopt, false, kConv);
              return Grads{grad_w, bias_grad(p)};
            }
            // Per sample [G, c_out, L] @ [G, L, c_in], summed into an fp32 scratch for 16-bit data.
            at::Tensor sum = p.x.element_size() == 2 ? at::empty_like(grad_w, grad_w.options().dtype(at::kFloat)) : grad_w;
            if (p.x.size(0) == 0) sum.zero_();
            for (int64_t b = 0; b < p.x.size(0); ++b) {
-             run_gemm(p.grad_y[b], p.x[b].transpose(1, 2), sum, std::nullopt, b > 0, kTf32);
+             run_gemm(p.grad_y[b], p.x[b].transpose(1, 2), sum, std::nullopt, b > 0, kConv);
            }
            if (!sum.is_same(grad_w)) grad_w.copy_(sum);
            return Grads{grad_w, bias_grad(p)};
          }},
         {"aten_einsum", "cpu cuda rocm", "any problem: ATen's einsum over the positions",
-         [](const PointwiseWeightGradProblem&) { return WhyNot(); }, nullptr,
+         [](const PointwiseWeightGradProblem& p) {  // per group [c_out, positions] @ [positions, c_in]
+           const int64_t positions = p.tokens ? p.x.size(0) : p.x.size(0) * p.x.size(3);
+           return aten_matmul_sums_unlike_a_conv(p.x, p.grad_y.size(2), p.x.size(2), positions, p.x.size(1));
+         },
+         nullptr,
          [](const PointwiseWeightGradProblem& p, bool, WhyNot&) -> std::optional<Grads> {
            return Grads{p.tokens ? at::einsum("ngo,ngi->goi", {p.grad_y, p.x}) : at::einsum("bgol,bgil->goi", {p.grad_y, p.x}),
                         bias_grad(p)};

@@ -70,7 +70,7 @@ GroupGemm group_gemm(const RaggedProblem& p, const at::Tensor& out, int64_t g, i
   return {p.a.slice(0, start, end).unsqueeze(0), p.b[g].unsqueeze(0), out.slice(0, start, end).unsqueeze(0), bias};
 }
 
-Tf32Flag tf32_flag() { return Tf32Flag::kMatmul; }  // nn.Linear's flag
+constexpr GemmConvention kLinear = GemmConvention::kMatmul;  // nn.Linear's numerics
 
 // Each operand row- or column-major with its outer stride a multiple of 16 bytes (so every group's
 // first element is aligned too), as _grouped_mm requires.
@@ -157,7 +157,7 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
            out.copy_(bias_rows(p));
            for (auto& call : calls) call.call.accumulate = true;
          }
-         cuda::run_grouped_blas_calls(calls, p.a.scalar_type(), p.a.device(), tf32_allowed(tf32_flag()));
+         cuda::run_grouped_blas_calls(calls, p.a.scalar_type(), p.a.device(), gemm_math(kLinear, p.a.scalar_type()));
          return out;
        }},
 #endif  // USE_ROCM
@@ -169,7 +169,7 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
          at::Tensor out = empty_output(p);
          for (int64_t g = 0; g < p.groups; ++g) {
            const GroupGemm gg = group_gemm(p, out, g, bounds[g], bounds[g + 1]);
-           run_gemm(gg.a, gg.b, gg.c, gg.bias, false, tf32_flag());
+           run_gemm(gg.a, gg.b, gg.c, gg.bias, false, kLinear);
          }
          return out;
        }},

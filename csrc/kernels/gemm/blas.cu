@@ -9,7 +9,6 @@
 #include <map>
 #include <mutex>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "kernels/gemm/gemm.h"
@@ -72,23 +71,6 @@ BlasTypes blas_types(at::ScalarType dtype, bool tf32) {
   }
 }
 
-// torch's flag is a bool in older releases and an enum in newer ones.
-template <typename Option>
-bool reduced_precision_allowed(Option option) {
-  if constexpr (std::is_same_v<Option, bool>) {
-    return option;
-  } else {
-    return option == Option::AllowReducedPrecisionWithSplitK;
-  }
-}
-
-bool reduced_precision_reduction_allowed(at::ScalarType dtype) {
-  auto& ctx = at::globalContext();
-  if (dtype == at::kHalf) return reduced_precision_allowed(ctx.allowFP16ReductionCuBLAS());
-  if (dtype == at::kBFloat16) return reduced_precision_allowed(ctx.allowBF16ReductionCuBLAS());
-  return true;
-}
-
 // alpha/beta live on the host (PyTorch's handle uses host pointer mode); graph capture records
 // them by value.
 struct Scalars {
@@ -101,13 +83,13 @@ struct Scalars {
   bool is_double;
 };
 
-// Respects torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction for the calls
-// made while it lives, then restores the handle's math mode.
+// Keeps 16-bit split-K partial sums in fp32 (CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION) for the
+// calls made while it lives, unless `math` allows rounding them, then restores the handle's math mode.
 struct ReductionPrecision {
-  ReductionPrecision(cublasHandle_t handle, at::ScalarType dtype) : handle(handle) {
+  ReductionPrecision(cublasHandle_t handle, GemmMath math) : handle(handle) {
 #ifndef USE_ROCM
     PATCHGEMM_CUBLAS_CHECK(cublasGetMathMode(handle, &saved_mode));
-    if (!reduced_precision_reduction_allowed(dtype)) {
+    if (!math.reduced_precision_sums) {
       PATCHGEMM_CUBLAS_CHECK(cublasSetMathMode(
           handle, static_cast<cublasMath_t>(saved_mode | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
     }
@@ -130,14 +112,14 @@ const char* byte_ptr(const at::Tensor& t) { return static_cast<const char*>(t.co
 
 // One classic-API call (cublasGemmStridedBatchedEx). c is of a and b's dtype, or fp32 for 16-bit
 // a and b (partial sums, gemm.cpp).
-void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool tf32) {
+void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, GemmMath math) {
   const at::ScalarType dtype = a.scalar_type();
-  const BlasTypes types = blas_types(dtype, tf32);
-  const cudaDataType_t c_type = c.scalar_type() == dtype ? types.data : blas_types(c.scalar_type(), tf32).data;
+  const BlasTypes types = blas_types(dtype, math.tf32);
+  const cudaDataType_t c_type = c.scalar_type() == dtype ? types.data : blas_types(c.scalar_type(), math.tf32).data;
   const int64_t elem = a.element_size(), c_elem = c.element_size();
   const Scalars s(dtype, call.accumulate);
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // bound to the current stream
-  const ReductionPrecision precision(handle, dtype);
+  const ReductionPrecision precision(handle, math);
   // BLAS A is the problem's b, BLAS B the problem's a (row-major <-> column-major).
   PATCHGEMM_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
       handle, op(call.trans_a), op(call.trans_b), static_cast<int>(call.m),
@@ -151,7 +133,7 @@ void gemm_ex(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, con
 
 #ifdef USE_ROCM
 bool lt_matmul(const BlasCall&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-               const std::optional<at::Tensor>&, bool, int) {
+               const std::optional<at::Tensor>&, GemmMath, int) {
   return false;  // hipBLASLt not wired up: the bias is added through beta = 1
 }
 #else
@@ -202,8 +184,9 @@ bool lt_disabled() {
 }
 
 // Everything cuBLASLt's heuristic sees of a matmul: device, types, transposes, sizes, leading
-// dimensions, batch and strides, the epilogue, the operands' alignments and the workspace.
-using LtShape = std::array<int64_t, 20>;
+// dimensions, batch and strides, the epilogue, the operands' alignments, the workspace and whether
+// partial sums must stay in fp32.
+using LtShape = std::array<int64_t, 21>;
 
 // The algorithms the heuristic proposes for a shape, best first (at most kLtAlgorithms): asked once
 // per shape, as the query costs the host tens of microseconds, and kept for the process.
@@ -224,11 +207,16 @@ LtAlgorithms& lt_algorithms() {
 
 LtProposals ask_heuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                           cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, size_t workspace_size,
-                          const uint32_t (&alignments)[3]) {
+                          const uint32_t (&alignments)[3], bool fp32_sums) {
   Preference pref;
   PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref.value));
   PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref.value, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_size, sizeof(workspace_size)));
+  if (fp32_sums) {  // no split-K reductions in place or in the output's type: unsplit, or in fp32
+    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref.value, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
+  }
   const cublasLtMatmulPreferenceAttributes_t attributes[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
@@ -250,15 +238,15 @@ LtProposals ask_heuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, cu
 // One strided-batched cuBLASLt matmul with the `algorithm`-th algorithm its heuristic proposes, and
 // the bias, if any, added in the epilogue (CUBLASLT_EPILOGUE_BIAS: one entry per row of the
 // column-major output, i.e. per output feature). Returns false where it does not apply (fp64, an
-// fp32 c for 16-bit inputs, accumulate, a disallowed reduced-precision reduction, a misaligned
-// bias, fewer algorithms proposed), so the caller falls back to the classic API.
+// fp32 c for 16-bit inputs, accumulate, a misaligned bias, fewer algorithms proposed), so the
+// caller falls back to the classic API.
 bool lt_matmul(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-               const std::optional<at::Tensor>& bias, bool tf32, int algorithm) {
+               const std::optional<at::Tensor>& bias, GemmMath math, int algorithm) {
   const at::ScalarType dtype = c.scalar_type();
   if (lt_disabled() || dtype == at::kDouble || call.accumulate || a.scalar_type() != dtype) return false;
-  if (!reduced_precision_reduction_allowed(dtype)) return false;  // Lt has no such switch
   if (bias && (bias->stride(1) != 1 || pointer_alignment(bias->const_data_ptr()) < 16)) return false;
-  const BlasTypes types = blas_types(dtype, tf32);
+  const BlasTypes types = blas_types(dtype, math.tf32);
+  const bool fp32_sums = c.element_size() == 2 && !math.reduced_precision_sums;
   const int64_t elem = c.element_size();
 
   MatmulDesc desc;
@@ -290,7 +278,7 @@ bool lt_matmul(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, c
   const LtShape shape{c.get_device(), types.data, types.compute, call.trans_a, call.trans_b, call.m, call.n, call.k,
                       call.lda, call.ldb, call.ldc, call.batch, call.stride_a, call.stride_b, call.stride_c,
                       bias ? bias->stride(0) : -1, alignments[0], alignments[1], alignments[2],
-                      static_cast<int64_t>(workspace_size)};
+                      static_cast<int64_t>(workspace_size), fp32_sums};
 
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   const cublasLtMatmulAlgo_t* chosen = nullptr;
@@ -301,7 +289,7 @@ bool lt_matmul(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, c
     if (found == known.by_shape.end()) {
       found = known.by_shape
                   .emplace(shape, ask_heuristic(handle, desc.value, layout_a.value, layout_b.value, layout_c.value,
-                                                workspace_size, alignments))
+                                                workspace_size, alignments, fp32_sums))
                   .first;
     }
     if (algorithm >= found->second.count) return false;
@@ -332,10 +320,10 @@ SplitKGuard split_k_guard(const at::Tensor& input) {
 }
 
 bool run_lt_call(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-                 const std::optional<at::Tensor>& bias, bool tf32, int algorithm) {
+                 const std::optional<at::Tensor>& bias, GemmMath math, int algorithm) {
   TORCH_CHECK(algorithm >= 0 && algorithm < kLtAlgorithms, "patchgemm: no cuBLASLt algorithm ", algorithm);
   const c10::cuda::CUDAGuard guard(c.device());
-  return lt_matmul(call, a, b, c, bias, tf32, algorithm);
+  return lt_matmul(call, a, b, c, bias, math, algorithm);
 }
 
 #ifndef USE_ROCM
@@ -344,11 +332,11 @@ bool run_lt_call(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
 bool has_grouped_gemm() { return true; }
 
 void run_grouped_blas_calls(const std::vector<GroupedBlasCall>& calls, at::ScalarType dtype,
-                            at::Device device, bool tf32) {
+                            at::Device device, GemmMath math) {
   TORCH_INTERNAL_ASSERT(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16);
   if (calls.empty()) return;
   const c10::cuda::CUDAGuard guard(device);
-  const BlasTypes types = blas_types(dtype, tf32);
+  const BlasTypes types = blas_types(dtype, math.tf32);
   const int64_t elem = c10::elementSize(dtype);
   const size_t n = calls.size();
   std::vector<cublasOperation_t> trans_a(n), trans_b(n);
@@ -378,7 +366,7 @@ void run_grouped_blas_calls(const std::vector<GroupedBlasCall>& calls, at::Scala
   const at::Tensor on_device = host.to(device, /*non_blocking=*/true);
   void* const* array = static_cast<void* const*>(on_device.const_data_ptr());
   cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
-  const ReductionPrecision precision(handle, dtype);
+  const ReductionPrecision precision(handle, math);
   PATCHGEMM_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
       handle, trans_a.data(), trans_b.data(), m.data(), cols.data(), k.data(), alpha.data(), array,
       types.data, lda.data(), array + n, types.data, ldb.data(), beta.data(), array + 2 * n, types.data,
@@ -389,15 +377,15 @@ void run_grouped_blas_calls(const std::vector<GroupedBlasCall>& calls, at::Scala
 #ifndef PATCHGEMM_HAS_GROUPED_GEMM
 bool has_grouped_gemm() { return false; }
 
-void run_grouped_blas_calls(const std::vector<GroupedBlasCall>&, at::ScalarType, at::Device, bool) {
+void run_grouped_blas_calls(const std::vector<GroupedBlasCall>&, at::ScalarType, at::Device, GemmMath) {
   TORCH_CHECK(false, "patchgemm: this build has no grouped GEMM (cuBLAS 12.5+)");
 }
 #endif
 
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c, bool tf32) {
+                    const at::Tensor& c, GemmMath math) {
   const c10::cuda::CUDAGuard guard(c.device());
-  for (const BlasCall& call : calls) gemm_ex(call, a, b, c, tf32);
+  for (const BlasCall& call : calls) gemm_ex(call, a, b, c, math);
 }
 
 }  // namespace cuda

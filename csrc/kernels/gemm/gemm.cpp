@@ -1,6 +1,7 @@
 #include "kernels/gemm/gemm.h"
 
 #include <algorithm>
+#include <type_traits>
 
 namespace patchgemm {
 
@@ -8,9 +9,47 @@ MatrixView matrix_view(const at::Tensor& t3) {
   return {t3.size(1), t3.size(2), t3.stride(1), t3.stride(2), t3.stride(0)};
 }
 
-bool tf32_allowed(Tf32Flag flag) {
+bool tf32_allowed(GemmConvention convention) {
   const auto& ctx = at::globalContext();
-  return flag == Tf32Flag::kCudnn ? ctx.allowTF32CuDNN(at::Float32Op::CONV) : ctx.allowTF32CuBLAS();
+  return convention == GemmConvention::kConv ? ctx.allowTF32CuDNN(at::Float32Op::CONV) : ctx.allowTF32CuBLAS();
+}
+
+namespace {
+// torch's flag is a bool in older releases and an enum in newer ones.
+template <typename Option>
+bool allows_reduced_precision(Option option) {
+  if constexpr (std::is_same_v<Option, bool>) {
+    return option;
+  } else {
+    return option == Option::AllowReducedPrecisionWithSplitK;
+  }
+}
+}  // namespace
+
+bool matmul_reduced_precision_allowed(at::ScalarType dtype) {
+  const auto& ctx = at::globalContext();
+  if (dtype == at::kHalf) return allows_reduced_precision(ctx.allowFP16ReductionCuBLAS());
+  if (dtype == at::kBFloat16) return allows_reduced_precision(ctx.allowBF16ReductionCuBLAS());
+  return false;
+}
+
+GemmMath gemm_math(GemmConvention convention, at::ScalarType dtype) {
+  return {tf32_allowed(convention),
+          convention == GemmConvention::kMatmul && matmul_reduced_precision_allowed(dtype)};
+}
+
+std::string aten_matmul_sums_unlike_a_conv(const at::Tensor& input, int64_t m, int64_t n, int64_t k, int64_t batch) {
+#ifdef PATCHGEMM_WITH_CUDA
+  if (!input.is_cuda() || !matmul_reduced_precision_allowed(input.scalar_type())) return {};
+  const SplitKGuard guard = cuda::split_k_guard(input);
+  if (guard.k_tile <= 0 || k < guard.min_k || (m + 127) / 128 * ((n + 127) / 128) * batch >= guard.max_tiles) return {};
+  return "16-bit, a long reduction into few output tiles: ATen's matmul may round split-K partial sums to 16 bits "
+         "(torch.backends.cuda.matmul.allow_" + std::string(input.scalar_type() == at::kHalf ? "fp16" : "bf16") +
+         "_reduced_precision_reduction), where the conv sums in fp32";
+#else
+  (void)input, (void)m, (void)n, (void)k, (void)batch;
+  return {};
+#endif
 }
 
 namespace {
@@ -50,7 +89,7 @@ void check_gemm_arguments(const at::Tensor& a, const at::Tensor& b, const at::Te
 }  // namespace
 
 void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& c,
-              const std::optional<at::Tensor>& bias, bool accumulate, Tf32Flag tf32) {
+              const std::optional<at::Tensor>& bias, bool accumulate, GemmConvention convention) {
   check_gemm_arguments(a_in, b_in, c, bias, accumulate);
   if (c.numel() == 0) return;
   // Broadcast view of the bias over c's rows: [batch, 1 -> M, N].
@@ -72,18 +111,18 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
   if (k_pieces && c.element_size() == 2) {
     at::Tensor sum = at::empty(c.sizes(), c.options().dtype(at::kFloat));
     if (accumulate) sum.copy_(c);
-    run_gemm(a, b, sum, bias, accumulate, tf32);
+    run_gemm(a, b, sum, bias, accumulate, convention);
     c.copy_(sum);
     return;
   }
 
 #ifdef PATCHGEMM_WITH_CUDA
   const bool on_gpu = c.is_cuda();
-  const bool allow_tf32 = on_gpu && tf32_allowed(tf32);
+  const GemmMath math = on_gpu ? gemm_math(convention, a.scalar_type()) : GemmMath{};
   // The Lt bias epilogue makes the bias free, while for plain products the classic API picks the
   // faster kernels for our strided outputs.
   if (on_gpu && bias && plan.calls.size() == 1 &&
-      cuda::run_lt_call(plan.calls[0], a, b, c, bias, allow_tf32, /*algorithm=*/0)) {
+      cuda::run_lt_call(plan.calls[0], a, b, c, bias, math, /*algorithm=*/0)) {
     return;  // bias added in the GEMM's epilogue
   }
 #else
@@ -99,7 +138,7 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
   }
 #ifdef PATCHGEMM_WITH_CUDA
   if (on_gpu) {
-    cuda::run_blas_calls(calls, a, b, c, allow_tf32);
+    cuda::run_blas_calls(calls, a, b, c, math);
     return;
   }
 #endif
@@ -108,7 +147,7 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
 
 #ifdef PATCHGEMM_WITH_CUDA
 std::string run_gemm_lt(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& c,
-                        const std::optional<at::Tensor>& bias, int algorithm, Tf32Flag tf32) {
+                        const std::optional<at::Tensor>& bias, int algorithm, GemmConvention convention) {
   check_gemm_arguments(a_in, b_in, c, bias, false);
   if (!c.is_cuda()) return "CUDA tensors only";
   if (c.numel() == 0 || a_in.size(2) == 0) return "an empty GEMM";
@@ -116,9 +155,9 @@ std::string run_gemm_lt(const at::Tensor& a_in, const at::Tensor& b_in, const at
   if (planned.plan.calls.size() != 1 || planned.plan.calls[0].accumulate) {
     return "the GEMM needs more than one BLAS call (split-K guard or sizes past 32 bits)";
   }
-  if (!cuda::run_lt_call(planned.plan.calls[0], planned.a, planned.b, c, bias, tf32_allowed(tf32), algorithm)) {
-    return "cuBLASLt does not apply (fp64, a disallowed reduced-precision reduction, a misaligned bias, "
-           "or fewer algorithms proposed)";
+  const GemmMath math = gemm_math(convention, planned.a.scalar_type());
+  if (!cuda::run_lt_call(planned.plan.calls[0], planned.a, planned.b, c, bias, math, algorithm)) {
+    return "cuBLASLt does not apply (fp64, a misaligned bias, or fewer algorithms proposed)";
   }
   return {};
 }

@@ -11,11 +11,31 @@
 
 namespace patchgemm {
 
-// Which PyTorch flag lets fp32 GEMMs use TF32 tensor cores: the op's that the GEMM stands in for,
-// torch.backends.cuda.matmul.allow_tf32 (nn.Linear; default False) or torch.backends.cudnn.allow_tf32
-// (nn.Conv*d; default True).
-enum class Tf32Flag { kMatmul, kCudnn };
-bool tf32_allowed(Tf32Flag flag);
+// Which PyTorch op a GEMM stands in for, so which of torch's flags its numerics follow:
+//   kMatmul (nn.Linear, bmm): fp32 in TF32 where torch.backends.cuda.matmul.allow_tf32 (default
+//     False); 16-bit split-K partial sums rounded to 16 bits where
+//     torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction (default True);
+//   kConv (nn.Conv*d): fp32 in TF32 where torch.backends.cudnn.allow_tf32 (default True); 16-bit
+//     sums always in fp32, as cuDNN's convolutions sum (a long reduction split in 16 bits is several
+//     times less accurate than the conv it replaces).
+enum class GemmConvention { kMatmul, kConv };
+bool tf32_allowed(GemmConvention convention);
+// Whether torch's matmul flag lets a 16-bit GEMM of `dtype` round split-K partial sums to 16 bits
+// (false for other dtypes).
+bool matmul_reduced_precision_allowed(at::ScalarType dtype);
+// What a GEMM of `dtype` under `convention` may do now.
+struct GemmMath {
+  bool tf32 = false;                 // fp32 may run in TF32
+  bool reduced_precision_sums = false;  // 16-bit split-K partials may be rounded to 16 bits
+};
+GemmMath gemm_math(GemmConvention convention, at::ScalarType dtype);
+// Why ATen's matmul (at::linear, matmul, einsum: the matmul convention) may not stand in for a conv
+// here, or empty: it may round partial sums to 16 bits where the conv would not -- 16-bit CUDA
+// `input`, torch's matmul flag allowing it, and a GEMM ([m, k] @ [k, n], `batch` of them) whose shape
+// invites cuBLAS's split-K (the split-K guard's: an output of few tiles, a reduction of 32 K tiles
+// or more).
+std::string aten_matmul_sums_unlike_a_conv(const at::Tensor& input, int64_t m, int64_t n, int64_t k,
+                                           int64_t batch = 1);
 
 // c[i] = a[i] @ b[i] (+ bias[i] broadcast over the rows of c[i]), or c[i] += a[i] @ b[i] when
 // `accumulate` (no bias then).
@@ -25,14 +45,15 @@ bool tf32_allowed(Tf32Flag flag);
 // through that device's backend.
 void run_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
               const std::optional<at::Tensor>& bias = std::nullopt, bool accumulate = false,
-              Tf32Flag tf32 = Tf32Flag::kMatmul);
+              GemmConvention convention = GemmConvention::kMatmul);
 
 #ifdef PATCHGEMM_WITH_CUDA
 // run_gemm (no accumulate) through cuBLASLt with the `algorithm`-th algorithm its heuristic
 // proposes (cuda::run_lt_call), where the GEMM is one BLAS call; else nothing runs and the reason
 // is returned (empty: done). Autotune's candidates among cuBLASLt's algorithms.
 std::string run_gemm_lt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-                        const std::optional<at::Tensor>& bias, int algorithm, Tf32Flag tf32 = Tf32Flag::kMatmul);
+                        const std::optional<at::Tensor>& bias, int algorithm,
+                        GemmConvention convention = GemmConvention::kMatmul);
 #endif
 
 // t summed over dims into t's dtype, accumulated in fp32 (fp64 for fp64): a bias gradient. CUDA's
@@ -65,22 +86,23 @@ namespace cpu {
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
                     const at::Tensor& c);
 }
-// (`tf32`: whether fp32 calls may use TF32 tensor cores.)
+// (`math`: what the calls may do, gemm_math of the op's convention.)
 #ifdef PATCHGEMM_WITH_CUDA
 namespace cuda {
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c, bool tf32);
+                    const at::Tensor& c, GemmMath math);
 // The split-K guard (kernels/gemm/strided_gemm.h) for GEMMs on `input`'s GPU: cuBLAS's K tile of the
 // inputs' dtype, and twice the SM count in output tiles. No guard on ROCm.
 SplitKGuard split_k_guard(const at::Tensor& input);
 // One call through cuBLASLt, the bias (if any) fused into its epilogue, with the `algorithm`-th
 // (0 to kLtAlgorithms - 1) of the algorithms cuBLASLt's heuristic proposes for its shape (asked
-// once per shape); false where that does not apply: fp64, an fp32 c for 16-bit inputs, accumulate,
-// a disallowed reduced-precision reduction, a bias not 16-byte aligned, fewer algorithms proposed,
-// ROCm, or PATCHGEMM_DISABLE_LT=1 (the caller then runs the classic API, the bias through beta = 1).
+// once per shape; where 16-bit partial sums must stay in fp32, among those that sum in fp32); false
+// where that does not apply: fp64, an fp32 c for 16-bit inputs, accumulate, a bias not 16-byte
+// aligned, fewer algorithms proposed, ROCm, or PATCHGEMM_DISABLE_LT=1 (the caller then runs the
+// classic API, the bias through beta = 1).
 constexpr int kLtAlgorithms = 4;
 bool run_lt_call(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-                 const std::optional<at::Tensor>& bias, bool tf32, int algorithm);
+                 const std::optional<at::Tensor>& bias, GemmMath math, int algorithm);
 // One GEMM of a grouped call: a planned single call (batch 1) and the base pointers of its
 // problem's a, b and c (the planner's offsets are from these).
 struct GroupedBlasCall {
@@ -90,12 +112,12 @@ struct GroupedBlasCall {
   void* c;
 };
 // Whether this build has cuBLAS's grouped GEMM (cublasGemmGroupedBatchedEx, cuBLAS 12.5+; not
-// hipBLAS), for float32 (TF32 where `tf32`), float16 and bfloat16.
+// hipBLAS), for float32, float16 and bfloat16.
 bool has_grouped_gemm();
 // All of `calls` (of one dtype, on `device`) as one grouped GEMM: the pointer arrays are copied to
 // the GPU asynchronously, the sizes stay on the host.
 void run_grouped_blas_calls(const std::vector<GroupedBlasCall>& calls, at::ScalarType dtype,
-                            at::Device device, bool tf32);
+                            at::Device device, GemmMath math);
 }  // namespace cuda
 #endif
 

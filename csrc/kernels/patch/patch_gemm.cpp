@@ -7,7 +7,7 @@
 //   unembed      Q = x_tokens @ W, then y = unpatchify(Q) + b (the bias rides on the scatter).
 //   weight grad  dW = grad_y^T @ P, recomputing P from x (never saved); with a ones column in P the
 //                same GEMM also yields dbias.
-// Their GEMMs stand in for convolutions, so fp32 follows torch.backends.cudnn.allow_tf32.
+// Their GEMMs stand in for convolutions, so follow a conv's numerics (GemmConvention::kConv).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 
@@ -17,7 +17,7 @@
 namespace patchgemm {
 namespace {
 
-constexpr Tf32Flag kConv = Tf32Flag::kCudnn;
+constexpr GemmConvention kConv = GemmConvention::kConv;
 
 // t [B, N, C] as [1, B*N, C] when the strides allow a view, else as is (the GEMM then runs
 // batched over B). N == 1 always merges: otherwise a batch of B one-row products reads the
