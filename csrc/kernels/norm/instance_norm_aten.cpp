@@ -10,11 +10,16 @@
 namespace patchgemm {
 namespace {
 
-// x as [B, C, S] in the accumulation dtype (a view of tokens input, transposed).
+// The dtype this implementation computes in: float64 on the CPU, as PyTorch's CPU norms accumulate
+// float32 (at::acc_type<float, false>; a channel of a few nearly equal values loses digits in float32
+// sums), else the statistics' dtype. The statistics it returns are in norm_acc_dtype either way.
+at::ScalarType compute_dtype(const at::Tensor& x) { return x.is_cpu() ? at::kDouble : norm_acc_dtype(x); }
+
+// x as [B, C, S] in the compute dtype (a view of tokens input, transposed).
 at::Tensor as_bcs(const at::Tensor& x, const NormShape& s) {
   const at::Tensor v = s.tokens ? x.reshape({s.batch, s.spatial, s.channels}).transpose(1, 2)
                                 : x.reshape({s.batch, s.channels, s.spatial});
-  return v.to(norm_acc_dtype(x));
+  return v.to(compute_dtype(x));
 }
 
 // The inverse of as_bcs, in x's dtype and shape, contiguous.
@@ -24,11 +29,11 @@ at::Tensor from_bcs(const at::Tensor& t, const at::Tensor& like, const NormShape
 }
 
 at::Tensor per_channel(const at::Tensor& t, double fill, const NormShape& s, const at::Tensor& x) {
-  const auto options = x.options().dtype(norm_acc_dtype(x));
-  return (t.defined() ? t.to(norm_acc_dtype(x)) : at::full({s.channels}, fill, options)).view({1, -1, 1});
+  const auto options = x.options().dtype(compute_dtype(x));
+  return (t.defined() ? t.to(compute_dtype(x)) : at::full({s.channels}, fill, options)).view({1, -1, 1});
 }
 
-// xhat and z = xhat * weight + bias, [B, C, S] in the accumulation dtype.
+// xhat and z = xhat * weight + bias, [B, C, S] in the compute dtype.
 std::pair<at::Tensor, at::Tensor> normalized(const at::Tensor& x, const at::Tensor& weight,
                                              const at::Tensor& bias, const at::Tensor& mean,
                                              const at::Tensor& rstd, const NormShape& s) {
@@ -50,18 +55,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_aten(
   const at::Tensor mean = xf.mean(-1);
   const at::Tensor rstd = (xf.var(-1, /*unbiased=*/false) + eps).rsqrt();
   const at::Tensor z = normalized(x, weight, bias, mean, rstd, s).second;
-  return {from_bcs(gelu ? at::gelu(z) : z, x, s), mean, rstd};
+  return {from_bcs(gelu ? at::gelu(z) : z, x, s), mean.to(norm_acc_dtype(x)), rstd.to(norm_acc_dtype(x))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward_aten(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
     const at::Tensor& mean, const at::Tensor& rstd, bool gelu, const NormShape& s) {
-  const auto [xhat, z] = normalized(x, weight, bias, mean, rstd, s);
+  const at::ScalarType dtype = compute_dtype(x);
+  const auto [xhat, z] = normalized(x, weight, bias, mean.to(dtype), rstd.to(dtype), s);
   at::Tensor dz = as_bcs(grad_y, s);
   if (gelu) dz = dz * gelu_grad(z);
   const at::Tensor sum_dz = dz.sum(-1), sum_dz_xhat = (dz * xhat).sum(-1);
   const double inv_n = s.spatial ? 1.0 / static_cast<double>(s.spatial) : 0.0;
-  const at::Tensor dx = rstd.unsqueeze(2) * per_channel(weight, 1.0, s, x) *
+  const at::Tensor dx = rstd.to(dtype).unsqueeze(2) * per_channel(weight, 1.0, s, x) *
                         (dz - sum_dz.unsqueeze(2) * inv_n - xhat * sum_dz_xhat.unsqueeze(2) * inv_n);
   const auto affine_grad = [&](const at::Tensor& param, const at::Tensor& sums) {
     return param.defined() ? sums.sum(0).to(x.scalar_type()) : at::Tensor();
