@@ -80,6 +80,9 @@ struct UnembedProblem {
 
   // [C_in, K], as EmbedProblem's
   const at::Tensor& w2() const { return w2_.get([&] { return weight_rows(weight, g.channels_last); }); }
+  // Whether the fused kernels read x as tokens (x_tokens): tokens input, or a channels-last volume,
+  // whose channels are innermost too.
+  bool fused_reads_tokens() const { return tokens || g.channels_last; }
 
  private:
   PerCall<at::Tensor> w2_;

@@ -326,7 +326,7 @@ template <typename Kernel>
 std::optional<at::Tensor> fused_unembed(const UnembedProblem& p, Kernel kernel) {
   at::Tensor y = at::empty(p.out_shape, p.x.options().memory_format(p.out_format));
   const auto [y5, g] = fused_view(to_5d(y), p.g);
-  const bool tokens = p.tokens || p.g.channels_last;
+  const bool tokens = p.fused_reads_tokens();
   if (!kernel(tokens ? p.x_tokens : p.x_fused, tokens, g, y5)) return std::nullopt;
   return y;
 }
@@ -364,7 +364,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
          },
          [](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            // (Asked first: y and W's rows cost allocations, and for channels-last x a copy.)
-           const bool tokens = p.tokens || p.g.channels_last;
+           const bool tokens = p.fused_reads_tokens();
            if (!cuda::tiny_unembed_fits(p.x, tokens, p.weight.size(0), p.bias.has_value(), channels_first_geometry(p.g), why)) {
              return std::nullopt;
            }
