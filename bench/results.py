@@ -123,16 +123,17 @@ def tune_section(saved: dict, name: str) -> str:
               tune.format_judgement(report["train"], f"\nTraining records ({', '.join(saved['train_on'])}):")]
     return "\n".join([
         f"## Selection modes, regret: {_where(saved.get('environment', {}))}", "",
-        f"`python -m patchgemm tune --from-json bench/results/{name} --relabel --json bench/results/{name}` "
+        f"`python -m patchgemm tune --from-json bench/results/{name} --json bench/results/{name}` "
         f"(the sweep: `python -m patchgemm tune --random {random_shapes} --model-like {model_shapes} --json ...`, "
-        "in parts merged by `--from-json`; `--relabel` replaces the "
-        "heuristic's recorded choices with today's rules' on the GPU, untimed). Regret = t(selected) / "
+        "in parts merged by `--from-json`; the heuristic's recorded choices are the rules' of the commit above, "
+        "by `--relabel` on the GPU, untimed). Regret = t(selected) / "
         "t(fastest candidate), GPU time of each candidate as autotune measures it (CUDA events around "
         "back-to-back calls behind a spin kernel); geometric mean / worst / share over 1.2x over the records (one per op call "
         "signature). `single best` = per op the one candidate of least mean regret on the training "
-        "records; `learned vs single best` = its time / the learned choice's. This GPU's model; the shipped "
-        "one (`patchgemm/data/selector.json`) is trained on the records of every GPU saved here "
-        "(`--from-json` with all of them, `--model ...`).", "",
+        "records; `learned vs single best` = its time / the learned choice's. This GPU's model, every op's; "
+        "the shipped one (`patchgemm/data/selector.json`) is trained on the records of every GPU saved here "
+        "and keeps the ops whose model beats the rules in 5-fold cross-validation (`--from-json` with all of "
+        "them, `--validate 5 --model ...`).", "",
         *tables, ""])
 
 
@@ -163,7 +164,8 @@ def transfer_section(paths: List[pathlib.Path]) -> str:
              f"`python bench/results.py` on {', '.join(p.name for p in paths)}: the model trained on one GPU's "
              f"{' + '.join(tune.TRAINING_SETS)} records, judged on each GPU's held-out records (regret as above; "
              "`all` rows); the rows trained on all of them judge the shipped model (`patchgemm/data/selector.json`, "
-             f"trained by `python -m patchgemm tune --from-json {names} --model patchgemm/data/selector.json`; "
+             f"trained by `python -m patchgemm tune --from-json {names} --validate 5 --model "
+             "patchgemm/data/selector.json`; "
              "retraining gives slightly different models, as the CPU's float sums vary with its threads).", "",
              "| trained on | judged on | heuristic mean / worst / > 1.2x | learned mean / worst / > 1.2x | "
              "single best mean / worst / > 1.2x |",

@@ -76,6 +76,9 @@ def main(argv=None) -> int:
                       "choices with today's (runs each shape once, untimed; the GPU should be the records')")
     tune.add_argument("--cross-validate", type=int, metavar="K", help="instead of training one "
                       "model, judge each training record by a model of the other K - 1 folds of shapes")
+    tune.add_argument("--validate", type=int, default=0, metavar="K", help="keep in the trained model only the "
+                      "ops whose choices beat the heuristic's in K-fold cross-validation (the others choose by "
+                      "the heuristic)")
     tune.add_argument("--train-device", metavar="TEXT", help="train only on records of GPUs whose name has TEXT")
     tune.add_argument("--evaluate-device", metavar="TEXT", help="judge only on records of GPUs whose name has TEXT")
     tune.add_argument("--device", help="cuda or cpu (default: cuda if present)")

@@ -2,7 +2,7 @@
 learned selector on some sets and report every mode's regret on the others.
 
     python -m patchgemm tune [--random N [--random-start K]] [--model-like N] [--train-on tuning,random,models]
-                             [--evaluate-on heldout] [--model PATH] [--json PATH] [--cache-dir DIR]
+                             [--evaluate-on heldout] [--validate K] [--model PATH] [--json PATH] [--cache-dir DIR]
     python -m patchgemm tune --from-json A.json[,B.json] [--relabel] [--train-device TEXT] [--evaluate-device TEXT] ...
     python -m patchgemm tune --from-json A.json[,B.json] --cross-validate K [--train-device TEXT] ...
 
@@ -16,7 +16,9 @@ geometric mean, worst case and share of records over 1.2x, with the speedup of e
 records, the heuristic's choice where it does not apply). ``--relabel`` re-runs saved records'
 shapes under today's heuristic (untimed), so that saved timings judge changed rules.
 ``--cross-validate K`` judges each training record by a model trained without its shape, so that
-choices about training (which records, which options) are made without looking at the held-out sets.
+choices about training (which records, which options) are made without looking at the held-out sets;
+``--validate K`` keeps in the trained model only the ops whose cross-validated choices beat the
+heuristic's (the others choose by the heuristic in learned mode).
 """
 
 import gzip
@@ -310,6 +312,25 @@ def cross_validate(records: List[Record], train_on: List[str], folds: int, train
     return judge(_select(pool, train_on, evaluate_device), choose=choose)
 
 
+def drop_unvalidated(model: dict, records: List[Record], train_on: List[str], folds: int,
+                     train_device: Optional[str] = None, seed: int = 0) -> Dict[str, str]:
+    """Removes from `model` each op whose learned choices do not beat the heuristic's in `folds`-fold
+    cross-validation over the training records (geometric-mean regret): such an op chooses by the
+    heuristic in learned mode. Returns, per op, the verdict (also kept in the model as "validation")."""
+    verdicts = {}
+    for row in cross_validate(records, train_on, folds, train_device, seed=seed):
+        op = row["op"]
+        if op == "all" or op not in model["ops"]:
+            continue
+        kept = row["learned"]["mean"] < row["heuristic"]["mean"]
+        verdicts[op] = (f"{'kept' if kept else 'dropped'}: cross-validated regret {row['learned']['mean']:.3f}, "
+                        f"the heuristic's {row['heuristic']['mean']:.3f}")
+        if not kept:
+            del model["ops"][op]
+    model["validation"] = verdicts
+    return verdicts
+
+
 def main(args) -> int:
     train_on = [s for s in args.train_on.split(",") if s]
     evaluate_on = [s for s in args.evaluate_on.split(",") if s]
@@ -339,6 +360,13 @@ def main(args) -> int:
                                      f"{', '.join(train_on)}: regret = t(selected) / t(fastest)"))
         return 0
     model, report = train_and_judge(records, train_on, evaluate_on, args.train_device, args.evaluate_device)
+    if args.validate:
+        for op, verdict in drop_unvalidated(model, records, train_on, args.validate, args.train_device,
+                                            args.seed).items():
+            print(f"{op}: {verdict}")
+        report["evaluate"] = judge(_select(records, evaluate_on, args.evaluate_device), model, report["single_best"])
+        report["train"] = judge(_select(records, train_on, args.train_device, exclude=evaluate_on), model,
+                                report["single_best"])
     print(format_judgement(report["train"], f"\nTraining records ({', '.join(train_on)}): regret = t(selected) / t(fastest)"))
     print(format_judgement(report["evaluate"], f"\nHeld-out records ({', '.join(evaluate_on)}), never trained on"))
     if args.model:

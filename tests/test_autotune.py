@@ -438,6 +438,26 @@ def _synthetic_records():
     return records
 
 
+def test_validation_drops_the_ops_whose_model_does_not_beat_the_rules(monkeypatch):
+    """grouped_linear's rule ("a") loses on large m, which the model learns: kept. patch_embed's rule is
+    always right, so its model can at best match it: dropped, and learned mode runs the rule there."""
+    records = _synthetic_records()
+    for r in _synthetic_records():
+        r.op, r.times = "patch_embed", {"a": 1.0, "b": 2.0}
+        records.append(r)
+    real_train = learned.train
+    monkeypatch.setattr(learned, "train", lambda rs, **options: real_train(rs, **{**options, "steps": 300}))
+    model = learned.train(tune._select(records, ["tuning"], None, exclude=["heldout"]))
+    assert set(model["ops"]) == {"grouped_linear", "patch_embed"}
+    verdicts = tune.drop_unvalidated(model, records, ["tuning"], 4)
+    assert set(model["ops"]) == {"grouped_linear"}, verdicts
+    assert verdicts["grouped_linear"].startswith("kept") and verdicts["patch_embed"].startswith("dropped")
+    assert model["validation"] == verdicts
+    embed = [r for r in records if r.op == "patch_embed"]
+    assert all(learned.predict(model, r) is None for r in embed)  # no model: the heuristic runs
+    assert tune.judge(embed, model, {})[-1]["learned"]["mean"] == 1.0
+
+
 def test_a_problem_saved_twice_is_one_record_of_both_sets(tmp_path):
     records = _synthetic_records()
     again = learned.Record(**json.loads(json.dumps(vars(records[0]))))  # the same problem, swept again
