@@ -63,9 +63,6 @@ WhyNot implicit_mma_pays(int64_t width, int64_t rows, const at::Tensor& on) {
   return {};
 }
 
-// The 128 x 128 tiles of a rows x cols output (the fused kernels' CTA tile).
-int64_t output_tiles(int64_t rows, int64_t cols) { return (rows + 127) / 128 * ((cols + 127) / 128); }
-
 // The fused GEMMs do not split K: an output of 128 x 128 tiles for under half the SMs, over a long
 // K, leaves most SMs idle, where cuBLAS splits K (ViT-B/16 at batch 1 to 4: 12 to 42 tiles, K = 768).
 // Thin outputs (width <= 128) are memory-bound, and the gather that cuBLAS needs costs more, down to a

@@ -41,8 +41,7 @@ GemmMath gemm_math(GemmConvention convention, at::ScalarType dtype) {
 std::string aten_matmul_sums_unlike_a_conv(const at::Tensor& input, int64_t m, int64_t n, int64_t k, int64_t batch) {
 #ifdef PATCHGEMM_WITH_CUDA
   if (!input.is_cuda() || !matmul_reduced_precision_allowed(input.scalar_type())) return {};
-  const SplitKGuard guard = cuda::split_k_guard(input);
-  if (guard.k_tile <= 0 || k < guard.min_k || (m + 127) / 128 * ((n + 127) / 128) * batch >= guard.max_tiles) return {};
+  if (!cuda::split_k_guard(input).invites_split_k(m, n, k, batch)) return {};
   return "16-bit, a long reduction into few output tiles: ATen's matmul may round split-K partial sums to 16 bits "
          "(torch.backends.cuda.matmul.allow_" + std::string(input.scalar_type() == at::kHalf ? "fp16" : "bf16") +
          "_reduced_precision_reduction), where the conv sums in fp32";

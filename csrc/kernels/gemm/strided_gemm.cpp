@@ -39,9 +39,7 @@ std::atomic<int64_t> g_int_limit{INT_MAX};
 
 // Whether the guard splits a call of this shape (m x n output per batch, reduction length k).
 bool splits_k_tail(const SplitKGuard& guard, int64_t m, int64_t n, int64_t k, int64_t batch) {
-  if (guard.k_tile <= 0 || k < guard.min_k || k <= guard.k_tile || k % guard.k_tile == 0) return false;
-  const int64_t tiles = (m + 127) / 128 * ((n + 127) / 128) * batch;
-  return tiles < guard.max_tiles;
+  return guard.invites_split_k(m, n, k, batch) && k > guard.k_tile && k % guard.k_tile != 0;
 }
 
 }  // namespace

@@ -60,10 +60,21 @@ struct BlasPlan {
 // output of few tiles -- is therefore planned as two: K's whole tiles, then the remainder (below
 // one tile, so unsplittable) accumulated onto them. Neither can lose a tail; the second rereads
 // the small output once, which shorter reductions are spared.
+// The 128 x 128 tiles of `batch` outputs of rows x cols (cuBLAS's and the fused kernels' CTA tile).
+inline int64_t output_tiles(int64_t rows, int64_t cols, int64_t batch = 1) {
+  return (rows + 127) / 128 * ((cols + 127) / 128) * batch;
+}
+
 struct SplitKGuard {
   int64_t k_tile = 0;     // in elements; 0: no guard (CPU, ROCm)
   int64_t max_tiles = 0;  // outputs of fewer 128 x 128 tiles (all batches together) are guarded
   int64_t min_k = 0;      // reductions shorter than this are not guarded
+
+  // Whether a GEMM of this shape (m x n outputs, `batch` of them, reduction length k) invites
+  // cuBLAS's split-K: a long reduction into few output tiles.
+  bool invites_split_k(int64_t m, int64_t n, int64_t k, int64_t batch) const {
+    return k_tile > 0 && k >= min_k && output_tiles(m, n, batch) < max_tiles;
+  }
 };
 
 // Plans `p` as column-major BLAS calls whose every size, leading dimension and batch count fits

@@ -62,12 +62,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward_aten(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
     const at::Tensor& mean, const at::Tensor& rstd, bool gelu, const NormShape& s) {
   const at::ScalarType dtype = compute_dtype(x);
-  const auto [xhat, z] = normalized(x, weight, bias, mean.to(dtype), rstd.to(dtype), s);
+  const at::Tensor rstd_c = rstd.to(dtype);
+  const auto [xhat, z] = normalized(x, weight, bias, mean.to(dtype), rstd_c, s);
   at::Tensor dz = as_bcs(grad_y, s);
   if (gelu) dz = dz * gelu_grad(z);
   const at::Tensor sum_dz = dz.sum(-1), sum_dz_xhat = (dz * xhat).sum(-1);
   const double inv_n = s.spatial ? 1.0 / static_cast<double>(s.spatial) : 0.0;
-  const at::Tensor dx = rstd.to(dtype).unsqueeze(2) * per_channel(weight, 1.0, s, x) *
+  const at::Tensor dx = rstd_c.unsqueeze(2) * per_channel(weight, 1.0, s, x) *
                         (dz - sum_dz.unsqueeze(2) * inv_n - xhat * sum_dz_xhat.unsqueeze(2) * inv_n);
   const auto affine_grad = [&](const at::Tensor& param, const at::Tensor& sums) {
     return param.defined() ? sums.sum(0).to(x.scalar_type()) : at::Tensor();
