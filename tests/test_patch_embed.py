@@ -1460,3 +1460,21 @@ def test_long_16bit_reductions_sum_in_fp32_like_the_conv(op, dtype):
         assert "gather_gemm" in ran or "gemm_scatter" in ran, ran
     finally:
         flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = old
+
+
+@needs_gpu
+def test_small_long_16bit_token_embeds_stay_on_a_gemm_where_linear_steps_aside():
+    """A small 16-bit embedding writing tokens runs as ATen's copy + linear, except where linear may
+    round split-K sums to 16 bits (a long reduction into few tiles): the gather + GEMM then, whose
+    sums stay in fp32, not cuDNN's conv, up to 30x slower there (a ViT-style stem at batch 2)."""
+    flags = torch.backends.cuda.matmul
+    old = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = True
+    try:
+        x, w, b = (t.to("cuda", torch.bfloat16) for t in (randn(2, 3, 96, 96), randn(768, 3, 32, 32), randn(768)))
+        with patchgemm.explain() as e:
+            patchgemm.patch_embed(x, w, b, out_format="tokens")
+        (c,) = [c for c in e if c.op == "patch_embed"]
+        assert c.chosen == "gather_gemm", str(e)
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = old

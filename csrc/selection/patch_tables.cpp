@@ -122,6 +122,12 @@ bool small_tokens_embed(const EmbedProblem& p) {
   return gemm_macs(p.g, p.weight.size(0)) < kSmallEmbedMacs || patch_matrix_bytes(p.g, p.x) < kSmallEmbedPatchBytes;
 }
 
+// Why at::linear may not run this embedding (it may round 16-bit partial sums where the conv would
+// not), or empty.
+WhyNot aten_linear_sums_unlike_a_conv(const EmbedProblem& p) {
+  return aten_matmul_sums_unlike_a_conv(p.x, p.g.batch * p.g.tokens(), p.weight.size(0), p.g.patch_size());
+}
+
 // Channels-last x on CUDA: cuDNN's channels-last kernels read x as it lies and write the channels-last
 // output. They beat the channels-last gather + GEMM only for short kernels over many channels and
 // tokens (ConvNeXt's k = 2 downsampling, 2-D and 3-D, forward and backward); with longer kernels or
@@ -271,8 +277,8 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            WhyNot why = cudnn_wins_channels_last(p.x, p.g);
            if (!why.empty()) return why;
            // Small 16-bit problems writing tokens: launch-bound, and ATen's permute copy + linear
-           // makes fewer launches than the gather with its padding.
-           if (!fp32 && p.tokens_out && small_tokens_embed(p)) {
+           // makes fewer launches than the gather with its padding -- where linear may run them.
+           if (!fp32 && p.tokens_out && small_tokens_embed(p) && aten_linear_sums_unlike_a_conv(p).empty()) {
              return "rule: 16-bit problems writing tokens of under 2^24 multiply-adds or a patch matrix under 2 MB "
                     "run faster as ATen's copy + linear";
            }
@@ -285,7 +291,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            if (!p.tokens_out) return "channels-first output (linear writes tokens)";
            // at::linear follows the matmul flags; a conv replacement follows the conv's.
            if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat) return "fp32 on CUDA (linear's TF32 flag is not the conv's)";
-           WhyNot why = aten_matmul_sums_unlike_a_conv(p.x, p.g.batch * p.g.tokens(), p.weight.size(0), p.g.patch_size());
+           WhyNot why = aten_linear_sums_unlike_a_conv(p);
            return why.empty() ? row_major_tokens(p.g) : why;
          },
          [](const EmbedProblem& p) -> WhyNot {

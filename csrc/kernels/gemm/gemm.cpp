@@ -78,6 +78,21 @@ PlannedGemm plan_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::
   return planned;
 }
 
+// Whether a 16-bit GEMM whose partial sums must stay in fp32 (gemm_math) writes an fp32 scratch:
+// where its shape invites split-K. cuBLAS told to keep 16-bit split-K sums in fp32 then runs the
+// long reduction unsplit on a few CTAs instead (x [1, 512, 512, 112] into E = 3 by 16 x 16
+// patches: 164 times slower), while into an fp32 output it splits K freely, its sums already fp32.
+// The scratch is small there (few output tiles), and c is rounded from it once.
+bool fp32_sums_want_fp32_output(const at::Tensor& a, const at::Tensor& c, GemmConvention convention) {
+#ifdef PATCHGEMM_WITH_CUDA
+  if (!c.is_cuda() || gemm_math(convention, a.scalar_type()).reduced_precision_sums) return false;
+  return cuda::split_k_guard(a).invites_split_k(c.size(1), c.size(2), a.size(2), c.size(0));
+#else
+  (void)a, (void)c, (void)convention;
+  return false;
+#endif
+}
+
 void check_gemm_arguments(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                           const std::optional<at::Tensor>& bias, bool accumulate) {
   TORCH_INTERNAL_ASSERT(a.dim() == 3 && b.dim() == 3 && c.dim() == 3);
@@ -107,7 +122,7 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
   // digits): they sum into an fp32 scratch instead, and c is rounded once.
   const bool k_pieces = std::any_of(plan.calls.begin(), plan.calls.end(),
                                     [](const BlasCall& call) { return call.accumulate; });
-  if (k_pieces && c.element_size() == 2) {
+  if (c.element_size() == 2 && (k_pieces || fp32_sums_want_fp32_output(a, c, convention))) {
     at::Tensor sum = at::empty(c.sizes(), c.options().dtype(at::kFloat));
     if (accumulate) sum.copy_(c);
     run_gemm(a, b, sum, bias, accumulate, convention);
