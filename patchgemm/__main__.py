@@ -66,6 +66,9 @@ def main(argv=None) -> int:
     tune.add_argument("--model-like", type=int, default=200, metavar="N", help="shapes in the models set: layer "
                       "kinds of real models drawn at random (default 200)")
     tune.add_argument("--seed", type=int, default=0, help="the random and models sets' seed")
+    tune.add_argument("--only-channels-last", action="store_true", help="sweep only the sets' channels-last "
+                      "shapes (to re-measure them once the channels-last paths change; merge with --from-json "
+                      "NEW,OLD, whose first file's records win)")
     tune.add_argument("--cache-dir", help="autotune's directory (default ~/.cache/patchgemm or $PATCHGEMM_CACHE_DIR)")
     tune.add_argument("--model", metavar="PATH", help="write the trained model here")
     tune.add_argument("--json", metavar="PATH", help="write the records and the report (gzip-compressed where "

@@ -1,8 +1,9 @@
 """``python -m patchgemm tune``: time every implementation over shape sets, keep the records, train the
 learned selector on some sets and report every mode's regret on the others.
 
-    python -m patchgemm tune [--random N [--random-start K]] [--model-like N] [--train-on tuning,random,models]
-                             [--evaluate-on heldout] [--validate K] [--model PATH] [--json PATH] [--cache-dir DIR]
+    python -m patchgemm tune [--random N [--random-start K]] [--model-like N] [--only-channels-last]
+                             [--train-on tuning,random,models] [--evaluate-on heldout] [--validate K]
+                             [--model PATH] [--json PATH] [--cache-dir DIR]
     python -m patchgemm tune --from-json A.json[,B.json] [--relabel] [--train-device TEXT] [--evaluate-device TEXT] ...
     python -m patchgemm tune --from-json A.json[,B.json] --cross-validate K [--train-device TEXT] ...
 
@@ -68,6 +69,17 @@ def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, lo
             r.tags = dict(t)
             records.append(r)
     return records
+
+
+def shape_sets(names: List[str], random: int, model_like: int, seed: int = 0, start: int = 0,
+               only_channels_last: bool = False) -> Dict[str, List[Shape]]:
+    """The named sets' shapes: ``random`` / ``model_like`` shapes of the random and models sequences
+    (from the ``start``-th on), and only the channels-last ones where ``only_channels_last``."""
+    every = {"tuning": lambda: TUNING, "heldout": lambda: HELDOUT,
+             "random": lambda: random_shapes(random, seed)[start:],
+             "models": lambda: model_shapes(model_like, seed)[start:]}
+    return {name: [s for s in every[name]() if s.channels_last or not only_channels_last]
+            for name in dict.fromkeys(names)}
 
 
 def _passes(s: Shape, device: torch.device):
@@ -346,10 +358,8 @@ def main(args) -> int:
     else:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         cache_dir = args.cache_dir if args.cache_dir is not None else selection.default_cache_dir()
-        shapes = {"tuning": TUNING, "heldout": HELDOUT,
-                  "random": random_shapes(args.random, args.seed)[args.random_start:],
-                  "models": model_shapes(args.model_like, args.seed)[args.random_start:]}
-        sets = {name: shapes[name] for name in dict.fromkeys(train_on + evaluate_on)}
+        sets = shape_sets(train_on + evaluate_on, args.random, args.model_like, args.seed, args.random_start,
+                          args.only_channels_last)
         print(f"tuning {', '.join(sets)} on {device} (cache: {cache_dir or 'memory only'})")
         records = sweep(sets, device, cache_dir)
         env = environment(device)

@@ -458,6 +458,15 @@ def test_validation_drops_the_ops_whose_model_does_not_beat_the_rules(monkeypatc
     assert tune.judge(embed, model, {})[-1]["learned"]["mean"] == 1.0
 
 
+def test_the_sweep_can_be_limited_to_channels_last_shapes():
+    every = tune.shape_sets(["tuning", "heldout", "random", "models"], 400, 400)
+    only = tune.shape_sets(["tuning", "heldout", "random", "models"], 400, 400, only_channels_last=True)
+    assert list(only) == list(every)
+    for name, shapes in only.items():
+        assert shapes == [s for s in every[name] if s.channels_last] and shapes, name
+    assert tune.shape_sets(["random"], 400, 0, start=100)["random"] == every["random"][100:]
+
+
 def test_a_problem_saved_twice_is_one_record_of_both_sets(tmp_path):
     records = _synthetic_records()
     again = learned.Record(**json.loads(json.dumps(vars(records[0]))))  # the same problem, swept again
