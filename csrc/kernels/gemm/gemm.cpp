@@ -79,14 +79,17 @@ PlannedGemm plan_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::
 }
 
 // Whether a 16-bit GEMM whose partial sums must stay in fp32 (gemm_math) writes an fp32 scratch:
-// where its shape invites split-K. cuBLAS told to keep 16-bit split-K sums in fp32 then runs the
-// long reduction unsplit on a few CTAs instead (x [1, 512, 512, 112] into E = 3 by 16 x 16
-// patches: 164 times slower), while into an fp32 output it splits K freely, its sums already fp32.
-// The scratch is small there (few output tiles), and c is rounded from it once.
+// where its shape invites split-K and its output fills under half a wave of tiles. cuBLAS told to
+// keep 16-bit split-K sums in fp32 runs such a reduction unsplit on a few CTAs (x [1, 512, 512, 112]
+// into E = 3 by 16 x 16 patches: 164 times slower), while into an fp32 output it splits K freely,
+// its sums already fp32; c is rounded from the scratch once. Larger outputs keep most SMs busy
+// unsplit, and there the scratch's traffic would cost more than splitting saves.
 bool fp32_sums_want_fp32_output(const at::Tensor& a, const at::Tensor& c, GemmConvention convention) {
 #ifdef PATCHGEMM_WITH_CUDA
   if (!c.is_cuda() || gemm_math(convention, a.scalar_type()).reduced_precision_sums) return false;
-  return cuda::split_k_guard(a).invites_split_k(c.size(1), c.size(2), a.size(2), c.size(0));
+  const SplitKGuard guard = cuda::split_k_guard(a);  // (max_tiles: two waves)
+  return guard.invites_split_k(c.size(1), c.size(2), a.size(2), c.size(0)) &&
+         4 * output_tiles(c.size(1), c.size(2), c.size(0)) < guard.max_tiles;
 #else
   (void)a, (void)c, (void)convention;
   return false;
