@@ -126,7 +126,7 @@ def tune_section(saved: dict, name: str) -> str:
         f"`python -m patchgemm tune --from-json bench/results/{name} --json bench/results/{name}` "
         f"(the sweep: `python -m patchgemm tune --random {random_shapes} --model-like {model_shapes} --json ...`, "
         "in parts merged by `--from-json`; the heuristic's recorded choices are the rules' of the commit above, "
-        "by `--relabel` on the GPU, untimed). Regret = t(selected) / "
+        "noted by the sweep or by `--relabel` on the GPU, untimed). Regret = t(selected) / "
         "t(fastest candidate), GPU time of each candidate as autotune measures it (CUDA events around "
         "back-to-back calls behind a spin kernel); geometric mean / worst / share over 1.2x over the records (one per op call "
         "signature). `single best` = per op the one candidate of least mean regret on the training "

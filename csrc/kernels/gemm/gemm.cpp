@@ -87,9 +87,9 @@ PlannedGemm plan_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::
 bool fp32_sums_want_fp32_output(const at::Tensor& a, const at::Tensor& c, GemmConvention convention) {
 #ifdef PATCHGEMM_WITH_CUDA
   if (!c.is_cuda() || gemm_math(convention, a.scalar_type()).reduced_precision_sums) return false;
-  const SplitKGuard guard = cuda::split_k_guard(a);  // (max_tiles: two waves)
+  const SplitKGuard guard = cuda::split_k_guard(a);
   return guard.invites_split_k(c.size(1), c.size(2), a.size(2), c.size(0)) &&
-         4 * output_tiles(c.size(1), c.size(2), c.size(0)) < guard.max_tiles;
+         guard.under_half_a_wave(c.size(1), c.size(2), c.size(0));
 #else
   (void)a, (void)c, (void)convention;
   return false;

@@ -75,6 +75,11 @@ struct SplitKGuard {
   bool invites_split_k(int64_t m, int64_t n, int64_t k, int64_t batch) const {
     return k_tile > 0 && k >= min_k && output_tiles(m, n, batch) < max_tiles;
   }
+  // Whether such outputs fill under half a wave (max_tiles is two waves): an unsplit reduction
+  // leaves most SMs idle.
+  bool under_half_a_wave(int64_t m, int64_t n, int64_t batch) const {
+    return 4 * output_tiles(m, n, batch) < max_tiles;
+  }
 };
 
 // Plans `p` as column-major BLAS calls whose every size, leading dimension and batch count fits

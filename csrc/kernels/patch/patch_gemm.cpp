@@ -55,7 +55,7 @@ at::Tensor padded_weight(const at::Tensor& w2, const std::optional<at::Tensor>& 
 bool per_sample_gemms(const at::Tensor& on, int64_t batch, int64_t rows, int64_t cols, int64_t reduction) {
 #ifdef PATCHGEMM_WITH_CUDA
   if (on.is_cuda() && batch <= 16 && reduction >= 4096) {
-    return 4 * output_tiles(rows, cols, batch) < cuda::split_k_guard(on).max_tiles;  // under half as many tiles as SMs
+    return cuda::split_k_guard(on).under_half_a_wave(rows, cols, batch);
   }
 #endif
   return false;
