@@ -121,8 +121,9 @@ at::Tensor embed_by_aten_conv(const EmbedProblem& p);     // ATen's convolution 
 at::Tensor unembed_by_gemm(const UnembedProblem& p);      // GEMM, then the scatter
 at::Tensor unembed_by_aten_linear(const UnembedProblem& p);  // ATen's matmul, then a permute copy and the bias
 at::Tensor unembed_by_aten_conv_transpose(const UnembedProblem& p);  // ATen's transposed convolution
-// Whether unembed_by_gemm first copies x into tokens order (channels-first x that would make a
-// slow GEMM: a small grid, or rows that are not 16-byte aligned).
+// Whether unembed_by_gemm's GEMM reads channels-first x poorly (a small grid, or rows that are not
+// 16-byte aligned), and whether it then copies x into tokens order first (where that pays).
+bool unembed_gemm_reads_x_poorly(const UnembedProblem& p);
 bool unembed_gemm_copies_x(const UnembedProblem& p);
 WeightGrads weight_grad_by_gemm(const WeightGradProblem& p);
 // dW [E, K] in the patch matrix's column order as the weight's shape [E, C, *k]: a view where it can

@@ -359,11 +359,11 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
 #ifdef PATCHGEMM_PTX_KERNELS
         {"tiny", "cuda sm_80+", "16-bit, kw even, patches of at most 64 elements, C_in <= 512",
          fused_unembed_applies,
-         // Over 256 input channels one block fills an SM, and GEMM -> scatter runs faster, but for
-         // the copy of x it makes first (a small grid, unaligned rows).
+         // Over 256 input channels one block fills an SM, and GEMM -> scatter runs faster, but where
+         // its GEMM reads channels-first x poorly (a small grid, unaligned rows).
          [](const UnembedProblem& p) -> WhyNot {
-           if (p.weight.size(0) <= 256 || unembed_gemm_copies_x(p)) return {};
-           return "rule: over 256 input channels GEMM -> scatter runs faster where it needs no copy of x";
+           if (p.weight.size(0) <= 256 || unembed_gemm_reads_x_poorly(p)) return {};
+           return "rule: over 256 input channels GEMM -> scatter runs faster where its GEMM reads x well";
          },
          [](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            // (Asked first: y and W's rows cost allocations, and for channels-last x a copy.)

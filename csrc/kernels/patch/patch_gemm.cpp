@@ -173,14 +173,28 @@ at::Tensor embed_by_aten_linear(const EmbedProblem& p) {
   return embed_output(p, y.view({g.batch, g.tokens(), p.weight.size(0)}));
 }
 
-// x is copied into tokens order once where channels-first x would make a slow GEMM: B GEMMs of
-// fewer than 256 rows each (a small grid) leave most tiles empty, and a leading dimension (N) of
-// unaligned rows keeps cuBLAS off its fast kernels.
-bool unembed_gemm_copies_x(const UnembedProblem& p) {
+namespace {
+// B GEMMs of fewer than 256 rows each (channels-first x, B > 1): a small grid, tiles mostly empty.
+bool unembed_gemm_has_few_rows(const UnembedProblem& p) {
+  return merge_batch(p.x_tokens).size(0) > 1 && p.g.tokens() < 256;
+}
+// A leading dimension (N) of unaligned rows keeps cuBLAS off its fast kernels.
+bool unembed_gemm_rows_unaligned(const UnembedProblem& p) {
   const at::Tensor a = merge_batch(p.x_tokens);
-  const bool few_rows = a.size(0) > 1 && p.g.tokens() < 256;
-  const bool unaligned = a.stride(2) != 1 && a.stride(2) % row_alignment(p.x) != 0;
-  return few_rows || unaligned;
+  return a.stride(2) != 1 && a.stride(2) % row_alignment(p.x) != 0;
+}
+}  // namespace
+
+bool unembed_gemm_reads_x_poorly(const UnembedProblem& p) {
+  return unembed_gemm_has_few_rows(p) || unembed_gemm_rows_unaligned(p);
+}
+
+// x is copied into tokens order once (ATen's transposing copy: several passes over x at a fraction
+// of the bandwidth) where the GEMM would read channels-first x poorly: unaligned rows, or few rows
+// with patches of over 64 elements. Shorter patches make a GEMM that reads x about once, which the
+// copy would make three passes: the idle parts of its tiles cost less.
+bool unembed_gemm_copies_x(const UnembedProblem& p) {
+  return unembed_gemm_rows_unaligned(p) || (unembed_gemm_has_few_rows(p) && p.g.patch_size() > 64);
 }
 
 at::Tensor unembed_by_gemm(const UnembedProblem& p) {
