@@ -190,11 +190,11 @@ bool unembed_gemm_reads_x_poorly(const UnembedProblem& p) {
 }
 
 // x is copied into tokens order once (ATen's transposing copy: several passes over x at a fraction
-// of the bandwidth) where the GEMM would read channels-first x poorly: unaligned rows, or few rows
-// with patches of over 64 elements. Shorter patches make a GEMM that reads x about once, which the
-// copy would make three passes: the idle parts of its tiles cost less.
+// of the bandwidth) where the GEMM would read channels-first x poorly and its patches have over 64
+// elements. Shorter patches make a GEMM that reads x about once, which the copy would make three
+// passes: its slower kernels and idle tiles cost less.
 bool unembed_gemm_copies_x(const UnembedProblem& p) {
-  return unembed_gemm_rows_unaligned(p) || (unembed_gemm_has_few_rows(p) && p.g.patch_size() > 64);
+  return p.g.patch_size() > 64 && unembed_gemm_reads_x_poorly(p);
 }
 
 at::Tensor unembed_by_gemm(const UnembedProblem& p) {
