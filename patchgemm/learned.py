@@ -12,10 +12,8 @@ candidate, whether it applies and whether it is the one the heuristic runs (the 
 what the rules know; the C++ side runs the heuristic once per new signature to find it, since a
 kernel may decline a problem its table says it supports). At run time the C++ side
 (csrc/selection/learned.cpp) computes the same scores and runs the best-scored candidate that applies.
-The heuristic's pick gets an op's ``rules_margin`` on top of its score (``tune --validate`` chooses
-it by cross-validation): where the model is unsure, the rules' choice stands.
 
-The model file is JSON: per op its candidates, features, normalization, weights and rules margin.
+The model file is JSON: per op its candidates, features, normalization and weights.
 """
 
 import json
@@ -135,24 +133,19 @@ def _train_op(rs: List[Record], candidates: List[str], features: List[str], hidd
 
 
 def scores(op_model: dict, features: Dict[str, float]) -> Dict[str, float]:
-    """Each candidate's score (higher: expected faster), as csrc/selection/learned.cpp computes it:
-    the network's output, the heuristic's pick raised by the op's ``rules_margin`` (so the model
-    overrides the rules only where it scores another candidate higher by more than that)."""
+    """Each candidate's score (higher: expected faster), as csrc/selection/learned.cpp computes it."""
     x = [(v - m) / s for v, m, s in zip(_inputs(op_model["features"], features), op_model["mean"], op_model["scale"])]
     h = [max(b + sum(w * xi for w, xi in zip(row, x)), 0.0) for row, b in zip(op_model["w1"], op_model["b1"])]
-    margin = op_model.get("rules_margin", 0.0)
-    return {c: b + sum(w * hi for w, hi in zip(row, h)) + (margin if features.get(f"rules_pick:{c}") == 1.0 else 0.0)
+    return {c: b + sum(w * hi for w, hi in zip(row, h))
             for c, row, b in zip(op_model["candidates"], op_model["w2"], op_model["b2"])}
 
 
-def predict(model: dict, record: Record, rules_margin: Optional[float] = None) -> Optional[str]:
+def predict(model: dict, record: Record) -> Optional[str]:
     """The candidate the learned mode runs for the record's problem: the best-scored one that applies
-    (None without a model for the op); ``rules_margin`` in place of the op's own."""
+    (None without a model for the op)."""
     op_model = model["ops"].get(record.op)
     if op_model is None:
         return None
-    if rules_margin is not None:
-        op_model = {**op_model, "rules_margin": rules_margin}
     s = scores(op_model, record.features)
     applicable = [n for n, t in record.times.items() if t is not None]
     return max(applicable, key=lambda n: s.get(n, -math.inf))
@@ -191,4 +184,4 @@ def install(model: dict) -> None:
             continue
         params = (m["mean"] + m["scale"] + [w for row in m["w1"] for w in row] + m["b1"]
                   + [w for row in m["w2"] for w in row] + m["b2"])
-        ops._set_learned_model(op, m["candidates"], m["features"], m["hidden"], params, m.get("rules_margin", 0.0))
+        ops._set_learned_model(op, m["candidates"], m["features"], m["hidden"], params)

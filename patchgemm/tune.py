@@ -297,21 +297,11 @@ def train_and_judge(records: List[Record], train_on: List[str], evaluate_on: Lis
 
 
 def cross_validate(records: List[Record], train_on: List[str], folds: int, train_device: Optional[str] = None,
-                   evaluate_device: Optional[str] = None, seed: int = 0, rules_margin: Optional[float] = None,
-                   **train_options) -> List[dict]:
+                   evaluate_device: Optional[str] = None, seed: int = 0, **train_options) -> List[dict]:
     """Each mode's regret on the ``train_on`` sets' records, each record judged by a model trained
     without its shape: the shapes (all of a shape's records, of every GPU, together) are dealt into
     `folds` folds at random, and fold k is judged by the model of the other folds' records (of GPUs
-    named ``train_device``). This compares training choices without the held-out sets.
-    ``rules_margin``: the learned choices made with it in place of the models' own."""
-    judged, choose = _cross_validated(records, train_on, folds, train_device, evaluate_device, seed, **train_options)
-    return judge(judged, choose=lambda r: choose(r, rules_margin))
-
-
-def _cross_validated(records: List[Record], train_on: List[str], folds: int, train_device: Optional[str],
-                     evaluate_device: Optional[str], seed: int, **train_options):
-    """cross_validate's records to judge and its choices: (record, rules margin or None) -> (learned,
-    single best), each by the models of the folds without the record's shape."""
+    named ``train_device``). This compares training choices without the held-out sets."""
     if folds < 2:
         raise ValueError(f"patchgemm tune: --cross-validate needs at least 2 folds, got {folds}")
     pool = _select(records, train_on, None, exclude=[s for s in SETS if s not in train_on])
@@ -327,47 +317,27 @@ def _cross_validated(records: List[Record], train_on: List[str], folds: int, tra
         train = [r for r in _select(pool, train_on, train_device) if fold(r) != k]
         fitted.append((learned.train(train, seed=seed, **train_options), single_best(train)))
 
-    def choose(r: Record, rules_margin: Optional[float]):
+    def choose(r: Record):
         model, best = fitted[fold(r)]
-        return learned.predict(model, r, rules_margin), best.get(r.op)
+        return learned.predict(model, r), best.get(r.op)
 
-    return _select(pool, train_on, evaluate_device), choose
-
-
-# The rules margins `--validate` tries: a score margin of m asks the model for a softmax weight
-# e^m times the heuristic pick's (temperature 0.2: a predicted time about e^(0.2 m) times shorter).
-RULES_MARGINS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+    return judge(_select(pool, train_on, evaluate_device), choose=choose)
 
 
-def _margin_cost(regrets: List[float]) -> float:
-    """What `--validate` minimizes over the rules margins: the geometric-mean regret with each regret
-    past 1.2x counted twice as far (the worst cases weigh more than their share)."""
-    return math.exp(statistics.fmean(math.log(x) + max(math.log(x / 1.2), 0.0) for x in regrets))
-
-
-def validate(model: dict, records: List[Record], train_on: List[str], folds: int, train_device: Optional[str] = None,
-             seed: int = 0) -> Dict[str, str]:
-    """Chooses each op's rules margin (of RULES_MARGINS) by `folds`-fold cross-validation over the
-    training records, the one of least _margin_cost, and removes from `model` each op whose learned
-    choices at that margin do not beat the heuristic's (geometric-mean regret): such an op chooses by
-    the heuristic in learned mode. Returns, per op, the verdict (also kept in the model as
-    "validation")."""
-    judged, choose = _cross_validated(records, train_on, folds, train_device, None, seed)
+def drop_unvalidated(model: dict, records: List[Record], train_on: List[str], folds: int,
+                     train_device: Optional[str] = None, seed: int = 0) -> Dict[str, str]:
+    """Removes from `model` each op whose learned choices do not beat the heuristic's in `folds`-fold
+    cross-validation over the training records (geometric-mean regret): such an op chooses by the
+    heuristic in learned mode. Returns, per op, the verdict (also kept in the model as "validation")."""
     verdicts = {}
-    for op in sorted(model["ops"]):
-        rs = [r for r in judged if r.op == op and r.tags.get("heuristic") in r.times]
-        if not rs:
+    for row in cross_validate(records, train_on, folds, train_device, seed=seed):
+        op = row["op"]
+        if op == "all" or op not in model["ops"]:
             continue
-        regrets = {m: [_regret_or_fallback(r, choose(r, m)[0]) for r in rs] for m in RULES_MARGINS}
-        margin = min(RULES_MARGINS, key=lambda m: _margin_cost(regrets[m]))
-        mean, heuristic = _geomean(regrets[margin]), _geomean([r.regret(r.tags["heuristic"]) for r in rs])
-        kept = mean < heuristic
-        verdicts[op] = (f"{'kept' if kept else 'dropped'}: rules margin {margin:g}, cross-validated regret "
-                        f"{mean:.3f} (worst {max(regrets[margin]):.2f}; margin 0: {_geomean(regrets[0.0]):.3f}, "
-                        f"worst {max(regrets[0.0]):.2f}), the heuristic's {heuristic:.3f}")
-        if kept:
-            model["ops"][op]["rules_margin"] = margin
-        else:
+        kept = row["learned"]["mean"] < row["heuristic"]["mean"]
+        verdicts[op] = (f"{'kept' if kept else 'dropped'}: cross-validated regret {row['learned']['mean']:.3f}, "
+                        f"the heuristic's {row['heuristic']['mean']:.3f}")
+        if not kept:
             del model["ops"][op]
     model["validation"] = verdicts
     return verdicts
@@ -401,7 +371,8 @@ def main(args) -> int:
         return 0
     model, report = train_and_judge(records, train_on, evaluate_on, args.train_device, args.evaluate_device)
     if args.validate:
-        for op, verdict in validate(model, records, train_on, args.validate, args.train_device, args.seed).items():
+        for op, verdict in drop_unvalidated(model, records, train_on, args.validate, args.train_device,
+                                            args.seed).items():
             print(f"{op}: {verdict}")
         report["evaluate"] = judge(_select(records, evaluate_on, args.evaluate_device), model, report["single_best"])
         report["train"] = judge(_select(records, train_on, args.train_device, exclude=evaluate_on), model,

@@ -402,36 +402,6 @@ def test_bad_model_files_are_clear_errors(tmp_path):
         ops._set_learned_model("grouped_linear", ["strided_batched"], ["m"], 2, [0.0, 1.0])
 
 
-def test_a_rules_margin_lets_the_heuristics_pick_stand_where_the_model_is_less_sure(tmp_path):
-    # A one-unit model that scores the heuristic's second candidate 1 above its pick on any problem:
-    # with a rules margin under 1 the model overrides the pick, over 1 the pick stands (C++ and the
-    # Python mirror alike).
-    x, w, b, ref = grouped_case("cpu")
-    y, e = run_explained(patchgemm.grouped_linear, x, w, b)
-    pick = e[0].chosen
-    other = next(v.name for v in e[0].candidates if v.name != pick and v.status != "unsupported")
-    op_model = {"candidates": [pick, other], "features": ["m"], "hidden": 1, "mean": [0.0], "scale": [1.0],
-                "w1": [[0.0]], "b1": [1.0], "w2": [[0.0], [1.0]], "b2": [0.0, 0.0], "records": 0}
-    features = {"m": 8.0, f"rules_pick:{pick}": 1.0, f"rules_pick:{other}": 0.0}
-    record = learned.Record("grouped_linear", "", e[0].signature, pick, {pick: 1.0, other: 1.0}, features)
-    path = str(tmp_path / "model.json")
-    try:
-        for margin, expected in ((0.5, other), (2.0, pick)):
-            model = {"format": learned.FORMAT, "description": "test", "ops": {"grouped_linear": {**op_model, "rules_margin": margin}}}
-            assert learned.predict(model, record) == expected
-            learned.save(model, path)
-            patchgemm.set_selection("learned", cache_dir="", model=path)
-            ops._forget_selections()
-            y, e = run_explained(patchgemm.grouped_linear, x, w, b)
-            assert e[0].how == "learned: predicted now" and e[0].chosen == expected, margin
-            assert_close_to_ref(y, ref, torch.float32)
-    finally:
-        patchgemm.set_selection("heuristic")
-        ops._forget_selections()
-    with pytest.raises(RuntimeError, match="rules_margin must be a finite number >= 0"):
-        ops._set_learned_model("grouped_linear", [pick], ["m"], 1, [0.0, 1.0, 0.0, 0.0, 0.0, 0.0], -1.0)
-
-
 def test_model_shapes_are_a_reproducible_sequence_apart_from_the_held_out_set():
     shapes = model_shapes(400, seed=0)
     assert shapes[:100] == model_shapes(100, seed=0)  # --random-start and relabel count on prefixes
@@ -479,7 +449,7 @@ def test_validation_drops_the_ops_whose_model_does_not_beat_the_rules(monkeypatc
     monkeypatch.setattr(learned, "train", lambda rs, **options: real_train(rs, **{**options, "steps": 300}))
     model = learned.train(tune._select(records, ["tuning"], None, exclude=["heldout"]))
     assert set(model["ops"]) == {"grouped_linear", "patch_embed"}
-    verdicts = tune.validate(model, records, ["tuning"], 4)
+    verdicts = tune.drop_unvalidated(model, records, ["tuning"], 4)
     assert set(model["ops"]) == {"grouped_linear"}, verdicts
     assert verdicts["grouped_linear"].startswith("kept") and verdicts["patch_embed"].startswith("dropped")
     assert model["validation"] == verdicts
@@ -521,9 +491,9 @@ def test_cross_validation_judges_each_record_by_a_model_without_its_shape(monkey
         assert all(r.tags["device"] == "GPU A" for r in rs)  # --train-device
         return model
 
-    def predict(model, r, rules_margin=None):
+    def predict(model, r):
         assert r.tags["shape"] not in trained_on[id(model)]
-        return real_predict(model, r, rules_margin)
+        return real_predict(model, r)
 
     monkeypatch.setattr(learned, "train", train)
     monkeypatch.setattr(learned, "predict", predict)

@@ -125,13 +125,11 @@ TORCH_LIBRARY(patchgemm, m) {
         });
   m.def("_forget_selections() -> ()", []() { patchgemm::selection::forget(); });
   m.def("_autotune_records() -> str[]", []() { return patchgemm::selection::autotune_records(); });
-  // A learned model for one op (selection/learned.cpp has the layout of params; rules_margin is
-  // added to the heuristic's pick's score); no candidates removes it.
-  m.def("_set_learned_model(str op, str[] candidates, str[] features, int hidden, float[] params, "
-        "float rules_margin=0.0) -> ()",
+  // A learned model for one op (selection/learned.cpp has the layout of params); no candidates removes it.
+  m.def("_set_learned_model(str op, str[] candidates, str[] features, int hidden, float[] params) -> ()",
         [](const std::string& op, std::vector<std::string> candidates, std::vector<std::string> features,
-           int64_t hidden, std::vector<double> params, double rules_margin) {
+           int64_t hidden, std::vector<double> params) {
           patchgemm::selection::set_learned_model(op, std::move(candidates), std::move(features), hidden,
-                                                  std::move(params), rules_margin);
+                                                  std::move(params));
         });
 }

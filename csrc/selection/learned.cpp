@@ -2,7 +2,6 @@
 // patchgemm/learned.py on autotune records and installed from Python (set_learned_model):
 //   x = (log2(1 + max(v, 0)) - mean) / scale    over the model's features, by name
 //   scores = W2 relu(W1 x + b1) + b2            one score per candidate the model knows
-//   scores[heuristic's pick] += rules_margin     the model overrides the rules only by more than it
 // `params` holds mean [F], scale [F], W1 [H, F], b1 [H], W2 [C, H], b2 [C], row-major, in that order.
 // A query costs F * H + H * C multiply-adds (about 3,000): a few microseconds, once per signature.
 #include <c10/util/Exception.h>
@@ -22,7 +21,6 @@ namespace {
 struct Model {
   std::vector<std::string> candidates, features;
   int64_t hidden = 0;
-  double rules_margin = 0.0;
   std::vector<double> mean, scale, w1, b1, w2, b2;
 };
 
@@ -39,7 +37,7 @@ Models& models() {
 }  // namespace
 
 void set_learned_model(const std::string& op, std::vector<std::string> candidates, std::vector<std::string> features,
-                       int64_t hidden, std::vector<double> params, double rules_margin) {
+                       int64_t hidden, std::vector<double> params) {
   Models& m = models();
   std::lock_guard<std::mutex> lock(m.mutex);
   if (candidates.empty()) {
@@ -53,9 +51,7 @@ void set_learned_model(const std::string& op, std::vector<std::string> candidate
   TORCH_CHECK(static_cast<int64_t>(params.size()) == expected, "patchgemm learned model for ", op, ": expected ",
               expected, " parameters for ", f, " features, ", hidden, " hidden units and ", c, " candidates, got ",
               params.size());
-  TORCH_CHECK(std::isfinite(rules_margin) && rules_margin >= 0, "patchgemm learned model for ", op,
-              ": rules_margin must be a finite number >= 0, got ", rules_margin);
-  Model model{std::move(candidates), std::move(features), hidden, rules_margin};
+  Model model{std::move(candidates), std::move(features), hidden};
   auto take = [&, at = size_t(0)](int64_t n) mutable {
     std::vector<double> part(params.begin() + at, params.begin() + at + n);
     at += n;
@@ -108,8 +104,6 @@ std::vector<double> learned_scores(const std::string& op, const std::vector<std:
   for (size_t c = 0; c < model.candidates.size(); ++c) {
     double s = model.b2[c];
     for (size_t j = 0; j < nh; ++j) s += model.w2[c * nh + j] * h[j];
-    const auto pick = values.find("rules_pick:" + model.candidates[c]);
-    if (pick != values.end() && pick->second == 1.0) s += model.rules_margin;
     for (size_t n = 0; n < names.size(); ++n) {
       if (names[n] == model.candidates[c]) scores[n] = s;
     }

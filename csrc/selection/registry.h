@@ -446,10 +446,10 @@ void set_mode(Mode mode, const std::string& cache_dir, const std::string& enviro
 std::vector<std::string> autotune_records();
 // Forgets every remembered choice (the cache files stay).
 void forget();
-// Installs the learned model of `op` (selection/learned.cpp has the layout of `params`), whose
-// scores raise the heuristic's pick by `rules_margin`; an empty `candidates` removes it.
+// Installs the learned model of `op` (selection/learned.cpp has the layout of `params`); an empty
+// `candidates` removes it.
 void set_learned_model(const std::string& op, std::vector<std::string> candidates, std::vector<std::string> features,
-                       int64_t hidden, std::vector<double> params, double rules_margin = 0.0);
+                       int64_t hidden, std::vector<double> params);
 // Testing hook: the default choice without its rules (the first candidate that applies runs), and
 // without the candidates named in `excluded` (any op's). Returns nothing; reset with (true, {}).
 void set_testing(bool rules, std::vector<std::string> excluded);
