@@ -49,6 +49,17 @@ def main():
                     bias_out = torch.randn(shape[1], dtype=dtype, device="cuda")
                     u = patchgemm.patch_unembed(y.detach(), w.detach(), bias_out, in_format=out_format, grid=grid)
                     assert torch.isfinite(u).all()
+    # the gather's rows that are not whole aligned vectors (odd kw, views starting mid-vector),
+    # forward and weight gradient through gather + GEMM
+    with patchgemm.force(patch_embed="gather_gemm", patch_weight_grad="gather_gemm"):
+        for dtype in (torch.bfloat16, torch.float32, torch.float64):
+            for shape, kernel in [((2, 3, 14, 29), (7, 7)), ((3, 5, 9, 33), (3, 5)), ((2, 2, 4, 6, 23), (2, 3, 3))]:
+                x = torch.randn(shape, dtype=dtype, device="cuda")[..., 1:]
+                w = torch.randn(6, shape[1], *kernel, dtype=dtype, device="cuda", requires_grad=True)
+                b = torch.randn(6, dtype=dtype, device="cuda", requires_grad=True)
+                y = patchgemm.patch_embed(x, w, b)
+                grads = torch.autograd.grad(y, [w, b], torch.randn_like(y))
+                assert all(torch.isfinite(t).all() for t in (y, *grads))
     # the fused tiny-patch kernels (K <= 64; 16-bit and fp32): full and partial token tiles, any strides;
     # the 16-bit weight gradient (kw = 2) of the embedding and of the unembedding (with its bias
     # gradient), and the unembedding

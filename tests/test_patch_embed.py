@@ -527,6 +527,33 @@ def test_gpu_gather_scatter_tilings(dtype, shape, kernel, memory):
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,kernel,offset", [((2, 3, 14, 29), (7, 7), 1),      # kw = 7, rows start mid-vector
+                                                 ((3, 5, 9, 33), (3, 5), 3),       # runs of several tokens
+                                                 ((2, 2, 4, 6, 23), (2, 3, 3), 2),  # 3-D
+                                                 ((2, 40, 8, 9), (2, 2), 1)])      # kw even, odd starts
+def test_gpu_gather_reads_rows_that_start_anywhere(dtype, shape, kernel, offset):
+    """Rows of x that are not whole aligned 16-byte vectors gather through the aligned vectors that
+    cover them (csrc/kernels/patch/patchify_kernels.cu, volume_to_tile_any_alignment): the forward
+    and the weight gradient through gather + GEMM, on a view whose rows start mid-vector."""
+    base, w, b = make(shape, kernel, dtype, "cuda", embed=24)
+    x = base[..., offset:]
+    w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
+    ref = CONV[len(kernel)](x.double(), w64, b64, stride=kernel)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    ref_w, ref_b = torch.autograd.grad(ref, [w64, b64], dy.double())
+    w.requires_grad_(), b.requires_grad_()
+    poison_allocator(2 * max(ref.numel(), w.numel()) * x.element_size(), "cuda")
+    with patchgemm.force(patch_embed="gather_gemm", patch_weight_grad="gather_gemm"), patchgemm.explain() as e:
+        y = patchgemm.patch_embed(x, w, b)
+        grad_w, grad_b = torch.autograd.grad(y, [w, b], dy)
+    assert {c.chosen for c in e} == {"gather_gemm"} and len(e) == 2, str(e)
+    assert_close_to_ref(y, ref, dtype)
+    assert_close_to_ref(grad_w, ref_w, dtype, "weight gradient")
+    assert_close_to_ref(grad_b, ref_b, dtype, "bias gradient")
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape,kernel", [((3, 512, 8, 12), (4, 4)),     # K = 8192, 6 tokens per sample
                                           ((1, 128, 24, 40), (8, 8)),    # one sample of 15 (unaligned) tokens

@@ -5,7 +5,8 @@
 // matrix's layout, so both global sides are coalesced: the volume side moves runs of T*kw
 // contiguous elements per (patch row, c, i, j) row (T*kw*C for channels-last input), the
 // patch-matrix side Cc*kd*kh*kw contiguous elements per token. Both sides use 16-byte vectors
-// where alignment allows (else 4-byte pairs of 16-bit elements, or single elements), with 8
+// where alignment allows (the gather's volume side always: aligned vectors covering each run; else
+// 4-byte pairs of 16-bit elements, or single elements), with 8
 // independent accesses in flight per thread; per-tile offset tables and a multiply-high divide
 // keep the index math off the critical path. The shared-memory row pitch is odd in units, so the
 // transposing side is free of bank conflicts.
@@ -218,6 +219,56 @@ __device__ __forceinline__ void volume_side(Unit* vol, Unit* tile, const Tables&
   }
 }
 
+// The gather's volume side where rows are not whole aligned vectors (e.g. kw = 7 in 16 bits, or a
+// row stride of 28 elements): each row's run of count * kw units is read as the aligned 16-byte
+// vectors from the one holding its first unit to the one holding its last, and the units outside
+// the run are dropped. Every vector read holds a unit of x, so it lies in x's allocation (whose
+// ends are 16-byte aligned: the caching allocator's blocks are multiples of 512 bytes). Reads
+// only: the scatter cannot write past its runs.
+template <typename Unit>
+__device__ __forceinline__ void volume_to_tile_any_alignment(const Unit* vol, Unit* tile, const Tables& tb, int rows,
+                                                             int pitch, const Tiling& t, const Tile& tl) {
+  constexpr int V = Vec<Unit>::kUnits;
+  const int run = tl.count * t.kw;
+  const int vectors = (run + 2 * V - 2) / V;  // enough for a run that starts at any unit of a vector
+  const FastDiv by_row(vectors);
+  const int total = rows * vectors;
+  for (int i0 = threadIdx.x; i0 < total; i0 += kThreads * kBatch) {
+    Vec<Unit> v[kBatch];
+    int r[kBatch], e0[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int idx = i0 + k * kThreads;
+      e0[k] = run;  // nothing to store
+      if (idx < total) {
+        r[k] = by_row.div(idx);
+        const Unit* start = vol + tb.vol_off[r[k]];
+        const int skew = static_cast<int>(reinterpret_cast<uintptr_t>(start) % 16 / sizeof(Unit));
+        const int vector = idx - r[k] * vectors;
+        e0[k] = vector * V - skew;  // the run's unit at the vector's first
+        if (e0[k] < run) v[k] = reinterpret_cast<const Vec<Unit>*>(start - skew)[vector];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      if (e0[k] >= run) continue;
+      const int first = max(e0[k], 0);
+      int tok = t.kw_shift >= 0 ? first >> t.kw_shift : first / t.kw;
+      int l = first - tok * t.kw;
+#pragma unroll
+      for (int q = 0; q < V; ++q) {  // (static indices keep the vector in registers)
+        const int e = e0[k] + q;
+        if (e < first || e >= run) continue;
+        tile[tb.smem_off[r[k]] + tok * pitch + l] = v[k].u[q];
+        if (++l == t.kw) {
+          l = 0;
+          ++tok;
+        }
+      }
+    }
+  }
+}
+
 template <typename Unit, typename scalar_t, bool kToTile>
 __device__ __forceinline__ void volume_side_any(Unit* vol, Unit* tile, const Tables& tb, int rows,
                                                 int pitch, const Tiling& t, const Tile& tl,
@@ -227,6 +278,8 @@ __device__ __forceinline__ void volume_side_any(Unit* vol, Unit* tile, const Tab
   if (t.volume_vectors && (tl.count * t.kw) % V == 0 &&
       reinterpret_cast<uintptr_t>(vol) % 16 == 0) {
     volume_side<Unit, scalar_t, kToTile, V>(vol, tile, tb, rows, pitch, t, tl, bias);
+  } else if constexpr (kToTile) {
+    volume_to_tile_any_alignment<Unit>(vol, tile, tb, rows, pitch, t, tl);
   } else {
     volume_side<Unit, scalar_t, kToTile, 1>(vol, tile, tb, rows, pitch, t, tl, bias);
   }
