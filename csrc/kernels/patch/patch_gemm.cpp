@@ -173,20 +173,13 @@ at::Tensor embed_by_aten_linear(const EmbedProblem& p) {
   return embed_output(p, y.view({g.batch, g.tokens(), p.weight.size(0)}));
 }
 
-namespace {
-// B GEMMs of fewer than 256 rows each (channels-first x, B > 1): a small grid, tiles mostly empty.
-bool unembed_gemm_has_few_rows(const UnembedProblem& p) {
-  return merge_batch(p.x_tokens).size(0) > 1 && p.g.tokens() < 256;
-}
-// A leading dimension (N) of unaligned rows keeps cuBLAS off its fast kernels.
-bool unembed_gemm_rows_unaligned(const UnembedProblem& p) {
-  const at::Tensor a = merge_batch(p.x_tokens);
-  return a.stride(2) != 1 && a.stride(2) % row_alignment(p.x) != 0;
-}
-}  // namespace
-
+// B GEMMs of fewer than 256 rows each (channels-first x, B > 1) make a small grid whose tiles stay
+// mostly empty, and a leading dimension (N) of unaligned rows keeps cuBLAS off its fast kernels.
 bool unembed_gemm_reads_x_poorly(const UnembedProblem& p) {
-  return unembed_gemm_has_few_rows(p) || unembed_gemm_rows_unaligned(p);
+  const at::Tensor a = merge_batch(p.x_tokens);
+  const bool few_rows = a.size(0) > 1 && p.g.tokens() < 256;
+  const bool unaligned = a.stride(2) != 1 && a.stride(2) % row_alignment(p.x) != 0;
+  return few_rows || unaligned;
 }
 
 // x is copied into tokens order once (ATen's transposing copy: several passes over x at a fraction

@@ -222,9 +222,10 @@ __device__ __forceinline__ void volume_side(Unit* vol, Unit* tile, const Tables&
 // The gather's volume side where rows are not whole aligned vectors (e.g. kw = 7 in 16 bits, or a
 // row stride of 28 elements): each row's run of count * kw units is read as the aligned 16-byte
 // vectors from the one holding its first unit to the one holding its last, and the units outside
-// the run are dropped. Every vector read holds a unit of x, so it lies in x's allocation (whose
-// ends are 16-byte aligned: the caching allocator's blocks are multiples of 512 bytes). Reads
-// only: the scatter cannot write past its runs.
+// the run are dropped. Every vector read is the 16-byte aligned chunk of a unit of x: it cannot
+// cross a page, and it lies in x's block of the caching allocator (whose blocks are multiples of
+// 512 bytes, so memcheck sees no read outside them). Reads only: the scatter cannot write past
+// its runs.
 template <typename Unit>
 __device__ __forceinline__ void volume_to_tile_any_alignment(const Unit* vol, Unit* tile, const Tables& tb, int rows,
                                                              int pitch, const Tiling& t, const Tile& tl) {
