@@ -60,6 +60,23 @@ def main():
                 y = patchgemm.patch_embed(x, w, b)
                 grads = torch.autograd.grad(y, [w, b], torch.randn_like(y))
                 assert all(torch.isfinite(t).all() for t in (y, *grads))
+    # the tiled transpose between tokens and channels-first (16 bytes, pairs or single elements a
+    # side): the embedding through tokens, gemm_scatter's copy of x, the weight gradient's of grad_y
+    for dtype in (torch.bfloat16, torch.float32):
+        with patchgemm.force(patch_embed="gather_gemm"):
+            for shape, k, e in [((2, 64, 30, 30), 2, 64), ((3, 16, 40, 40), 4, 24), ((2, 3, 64, 70), 2, 40)]:
+                x = torch.randn(shape, dtype=dtype, device="cuda")
+                assert torch.isfinite(patchgemm.patch_embed(x, torch.randn(e, shape[1], k, k, dtype=dtype, device="cuda"))).all()
+        with patchgemm.force(patch_unembed="gemm_scatter"):
+            for shape, offset, wshape in [((2, 64, 8, 16), 0, (64, 8, 4, 4)), ((3, 40, 7, 9), 0, (40, 5, 4, 4)),
+                                          ((2, 48, 14, 14), 1, (48, 2, 8, 8)), ((2, 37, 10, 10), 0, (37, 2, 8, 8))]:
+                x = torch.randn(shape[0], shape[1] + offset, *shape[2:], dtype=dtype, device="cuda")[:, offset:]
+                assert torch.isfinite(patchgemm.patch_unembed(x, torch.randn(wshape, dtype=dtype, device="cuda"))).all()
+        with patchgemm.force(patch_weight_grad="gather_gemm"):
+            for shape, e in [((2, 3, 64, 64), 24), ((3, 3, 48, 80), 20), ((2, 3, 96, 160), 70)]:
+                w = torch.randn(e, 3, 16, 16, dtype=dtype, device="cuda", requires_grad=True)
+                y = patchgemm.patch_embed(torch.randn(shape, dtype=dtype, device="cuda"), w)
+                assert torch.isfinite(torch.autograd.grad(y, [w], torch.randn_like(y))[0]).all()
     # the fused tiny-patch kernels (K <= 64; 16-bit and fp32): full and partial token tiles, any strides;
     # the 16-bit weight gradient (kw = 2) of the embedding and of the unembedding (with its bias
     # gradient), and the unembedding

@@ -559,12 +559,14 @@ def test_gpu_gather_reads_rows_that_start_anywhere(dtype, shape, kernel, offset)
                                           ((1, 128, 24, 40), (8, 8)),    # one sample of 15 (unaligned) tokens
                                           ((2, 32, 4, 16, 16), (4, 8, 8)),  # 3-D, K = 8192, 2 tokens
                                           ((4, 8, 32, 32), (32, 32)),    # one patch per sample
-                                          ((24, 64, 28, 28), (4, 4))])   # K = 1024 into 7 x 7 rows
+                                          ((24, 64, 28, 28), (4, 4)),    # K = 1024 into 7 x 7 rows
+                                          ((2, 64, 30, 30), (2, 2)),     # K = 256 into 225 (odd) tokens
+                                          ((3, 16, 40, 40), (4, 4))])    # 100 tokens: pairs, not 16 bytes
 @pytest.mark.parametrize("has_bias", [True, False])
 def test_gpu_gather_gemm_through_tokens(dtype, shape, kernel, has_bias):
     """Channels-first output of long patches on few tokens, or into unaligned rows: one GEMM over
-    every token, then a transposing copy into y (csrc/kernels/patch/patch_gemm.cpp,
-    embed_gemm_through_tokens)."""
+    every token, then the tiled transpose into y (csrc/kernels/patch/patch_gemm.cpp,
+    embed_gemm_through_tokens; patchify_kernels.cu, transposing_copy)."""
     x, w, b = make(shape, kernel, dtype, "cuda", embed=64, bias=has_bias)
     ref = CONV[len(kernel)](x.double(), w.double(), b.double() if has_bias else None, stride=kernel)
     poison_allocator(2 * ref.numel() * x.element_size(), "cuda")
@@ -573,6 +575,55 @@ def test_gpu_gather_gemm_through_tokens(dtype, shape, kernel, has_bias):
     assert [c.chosen for c in e] == ["gather_gemm"]
     assert y.is_contiguous() and y.shape == ref.shape
     assert_close_to_ref(y, ref, dtype)
+
+
+# (x shape, x's channel offset into a larger tensor, weight shape) of channels-first unembeddings
+# whose GEMM copies x into tokens order: the transpose's loads as 16 bytes, pairs or single
+# elements, its stores the same, and views that start mid-vector.
+UNEMBED_COPIES = [((2, 64, 8, 16), 0, (64, 8, 4, 4)),     # 128 tokens of 64 channels: 16-byte both sides
+                  ((3, 40, 7, 9), 0, (40, 5, 4, 4)),      # 63 tokens: single-element loads
+                  ((2, 48, 14, 14), 1, (48, 2, 8, 8)),    # starts 392 bytes in: pairs
+                  ((2, 37, 10, 10), 0, (37, 2, 8, 8)),    # 37 channels: single-element stores
+                  ((1, 24, 70, 70), 0, (24, 5, 4, 4))]    # 4900 tokens (unaligned), several tiles
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,offset,wshape", UNEMBED_COPIES)
+def test_gpu_unembed_copies_x_by_transpose(dtype, shape, offset, wshape):
+    """gemm_scatter's copy of channels-first x into tokens order (patch_gemm.cpp,
+    unembed_gemm_copies_x) through the tiled transpose, forward and input gradient."""
+    b, c, h, w_ = shape
+    base = randn(b, c + offset, h, w_, dtype=dtype, device="cuda")
+    x = base[:, offset:]
+    w = randn(*wshape, dtype=dtype, device="cuda") / math.sqrt(c)
+    kernel = wshape[2:]
+    ref = CONV_T[2](x.double(), w.double(), stride=kernel)
+    poison_allocator(2 * ref.numel() * x.element_size(), "cuda")
+    with patchgemm.force(patch_unembed="gemm_scatter"), patchgemm.explain() as e:
+        y = patchgemm.patch_unembed(x, w)
+    assert [c.chosen for c in e] == ["gemm_scatter"]
+    assert_close_to_ref(y, ref, dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,embed", [((2, 3, 64, 64), 24),    # 16 tokens: 16-byte loads
+                                         ((3, 3, 48, 80), 20),    # 15 tokens: single-element loads
+                                         ((2, 3, 96, 160), 70)])  # 60 tokens, E = 70: pairs (16-bit)
+def test_gpu_weight_grad_copies_grad_y_by_transpose(dtype, shape, embed):
+    """The weight gradient's copy of channels-first grad_y into tokens order (weight_grad_by_gemm,
+    long patches on few tokens) through the tiled transpose."""
+    x, w, b = make(shape, (16, 16), dtype, "cuda", embed=embed)
+    w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
+    ref = CONV[2](x.double(), w64, b64, stride=16)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    ref_w, ref_b = torch.autograd.grad(ref, [w64, b64], dy.double())
+    w.requires_grad_(), b.requires_grad_()
+    with patchgemm.force(patch_weight_grad="gather_gemm"):
+        grad_w, grad_b = torch.autograd.grad(patchgemm.patch_embed(x, w, b), [w, b], dy)
+    assert_close_to_ref(grad_w, ref_w, dtype, "weight gradient")
+    assert_close_to_ref(grad_b, ref_b, dtype, "bias gradient")
 
 
 @needs_gpu

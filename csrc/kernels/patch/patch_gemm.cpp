@@ -61,6 +61,23 @@ bool per_sample_gemms(const at::Tensor& on, int64_t batch, int64_t rows, int64_t
   return false;
 }
 
+// dst = src where one of them is the other's layout transposed (tokens <-> channels-first): our
+// tiled transpose on CUDA, which moves both sides at full width, else ATen's copy.
+void copy_transposed(const at::Tensor& dst, const at::Tensor& src) {
+#ifdef PATCHGEMM_WITH_CUDA
+  if (dst.is_cuda() && cuda::transposing_copy(dst, src)) return;
+#endif
+  dst.copy_(src);
+}
+
+// t's values in a contiguous tensor (t itself where it is one).
+at::Tensor contiguous_by_transpose(const at::Tensor& t) {
+  if (t.is_contiguous()) return t;
+  at::Tensor out = at::empty(t.sizes(), t.options());
+  copy_transposed(out, t);
+  return out;
+}
+
 }  // namespace
 
 at::Tensor weight_rows(const at::Tensor& weight, bool channels_last) {
@@ -109,18 +126,16 @@ at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens) {
   return y_tokens.view(shape).permute(order);
 }
 
-// Channels-first output made through tokens (one GEMM over all B*N tokens, then one transposing
-// copy) where the GEMM batched over B runs slowly: long patches (8192 values or more) on B GEMMs of
-// under 256 tokens each or on rows of y (N tokens) of unaligned length, a long reduction on few
-// tiles that cuBLAS does not split for a batch; or patches of 1024 values or more into unaligned
-// rows of y over at least 1024 tokens in all, which keep cuBLAS off its fast kernels. Shorter
-// patches pay more for the copy than they save. The tokens' rows (E) must be aligned themselves.
+// Channels-first output made through tokens (one GEMM over all B*N tokens, then one tiled
+// transpose into y) where the GEMM batched over B runs slowly: rows of y (N tokens) of unaligned
+// length, which keep cuBLAS off its fast kernels, for patches of 256 values or more (shorter ones
+// save about what the transpose costs); and long patches (8192 values or more) on B GEMMs of under
+// 256 tokens each, a long reduction on few tiles that cuBLAS does not split for a batch. The
+// tokens' rows (E) must be aligned themselves.
 bool embed_gemm_through_tokens(const EmbedProblem& p) {
   const int64_t N = p.g.tokens(), K = p.g.patch_size(), align = row_alignment(p.x);
   if (p.weight.size(0) % align != 0) return false;
-  const bool unaligned = N % align != 0;
-  const bool long_patches = K >= 8192 && ((p.g.batch > 1 && N < 256) || unaligned);
-  return long_patches || (K >= 1024 && unaligned && p.g.batch * N >= 1024);
+  return (N % align != 0 && K >= 256) || (K >= 8192 && p.g.batch > 1 && N < 256);
 }
 
 at::Tensor embed_by_gemm(const EmbedProblem& p) {
@@ -138,7 +153,7 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
     run_gemm(merge_batch(pm), padded_weight(p.w2(), std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(tokens),
              p.bias ? std::optional<at::Tensor>(p.bias->unsqueeze(0)) : std::nullopt, false, kConv);
     if (p.tokens_out) return embed_output(p, tokens);
-    if (N != 1) y.view({g.batch, embed, N}).copy_(tokens.transpose(1, 2));
+    if (N != 1) copy_transposed(y.view({g.batch, embed, N}), tokens.transpose(1, 2));
     return y;
   }
   // Channels-first: y[b] [E, N] = W' [E, K'] @ P[b]^T, batched over B with W' shared. The bias is
@@ -182,10 +197,9 @@ bool unembed_gemm_reads_x_poorly(const UnembedProblem& p) {
   return few_rows || unaligned;
 }
 
-// x is copied into tokens order once (ATen's transposing copy: several passes over x at a fraction
-// of the bandwidth) where the GEMM would read channels-first x poorly and its patches have over 64
-// elements. Shorter patches make a GEMM that reads x about once, which the copy would make three
-// passes: its slower kernels and idle tiles cost less.
+// x is copied into tokens order once (copy_transposed) where the GEMM would read channels-first x
+// poorly and its patches have over 64 elements. Shorter patches make a GEMM that reads x about
+// once, which the copy would make three passes: its slower kernels and idle tiles cost less.
 bool unembed_gemm_copies_x(const UnembedProblem& p) {
   return p.g.patch_size() > 64 && unembed_gemm_reads_x_poorly(p);
 }
@@ -197,7 +211,7 @@ at::Tensor unembed_by_gemm(const UnembedProblem& p) {
   at::Tensor q = at::empty({g.batch, g.tokens(), (K + align - 1) / align * align}, p.x.options());
   // Q[B*N, K] = x_tokens[B*N, C_in] @ W[C_in, K]: one GEMM (batched over B with W shared when
   // x's strides keep B and N apart, e.g. channels-first input).
-  const at::Tensor a = merge_batch(unembed_gemm_copies_x(p) ? p.x_tokens.contiguous() : p.x_tokens);
+  const at::Tensor a = merge_batch(unembed_gemm_copies_x(p) ? contiguous_by_transpose(p.x_tokens) : p.x_tokens);
   const at::Tensor w = padded_weight(p.w2(), std::nullopt, q.size(2));
   run_gemm(a, w.unsqueeze(0).expand({a.size(0), in_channels, w.size(1)}), a.size(0) == 1 ? merge_batch(q) : q,
            std::nullopt, false, kConv);
@@ -280,7 +294,7 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
   } else {
     // One copy of grad_y into tokens order, then one GEMM over all B * N tokens.
     dw = at::empty({1, embed, ld}, p.x.options());
-    run_gemm(merge_batch(dy.contiguous()).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);
+    run_gemm(merge_batch(contiguous_by_transpose(dy)).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);
   }
   if (g.batch == 0) dw.zero_();
   const at::Tensor grad_w = weight_grad_in_weight_shape(dw.select(0, 0).narrow(1, 0, K), p);

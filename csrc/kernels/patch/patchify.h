@@ -121,6 +121,10 @@ inline std::nullopt_t decline_grads(std::string& why, std::string reason) {
 bool patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column, const at::Tensor& p);
 bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
                 const at::Tensor& y5);
+// dst = src, both [B, R, S], where dst's rows (dim 2) and src's columns (dim 1) have unit stride: the
+// tokens <-> channels-first layout change, as one tiled transpose (16- and 32-bit). False where it
+// does not apply (the caller then runs ATen's copy).
+bool transposing_copy(const at::Tensor& dst, const at::Tensor& src);
 // w [rows, width] (contiguous) = [w2 | bias | 0] in one kernel: the GEMM paths' weight padded to an
 // aligned row, w2 [rows, K] of any strides, the bias (of w2's dtype) as column K. False where it
 // does not apply (the caller then runs the ATen version).

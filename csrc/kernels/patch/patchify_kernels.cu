@@ -501,6 +501,72 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// A batched 2-D transpose of memory, the layout change between tokens [B, N, C] and channels-first
+// [B, C, N]: dst(b, i, j) = src(b, i, j), where src's unit-stride dim is i and dst's is j. One block
+// moves a 64 x 64 tile through shared memory, so both sides are coalesced: it reads VI-unit vectors
+// along src's rows and writes VO-unit vectors along dst's rows (16 bytes, or 4, or one unit, as the
+// alignment allows). The tile's row pitch (65 units) keeps the column reads free of bank conflicts.
+constexpr int kTransposeTile = 64;
+constexpr int kTransposePitch = kTransposeTile + 1;
+
+struct TransposeShape {
+  int rows, cols;                   // i's and j's extents
+  int64_t src_batch, src_ld;        // src(b, i, j) at b * src_batch + j * src_ld + i
+  int64_t dst_batch, dst_ld;        // dst(b, i, j) at b * dst_batch + i * dst_ld + j
+  int64_t batch;
+  int col_tiles;
+};
+
+// V units moved as one access (16 bytes, 4, or one unit).
+template <typename Unit, int V>
+struct alignas(V * sizeof(Unit)) Units {
+  Unit u[V];
+};
+
+template <typename Unit, int VI, int VO>
+__global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: enough loads in flight
+    transpose_tiles(const Unit* __restrict__ src, Unit* __restrict__ dst, const TransposeShape s) {
+  // A thread's accesses: a fixed column of the tile, every (kThreads / per_row)-th row from its first.
+  constexpr int kInPerRow = kTransposeTile / VI, kInRowStep = kThreads / kInPerRow;
+  constexpr int kOutPerRow = kTransposeTile / VO, kOutRowStep = kThreads / kOutPerRow;
+  constexpr int kLoads = kTransposeTile / kInRowStep, kStores = kTransposeTile / kOutRowStep;
+  __shared__ Unit tile[kTransposeTile * kTransposePitch];  // tile[j * pitch + i]
+  const int i0 = static_cast<int>(blockIdx.x / s.col_tiles) * kTransposeTile;
+  const int j0 = static_cast<int>(blockIdx.x % s.col_tiles) * kTransposeTile;
+  const int rows = min(kTransposeTile, s.rows - i0), cols = min(kTransposeTile, s.cols - j0);
+  const int in_i = threadIdx.x % kInPerRow * VI, in_j = threadIdx.x / kInPerRow;
+  const int out_j = threadIdx.x % kOutPerRow * VO, out_i = threadIdx.x / kOutPerRow;
+  for (int64_t b = blockIdx.y; b < s.batch; b += gridDim.y) {
+    // src rows j (i runs along them); rows % VI == 0 (host), so a vector is all in or all out.
+    const Unit* from = src + b * s.src_batch + (j0 + in_j) * s.src_ld + i0 + in_i;
+    Units<Unit, VI> v[kLoads];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      if (in_i < rows && in_j + k * kInRowStep < cols) {
+        v[k] = *reinterpret_cast<const Units<Unit, VI>*>(from + k * kInRowStep * s.src_ld);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+#pragma unroll
+      for (int q = 0; q < VI; ++q) tile[(in_j + k * kInRowStep) * kTransposePitch + in_i + q] = v[k].u[q];
+    }
+    __syncthreads();
+    // dst rows i (j runs along them); cols % VO == 0 (host).
+    Unit* to = dst + b * s.dst_batch + (i0 + out_i) * s.dst_ld + j0 + out_j;
+#pragma unroll
+    for (int k = 0; k < kStores; ++k) {
+      if (out_j < cols && out_i + k * kOutRowStep < rows) {
+        Units<Unit, VO> out;
+#pragma unroll
+        for (int q = 0; q < VO; ++q) out.u[q] = tile[(out_j + q) * kTransposePitch + out_i + k * kOutRowStep];
+        *reinterpret_cast<Units<Unit, VO>*>(to + k * kOutRowStep * s.dst_ld) = out;
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // ---- host side ----------------------------------------------------------------------------------
 
 int64_t stride_or_zero(const at::Tensor& t, int d) { return t.size(d) == 1 ? 0 : t.stride(d); }
@@ -667,6 +733,64 @@ bool pad_weight(const at::Tensor& w2, const std::optional<at::Tensor>& bias, con
     case 8: run(uint64_t{}); break;
     default: return false;
   }
+  return true;
+}
+
+bool transposing_copy(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.dim() != 3 || src.sizes() != dst.sizes() || src.scalar_type() != dst.scalar_type() ||
+      dst.device() != src.device() || (dst.element_size() != 2 && dst.element_size() != 4)) {
+    return false;
+  }
+  if (dst.numel() == 0) return true;
+  if (dst.stride(2) != 1 || src.stride(1) != 1 || dst.size(1) > INT_MAX || dst.size(2) > INT_MAX) return false;
+  TransposeShape s;
+  s.rows = static_cast<int>(dst.size(1));
+  s.cols = static_cast<int>(dst.size(2));
+  s.batch = dst.size(0);
+  s.src_batch = stride_or_zero(src, 0), s.src_ld = src.stride(2);
+  s.dst_batch = stride_or_zero(dst, 0), s.dst_ld = dst.stride(1);
+  s.col_tiles = (s.cols + kTransposeTile - 1) / kTransposeTile;
+  const int64_t tiles = int64_t{s.col_tiles} * ((s.rows + kTransposeTile - 1) / kTransposeTile);
+  if (tiles > INT_MAX) return false;
+  // The widest access each side's alignment allows: its pointer, its strides and its row length
+  // (so no vector straddles a row's end).
+  const int64_t unit = dst.element_size();
+  const auto widest = [&](const at::Tensor& t, int64_t batch, int64_t ld, int64_t extent) {
+    for (int64_t bytes : {int64_t{16}, int64_t{4}}) {
+      const int64_t v = bytes / unit;
+      if (v > 1 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % bytes == 0 && batch % v == 0 && ld % v == 0 &&
+          extent % v == 0) {
+        return static_cast<int>(v);
+      }
+    }
+    return 1;
+  };
+  const int vi = widest(src, s.src_batch, s.src_ld, s.rows), vo = widest(dst, s.dst_batch, s.dst_ld, s.cols);
+  const c10::cuda::CUDAGuard guard(dst.device());
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(std::min<int64_t>(s.batch, 65535)));
+  auto launch = [&](auto unit_tag, auto vi_tag, auto vo_tag) {
+    using Unit = decltype(unit_tag);
+    transpose_tiles<Unit, decltype(vi_tag)::value, decltype(vo_tag)::value>
+        <<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(static_cast<const Unit*>(src.const_data_ptr()),
+                                                                  static_cast<Unit*>(dst.data_ptr()), s);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  // Each side: 16 bytes, 4 bytes (a pair of 16-bit units) or one unit per access.
+  const auto with_vo = [&](auto unit_tag, auto vi_tag) {
+    using Unit = decltype(unit_tag);
+    using Wide = std::integral_constant<int, 16 / sizeof(Unit)>;
+    using Pair = std::integral_constant<int, sizeof(Unit) == 2 ? 2 : 1>;
+    vo == Wide::value ? launch(unit_tag, vi_tag, Wide{}) : vo == Pair::value ? launch(unit_tag, vi_tag, Pair{})
+                                                                             : launch(unit_tag, vi_tag, std::integral_constant<int, 1>{});
+  };
+  const auto with_vi = [&](auto unit_tag) {
+    using Unit = decltype(unit_tag);
+    using Wide = std::integral_constant<int, 16 / sizeof(Unit)>;
+    using Pair = std::integral_constant<int, sizeof(Unit) == 2 ? 2 : 1>;
+    vi == Wide::value ? with_vo(unit_tag, Wide{}) : vi == Pair::value ? with_vo(unit_tag, Pair{})
+                                                                      : with_vo(unit_tag, std::integral_constant<int, 1>{});
+  };
+  unit == 2 ? with_vi(uint16_t{}) : with_vi(uint32_t{});
   return true;
 }
 
