@@ -505,7 +505,7 @@ __global__ void __launch_bounds__(kThreads)
 // [B, C, N]: dst(b, i, j) = src(b, i, j), where src's unit-stride dim is i and dst's is j. One block
 // moves a 64 x 64 tile through shared memory, so both sides are coalesced: it reads VI-unit vectors
 // along src's rows and writes VO-unit vectors along dst's rows (16 bytes, or 4, or one unit, as the
-// alignment allows). The tile's row pitch (65 units) keeps the column reads free of bank conflicts.
+// alignment allows). The tile's odd row pitch (65 units) spreads the column reads over the banks.
 constexpr int kTransposeTile = 64;
 constexpr int kTransposePitch = kTransposeTile + 1;
 
@@ -546,6 +546,7 @@ __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: enough loads 
         v[k] = *reinterpret_cast<const Units<Unit, VI>*>(from + k * kInRowStep * s.src_ld);
       }
     }
+    // (Positions past the tile's rows or columns take values the stores below never read.)
 #pragma unroll
     for (int k = 0; k < kLoads; ++k) {
 #pragma unroll
