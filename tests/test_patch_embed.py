@@ -592,7 +592,7 @@ UNEMBED_COPIES = [((2, 64, 8, 16), 0, (64, 8, 4, 4)),     # 128 tokens of 64 cha
 @pytest.mark.parametrize("shape,offset,wshape", UNEMBED_COPIES)
 def test_gpu_unembed_copies_x_by_transpose(dtype, shape, offset, wshape):
     """gemm_scatter's copy of channels-first x into tokens order (patch_gemm.cpp,
-    unembed_gemm_copies_x) through the tiled transpose, forward and input gradient."""
+    unembed_gemm_copies_x) through the tiled transpose."""
     b, c, h, w_ = shape
     base = randn(b, c + offset, h, w_, dtype=dtype, device="cuda")
     x = base[:, offset:]

@@ -122,9 +122,8 @@ at::Tensor unembed_by_gemm(const UnembedProblem& p);      // GEMM, then the scat
 at::Tensor unembed_by_aten_linear(const UnembedProblem& p);  // ATen's matmul, then a permute copy and the bias
 at::Tensor unembed_by_aten_conv_transpose(const UnembedProblem& p);  // ATen's transposed convolution
 // Whether unembed_by_gemm's GEMM reads channels-first x poorly (a small grid, or rows that are not
-// 16-byte aligned), and whether it then copies x into tokens order first (where that pays).
+// 16-byte aligned); where the patches are long enough, it then copies x into tokens order first.
 bool unembed_gemm_reads_x_poorly(const UnembedProblem& p);
-bool unembed_gemm_copies_x(const UnembedProblem& p);
 WeightGrads weight_grad_by_gemm(const WeightGradProblem& p);
 // dW [E, K] in the patch matrix's column order as the weight's shape [E, C, *k]: a view where it can
 // be (channels-last x: channels-last strides, as PyTorch's convolution backward gives).

@@ -200,9 +200,13 @@ bool unembed_gemm_reads_x_poorly(const UnembedProblem& p) {
 // x is copied into tokens order once (copy_transposed) where the GEMM would read channels-first x
 // poorly and its patches have over 64 elements. Shorter patches make a GEMM that reads x about
 // once, which the copy would make three passes: its slower kernels and idle tiles cost less.
+namespace {
+
 bool unembed_gemm_copies_x(const UnembedProblem& p) {
   return p.g.patch_size() > 64 && unembed_gemm_reads_x_poorly(p);
 }
+
+}  // namespace
 
 at::Tensor unembed_by_gemm(const UnembedProblem& p) {
   const PatchGeometry& g = p.g;

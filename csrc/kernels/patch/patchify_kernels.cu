@@ -6,10 +6,11 @@
 // contiguous elements per (patch row, c, i, j) row (T*kw*C for channels-last input), the
 // patch-matrix side Cc*kd*kh*kw contiguous elements per token. Both sides use 16-byte vectors
 // where alignment allows (the gather's volume side always: aligned vectors covering each run; else
-// 4-byte pairs of 16-bit elements, or single elements), with 8
-// independent accesses in flight per thread; per-tile offset tables and a multiply-high divide
-// keep the index math off the critical path. The shared-memory row pitch is odd in units, so the
-// transposing side is free of bank conflicts.
+// 4-byte pairs of 16-bit elements, or single elements), with 8 independent accesses in flight per
+// thread; per-tile offset tables and a multiply-high divide keep the index math off the critical
+// path. The shared-memory row pitch is odd in units, so the transposing side is free of bank
+// conflicts. The file also holds the batched transpose between tokens and channels-first layouts
+// (transposing_copy) and the padded weight of the GEMM paths (pad_weight).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -570,6 +571,20 @@ __global__ void __launch_bounds__(kThreads, 3)  // 3 blocks an SM: enough loads 
 
 // ---- host side ----------------------------------------------------------------------------------
 
+// f(std::integral_constant<int, v>) for an access width v of 16 bytes, 4 bytes (a pair of 16-bit
+// units) or one unit: the transpose's widths as template arguments.
+template <typename Unit, typename F>
+void with_access_width(int v, F&& f) {
+  constexpr int kWide = 16 / sizeof(Unit), kPair = sizeof(Unit) == 2 ? 2 : 1;
+  if (v == kWide) {
+    f(std::integral_constant<int, kWide>{});
+  } else if (v == kPair) {
+    f(std::integral_constant<int, kPair>{});
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
+
 int64_t stride_or_zero(const at::Tensor& t, int d) { return t.size(d) == 1 ? 0 : t.stride(d); }
 
 TokenOrder token_order(const PatchGeometry& g) {
@@ -769,29 +784,18 @@ bool transposing_copy(const at::Tensor& dst, const at::Tensor& src) {
   const int vi = widest(src, s.src_batch, s.src_ld, s.rows), vo = widest(dst, s.dst_batch, s.dst_ld, s.cols);
   const c10::cuda::CUDAGuard guard(dst.device());
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(std::min<int64_t>(s.batch, 65535)));
-  auto launch = [&](auto unit_tag, auto vi_tag, auto vo_tag) {
+  const auto run = [&](auto unit_tag) {
     using Unit = decltype(unit_tag);
-    transpose_tiles<Unit, decltype(vi_tag)::value, decltype(vo_tag)::value>
-        <<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(static_cast<const Unit*>(src.const_data_ptr()),
-                                                                  static_cast<Unit*>(dst.data_ptr()), s);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    with_access_width<Unit>(vi, [&](auto in) {
+      with_access_width<Unit>(vo, [&](auto out) {
+        transpose_tiles<Unit, decltype(in)::value, decltype(out)::value>
+            <<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(static_cast<const Unit*>(src.const_data_ptr()),
+                                                                      static_cast<Unit*>(dst.data_ptr()), s);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
   };
-  // Each side: 16 bytes, 4 bytes (a pair of 16-bit units) or one unit per access.
-  const auto with_vo = [&](auto unit_tag, auto vi_tag) {
-    using Unit = decltype(unit_tag);
-    using Wide = std::integral_constant<int, 16 / sizeof(Unit)>;
-    using Pair = std::integral_constant<int, sizeof(Unit) == 2 ? 2 : 1>;
-    vo == Wide::value ? launch(unit_tag, vi_tag, Wide{}) : vo == Pair::value ? launch(unit_tag, vi_tag, Pair{})
-                                                                             : launch(unit_tag, vi_tag, std::integral_constant<int, 1>{});
-  };
-  const auto with_vi = [&](auto unit_tag) {
-    using Unit = decltype(unit_tag);
-    using Wide = std::integral_constant<int, 16 / sizeof(Unit)>;
-    using Pair = std::integral_constant<int, sizeof(Unit) == 2 ? 2 : 1>;
-    vi == Wide::value ? with_vo(unit_tag, Wide{}) : vi == Pair::value ? with_vo(unit_tag, Pair{})
-                                                                      : with_vo(unit_tag, std::integral_constant<int, 1>{});
-  };
-  unit == 2 ? with_vi(uint16_t{}) : with_vi(uint32_t{});
+  unit == 2 ? run(uint16_t{}) : run(uint32_t{});
   return true;
 }
 
