@@ -77,6 +77,17 @@ def main():
                 w = torch.randn(e, 3, 16, 16, dtype=dtype, device="cuda", requires_grad=True)
                 y = patchgemm.patch_embed(torch.randn(shape, dtype=dtype, device="cuda"), w)
                 assert torch.isfinite(torch.autograd.grad(y, [w], torch.randn_like(y))[0]).all()
+    # the tiled gather and scatter on tiles resized to the GPU: rows and channel ranges split, 1-D
+    # runs grown along w (the last ending mid-grid)
+    for dtype in (torch.bfloat16, torch.float32):
+        with patchgemm.force(patch_unembed="gemm_scatter", patch_embed="gather_gemm", patch_weight_grad="gather_gemm"):
+            for xshape, wshape in [((4, 64, 7, 14), (64, 3, 7, 7)), ((1, 32, 7, 7), (32, 256, 7, 7)),
+                                   ((40, 64, 256), (64, 1, 16)), ((140, 32, 100), (32, 3, 4))]:
+                w = torch.randn(wshape, dtype=dtype, device="cuda", requires_grad=True)
+                b = torch.randn(wshape[1], dtype=dtype, device="cuda")
+                y = patchgemm.patch_unembed(torch.randn(xshape, dtype=dtype, device="cuda"), w, b)
+                e = patchgemm.patch_embed(y, w)
+                assert all(torch.isfinite(t).all() for t in (y, e, torch.autograd.grad(e, [w], torch.randn_like(e))[0]))
     # the fused tiny-patch kernels (K <= 64; 16-bit and fp32): full and partial token tiles, any strides;
     # the 16-bit weight gradient (kw = 2) of the embedding and of the unembedding (with its bias
     # gradient), and the unembedding

@@ -626,6 +626,48 @@ def test_gpu_weight_grad_copies_grad_y_by_transpose(dtype, shape, embed):
     assert_close_to_ref(grad_b, ref_b, dtype, "bias gradient")
 
 
+# Tiles resized to the GPU (patchify_kernels.cu, plan_tiles): small problems split into patch rows
+# and then channel ranges; long thin (1-D) ones grown along w. x's shape, the ConvTranspose weight's.
+RESIZED_TILES = [((4, 64, 7, 14), (64, 3, 7, 7)),     # 7 x 7 rows of 3 channels: rows split
+                 ((1, 32, 7, 7), (32, 256, 7, 7)),    # 256 channels of 7 x 7: channel ranges split
+                 ((2, 16, 4, 5), (16, 40, 2, 3)),     # odd kw, 40 channels
+                 ((40, 64, 256), (64, 1, 16)),        # 1-D, one channel: runs grown along w
+                 ((140, 32, 100), (32, 3, 4))]        # 1-D, grown runs that end mid-grid
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("xshape,wshape", RESIZED_TILES)
+def test_gpu_resized_tiles(dtype, xshape, wshape):
+    """The tiled scatter (gemm_scatter, with its bias) and the tiled gather (gather_gemm's embedding
+    and weight gradient, the ConvTranspose weight read as a Conv weight of the output's channels)
+    on tiles split or grown for the GPU's SMs."""
+    rank = len(wshape) - 2
+    kernel = wshape[2:]
+    x = randn(*xshape, dtype=dtype, device="cuda")
+    w = randn(*wshape, dtype=dtype, device="cuda") / math.sqrt(xshape[1])
+    b = randn(wshape[1], dtype=dtype, device="cuda")
+    ref = CONV_T[rank](x.double(), w.double(), b.double(), stride=kernel)
+    poison_allocator(2 * ref.numel() * x.element_size(), "cuda")
+    with patchgemm.force(patch_unembed="gemm_scatter"), patchgemm.explain() as e:
+        y = patchgemm.patch_unembed(x, w, b)
+    assert [c.chosen for c in e] == ["gemm_scatter"]
+    assert_close_to_ref(y, ref, dtype)
+    # The embedding of the unembedding's output back into x's channels: the gather of its patches.
+    v = randn(*ref.shape, dtype=dtype, device="cuda")
+    w64, b64 = w.double().requires_grad_(), randn(xshape[1], dtype=torch.float64, device="cuda").requires_grad_()
+    ref_e = CONV[rank](v.double(), w64, b64, stride=kernel)
+    dy = randn(*ref_e.shape, dtype=dtype, device="cuda")
+    ref_w, ref_b = torch.autograd.grad(ref_e, [w64, b64], dy.double())
+    we, be = w.clone().requires_grad_(), b64.to(dtype).detach().requires_grad_()
+    with patchgemm.force(patch_embed="gather_gemm", patch_weight_grad="gather_gemm"):
+        out = patchgemm.patch_embed(v, we, be)
+        grad_w, grad_b = torch.autograd.grad(out, [we, be], dy)
+    assert_close_to_ref(out, ref_e, dtype)
+    assert_close_to_ref(grad_w, ref_w, dtype, "weight gradient")
+    assert_close_to_ref(grad_b, ref_b, dtype, "bias gradient")
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype,shape,kernel", [(torch.bfloat16, (3, 3, 64, 96), (16, 16)),   # ViT-like, K = 768
                                                 (torch.float16, (2, 5, 4, 8, 24), (2, 2, 8)),  # 3-D, 16-byte rows

@@ -34,6 +34,8 @@ constexpr int kThreads = 256;
 constexpr int kMaxLevels = 4;
 constexpr int64_t kTileBytes = 24 * 1024;    // shared memory per tile (several blocks per SM)
 constexpr int64_t kMinRunBytes = 256;        // volume-side contiguous bytes per row we aim for
+constexpr int64_t kMinTileBytes = 4096;      // below this, a tile grows along w where blocks are many
+constexpr int kMinBlocksPerSm = 1;           // tiles of several rounds are split until the grid has this many per SM
 
 // Row of token (nd, nh, nw) within its batch: the digits of each grid coordinate, one per level
 // (coarse first), weighted by the level-major row strides. A tile fixes (nd, nh), so the kernels
@@ -587,6 +589,8 @@ void with_access_width(int v, F&& f) {
 
 int64_t stride_or_zero(const at::Tensor& t, int d) { return t.size(d) == 1 ? 0 : t.stride(d); }
 
+int sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
 TokenOrder token_order(const PatchGeometry& g) {
   TokenOrder o;
   o.levels = static_cast<int>(g.levels.size());
@@ -616,8 +620,12 @@ int elements_per_unit(const at::Tensor& vol, const at::Tensor& matrix, const Pat
 // vectors where the row allows it), then as many channels as fit the shared-memory budget, then
 // (when all channels fit) several patch rows, so that small patches still give every block real
 // work. A gather (`gather`) whose tiles hold every channel writes P's whole rows, padding included.
+// Then the tiles are resized to the GPU (`sm_count` SMs): where the blocks are fewer than the SMs,
+// tiles that take their threads several rounds of loads are split, and long thin problems (1-D, few
+// channels), whose tiles of a few hundred bytes made thousands of blocks doing little beyond their
+// setup, grow along w.
 // False if one channel of one patch does not fit.
-bool plan_tiles(Tiling& t, const PatchGeometry& g, int64_t unit_bytes, bool all_channels, bool gather) {
+bool plan_tiles(Tiling& t, const PatchGeometry& g, int64_t unit_bytes, bool all_channels, bool gather, int sm_count) {
   for (int d = 0; d < 3; ++d) {
     if (g.grid[d] > INT_MAX) return false;
   }
@@ -647,6 +655,30 @@ bool plan_tiles(Tiling& t, const PatchGeometry& g, int64_t unit_bytes, bool all_
     patch_rows = std::min<int64_t>({g.grid[1], budget / tile_units, kMaxTileTokens / tokens,
                                     kMaxTileRows / rows_per_patch_row});
     patch_rows = std::max<int64_t>(1, patch_rows);
+  }
+  const int64_t min_blocks = int64_t{kMinBlocksPerSm} * sm_count;
+  const auto blocks = [&](int64_t w_tokens) {
+    return g.batch * g.grid[0] * ((g.grid[1] + patch_rows - 1) / patch_rows) * ((g.grid[2] + w_tokens - 1) / w_tokens) *
+           ((g.channels + channels - 1) / channels);
+  };
+  // Too few blocks, each walking its tile in several dependent rounds of loads (kBatch per thread)
+  // while SMs idle: split. (A tile of one round gains nothing from the split but its setup again.)
+  // Patch rows go first (a tile of several holds every channel), then channels where tiles need
+  // not hold them all.
+  while (blocks(tokens) < min_blocks && patch_rows * tokens * token_units() > kThreads * kBatch &&
+         (patch_rows > 1 || (!all_channels && channels > 1))) {
+    if (patch_rows > 1) {
+      patch_rows = (patch_rows + 1) / 2;
+    } else {
+      channels = (channels + 1) / 2;
+      t.full_rows = false;
+    }
+  }
+  // Tiny tiles in great numbers: longer runs along w while enough blocks remain.
+  const int64_t max_tokens = std::min<int64_t>(g.grid[2], kMaxTileTokens / patch_rows);
+  while (patch_rows * tokens * token_units() * unit_bytes < kMinTileBytes && 2 * tokens <= max_tokens &&
+         2 * patch_rows * tokens * token_units() <= budget && blocks(2 * tokens) >= min_blocks) {
+    tokens *= 2;
   }
   t.tile_tokens = static_cast<int>(tokens);
   t.tile_channels = static_cast<int>(channels);
@@ -718,7 +750,7 @@ bool gather_wide(const at::Tensor& x5, const PatchGeometry& g, bool ones_column,
   const int total = static_cast<int>(p.numel() / per_vector);
   if (total == 0) return true;
   const int blocks = static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads,
-                                                        int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * 8));
+                                                        int64_t{sms()} * 8));
   gather_wide_rows<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       static_cast<const uint4*>(x5.const_data_ptr()), static_cast<uint4*>(p.data_ptr()), w, total);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -811,7 +843,7 @@ bool patchify(const at::Tensor& x5_in, const PatchGeometry& g, bool ones_column,
   const int per_unit = channels_last ? 1 : elements_per_unit(x5, p, g);
   const int64_t unit_bytes = x5.element_size() * per_unit;
   Tiling t = base_tiling(x5, p, g, per_unit);
-  if (!plan_tiles(t, g, unit_bytes, channels_last, /*gather=*/true)) return false;
+  if (!plan_tiles(t, g, unit_bytes, channels_last, /*gather=*/true, sms())) return false;
   const int64_t blocks = tile_blocks(t, g), smem = smem_bytes(t, unit_bytes);
   // The padding's first element: 1 for a ones column, else 0 (in the low bits of its unit).
   const uint64_t one_bits = ones_column ? one_as_bits(x5.scalar_type()) : 0;
@@ -843,7 +875,7 @@ bool unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional
   const int per_unit = elements_per_unit(y5, q, g);
   const int64_t unit_bytes = y5.element_size() * per_unit;
   Tiling t = base_tiling(y5, q, g, per_unit);
-  if (!plan_tiles(t, g, unit_bytes, false, /*gather=*/false)) return false;
+  if (!plan_tiles(t, g, unit_bytes, false, /*gather=*/false, sms())) return false;
   const int64_t blocks = tile_blocks(t, g), smem = smem_bytes(t, unit_bytes);
   const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y5.scalar_type(), "patchgemm_unpatchify", [&] {
