@@ -127,7 +127,8 @@ def main():
     # kw = 2 (kw = 4 on wgmma) the unembedding (its
     # input gradient; with a bias below), over more tiles than SMs (its wgmma kernel is persistent);
     # tokens out with patch rows of 16-128 bytes by TMA (ViT-B/16-like over more tiles than SMs), and
-    # their weight gradients with the patches by TMA (kw = 16, 32, 64; several token ranges; 3 and 4 slots);
+    # their weight gradients with the patches by TMA (kw = 16, 32, 64; several token ranges, and two unequal
+    # ones for 72 tiles on 132 SMs; 3 and 4 slots);
     # kw = 2 channels-first out with a slice's patches by one TMA box (32-, 16- and 8-patch grid rows),
     # and the kw = 2 unembedding storing pair boxes by TMA (K = 192)
     for dtype, wgmma in [(torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)]:
@@ -140,7 +141,8 @@ def main():
                                          ((2, 16, 8, 32, 64), (2, 8, 8), 192), ((4, 32, 32, 32, 32), (2, 2, 2), 200),
                                          ((40, 3, 224, 224), (16, 16), 768), ((2, 5, 64, 96), (4, 32), 320),
                                          ((2, 3, 4, 256), (2, 64), 64), ((6, 16, 8, 64, 64), (2, 2, 2), 192),
-                                         ((2, 32, 32, 16), (2, 2), 64), ((2, 24, 8, 64, 64), (2, 2, 2), 64)]:
+                                         ((2, 32, 32, 16), (2, 2), 64), ((2, 24, 8, 64, 64), (2, 2, 2), 64),
+                                         ((5, 6, 224, 400), (16, 16), 1408)]:
                 x = torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True)
                 w = torch.randn(embed, shape[1], *kernel, dtype=dtype, device="cuda", requires_grad=True)
                 b = torch.randn(embed, dtype=dtype, device="cuda", requires_grad=True)

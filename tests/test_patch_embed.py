@@ -1063,8 +1063,9 @@ def test_gpu_implicit_pairs_patch_embed_kernel(fused_always, dtype, shape, kerne
 
 # Tokens weight gradients with patch rows of 32-128 bytes read the patches by TMA on a 9.0 GPU
 # (implicit_patch_weight_grad_rows_sm90.cu), the bias gradient included: (x shape, kernel, E) with
-# 14-, 5-, 6-, 4- and 24-patch grid rows (6, 14, 12, 17 and 4 boxes a slice; 3 and 4 slots), several token
-# ranges ending in a partial slice, embedding tiles with boxes past E, 1 to 6 column tiles.
+# 14-, 5-, 6-, 4-, 24-, 12- and 25-patch grid rows (6, 14, 12, 17, 4, 7 and 4 boxes a slice; 3 and 4
+# slots), several token ranges ending in a partial slice, embedding tiles with boxes past E, 1 to 6
+# column tiles.
 IMPLICIT_ROWS_DW = [((16, 3, 224, 224), (16, 16), 200),   # ViT-like: 3136 tokens in 6 ranges
                     ((3, 3, 48, 80), (16, 16), 96),        # 5-patch rows, 45 tokens
                     ((2, 5, 64, 192), (4, 32), 320),       # kw = 32, K = 640: two embedding tiles
@@ -1072,7 +1073,10 @@ IMPLICIT_ROWS_DW = [((16, 3, 224, 224), (16, 16), 200),   # ViT-like: 3136 token
                     ((2, 3, 4, 32, 96), (2, 16, 16), 136),  # 3-D video patches, K = 1536
                     ((2, 3, 32, 384), (16, 16), 256),      # 24-patch rows
                     ((1, 3, 16, 224), (16, 16), 64),       # 14 tokens
-                    ((40, 3, 224, 224), (16, 16), 768)]    # P1-like: 18 tiles, 7 ranges
+                    ((40, 3, 224, 224), (16, 16), 768),    # P1-like: 18 tiles, 7 ranges
+                    # 72 tiles: on 108-143 SMs (H100, H200) two unequal ranges, the second a third
+                    ((12, 3, 384, 384), (32, 32), 768),    # ViT-B/32
+                    ((5, 6, 224, 400), (16, 16), 1408)]    # the ranges meet mid grid row
 
 
 @needs_gpu
