@@ -686,7 +686,7 @@ bool plan_tiles(Tiling& t, const PatchGeometry& g, int64_t unit_bytes, bool all_
   t.w_tiles = static_cast<int>((g.grid[2] + tokens - 1) / tokens);
   t.h_tiles = static_cast<int>((g.grid[1] + patch_rows - 1) / patch_rows);
   t.c_tiles = static_cast<int>((g.channels + channels - 1) / channels);
-  return g.batch * g.grid[0] * t.h_tiles * t.w_tiles * t.c_tiles <= INT_MAX;
+  return blocks(tokens) <= INT_MAX;
 }
 
 int64_t tile_blocks(const Tiling& t, const PatchGeometry& g) {

@@ -295,7 +295,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90
   // The rule: blocks for at least 3/4 of the SMs (fewer lose to gather + cuBLAS, which fills the
   // GPU) and at most 6 boxes a slice (grid rows of 13+ patches; more boxes a slice cost more than
   // the gather).
-  if (ruled && splits * tiles * 4 < device->multiProcessorCount * 3) return decline_grads(why, "rule: blocks for under 3/4 of the SMs");
+  if (ruled && splits * tiles * 4 < sms * 3) return decline_grads(why, "rule: blocks for under 3/4 of the SMs");
   if (ruled && max_boxes > 6) return decline_grads(why, "rule: over 6 boxes a slice (grid rows under 13 patches)");
 
   CUtensorMap x_map, dy_map;  // x as [B*C*D*H image rows][gw][kw]; grad_y as [B*N][E]
