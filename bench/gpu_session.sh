@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # One GPU-machine run: build, info, then the steps asked for (default: all but heldout):
-#   tests       the whole test suite (pytest -k "$PYTEST_K" if set)
-#   fuzz        tests/test_fuzz.py
-#   sanitizer   compute-sanitizer memcheck / racecheck / synccheck on tests/sanitize_smoke.py
+#   tests       the whole test suite (pytest -k "$PYTEST_K" if set; PYTEST_ARGS, e.g. "-n 12"),
+#               TEST_RUNS times in a row (default 1), each run's log kept
+#   fuzz        tests/test_fuzz.py (small problems), then tests/test_at_scale.py's large problems
+#               for SCALE_SECONDS (default 120)
+#   sanitizer   compute-sanitizer memcheck / racecheck / synccheck on tests/sanitize_smoke.py: its
+#               small shapes, then (--scale) every candidate of ours on multi-wave problems; the
+#               three tools run side by side
 #   bench       the benchmark suite (table, JSON, plot; BENCH_FILTER=P)
 #   microbench  the C++ microbenchmarks (MICROBENCH_ARGS=...)
 #   heldout     bench/heldout.py $HELDOUT_ARGS (default: --set all), JSON to $OUT/heldout.json
@@ -45,25 +49,35 @@ SRC=$PWD
 cd /tmp  # import the installed package, not the source tree
 step info; python3 -m patchgemm info
 if want tests; then
-  step tests
-  python3 -m pytest -q -rs "$SRC/tests" --ignore="$SRC/tests/test_fuzz.py" ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
-    | tee "$OUT/pytest.log" | tail -25
+  for run in $(seq 1 "${TEST_RUNS:-1}"); do
+    step "tests (run $run of ${TEST_RUNS:-1})"
+    python3 -m pytest -q -rs ${PYTEST_ARGS:-} "$SRC/tests" --ignore="$SRC/tests/test_fuzz.py" \
+      ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/pytest-$run.log" | tail -25
+  done
 fi
 if want fuzz; then
   step "fuzz (PATCHGEMM_FUZZ_SEED=${PATCHGEMM_FUZZ_SEED:-default})"
   python3 -m pytest -q -s "$SRC/tests/test_fuzz.py" 2>&1 | tee "$OUT/fuzz.log" | grep -E "problems in|passed|failed|Error" | tail -12
+  PATCHGEMM_SCALE_SECONDS=${SCALE_SECONDS:-120} python3 -m pytest -q -s "$SRC/tests/test_at_scale.py" \
+    -k large_patch_problems 2>&1 | tee -a "$OUT/fuzz.log" | grep -E "large patch|passed|failed|Error" | tail -12
 fi
 if want sanitizer; then
   step compute-sanitizer
-  for tool in memcheck racecheck synccheck; do
-    log="$LOGS/sanitizer-$tool.log"
-    compute-sanitizer --tool $tool --error-exitcode 1 python3 "$SRC/tests/sanitize_smoke.py" >"$log" 2>&1
-    echo "$tool exit $?"; tail -3 "$log"
-    # Whose kernels the reports are in: ours, or a library's (cuBLAS's nvjet, cuDNN's), whose
-    # internal shared-memory protocols racecheck reports but we cannot change.
-    { echo "== $tool"; grep -E "Race reported|access at|Error|Invalid" "$log" | sed -E 's/\+0x[0-9a-f]+.*//' \
-        | sort | uniq -c | sort -rn | head -40; tail -3 "$log"; } >>"$OUT/sanitizer.log"
-    echo "$tool reports in patchgemm kernels: $(grep -E "Race reported|access at|Error" "$log" | grep -c patchgemm)"
+  for mode in small scale; do
+    for tool in memcheck racecheck synccheck; do
+      compute-sanitizer --tool $tool --error-exitcode 1 python3 "$SRC/tests/sanitize_smoke.py" \
+        $([ $mode = scale ] && echo --scale) >"$LOGS/sanitizer-$mode-$tool.log" 2>&1 &
+    done
+    wait
+    for tool in memcheck racecheck synccheck; do
+      log="$LOGS/sanitizer-$mode-$tool.log"
+      echo "$mode $tool: $(tail -1 "$log")"
+      # Whose kernels the reports are in: ours, or a library's (cuBLAS's nvjet, cuDNN's), whose
+      # internal shared-memory protocols racecheck reports but we cannot change.
+      { echo "== $mode $tool"; grep -E "Race reported|access at|Error|Invalid" "$log" | sed -E 's/\+0x[0-9a-f]+.*//' \
+          | sort | uniq -c | sort -rn | head -40; tail -3 "$log"; } >>"$OUT/sanitizer.log"
+      echo "$mode $tool reports in patchgemm kernels: $(grep -E "Race reported|access at|Error" "$log" | grep -c patchgemm)"
+    done
   done
 fi
 if want bench; then

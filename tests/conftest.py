@@ -1,4 +1,5 @@
 import contextlib
+import math
 
 import pytest
 import torch
@@ -87,3 +88,33 @@ def fused_mode(mode):
     applies; "auto": the default choice."""
     return {"never": lambda: selection(exclude=FUSED), "always": lambda: selection(rules=False),
             "auto": selection}[mode]()
+
+
+# The references: F.conv{1,2,3}d (and the transpose) with stride = kernel, written as one float64
+# matmul between views, which runs at BLAS speed on the CPU (test_references_are_the_convs).
+def split_spatial(x, kernel):
+    """[B, C, *S] -> [B, C, g1, k1, ..., gr, kr] (a view)."""
+    shape = list(x.shape[:2])
+    for s, k in zip(x.shape[2:], kernel):
+        shape += [s // k, k]
+    return x.reshape(shape)
+
+
+def conv_ref(x, w, b, kernel):
+    rank = len(kernel)
+    v = split_spatial(x, kernel)  # [B, C, g1, k1, ...]
+    grid = v.shape[2::2]
+    order = [0] + [2 + 2 * d for d in range(rank)] + [1] + [3 + 2 * d for d in range(rank)]
+    p = v.permute(order).reshape(x.shape[0], math.prod(grid), -1)  # [B, N, C * prod(k)]
+    y = p @ w.reshape(w.shape[0], -1).T + (b if b is not None else 0)  # [B, N, E]
+    return y.transpose(1, 2).reshape(x.shape[0], w.shape[0], *grid)
+
+
+def conv_transpose_ref(x, w, b, kernel):
+    rank, (B, c_in), grid = len(kernel), x.shape[:2], x.shape[2:]
+    q = x.reshape(B, c_in, -1).transpose(1, 2) @ w.reshape(c_in, -1)  # [B, N, C_out * prod(k)]
+    c_out = w.shape[1]
+    v = q.reshape(B, *grid, c_out, *kernel)
+    order = [0, rank + 1] + [i for d in range(rank) for i in (1 + d, rank + 2 + d)]
+    y = v.permute(order).reshape(B, c_out, *[g * k for g, k in zip(grid, kernel)])
+    return y + b.view(1, -1, *[1] * rank) if b is not None else y

@@ -1,11 +1,17 @@
 """Run every CUDA code path once on small shapes, for compute-sanitizer:
     compute-sanitizer --tool memcheck python tests/sanitize_smoke.py
+or, with --scale, every candidate of ours forced in turn on the multi-wave problems of
+scale_cases.py (a block's second tile, stores in flight across tiles):
+    compute-sanitizer --tool racecheck python tests/sanitize_smoke.py --scale
 (not a pytest module: it asserts only that results are finite; the tests check values)."""
+
+import sys
 
 import torch
 
 import patchgemm
 from conftest import WGMMA, selection  # (tests/, the script's folder, is on sys.path)
+from scale_cases import CASES, FAMILY_OPS, does_not_apply, our_candidates
 
 ops = torch.ops.patchgemm
 
@@ -245,5 +251,27 @@ def main():
     print("sanitize_smoke: ok")
 
 
+def main_at_scale():
+    runs = 0
+    for family, cases in CASES.items():
+        for case in cases:
+            inputs = case.make("cuda")
+            for op in FAMILY_OPS[family]:
+                for name in our_candidates(op):
+                    try:
+                        with patchgemm.force(**{op: name}):
+                            outputs = case.run(inputs)
+                    except RuntimeError as e:
+                        if does_not_apply(e):
+                            continue
+                        raise
+                    assert all(torch.isfinite(t).all() for t in outputs), f"{op}={name} on {case}"
+                    runs += 1
+            del inputs
+            torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    print(f"sanitize_smoke --scale: ok ({runs} runs)")
+
+
 if __name__ == "__main__":
-    main()
+    main_at_scale() if "--scale" in sys.argv[1:] else main()

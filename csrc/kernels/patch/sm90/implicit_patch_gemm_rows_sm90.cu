@@ -150,6 +150,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       a_offset[t] = offset ^ (offset >> 3 & g.swizzle_mask);  // boxes start 1024-byte aligned
     }
   }
+  // The upper warpgroup's 64 MMA rows hold no tokens where a tile has 64 or fewer (grid rows of 1-3
+  // patches): it multiplies, to keep the slot barriers' count, but stages and stores nothing.
+  const bool has_rows = wg * 64 < tokens_per_tile;
+  int staged = 0;  // blocks this warpgroup has staged (and stored), over all of its tiles
   float acc[kTileN / 2];
   uint32_t a_even[kTileK / 16][4], a_odd[kTileK / 16][4];
   int it = 0;  // slices consumed
@@ -161,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (Its reads of the previous tile's all came before that epilogue's last barrier.) Loaded
     // from global memory in the epilogue, a block at a time, the epilogue would wait on them.
     const uint32_t my_bias = bias_stage + wg * kBiasBytes;
-    if (bias) {
+    if (bias && has_rows) {
       const int e = e0 + 2 * (thread % 128);  // E % 8 == 0: e + 1 < E too
       cp_async<4>(my_bias + 4 * (thread % 128), e < g.E ? bias + e : bias, e < g.E);
       cp_async_commit();
@@ -180,13 +184,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Each warpgroup stages and stores its own 64 rows, with no barrier across the two: one's
     // epilogue overlaps the other's MMAs. acc[4 j + 2 half + i]: MMA row wg*64 +
     // wq*16 + lane / 4 + 8 half, embedding 8 j + 2 q + i.
+    //
+    // Invariant: every block staged is stored and committed, and the stage blocks are taken in
+    // turn over the warpgroup's tiles (staged % kStageBlocks), so the kStageBlocks - 1 stores
+    // tma_store_wait_read lets stay in flight never read the stage block about to be written. A
+    // block staged but not stored (past E, or a warpgroup with no tokens) would commit nothing and
+    // let the wait pass while the store that last read that stage still reads it; a count
+    // restarting at each tile would, after an odd number of blocks, write the block the last
+    // store reads. Blocks past E are skipped whole (a condition uniform over the warpgroup, so its
+    // named barriers stay matched).
+    if (!has_rows) continue;
+    const int blocks = min(kTileN / 64, (g.E - e0 + 63) / 64);
     const bool storer = thread % 128 == 0;
     const uint32_t my_stage = stage + wg * kStageBlocks * kStageBlock;
 #pragma unroll
     for (int b = 0; b < kTileN / 64; ++b) {
+      if (b >= blocks) break;
       // Block b's stage is free once the store that last used it has read it.
       if (storer) tma_store_wait_read<kStageBlocks - 1>();
-      const uint32_t block_stage = my_stage + b % kStageBlocks * kStageBlock;
+      const uint32_t block_stage = my_stage + staged++ % kStageBlocks * kStageBlock;
       if (b == 0 && bias) cp_async_wait<0>();  // this thread's bias pair (the barrier: everyone's)
       named_barrier_sync(1 + wg, 128);
       float bias_lo[8] = {}, bias_hi[8] = {};
@@ -209,8 +225,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       fence_proxy_async();  // the stage's writes, visible to the TMA store
       named_barrier_sync(1 + wg, 128);
-      // Rows past the tensor are not written.
-      if (storer && wg * 64 < tokens_per_tile && e0 + 64 * b < g.E) {
+      // Rows past the tensor are not written (the TMA store clips them).
+      if (storer) {
         tma_store(wg == 0 ? y_lo : y_hi, block_stage, e0 + 64 * b, row0 * g.gw + wg * 64);
         tma_store_commit();
       }
