@@ -165,7 +165,9 @@ def _ragged_case(name, sizes, d_in, d_out, dtype):
 
 
 RAGGED = [_ragged_case("8_experts_bf16", [5000, 0, 3100, 7777, 1, 4096, 2500, 9000], 1024, 1536, torch.bfloat16),
-          _ragged_case("6_experts_fp32", [3000, 1200, 0, 5001, 2222, 64], 512, 768, torch.float32)]
+          _ragged_case("6_experts_fp32", [3000, 1200, 0, 5001, 2222, 64], 512, 768, torch.float32),
+          # groups padded to 256 rows into wide outputs: the weight gradient's K needs no split
+          _ragged_case("6_padded_experts_bf16", [2048, 0, 1024, 4096, 512, 3072], 2048, 4096, torch.bfloat16)]
 
 
 # ---- SwiGLU: swiglu and swiglu_backward ------------------------------------------------------------

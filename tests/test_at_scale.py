@@ -125,8 +125,11 @@ def model_stems(name: str):
         model = timm.create_model(name, pretrained=False)
         sample, batch = model.pretrained_cfg.get("input_size", (3, 224, 224)), TIMM_STEMS[name]
     found = {}
-    hooks = [m.register_forward_pre_hook(lambda m, args: found.setdefault(id(m), (m, tuple(args[0].shape[1:]))))
-             for m in model.modules() if is_patch_conv(m)]
+
+    def record(module, args):  # returns None: the call's arguments stay as they are
+        found.setdefault(id(module), (module, tuple(args[0].shape[1:])))
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if is_patch_conv(m)]
     model = model.to("cuda").eval()
     with torch.no_grad():
         model(torch.randn(1, *sample, device="cuda"))
