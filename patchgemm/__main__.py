@@ -26,8 +26,13 @@ def info() -> int:
 def list_kernels(op=None) -> int:
     from .selection import kernels
 
+    try:
+        rows = kernels(op)
+    except ValueError as e:  # an unknown op: say which exist, no traceback
+        print(e, file=sys.stderr)
+        return 2
     current = None
-    for c in kernels(op):
+    for c in rows:
         if c.op != current:
             print(f"{c.op}:")
             current = c.op

@@ -27,6 +27,16 @@ def _autocast(*tensors):
                  for t in tensors)
 
 
+def _int(value, what: str) -> int:
+    """value as an int: floats, strings and bools are a TypeError naming `what`, never truncated."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+
+
 def _grid(grid, where: str) -> list:
     """A patch grid as ints; floats, strings and other non-integers are a TypeError, not truncated."""
     try:
@@ -118,7 +128,10 @@ def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):
         else:
             ends = given
     else:
-        values = [int(v) for v in given]
+        if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__"):
+            raise TypeError(f"grouped_linear: {name} must be a sequence of ints or a 1-D int32/int64 tensor, "
+                            f"got {type(given).__name__} {given!r}")
+        values = [_int(v, f"grouped_linear: each of {name}") for v in given]
         if group_sizes is not None:
             if any(v < 0 for v in values):
                 raise RuntimeError(f"grouped_linear: group_sizes must be >= 0, got {values}")
@@ -147,8 +160,9 @@ def grouped_pointwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = N
     unbatched = x.dim() == weight.dim() - 1
     if unbatched:
         x = x.unsqueeze(0)
+    groups = _int(groups, "grouped_pointwise_conv: groups")
     x, weight, bias = _autocast(x, weight, bias)
-    y = _call("grouped_pointwise_conv", x, weight, bias, int(groups))
+    y = _call("grouped_pointwise_conv", x, weight, bias, groups)
     return y.squeeze(0) if unbatched else y
 
 
@@ -226,6 +240,8 @@ def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_u
         raise RuntimeError(f"moe_experts: w_gate_up must be [E, 2H, D] and w_down [E, D, H] with the same E, H and D, "
                            f"got {tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
     experts, _, dim = w_gate_up.shape
+    if experts == 0:
+        raise RuntimeError(f"moe_experts: w_gate_up {tuple(w_gate_up.shape)} has no experts (E = 0)")
     if x.dim() != 2 or x.shape[1] != dim:
         raise RuntimeError(f"moe_experts: x must be [T, D] with D = {dim} (w_gate_up {tuple(w_gate_up.shape)}), "
                            f"got shape {tuple(x.shape)}")
@@ -237,6 +253,12 @@ def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_u
                            f"got {tuple(expert_weight.shape)}")
     tokens, top_k = expert_index.shape
     index = expert_index.reshape(-1)
+    # An index outside [0, E] is an error, as an out-of-range gather is, checked where the index
+    # lives without a host sync: on the CPU at once; on a GPU a device-side assert (the next
+    # synchronizing call raises, and the CUDA context is lost, as for ATen's index kernels).
+    if index.numel() and index.device.type != "meta":
+        torch._assert_async(((index >= 0) & (index <= experts)).all(),
+                            f"moe_experts: expert_index values must be in [0, E] = [0, {experts}] (E: no expert)")
     weight = expert_weight.reshape(-1)
     # A slot with no expert (index E) runs with the last expert and weight 0: the sizes add up to
     # T k without reading how many such slots there are on the host.
@@ -371,6 +393,9 @@ def _patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: 
         raise RuntimeError(
             f"patch_embed: x must be [B, C, *S] or [C, *S] with {rank - 2} spatial dims to match "
             f"weight {tuple(weight.shape)}, got shape {tuple(x.shape)}")
+    if x.shape[1] != weight.shape[1]:  # as the conv's message: the channels first, then the sizes
+        raise RuntimeError(f"patch_embed: weight {tuple(weight.shape)} expects x {tuple(x.shape)} to have "
+                           f"{weight.shape[1]} channels, but got {x.shape[1]} channels instead")
     if pad is not None:  # "dynamic"
         extra = [(-s) % k for s, k in zip(x.shape[2:], weight.shape[2:])]
         if any(extra):
@@ -440,5 +465,7 @@ def instance_norm_act(x: Tensor, weight: Optional[Tensor] = None, bias: Optional
         raise ValueError(f"instance_norm_act: act must be 'gelu' or None, got {act!r}")
     if not isinstance(x, Tensor):
         raise TypeError("instance_norm_act: x must be a tensor")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"instance_norm_act: eps must be a number, got {type(eps).__name__} {eps!r}")
     weight, bias = (None if t is None else t.to(x.dtype) for t in (weight, bias))
     return _call("instance_norm_act", x, weight, bias, float(eps), act == "gelu", layout == "tokens")[0]

@@ -16,6 +16,16 @@ __all__ = ["GroupedLinear", "GroupedMLP", "GroupedPointwiseConv", "PatchEmbed", 
            "HierarchicalPatchUnembed", "convert", "ConvertReport"]
 
 
+def _sizes(where: str, minimum: int, **sizes) -> Tuple[int, ...]:
+    """The given sizes as ints, in order: non-integers are a TypeError (as torch's modules raise), sizes
+    below `minimum` a ValueError, each naming the argument."""
+    values = tuple(F._int(v, f"{where}: {k}") for k, v in sizes.items())
+    if any(v < minimum for v in values):
+        given = ", ".join(f"{k}={v}" for k, v in zip(sizes, values))
+        raise ValueError(f"{where}: sizes must be >= {minimum}, got {given}")
+    return values
+
+
 class GroupedLinear(nn.Module):
     """``num_groups`` independent ``nn.Linear(in_features, out_features)`` over the groups of ``x``.
 
@@ -29,10 +39,8 @@ class GroupedLinear(nn.Module):
         super().__init__()
         if layout not in F.LAYOUTS:
             raise ValueError(f"GroupedLinear: layout must be one of {F.LAYOUTS}, got {layout!r}")
-        if min(num_groups, in_features, out_features) < 0:
-            raise ValueError(
-                f"GroupedLinear: sizes must be >= 0, got num_groups={num_groups}, "
-                f"in_features={in_features}, out_features={out_features}")
+        num_groups, in_features, out_features = _sizes("GroupedLinear", 0, num_groups=num_groups,
+                                                       in_features=in_features, out_features=out_features)
         factory = {"device": device, "dtype": dtype}
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         self.layout = layout
@@ -118,9 +126,8 @@ class GroupedMLP(nn.Module):
             raise ValueError(f"GroupedMLP: activation must be one of {F.ACTIVATIONS}, got {activation!r}")
         if layout not in F.LAYOUTS:
             raise ValueError(f"GroupedMLP: layout must be one of {F.LAYOUTS}, got {layout!r}")
-        if min(num_groups, dim, hidden, out_dim) < 0:
-            raise ValueError(f"GroupedMLP: sizes must be >= 0, got num_groups={num_groups}, dim={dim}, "
-                             f"hidden={hidden}, out_dim={out_dim}")
+        num_groups, dim, hidden, out_dim = _sizes("GroupedMLP", 0, num_groups=num_groups, dim=dim, hidden=hidden,
+                                                  out_dim=out_dim)
         factory = {"device": device, "dtype": dtype}
         self.num_groups, self.dim, self.hidden, self.out_dim = num_groups, dim, hidden, out_dim
         self.activation, self.layout = activation, layout
@@ -159,8 +166,7 @@ class MoEExperts(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, hidden: int, *, device=None, dtype=None):
         super().__init__()
-        if min(num_experts, dim, hidden) < 1:
-            raise ValueError(f"MoEExperts: sizes must be >= 1, got num_experts={num_experts}, dim={dim}, hidden={hidden}")
+        num_experts, dim, hidden = _sizes("MoEExperts", 1, num_experts=num_experts, dim=dim, hidden=hidden)
         factory = {"device": device, "dtype": dtype}
         # (transformers' attribute names, which code around the experts may read)
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, dim, hidden
@@ -337,6 +343,7 @@ class PatchEmbed(_ConvAttributes, nn.Module):
                  pad: Optional[str] = None, device=None, dtype=None):
         super().__init__()
         self.kernel_size = _patch_size(patch_size, dims, "PatchEmbed")
+        in_channels, embed_dim = _sizes("PatchEmbed", 0, in_channels=in_channels, embed_dim=embed_dim)
         self.in_channels, self.embed_dim = in_channels, embed_dim
         self.out_format, self.pad = out_format, pad
         factory = {"device": device, "dtype": dtype}
@@ -398,7 +405,9 @@ class GroupedPointwiseConv(_ConvAttributes, nn.Module):
     def __init__(self, in_channels: int, out_channels: int, groups: int, bias: bool = True, *, dims: int = 1,
                  device=None, dtype=None):
         super().__init__()
-        if groups < 1 or in_channels % groups or out_channels % groups:
+        in_channels, out_channels = _sizes("GroupedPointwiseConv", 0, in_channels=in_channels, out_channels=out_channels)
+        (groups,) = _sizes("GroupedPointwiseConv", 1, groups=groups)
+        if in_channels % groups or out_channels % groups:
             raise ValueError(f"GroupedPointwiseConv: groups={groups} must divide in_channels={in_channels} and "
                              f"out_channels={out_channels}")
         if dims not in (1, 2, 3):
@@ -442,6 +451,7 @@ class PatchUnembed(_ConvAttributes, nn.Module):
         super().__init__()
         F._check_format("PatchUnembed: in_format", in_format)
         self.kernel_size = _patch_size(patch_size, dims, "PatchUnembed")
+        in_channels, out_channels = _sizes("PatchUnembed", 0, in_channels=in_channels, out_channels=out_channels)
         self.in_channels, self.out_channels = in_channels, out_channels
         self.in_format, self.grid = in_format, None if grid is None else tuple(F._grid(grid, "PatchUnembed"))
         factory = {"device": device, "dtype": dtype}
@@ -483,6 +493,10 @@ class ConvertReport:
     model: nn.Module
     swapped: List[Tuple[str, str]] = field(default_factory=list)
     skipped: List[Tuple[str, str]] = field(default_factory=list)
+
+    def __repr__(self) -> str:  # not the dataclass's: that prints the whole model
+        return (f"ConvertReport(model={type(self.model).__name__}, swapped={len(self.swapped)}, "
+                f"skipped={len(self.skipped)})")
 
     def __str__(self) -> str:
         lines = [f"patchgemm.convert: swapped {len(self.swapped)}, left {len(self.skipped)}"]
@@ -570,6 +584,8 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
     converted deep copy, the original untouched)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected an nn.Module, got {type(model).__name__}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"convert: inplace must be True or False, got {type(inplace).__name__} {inplace!r}")
     if not inplace:
         model = copy.deepcopy(model)
     report = ConvertReport(model)

@@ -213,6 +213,9 @@ def explain(fn: Optional[Callable] = None, *args, **kwargs) -> Union[Explanation
     """
     if fn is None:
         return _recording()
+    if not callable(fn):
+        raise TypeError(f"patchgemm.explain: expected a function to run (e.g. patchgemm.patch_embed) and its "
+                        f"arguments, or nothing (a context manager), got {type(fn).__name__} {fn!r}")
     with _recording() as out:
         fn(*args, **kwargs)
         if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
