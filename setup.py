@@ -108,6 +108,11 @@ else:
     extra_compile_args["nvcc"].append(f"-DPATCHGEMM_ARCHS=\"{archs}\"")
     extra_compile_args["cxx"].append(f"-DPATCHGEMM_ARCHS=\"{archs}\"")
 
+# The torch the library is compiled against: an import under another torch says so (ops.py), where
+# the loader would only report a missing symbol.
+with open(os.path.join("patchgemm", "_built_with.py"), "w") as f:
+    f.write(f'"""Written by setup.py: the torch patchgemm._C was built against."""\nTORCH = "{torch.__version__}"\n')
+
 setup(
     ext_modules=[
         Extension(

@@ -11,6 +11,16 @@ from .nn import (ConvertReport, GroupedLinear, GroupedMLP, GroupedPointwiseConv,
 from .selection import explain, force, get_selection, kernels, set_selection
 
 __version__ = "0.2.0.dev0"
+
+
+def __getattr__(name):
+    # patchgemm.distributed without an import of its own (it loads torch.distributed: not at start)
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module 'patchgemm' has no attribute {name!r}")
+
 __all__ = [
     "grouped_linear", "grouped_mlp", "grouped_pointwise_conv", "swiglu", "moe_experts", "GroupedLinear", "GroupedMLP",
     "MoEExperts",

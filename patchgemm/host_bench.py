@@ -73,18 +73,18 @@ def cases() -> List[HostCase]:
         return _pair(lambda x: ours(x), lambda x: conv(x), (x,), (n, 384, 14, 14), r)
 
     def patch_embed_3d(r, tiny):  # VideoMAE-S tubelets, batch 8
-        n = 1 if tiny else 8
-        x = r(n, 3, 16, 224, 224)
+        n, frames, side = (1, 2, 32) if tiny else (8, 16, 224)
+        x = r(n, 3, frames, side, side)
         w, b = r(384, 3, 2, 16, 16, requires_grad=True), r(384, requires_grad=True)
         return _pair(lambda x, w, b: pg.patch_embed(x, w, b), lambda x, w, b: F.conv3d(x, w, b, stride=(2, 16, 16)),
-                     (x, w, b), (n, 384, 8, 14, 14), r)
+                     (x, w, b), (n, 384, frames // 2, side // 16, side // 16), r)
 
     def patch_embed_channels_last(r, tiny):  # ConvNeXt-T's first downsample: channels-last x, cuDNN's path
-        n = 2 if tiny else 64
-        x = r(n, 56, 56, 96).permute(0, 3, 1, 2).requires_grad_()
+        n, side = (2, 16) if tiny else (64, 56)
+        x = r(n, side, side, 96).permute(0, 3, 1, 2).requires_grad_()
         w, b = r(192, 96, 2, 2, requires_grad=True), r(192, requires_grad=True)
         return _pair(lambda x, w, b: pg.patch_embed(x, w, b), lambda x, w, b: F.conv2d(x, w, b, stride=2),
-                     (x, w, b), (n, 192, 28, 28), r, torch.channels_last)
+                     (x, w, b), (n, 192, side // 2, side // 2), r, torch.channels_last)
 
     def patch_unembed(r, tiny):  # a decoder's last layer: tokens of a 14 x 14 grid back to 4-channel 56 x 56
         n = 2 if tiny else 64
@@ -94,18 +94,18 @@ def cases() -> List[HostCase]:
                      (x, w, b), (n, 4, 56, 56), r)
 
     def patch_unembed_channels_last(r, tiny):  # the mirror of ConvNeXt's downsample: a k = 2 upsampling decoder
-        n = 2 if tiny else 64
-        x = r(n, 28, 28, 192).permute(0, 3, 1, 2).requires_grad_()
+        n, side = (2, 8) if tiny else (64, 28)
+        x = r(n, side, side, 192).permute(0, 3, 1, 2).requires_grad_()
         w, b = r(192, 96, 2, 2, requires_grad=True), r(96, requires_grad=True)
         return _pair(lambda x, w, b: pg.patch_unembed(x, w, b), lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2),
-                     (x, w, b), (n, 96, 56, 56), r, torch.channels_last)
+                     (x, w, b), (n, 96, 2 * side, 2 * side), r, torch.channels_last)
 
     def patch_unembed_3d(r, tiny):  # the suite's U1: ConvTranspose3d(768, 192, 4) on [8, 768, 8^3]
-        n = 1 if tiny else 8
-        x = r(n, 768, 8, 8, 8, requires_grad=True)
+        n, side = (1, 2) if tiny else (8, 8)
+        x = r(n, 768, side, side, side, requires_grad=True)
         w, b = r(768, 192, 4, 4, 4, requires_grad=True), r(192, requires_grad=True)
         return _pair(lambda x, w, b: pg.patch_unembed(x, w, b), lambda x, w, b: F.conv_transpose3d(x, w, b, stride=4),
-                     (x, w, b), (n, 192, 32, 32, 32), r)
+                     (x, w, b), (n, 192, 4 * side, 4 * side, 4 * side), r)
 
     def grouped_linear(r, tiny):  # 16 groups of 64 -> 64, batch 8
         x = r(8, 16, 64, requires_grad=True)
@@ -122,21 +122,23 @@ def cases() -> List[HostCase]:
                      lambda x, w: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets),
                      (x, w), (4096, 256), r)
 
-    def pointwise(r, tiny):  # 8 groups of 64 channels, length 256
-        x = r(8, 512, 256, requires_grad=True)
+    def pointwise(r, tiny):  # 8 groups of 64 channels, batch 8, length 256
+        n, length = (2, 32) if tiny else (8, 256)
+        x = r(n, 512, length, requires_grad=True)
         w, b = r(512, 64, 1, requires_grad=True), r(512, requires_grad=True)
         return _pair(lambda x, w, b: pg.grouped_pointwise_conv(x, w, b, 8), lambda x, w, b: F.conv1d(x, w, b, groups=8),
-                     (x, w, b), (8, 512, 256), r)
+                     (x, w, b), (n, 512, length), r)
 
     def norm(r, tiny):  # an hMLP stem's norm: [8, 64, 32^3]
-        x = r(1 if tiny else 8, 64, 32, 32, 32, requires_grad=True)
+        x = r(1, 64, 8, 8, 8, requires_grad=True) if tiny else r(8, 64, 32, 32, 32, requires_grad=True)
         w, b = r(64, requires_grad=True), r(64, requires_grad=True)
         return _pair(lambda x, w, b: pg.instance_norm_act(x, w, b),
                      lambda x, w, b: F.gelu(F.instance_norm(x, weight=w, bias=b)), (x, w, b), x.shape, r)
 
     def swiglu(r, tiny):
-        h = r(4096, 2048, requires_grad=True)
-        return _pair(pg.swiglu, lambda h: F.silu(h[:, :1024]) * h[:, 1024:], (h,), (4096, 1024), r)
+        rows = 64 if tiny else 4096
+        h = r(rows, 2048, requires_grad=True)
+        return _pair(pg.swiglu, lambda h: F.silu(h[:, :1024]) * h[:, 1024:], (h,), (rows, 1024), r)
 
     return [HostCase("patch_embed", "conv2d", patch_embed), HostCase("PatchEmbed module", "nn.Conv2d", patch_embed_module),
             HostCase("patch_embed 3-D", "conv3d", patch_embed_3d),
@@ -178,10 +180,12 @@ def host_us(ours: Callable[[], object], theirs: Callable[[], object], device: to
     return statistics.median(times[ours]), statistics.median(times[theirs])
 
 
-def run(device: Optional[str] = None, dtype: torch.dtype = torch.bfloat16, pairs: int = 100, tiny: bool = False,
-        progress=print) -> List[HostRow]:
-    """Every case's rows; ``tiny`` shrinks the batches (a smoke run on the CPU)."""
+def run(device: Optional[str] = None, dtype: torch.dtype = torch.bfloat16, pairs: int = 100,
+        tiny: Optional[bool] = None, progress=print) -> List[HostRow]:
+    """Every case's rows; ``tiny`` shrinks the problems to CPU sizes (the default on the CPU, where the
+    GPU's sizes take minutes and measure the arithmetic, not the host)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tiny = dev.type == "cpu" if tiny is None else tiny
     rows = []
     for case in cases():
         if case.baseline == "_grouped_mm" and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
@@ -203,7 +207,8 @@ def format_rows(rows: List[HostRow], header: bool = True) -> str:
     return "\n".join(lines)
 
 
-def main(device: Optional[str] = None, json_path: Optional[str] = None, pairs: int = 100, tiny: bool = False) -> int:
+def main(device: Optional[str] = None, json_path: Optional[str] = None, pairs: int = 100,
+         tiny: Optional[bool] = None) -> int:
     import json
     from dataclasses import asdict
 

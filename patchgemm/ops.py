@@ -2,19 +2,40 @@
 (meta) kernel for every op, so torch.compile / torch.export trace them. Autograd is registered in
 C++ (csrc/ops/autograd.cpp), and its backward calls registered ops, so a compiled backward traces too."""
 
+import glob
 import math
+import os
 
 import torch
 from torch._prims_common import suggest_memory_format
 
+
+def _why_the_library_did_not_load(error: ImportError) -> str:
+    """What to do about a failed import of patchgemm._C: not built, built against another torch, or
+    the loader's own error."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        from ._built_with import TORCH as built_with
+    except ImportError:
+        built_with = None
+    rebuild = ("rebuild it: `pip install --no-build-isolation -e .` in the checkout (or reinstall the package "
+               "with `--no-build-isolation --force-reinstall --no-deps`)")
+    if built_with is not None and built_with != torch.__version__:
+        return (f"patchgemm: the compiled library patchgemm._C was built against torch {built_with}, but torch "
+                f"{torch.__version__} is installed; {rebuild}")
+    if not glob.glob(os.path.join(here, "_C.*")):
+        return (f"patchgemm: the compiled library patchgemm._C is not built in {here}. Install with "
+                f"`pip install --no-build-isolation -e .` (editable: this source tree then finds it), or, after a "
+                f"plain `pip install .`, run from outside the source tree")
+    if "undefined symbol" in str(error):
+        return f"patchgemm: patchgemm._C does not match torch {torch.__version__} ({error}); {rebuild}"
+    return f"patchgemm: patchgemm._C failed to load: {error}"
+
+
 try:
     from . import _C  # noqa: F401  (loading it runs the C++ TORCH_LIBRARY registrations)
 except ImportError as e:
-    raise ImportError(
-        "patchgemm: the compiled library patchgemm._C is missing. Build it with "
-        "`pip install --no-build-isolation .` (or `-e .` for development); if it is installed, you "
-        "are importing the source tree instead: run from another directory."
-    ) from e
+    raise ImportError(_why_the_library_did_not_load(e)) from e
 
 ops = torch.ops.patchgemm
 

@@ -323,7 +323,7 @@ def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
     compressed = tmp_path / "tune-cpu.json.gz"  # the saved sweeps are gzip-compressed
     compressed.write_bytes(gzip.compress(saved.read_bytes()))
     assert [vars(r) for r in tune.load_records([str(compressed)])[0]] == [vars(r) for r in again]
-    _, report = tune.train_and_judge(again, ["train"], ["test"])
+    _, report = tune.train_and_judge(again, ["train"], ["test"], model=model)  # (training is checked above)
     assert report["evaluate"][-1]["records"] == len(test)
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
     import results

@@ -14,7 +14,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ROOT / "bench" / "cpp" / "run.sh"
 BUILD = pathlib.Path(os.environ.get("PATCHGEMM_MICROBENCH_BUILD", ROOT / "build" / "microbench"))
 
-pytestmark = pytest.mark.skipif(not RUN.exists(), reason="bench/cpp is not in this tree (installed package)")
+# (slow: its CMake build compiles the library again, minutes on a CPU; CI runs it as its own step)
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not RUN.exists(), reason="bench/cpp is not in this tree (installed package)")]
 
 
 @pytest.fixture(scope="module")
