@@ -9,8 +9,8 @@ test_at_scale.py (repeats bitwise equal) and sanitize_smoke.py --scale (compute-
 
 import math
 import zlib
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List
 
 import torch
 
@@ -37,11 +37,19 @@ class Case:
     name: str
     make: Callable
     run: Callable
-    dtypes: Tuple[torch.dtype, ...] = (torch.bfloat16,)
-    meta: Dict = field(default_factory=dict)
 
     def __str__(self):
         return f"{self.family}:{self.name}"
+
+
+def _x_w_b_run(op: Callable) -> Callable:
+    """run(inputs) of a family whose inputs are x, w, b and gy: y = op(x, w, b) and its gradients."""
+    def run(t):
+        x, w, b = (t[k].detach().requires_grad_() for k in ("x", "w", "b"))
+        y = op(x, w, b)
+        return [y, *torch.autograd.grad(y, [x, w, b], t["gy"])]
+
+    return run
 
 
 # ---- patch embedding and unembedding: patch_embed, patch_unembed, patch_weight_grad -------------
@@ -71,8 +79,7 @@ def _patch_case(name, shape, kernel, embed, out_format, dtype=torch.bfloat16):
         u_grads = torch.autograd.grad(u, [u_in, w2, bu], t["gu"])
         return [y, *grads, u, *u_grads]
 
-    return Case("patch", name, make, run, (dtype,),
-                dict(shape=shape, kernel=kernel, embed=embed, out_format=out_format))
+    return Case("patch", name, make, run)
 
 
 PATCH = [
@@ -110,12 +117,8 @@ def _grouped_case(name, batch, groups, d_in, d_out, layout, dtype):
                               fan_in={1: d_in})
         return dict(x=x, w=w, b=b, gy=gy)
 
-    def run(t):
-        x, w, b = (t[k].detach().requires_grad_() for k in ("x", "w", "b"))
-        y = patchgemm.grouped_linear(x, w, b, layout)
-        return [y, *torch.autograd.grad(y, [x, w, b], t["gy"])]
-
-    return Case("grouped_linear", name, make, run, (dtype,))
+    run = _x_w_b_run(lambda x, w, b: patchgemm.grouped_linear(x, w, b, layout))
+    return Case("grouped_linear", name, make, run)
 
 
 GROUPED = [_grouped_case("b8192_g12_512_768_bf16", 8192, 12, 512, 768, "bgd", torch.bfloat16),
@@ -134,12 +137,8 @@ def _pointwise_case(name, batch, groups, c_in, c_out, spatial, channels_last, dt
             x, gy = (v.contiguous(memory_format=torch.channels_last) for v in (x, gy))
         return dict(x=x, w=w, b=b, gy=gy)
 
-    def run(t):
-        x, w, b = (t[k].detach().requires_grad_() for k in ("x", "w", "b"))
-        y = patchgemm.grouped_pointwise_conv(x, w, b, groups=groups)
-        return [y, *torch.autograd.grad(y, [x, w, b], t["gy"])]
-
-    return Case("pointwise", name, make, run, (dtype,))
+    run = _x_w_b_run(lambda x, w, b: patchgemm.grouped_pointwise_conv(x, w, b, groups=groups))
+    return Case("pointwise", name, make, run)
 
 
 POINTWISE = [_pointwise_case("g64_100_L1024_bf16", 16, 64, 100, 100, (1024,), False, torch.bfloat16),
@@ -156,12 +155,8 @@ def _ragged_case(name, sizes, d_in, d_out, dtype):
                               (rows, d_out), fan_in={1: d_in})
         return dict(x=x, w=w, b=b, gy=gy)
 
-    def run(t):
-        x, w, b = (t[k].detach().requires_grad_() for k in ("x", "w", "b"))
-        y = patchgemm.grouped_linear(x, w, b, group_sizes=sizes)
-        return [y, *torch.autograd.grad(y, [x, w, b], t["gy"])]
-
-    return Case("ragged", name, make, run, (dtype,))
+    run = _x_w_b_run(lambda x, w, b: patchgemm.grouped_linear(x, w, b, group_sizes=sizes))
+    return Case("ragged", name, make, run)
 
 
 RAGGED = [_ragged_case("8_experts_bf16", [5000, 0, 3100, 7777, 1, 4096, 2500, 9000], 1024, 1536, torch.bfloat16),
@@ -182,7 +177,7 @@ def _swiglu_case(name, rows, hidden, dtype):
         h = patchgemm.swiglu(gate_up)
         return [h, *torch.autograd.grad(h, [gate_up], t["gh"])]
 
-    return Case("swiglu", name, make, run, (dtype,))
+    return Case("swiglu", name, make, run)
 
 
 SWIGLU = [_swiglu_case("65536x2048_bf16", 65536, 2048, torch.bfloat16),
@@ -198,12 +193,8 @@ def _norm_case(name, shape, layout, dtype):
         x, w, b, gy = tensors(name, device, dtype, shape, (channels,), (channels,), shape)
         return dict(x=x, w=w, b=b, gy=gy)
 
-    def run(t):
-        x, w, b = (t[k].detach().requires_grad_() for k in ("x", "w", "b"))
-        y = patchgemm.instance_norm_act(x, w, b, layout=layout)
-        return [y, *torch.autograd.grad(y, [x, w, b], t["gy"])]
-
-    return Case("instance_norm", name, make, run, (dtype,))
+    run = _x_w_b_run(lambda x, w, b: patchgemm.instance_norm_act(x, w, b, layout=layout))
+    return Case("instance_norm", name, make, run)
 
 
 NORM = [_norm_case("8x192x32x64x64_bf16", (8, 192, 32, 64, 64), "channels_first", torch.bfloat16),
