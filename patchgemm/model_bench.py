@@ -283,11 +283,12 @@ def measure(models: Sequence[nn.Module], x: torch.Tensor, device: torch.device, 
     return rows
 
 
-def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tiny: bool = False,
+def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tiny: Optional[bool] = None,
         progress=print, on_rows: Callable[[List[ModelRow]], object] = lambda rows: None) -> List[ModelRow]:
     """Every named model's rows (all models without names); ``on_rows`` sees the rows so far after
-    each model."""
+    each model. ``tiny`` (the default on the CPU): small sizes."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tiny = dev.type == "cpu" if tiny is None else tiny
     wanted = [n.lower() for n in names or []]
     rows = []
     for spec in specs(tiny):
@@ -358,13 +359,14 @@ def format_rows(rows: List[ModelRow], header: bool = True) -> str:
 
 
 def main(names: Optional[Sequence[str]] = None, device: Optional[str] = None, json_path: Optional[str] = None,
-         tiny: bool = False) -> int:
+         tiny: Optional[bool] = None) -> int:
     import json
     from dataclasses import asdict
 
     from .bench import environment
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tiny = dev.type == "cpu" if tiny is None else tiny  # GPU-sized models take minutes a step on a CPU
     known = [s.name.lower() for s in specs(tiny)]
     unknown = [n for n in names or [] if n.lower() not in known]
     if unknown:
