@@ -393,9 +393,6 @@ def _patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: 
         raise RuntimeError(
             f"patch_embed: x must be [B, C, *S] or [C, *S] with {rank - 2} spatial dims to match "
             f"weight {tuple(weight.shape)}, got shape {tuple(x.shape)}")
-    if x.shape[1] != weight.shape[1]:  # before the op's size checks, as conv2d: an unbatched x is read as [1, C, *S]
-        raise RuntimeError(f"patch_embed: x has {x.shape[1]} channels (shape {list(x.shape)}) but weight "
-                           f"[E, C, *kernel] expects {weight.shape[1]} (shape {list(weight.shape)})")
     if pad is not None:  # "dynamic"
         extra = [(-s) % k for s, k in zip(x.shape[2:], weight.shape[2:])]
         if any(extra):

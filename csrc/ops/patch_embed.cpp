@@ -101,12 +101,13 @@ EmbedProblem embed_problem(const at::Tensor& x, const at::Tensor& weight, const 
   check_floating(op, "x", x);
   check_like(op, "x", x, "weight", weight);
   TORCH_CHECK(tokens || levels.empty(), op, ": levels (a token order) need tokens output");
+  // The channels before the sizes, as the conv checks them: an unbatched x [C, *S] is read as
+  // [1, C, *S], whose wrong channel count would otherwise be reported as a size that does not fit.
+  TORCH_CHECK(x.dim() != weight.dim() || x.size(1) == weight.size(1), op, ": x has ", x.size(1), " channels (shape ",
+              x.sizes(), ") but weight [E, C, *kernel] expects ", weight.size(1), " (shape ", weight.sizes(), ")");
   EmbedProblem p;
   p.g = embed_geometry(op, "x", x, weight.sizes().slice(2), levels, weight);
   const PatchGeometry& g = p.g;
-  TORCH_CHECK(g.channels == weight.size(1), op, ": x has ", g.channels, " channels (shape ",
-              x.sizes(), ") but weight [E, C, *kernel] expects ", weight.size(1), " (shape ",
-              weight.sizes(), ")");
   const int64_t embed = weight.size(0), N = g.tokens();
   check_bias(op, bias, embed, weight);
   p.x = x, p.weight = weight, p.bias = bias, p.tokens = tokens, p.rank = rank;
@@ -172,7 +173,7 @@ UnembedProblem unembed_problem(const at::Tensor& x, const at::Tensor& weight, co
 }
 
 at::Tensor whole_patches(const at::Tensor& x, const at::Tensor& weight, c10::IntArrayRef levels) {
-  if (!levels.empty() || x.dim() != weight.dim() || x.dim() < 3 ||
+  if (!levels.empty() || x.dim() != weight.dim() || x.dim() < 3 || x.size(1) != weight.size(1) ||
       x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
       weight.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
     return x;  // (the op's checks name what does not fit)
