@@ -43,6 +43,19 @@ def assert_close_to_ref(out, ref, dtype, what="output", tol=None):
         f"{what}: relative error {err / max(denom, 1e-30):.3g} > {tol:g} ({dtype})")
 
 
+def rel_error(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 on ref's device (a GPU reference stays there); inf for a shape
+    mismatch or non-finite values; the absolute error where ref is zero."""
+    if out.shape != ref.shape:
+        return math.inf
+    ref = ref.detach().double()
+    err = (out.detach().to(ref.device, torch.float64) - ref).norm().item()
+    if not math.isfinite(err):
+        return math.inf
+    denom = ref.norm().item()
+    return err / denom if denom > 0 else err
+
+
 def capture_cuda_graph(step):
     """(graph, what step returned while captured): step runs once on a side stream first, as graph
     capture requires (kernels set up, memory cached); replay the graph to run it again."""

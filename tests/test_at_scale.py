@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import patchgemm
-from conftest import REL_TOL, conv_ref, fused_mode, needs_gpu
+from conftest import REL_TOL, conv_ref, fused_mode, needs_gpu, rel_error
 from scale_cases import CASES, FAMILY_OPS, does_not_apply, our_candidates
 
 REPEATS = 5
@@ -41,16 +41,6 @@ def poison_like(outputs):
     land on NaNs wherever a kernel leaves part of them unwritten."""
     blocks = [torch.full((t.numel() * t.element_size() // 4 + 1,), float("nan"), device=t.device) for t in outputs]
     del blocks
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64 on ref's device (inf for a shape mismatch or non-finite out)."""
-    if out.shape != ref.shape:
-        return math.inf
-    diff = (out.detach().to(ref.device, torch.float64) - ref).norm().item()
-    if not math.isfinite(diff):
-        return math.inf
-    return diff / max(ref.norm().item(), 1e-300)
 
 
 @needs_gpu

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import patchgemm
-from conftest import HAS_GPU, conv_ref, conv_transpose_ref, fused_mode
+from conftest import HAS_GPU, conv_ref, conv_transpose_ref, fused_mode, rel_error
 
 ops = torch.ops.patchgemm
 
@@ -52,17 +52,6 @@ def test_references_are_the_convs():
         bt = torch.randn(shape[1], dtype=torch.float64)
         torch.testing.assert_close(conv_transpose_ref(y, wt, bt, kernel), CONV_T[len(kernel)](y, wt, bt, stride=kernel))
 FUSED_MODES = ("auto", "never", "always")
-
-
-def rel_error(out, ref):
-    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
-    if out.shape != ref.shape:
-        return math.inf
-    denom = ref.norm().item()
-    err = (out - ref).norm().item()
-    if not math.isfinite(err):
-        return math.inf
-    return err / denom if denom > 0 else err
 
 
 def randn64(rng, device, dtype, *shape):
