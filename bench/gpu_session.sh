@@ -6,7 +6,8 @@
 #               for SCALE_SECONDS (default 120)
 #   sanitizer   compute-sanitizer memcheck / racecheck / synccheck on tests/sanitize_smoke.py: its
 #               small shapes, then (--scale) every candidate of ours on multi-wave problems; the
-#               three tools run side by side
+#               tools run side by side (SANITIZE_MODES="small scale", SANITIZE_TOOLS="memcheck racecheck
+#               synccheck", SANITIZE_FAMILIES: the --scale families, default all)
 #   bench       the benchmark suite (table, JSON, plot; BENCH_FILTER=P)
 #   microbench  the C++ microbenchmarks (MICROBENCH_ARGS=...)
 #   heldout     bench/heldout.py $HELDOUT_ARGS (default: --set all), JSON to $OUT/heldout.json
@@ -15,7 +16,9 @@
 # Results go to $OUT (the device tool's result folder) or ./gpu-logs; build and stderr logs to $LOGS
 # (/tmp), their tails printed on failure. SAVE_WHEEL=1 also leaves the built wheel in $OUT/wheel,
 # in parts of at most 15 MB (the device tool returns files of up to 16 MiB), to carry to later runs;
-# WHEEL=folder installs the wheel those parts make (or WHEEL=file.whl that wheel) instead of building. The results' JSON
+# WHEEL=folder installs the wheel those parts make (or WHEEL=file.whl that wheel) instead of building;
+# with it, OVERLAY=1 copies this tree's Python files over the installed ones (Python-only changes
+# tested without a rebuild; the compiled library stays the wheel's). The results' JSON
 # names the commit measured from git, or from PATCHGEMM_COMMIT=<hash> where the tree is a copy.
 #   [STEPS="tests bench"] [WHEEL=...] [SAVE_WHEEL=1] bash bench/gpu_session.sh
 set -uo pipefail
@@ -33,6 +36,10 @@ if [ -n "${WHEEL:-}" ]; then
     mkdir -p "$LOGS/wheel" && cat "$WHEEL"/part-* >"$LOGS/wheel/$(cat "$WHEEL/name")" && WHEEL="$LOGS/wheel/$(cat "$WHEEL/name")"
   fi
   python3 -m pip install --no-deps --force-reinstall "$WHEEL" >"$LOGS/build.log" 2>&1 || { tail -20 "$LOGS/build.log"; exit 1; }
+  if [ -n "${OVERLAY:-}" ]; then
+    site=$(cd /tmp && python3 -c "import os, patchgemm; print(os.path.dirname(patchgemm.__file__))")
+    (cd patchgemm && find . \( -name '*.py' -o -name '*.json' \) -exec cp --parents {} "$site" \;) && echo "overlaid $site"
+  fi
 else
   ( time python3 -m pip wheel --no-build-isolation --no-deps -v -w "$LOGS/wheel" . ) >"$LOGS/build.log" 2>&1 \
     || { grep -A5 " error" "$LOGS/build.log" | head -60; exit 1; }
@@ -63,13 +70,14 @@ if want fuzz; then
 fi
 if want sanitizer; then
   step compute-sanitizer
-  for mode in small scale; do
-    for tool in memcheck racecheck synccheck; do
+  tools=${SANITIZE_TOOLS:-memcheck racecheck synccheck}
+  for mode in ${SANITIZE_MODES:-small scale}; do
+    for tool in $tools; do
       compute-sanitizer --tool $tool --error-exitcode 1 python3 "$SRC/tests/sanitize_smoke.py" \
-        $([ $mode = scale ] && echo --scale) >"$LOGS/sanitizer-$mode-$tool.log" 2>&1 &
+        $([ $mode = scale ] && echo --scale ${SANITIZE_FAMILIES:-}) >"$LOGS/sanitizer-$mode-$tool.log" 2>&1 &
     done
     wait
-    for tool in memcheck racecheck synccheck; do
+    for tool in $tools; do
       log="$LOGS/sanitizer-$mode-$tool.log"
       echo "$mode $tool: $(tail -1 "$log")"
       # Whose kernels the reports are in: ours, or a library's (cuBLAS's nvjet, cuDNN's), whose

@@ -2,7 +2,7 @@
     compute-sanitizer --tool memcheck python tests/sanitize_smoke.py
 or, with --scale, every candidate of ours forced in turn on the multi-wave problems of
 scale_cases.py (a block's second tile, stores in flight across tiles):
-    compute-sanitizer --tool racecheck python tests/sanitize_smoke.py --scale
+    compute-sanitizer --tool racecheck python tests/sanitize_smoke.py --scale [family ...]
 (not a pytest module: it asserts only that results are finite; the tests check values)."""
 
 import sys
@@ -251,10 +251,10 @@ def main():
     print("sanitize_smoke: ok")
 
 
-def main_at_scale():
+def main_at_scale(families):
     runs = 0
-    for family, cases in CASES.items():
-        for case in cases:
+    for family in families:
+        for case in CASES[family]:
             inputs = case.make("cuda")
             for op in FAMILY_OPS[family]:
                 for name in our_candidates(op):
@@ -274,4 +274,12 @@ def main_at_scale():
 
 
 if __name__ == "__main__":
-    main_at_scale() if "--scale" in sys.argv[1:] else main()
+    args = sys.argv[1:]
+    if "--scale" in args:
+        families = [a for a in args if a != "--scale"] or list(CASES)
+        unknown = set(families) - set(CASES)
+        if unknown:
+            sys.exit(f"sanitize_smoke: unknown families {sorted(unknown)}; known: {list(CASES)}")
+        main_at_scale(families)
+    else:
+        main()
