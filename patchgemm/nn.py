@@ -566,7 +566,8 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
 
     - every ``nn.Sequential`` stem — two kernel == stride convs or more, each followed by an optional
       norm and an optional activation (hMLP stems) — for HierarchicalPatchEmbed /
-      HierarchicalPatchUnembed, keeping its parameter names;
+      HierarchicalPatchUnembed, keeping its parameter names (a subclass too, unless it defines its
+      own ``forward``: then its convs are swapped one by one, and the report says why);
     - the conv of every known patch embedding that flattens to tokens (timm's ``PatchEmbed``;
       transformers' ViT, DeiT, ViT-MAE, DINOv2, VideoMAE, CLIP, SigLIP and Qwen2-VL patch
       embeddings) for a PatchEmbed that writes the tokens directly, the module itself kept;
@@ -606,7 +607,14 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
                 return None
             report.swapped.append((name, f"{type(module).__name__} -> MoEExperts"))
             return MoEExperts.from_experts(module)
-        if type(module) is nn.Sequential and _patch_convs(module) >= 2:
+        if isinstance(module, nn.Sequential) and _patch_convs(module) >= 2:
+            # A subclass is a stem too when it computes as a Sequential does (its forward is
+            # Sequential's); one with a forward of its own may compute anything, so its convs are
+            # swapped one by one, and the report says so.
+            if type(module).forward is not nn.Sequential.forward:
+                report.skipped.append((name, f"not a whole stem: {type(module).__name__} defines its own "
+                                             "forward (its convs are swapped one by one)"))
+                return None
             first = next(iter(module.children()))
             stem = HierarchicalPatchEmbed if type(first) in _CONVS else HierarchicalPatchUnembed
             try:
@@ -616,7 +624,7 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
                 return None
             except ValueError:  # not laid out as a stem
                 return None
-            report.swapped.append((name, f"Sequential of {len(new._plan.stages)} convs -> {stem.__name__}"))
+            report.swapped.append((name, f"{type(module).__name__} of {len(new._plan.stages)} convs -> {stem.__name__}"))
             return new
         if not isinstance(module, _CONVS + _CONV_TRANSPOSES):
             return None

@@ -147,6 +147,35 @@ def test_a_norm_that_mixes_positions_keeps_the_convs_apart():
     _compare(original, model, randn(2, 3, 8, 12, dtype=torch.float64))
 
 
+class SequentialStem(nn.Sequential):
+    """A stem written as a Sequential subclass (MATEY's style), computing as a Sequential does."""
+
+
+class StemWithItsOwnForward(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+def test_a_sequential_subclass_is_a_whole_stem_unless_it_has_its_own_forward():
+    def pair(cls):  # the model to convert, and a copy of it to compare with
+        torch.manual_seed(3)
+        model = Holder(cls(*stem_3d(NORMS["instance"], bias=True).children()))
+        return model, copy.deepcopy(model)
+
+    model, original = pair(SequentialStem)
+    report = patchgemm.convert(model)
+    assert report.swapped == [("proj", "SequentialStem of 3 convs -> HierarchicalPatchEmbed")] and not report.skipped
+    assert list(model.state_dict()) == list(original.state_dict())
+    _compare(original, model, randn(2, 4, 16, 16, 32, dtype=torch.float64))
+
+    model, original = pair(StemWithItsOwnForward)
+    report = patchgemm.convert(model)
+    assert type(model.proj) is StemWithItsOwnForward
+    assert [n for n, _ in report.swapped] == ["proj.0", "proj.3", "proj.6"]
+    assert "StemWithItsOwnForward defines its own forward" in dict(report.skipped)["proj"]
+    _compare(original, model, randn(2, 4, 16, 16, 32, dtype=torch.float64))
+
+
 def test_from_sequential_and_from_convs_name_what_does_not_fit():
     with pytest.raises(ValueError, match="layer 2 is Linear"):
         patchgemm.HierarchicalPatchEmbed.from_sequential(nn.Sequential(nn.Conv2d(3, 4, 2, 2), nn.GELU(), nn.Linear(2, 2)))
