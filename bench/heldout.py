@@ -1,11 +1,14 @@
 """The default selection against the best PyTorch path, on shapes outside the benchmark suite.
 
-    python bench/heldout.py [--set heldout|tuning|all|channels-last] [--count N] [--filter TEXT]
-                            [--candidates] [--kernels] [--json PATH] [--markdown PATH]
+    python bench/heldout.py [--set heldout|tuning|families|all|channels-last] [--count N] [--filter TEXT]
+                            [--selection MODE] [--candidates] [--kernels] [--json PATH] [--markdown PATH]
 
-The shape sets, ``TUNING`` (rules may be fitted to these) and ``HELDOUT`` (never tuned on), live in
-``patchgemm/shapes.py``, which explains the split; ``channels-last`` is ``shapes.channels_last_shapes``
-(``--count`` channels-last embeddings, default 50, each with its transpose), apart from ``all``.
+The shape sets, ``TUNING`` (rules may be fitted to these), ``HELDOUT`` (never tuned on) and
+``FAMILIES`` (model families: the default choice is judged on each with it left out of training),
+live in ``patchgemm/shapes.py``, which explains the split; ``channels-last`` is
+``shapes.channels_last_shapes`` (``--count`` channels-last embeddings, default 50, each with its
+transpose), apart from ``all``. ``--selection`` runs ours under that mode (default: the package's).
+The report ends with a table per model family: the share of ratios below 0.97.
 
 For each shape and pass (forward; forward + backward with the gradients the layer needs), the GPU
 time (the sum of the kernel times the profiler records: the host's time does not count) of
@@ -29,7 +32,7 @@ import torch
 
 import patchgemm
 from patchgemm.bench import environment, input_sets, kernel_ms
-from patchgemm.shapes import HELDOUT, TUNING, Problem, Shape, channels_last_shapes, problem
+from patchgemm.shapes import FAMILIES, HELDOUT, TUNING, Problem, Shape, channels_last_shapes, family_of, problem
 
 ROUNDS, REPS = 3, 10  # see measure()
 
@@ -148,13 +151,31 @@ def summary(results: List[Result]) -> List[dict]:
     return rows
 
 
+def family_summary(results: List[Result]) -> List[dict]:
+    """Per model family (shapes.family_of): the ratios' count, share below 0.97, geometric mean and
+    minimum, forward and forward + backward together."""
+    groups: Dict[str, List[float]] = {}
+    for r in results:
+        groups.setdefault(family_of(r.id), []).append(r.ratio)
+    return [{"family": family, "n": len(ratios), "below_0.97": sum(x < 0.97 for x in ratios) / len(ratios),
+             "geomean": math.exp(statistics.fmean(math.log(x) for x in ratios)), "min": min(ratios)}
+            for family, ratios in sorted(groups.items())]
+
+
+def format_family_summary(rows: List[dict]) -> str:
+    lines = ["| family | ratios | below 0.97x | geomean | min |", "|---|---|---|---|---|"]
+    for f in rows:
+        lines.append(f"| {f['family']} | {f['n']} | {f['below_0.97']:.0%} | {f['geomean']:.2f}x | {f['min']:.2f}x |")
+    return "\n".join(lines)
+
+
 def format_results(results: List[Result]) -> str:
-    head = f"{'set':<8} {'shape':<26} {'pass':<8} {'ours ms':>9} {'best PyTorch':>22} {'ratio':>6}  chosen"
+    head = f"{'set':<8} {'shape':<36} {'pass':<8} {'ours ms':>9} {'best PyTorch':>22} {'ratio':>6}  chosen"
     lines = [head, "-" * len(head)]
     for r in results:
         name, t = r.best_torch
         chosen = ", ".join(f"{op}={c}" for op, c in r.chosen.items())
-        lines.append(f"{r.set:<8} {r.id:<26} {r.pass_:<8} {r.ours_ms:>9.4f} {f'{t:.4f} ({name})':>22} "
+        lines.append(f"{r.set:<8} {r.id:<36} {r.pass_:<8} {r.ours_ms:>9.4f} {f'{t:.4f} ({name})':>22} "
                      f"{r.ratio:>5.2f}x  {chosen}")
         for op, times in r.candidates_ms.items():
             shown = ", ".join(f"{n} {t:.4f}" for n, t in times.items() if t is not None)
@@ -172,9 +193,12 @@ def format_summary(rows: List[dict]) -> str:
 
 
 def format_markdown(results: List[Result], env: dict) -> str:
+    mode = env.get("selection", "heuristic")
     lines = [f"{env.get('date', '')}, {env.get('gpu', env.get('device'))}, torch {env.get('torch')}, "
-             f"CUDA {env.get('cuda')}; `python bench/heldout.py --set all`. Ratio = the best PyTorch path's GPU "
-             "time / patchgemm's default choice (above 1: faster).", "", format_summary(summary(results)), "",
+             f"CUDA {env.get('cuda')}; `python bench/heldout.py --set all --selection {mode}`. Ratio = the best "
+             f"PyTorch path's GPU time / patchgemm's choice in {mode} mode (above 1: faster).", "",
+             format_summary(summary(results)), "", "Per model family (fwd and fwd+bwd ratios together):", "",
+             format_family_summary(family_summary(results)), "",
              "| set | shape | pass | patchgemm ms | best PyTorch ms | ratio | chosen |", "|---|---|---|---|---|---|---|"]
     for r in results:
         name, t = r.best_torch
@@ -186,7 +210,8 @@ def format_markdown(results: List[Result], env: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--set", choices=["heldout", "tuning", "all", "channels-last"], default="all")
+    parser.add_argument("--set", choices=["heldout", "tuning", "families", "all", "channels-last"], default="all")
+    parser.add_argument("--selection", help="the selection mode ours runs under (default: the package's)")
     parser.add_argument("--count", type=int, default=50, help="channels-last embeddings in --set channels-last")
     parser.add_argument("--filter", help="only shapes whose id contains this text (comma-separated: any of them)")
     parser.add_argument("--candidates", action="store_true", help="also time every candidate, forced")
@@ -196,7 +221,7 @@ def main(argv=None) -> int:
     parser.add_argument("--markdown", metavar="PATH")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    sets = {"tuning": TUNING, "heldout": HELDOUT}
+    sets = {"tuning": TUNING, "heldout": HELDOUT, "families": [s for shapes in FAMILIES.values() for s in shapes]}
     if args.set == "channels-last":
         sets = {"channels-last": channels_last_shapes(args.count)}
     wanted = [f.strip() for f in (args.filter or "").split(",") if f.strip()]
@@ -205,6 +230,8 @@ def main(argv=None) -> int:
     if not chosen:
         print(f"heldout: no shape matches --filter {args.filter!r}")
         return 2
+    if args.selection:
+        patchgemm.set_selection(args.selection)
     torch.manual_seed(0)
     results = []
     for set_name, s in chosen:
@@ -212,7 +239,8 @@ def main(argv=None) -> int:
         print(format_results(results[-2:]).split("\n", 2)[2], flush=True)
     print(format_results(results))
     print(format_summary(summary(results)))
-    env = environment(device)
+    print(format_family_summary(family_summary(results)))
+    env = dict(environment(device), selection=patchgemm.get_selection())
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": env, "results": [dict(asdict(r), ratio=r.ratio) for r in results]}, f, indent=1)

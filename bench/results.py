@@ -6,9 +6,10 @@ Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m
 --models --json` (models), `python -m patchgemm bench --host --json` (host time per call) or
 `python bench/heldout.py --json` (held-out shapes) or `torchrun ... bench/distributed.py --json`
 (several GPUs) or `python bench/zoo.py --json` (convert across timm's and transformers' models) or
-`python -m patchgemm tune --json` (autotune records) wrote; bench/results/ keeps the current ones per GPU,
-named <gpu>-suite.json / <gpu>-models.json / <gpu>-host.json / <gpu>-heldout.json /
-<gpu>-x<world>-distributed.json / <gpu>-zoo.json / tune-<gpu>.json.gz. Every section says the
+`python -m patchgemm tune --json` (autotune records; with --hold-out-families, the families report)
+wrote; bench/results/ keeps the current ones per GPU, named <gpu>-suite.json / <gpu>-models.json /
+<gpu>-host.json / <gpu>-heldout.json / <gpu>-x<world>-distributed.json / <gpu>-zoo.json /
+tune-<gpu>.json.gz / <gpu>-families.json.gz. Every section says the
 date, GPU, versions and command of its run.
 """
 
@@ -61,6 +62,18 @@ def heldout_section(saved: dict, name: str) -> str:
     title = "Held-out shapes, before any rule saw them" if untuned else "Held-out and tuning shapes, default selection"
     body = heldout.format_markdown(results, saved.get("environment", {}))
     return f"## {title}: {_where(saved.get('environment', {}))}\n\n(`{name}`) {body}"
+
+
+def families_section(saved: dict, name: str) -> str:
+    margins = saved["margins"]
+    return "\n".join([
+        f"## Model families left out: {_where(saved.get('environment', {}))}", "",
+        f"`python -m patchgemm tune --from-json ... --hold-out-families all --margins "
+        f"{','.join(f'{m:g}' for m in margins)} --json {name}`: each family judged by a learned model trained on "
+        "every other family's records (the random sequences always train). Per mode: regret = t(selected) / "
+        "t(fastest candidate), mean / worst / share over 1.2x, and the share of records more than 3% slower than "
+        "PyTorch's fastest path (`aten_*`); `learned +m`: the model leaning toward PyTorch's paths by m.", "",
+        tune.format_families(saved["hold_out_families"], margins), ""])
 
 
 def _table_section(saved: dict, title: str, command: str, method: str, table: str) -> str:
@@ -190,7 +203,9 @@ def main(argv=None) -> int:
     for path in sorted(args.runs):
         saved = tune.read_json(path)
         name = pathlib.Path(path).name
-        if "report" in saved:
+        if "hold_out_families" in saved:
+            sections.append(families_section(saved, name))
+        elif "report" in saved:
             sections.append(tune_section(saved, name))
         elif "models" in saved:
             sections.append(models_section(saved, name))

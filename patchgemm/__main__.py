@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     kernels.add_argument("op", nargs="?", help="only this op's")
     tune = sub.add_parser("tune", help="autotune shape sets, train the learned selector, report regret per mode")
     tune.add_argument("--train-on", default="tuning,random,models", help="sets whose records train the model "
-                      "(tuning, random, models, heldout; default tuning,random,models)")
+                      "(tuning, random, models, families, heldout; default tuning,random,models)")
     tune.add_argument("--evaluate-on", default="heldout", help="sets whose records judge it (default heldout)")
     tune.add_argument("--random", type=int, default=200, help="shapes in the random set (default 200)")
     tune.add_argument("--random-start", type=int, default=0, metavar="K", help="sweep only shapes K .. N - 1 of "
@@ -87,6 +87,11 @@ def main(argv=None) -> int:
     tune.add_argument("--validate", type=int, default=0, metavar="K", help="keep in the trained model only the "
                       "ops whose choices beat the heuristic's in K-fold cross-validation (the others choose by "
                       "the heuristic)")
+    tune.add_argument("--hold-out-families", metavar="NAMES", help="instead of training one model, judge each "
+                      "model family (comma-separated, or 'all': every family of the records) by a model trained "
+                      "on the others' records; families in patchgemm/shapes.py")
+    tune.add_argument("--margins", default="0", metavar="M,...", help="with --hold-out-families: the margins "
+                      "toward PyTorch's paths to judge the learned mode at (default 0)")
     tune.add_argument("--train-device", metavar="TEXT", help="train only on records of GPUs whose name has TEXT")
     tune.add_argument("--evaluate-device", metavar="TEXT", help="judge only on records of GPUs whose name has TEXT")
     tune.add_argument("--device", help="cuda or cpu (default: cuda if present)")

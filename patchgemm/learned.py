@@ -151,6 +151,19 @@ def predict(model: dict, record: Record) -> Optional[str]:
     return max(applicable, key=lambda n: s.get(n, -math.inf))
 
 
+def with_pytorch_margin(model: dict, margin: float) -> dict:
+    """A copy of `model` leaning toward PyTorch's own paths: every ``aten_*`` candidate's score is
+    raised by ``margin`` (in the scores' units, log-odds of being the fastest), so one of ours runs
+    only where the model prefers it by more than the margin. Kept in the model as "pytorch_margin"
+    (on top of any margin it had)."""
+    out = json.loads(json.dumps(model))
+    for op_model in out["ops"].values():
+        op_model["b2"] = [b + margin if c.startswith("aten_") else b
+                          for c, b in zip(op_model["candidates"], op_model["b2"])]
+    out["pytorch_margin"] = model.get("pytorch_margin", 0.0) + margin
+    return out
+
+
 def save(model: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"

@@ -19,6 +19,12 @@ The split between the sets is the point of this file:
   grid is thin. Training data too; the held-out set stays out of both.
 - ``channels_last_shapes(n, seed)``: the channels-last 16-bit embeddings of those two, each with its
   mirror transpose, for measuring the channels-last paths alone.
+- ``FAMILIES``: the layers of model families, each a whole family (the catalog the default choice is
+  judged on by leaving one family out at a time: diffusion-transformer and video-DiT latents,
+  segmentation and detection at batch 1-4, weather and climate grids, medical volumes, time series
+  and audio, remote sensing, batch-one inference, MoE experts at a fixed capacity, recommender
+  towers). Every shape of every set has a family (``family_of``); the random sequences are the
+  families ``random`` and ``model-like``, never held out (no model is made of them).
 
 ``bench/heldout.py`` measures the default choice against PyTorch on these sets.
 """
@@ -188,6 +194,149 @@ HELDOUT = [
     _grouped("grouped-8192x8x8", (8192, 8, 8), 8),
     _grouped("grouped-512x4x4096-fp16", (512, 4, 4096), 1024, dtype="fp16"),
 ]
+
+
+def _family(name: str, *shapes: Shape) -> Tuple[str, List[Shape]]:
+    return name, [replace(s, id=f"{name}/{s.id}") for s in shapes]
+
+
+# Real models' layers, by family (configs of the models named; batch sizes as trained or served).
+# Diffusion transformers patchify VAE latents (k = 2 on 4-16 channels) and unpatchify their final
+# layer's tokens; the input needs no gradient.
+FAMILIES: Dict[str, List[Shape]] = dict([
+    _family("dit",
+            _embed("sd3-1024", (4, 16, 128, 128), 1536, (2, 2), tokens=True, dx=False),
+            _embed("sd35-large", (2, 16, 128, 128), 2432, (2, 2), tokens=True, dx=False),
+            _embed("pixart-512-fp16", (16, 4, 64, 64), 1152, (2, 2), "fp16", tokens=True, dx=False),
+            _embed("dit-xl2-256", (256, 4, 32, 32), 1152, (2, 2), tokens=True, dx=False),
+            _embed("dit-b4-256", (128, 4, 32, 32), 768, (4, 4), tokens=True, dx=False),
+            _embed("flux-1024", (1, 16, 128, 128), 3072, (2, 2), tokens=True, dx=False),
+            _embed("hunyuan-dit-1024", (2, 4, 128, 128), 1408, (2, 2), tokens=True, dx=False),
+            _embed("uvit-fp16", (64, 4, 32, 32), 512, (2, 2), "fp16", tokens=True, dx=False),
+            _unembed("dit-xl2-final", (256, 256, 1152), 8, (2, 2), tokens=True, grid=(16, 16)),
+            _unembed("sd3-final", (4, 4096, 1536), 16, (2, 2), tokens=True, grid=(64, 64)),
+            _unembed("pixart-final-fp16", (16, 1024, 1152), 8, (2, 2), "fp16", tokens=True, grid=(32, 32))),
+    _family("video-dit",
+            _embed("cogvideox-frames", (13, 16, 60, 90), 1920, (2, 2), tokens=True, dx=False),
+            _embed("cogvideox15-t2", (1, 16, 22, 96, 170), 3072, (2, 2, 2), tokens=True, dx=False),
+            _embed("opensora-122", (2, 4, 16, 64, 64), 1152, (1, 2, 2), tokens=True, dx=False),
+            _embed("latte-frames-fp16", (32, 4, 32, 32), 1152, (2, 2), "fp16", tokens=True, dx=False),
+            _embed("hunyuanvideo", (1, 16, 33, 68, 120), 3072, (1, 2, 2), tokens=True, dx=False),
+            _embed("mochi", (1, 12, 28, 60, 106), 3072, (1, 2, 2), tokens=True, dx=False),
+            _embed("wan-1.3b", (1, 16, 21, 60, 104), 1536, (1, 2, 2), tokens=True, dx=False),
+            _unembed("wan-final", (1, 32760, 1536), 16, (1, 2, 2), tokens=True, grid=(21, 30, 52)),
+            _unembed("opensora-final", (2, 16384, 1152), 8, (1, 2, 2), tokens=True, grid=(16, 32, 32))),
+    # Segmentation and detection backbones at batch 1-4 (SAM writes its patches channels-last:
+    # tokens), and the transposed convs of their decoders and feature pyramids.
+    _family("segmentation",
+            _embed("sam-h-b1", (1, 3, 1024, 1024), 1280, (16, 16), dx=False),
+            _embed("sam-b-b4", (4, 3, 1024, 1024), 768, (16, 16), tokens=True, dx=False),
+            _embed("sam-l-b2-fp16", (2, 3, 1024, 1024), 1024, (16, 16), "fp16", tokens=True, dx=False),
+            _embed("vitdet-b-b2", (2, 3, 1024, 1024), 768, (16, 16), tokens=True, dx=False),
+            _embed("mask2former-swin-b", (2, 3, 1024, 1024), 128, (4, 4), dx=False),
+            _embed("depth-anything-l-b1", (1, 3, 518, 518), 1024, (14, 14), tokens=True, dx=False),
+            _unembed("sam-upscale-1", (1, 256, 64, 64), 64, (2, 2)),
+            _unembed("sam-upscale-2", (1, 64, 128, 128), 32, (2, 2)),
+            _unembed("vitdet-pyramid-up", (2, 768, 64, 64), 384, (2, 2)),
+            _unembed("vitdet-pyramid-up2-fp16", (2, 384, 128, 128), 192, (2, 2), "fp16")),
+    # Weather and climate: many variables over large grids, batch 1-2; per-variable tokenizers.
+    _family("weather",
+            _embed("fourcastnet-afno", (1, 20, 720, 1440), 768, (8, 8), tokens=True, dx=False),
+            _embed("fourcastnet-fp32", (1, 20, 720, 1440), 768, (8, 8), "fp32", tokens=True, dx=False),
+            _embed("climax-per-variable", (768, 1, 32, 64), 1024, (2, 2), tokens=True, dx=False),
+            _embed("pangu-surface", (1, 7, 720, 1440), 192, (4, 4), dx=False),
+            _embed("pangu-upper-air", (1, 5, 14, 720, 1440), 192, (2, 4, 4), dx=False),
+            _embed("aurora-k4", (1, 69, 360, 720), 512, (4, 4), tokens=True, dx=False),
+            _unembed("fourcastnet-head", (1, 16200, 768), 20, (8, 8), tokens=True, grid=(90, 180)),
+            _unembed("pangu-recover", (1, 192, 180, 360), 4, (4, 4))),
+    # Medical volumes: one to four modalities, 96^3-160^3 crops, batch 1-4; their decoders.
+    _family("medical-3d",
+            _embed("unetr-ct", (2, 1, 96, 96, 96), 768, (16, 16, 16), tokens=True, dx=False),
+            _embed("unetr-brats", (1, 4, 128, 128, 128), 768, (16, 16, 16), tokens=True, dx=False),
+            _embed("swinunetr-stem", (2, 1, 96, 96, 96), 48, (2, 2, 2), dx=False),
+            _embed("swinunetr-brats-fp16", (1, 4, 128, 128, 128), 48, (2, 2, 2), "fp16", dx=False),
+            _embed("nnformer-stem", (2, 1, 64, 128, 128), 96, (4, 4, 4), dx=False),
+            _embed("ct-mae-160", (4, 1, 160, 160, 160), 768, (16, 16, 16), tokens=True, dx=False),
+            _embed("swinunetr-merge", (2, 96, 24, 24, 24), 192, (2, 2, 2)),
+            _unembed("unetr-decoder", (2, 768, 6, 6, 6), 384, (2, 2, 2)),
+            _unembed("swinunetr-up", (2, 96, 48, 48, 48), 48, (2, 2, 2)),
+            _unembed("swinunetr-up-fp16", (1, 192, 32, 32, 32), 96, (2, 2, 2), "fp16")),
+    # Time series (channel-independent patching: the channels folded into the batch) and audio
+    # spectrogram patches.
+    _family("time-series-audio",
+            _embed("patchtst-fp32", (256, 1, 512), 128, (16,), "fp32", dx=False),
+            _embed("patchtst-etth-fp32", (1792, 1, 336), 128, (16,), "fp32", dx=False),
+            _embed("timesfm", (64, 1, 512), 1280, (32,), dx=False),
+            _embed("moirai-p64", (128, 1, 2048), 384, (64,), dx=False),
+            _embed("chronos-bolt", (256, 1, 2048), 512, (16,), dx=False),
+            _embed("ast-spectrogram", (32, 1, 128, 1024), 768, (16, 16), tokens=True, dx=False),
+            _embed("audiomae-fp16", (64, 1, 1024, 128), 768, (16, 16), "fp16", tokens=True, dx=False),
+            _embed("multivariate-k8", (64, 21, 4096), 256, (8,)),
+            _unembed("patchtst-head-fp32", (256, 128, 32), 1, (16,), "fp32")),
+    # Remote sensing: multispectral bands, time steps as tubelets of 1.
+    _family("remote-sensing",
+            _embed("prithvi-100m", (2, 6, 3, 224, 224), 768, (1, 16, 16), tokens=True, dx=False),
+            _embed("prithvi-eo2-600m", (4, 6, 4, 224, 224), 1280, (1, 14, 14), tokens=True, dx=False),
+            _embed("satmae-groups", (96, 3, 96, 96), 1024, (8, 8), tokens=True, dx=False),
+            _embed("ssl4eo-s16-fp32", (64, 13, 224, 224), 384, (16, 16), "fp32", tokens=True, dx=False),
+            _embed("clay-k8", (16, 10, 256, 256), 1024, (8, 8), tokens=True, dx=False),
+            _embed("sar-2-band", (32, 2, 256, 256), 768, (16, 16), dx=False),
+            _unembed("prithvi-decoder", (2, 588, 512), 18, (1, 16, 16), tokens=True, grid=(3, 14, 14))),
+    # Batch-one inference across families.
+    _family("batch-one",
+            _embed("clip-l14-336-fp16", (1, 3, 336, 336), 1024, (14, 14), "fp16", tokens=True, dx=False),
+            _embed("siglip-so400m-384", (1, 3, 384, 384), 1152, (14, 14), tokens=True, dx=False),
+            _embed("dinov2-g14", (1, 3, 224, 224), 1536, (14, 14), tokens=True, dx=False),
+            _embed("vit-b16-fp32", (1, 3, 224, 224), 768, (16, 16), "fp32", dx=False),
+            _embed("convnext-t-stem", (1, 3, 224, 224), 96, (4, 4), dx=False),
+            _embed("convnext-t-ds-cl-fp16", (1, 96, 56, 56), 192, (2, 2), "fp16", channels_last=True, dx=False),
+            _embed("dit-xl2-latent", (1, 4, 32, 32), 1152, (2, 2), tokens=True, dx=False),
+            _embed("qwen2-vl-image", (256, 3, 2, 14, 14), 1280, (2, 14, 14), tokens=True, dx=False),
+            _unembed("mae-head", (1, 768, 14, 14), 3, (16, 16)),
+            _grouped("grouped-64x4096", (1, 64, 4096), 4096),
+            _grouped("grouped-8x1024-fp16", (1, 8, 1024), 1024, dtype="fp16")),
+    # MoE expert layers with a fixed capacity per expert ([capacity, experts, D]; gate and up fused).
+    _family("moe",
+            _grouped("mixtral-up", (256, 8, 4096), 14336),
+            _grouped("mixtral-down", (256, 8, 14336), 4096),
+            _grouped("olmoe-gate-up", (64, 64, 2048), 2048),
+            _grouped("olmoe-down", (64, 64, 1024), 2048),
+            _grouped("qwen2-moe-gate-up", (128, 60, 2048), 2816),
+            _grouped("deepseek-v2-lite-down-fp16", (32, 64, 1408), 2048, dtype="fp16"),
+            _grouped("switch-base", (64, 128, 768), 3072)),
+    # Recommender towers: multi-task heads and per-feature MLPs, training and serving batches.
+    _family("recommender",
+            _grouped("multitask-towers", (4096, 8, 512), 256),
+            _grouped("multitask-towers-fp32", (65536, 8, 256), 128, dtype="fp32"),
+            _grouped("dlrm-per-feature", (16384, 26, 128), 64),
+            _grouped("dcn-towers-fp16", (2048, 16, 1024), 512, dtype="fp16"),
+            _grouped("mmoe-experts", (8192, 4, 512), 256),
+            _grouped("serving-b16", (16, 32, 256), 256),
+            _grouped("serving-b1-nobias", (1, 8, 512), 512, bias=False)),
+])
+
+# The families of the TUNING and HELDOUT shapes, by id (first match).
+_SET_FAMILIES = [
+    ("video", ("vivit", "videomae", "timesformer", "qwen-vl")),
+    ("volumes", ("3d-", "p5-")),
+    ("audio-1d", ("audio", "conv1d")),
+    ("hierarchical", ("convnext-ds", "merge", "conv2d-64", "swin-stem", "convnext-stem", "e2048")),
+    ("decoders", ("mae-", "head-", "up2", "up4", "swin-head", "tokens-head", "decoder-")),
+    ("grouped", ("grouped",)),
+]
+
+
+def family_of(shape_id: str) -> str:
+    """The model family of the shape of this id: a FAMILIES shape's (its id is ``family/name``),
+    ``random`` / ``model-like`` for the random sequences, and for TUNING and HELDOUT the family their
+    id names (``image`` for other image stems)."""
+    if "/" in shape_id:
+        return shape_id.split("/", 1)[0]
+    if shape_id.startswith("random-"):
+        return "random"
+    if shape_id.startswith(("model-", "cl-")):
+        return "model-like"
+    return next((name for name, prefixes in _SET_FAMILIES if shape_id.startswith(prefixes)), "image")
 
 
 # ---- each shape's inputs and implementations -----------------------------------------------------

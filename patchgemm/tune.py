@@ -6,6 +6,7 @@ learned selector on some sets and report every mode's regret on the others.
                              [--model PATH] [--json PATH] [--cache-dir DIR]
     python -m patchgemm tune --from-json A.json[,B.json] [--relabel] [--train-device TEXT] [--evaluate-device TEXT] ...
     python -m patchgemm tune --from-json A.json[,B.json] --cross-validate K [--train-device TEXT] ...
+    python -m patchgemm tune [--from-json A.json,...] --hold-out-families all|F,... [--margins 0,0.5,1]
 
 Each shape (patchgemm/shapes.py) runs forward and forward + backward twice: under the heuristic, to
 note its choice, then under autotune, which times every candidate of every op call it makes and
@@ -19,7 +20,10 @@ shapes under today's heuristic (untimed), so that saved timings judge changed ru
 ``--cross-validate K`` judges each training record by a model trained without its shape, so that
 choices about training (which records, which options) are made without looking at the held-out sets;
 ``--validate K`` keeps in the trained model only the ops whose cross-validated choices beat the
-heuristic's (the others choose by the heuristic in learned mode).
+heuristic's (the others choose by the heuristic in learned mode). ``--hold-out-families`` judges the
+modes the way a new model meets them: each model family of ``shapes.FAMILIES`` (and of the tuning and
+held-out sets) in turn by a model trained on every other family's records, with the share of records
+where a mode's choice is more than 3% slower than PyTorch's fastest path.
 """
 
 import gzip
@@ -34,9 +38,9 @@ import torch
 from . import learned, selection
 from .bench import environment
 from .learned import Record
-from .shapes import HELDOUT, TUNING, Shape, model_shapes, problem, random_shapes
+from .shapes import FAMILIES, HELDOUT, TUNING, Shape, family_of, model_shapes, problem, random_shapes
 
-SETS = ("tuning", "heldout", "random", "models")
+SETS = ("tuning", "heldout", "random", "models", "families")
 TRAINING_SETS = ("tuning", "random", "models")  # `--train-on`'s default: what the shipped model trains on
 
 
@@ -77,7 +81,8 @@ def shape_sets(names: List[str], random: int, model_like: int, seed: int = 0, st
     (from the ``start``-th on), and only the channels-last ones where ``only_channels_last``."""
     every = {"tuning": lambda: TUNING, "heldout": lambda: HELDOUT,
              "random": lambda: random_shapes(random, seed)[start:],
-             "models": lambda: model_shapes(model_like, seed)[start:]}
+             "models": lambda: model_shapes(model_like, seed)[start:],
+             "families": lambda: [s for shapes in FAMILIES.values() for s in shapes]}
     return {name: [s for s in every[name]() if s.channels_last or not only_channels_last]
             for name in dict.fromkeys(names)}
 
@@ -138,7 +143,8 @@ def relabel(records: List[Record], device: torch.device, seed: int = 0, shapes: 
     if shapes is None:  # the sets tune sweeps
         ids = {r.tags.get("shape") for r in records}
         shapes = (TUNING + HELDOUT + random_shapes(random_shape_count(ids), seed)
-                  + model_shapes(random_shape_count(ids, "model-"), seed))
+                  + model_shapes(random_shape_count(ids, "model-"), seed)
+                  + [s for family in FAMILIES.values() for s in family])
     known = {s.id: s for s in shapes}
     by_shape: Dict[str, List[Record]] = {}
     for r in records:
@@ -191,8 +197,21 @@ def single_best(train: List[Record]) -> Dict[str, str]:
     return best
 
 
+def _pick_or_fallback(r: Record, name: Optional[str]) -> str:
+    return name if name is not None and r.times.get(name) is not None else r.tags["heuristic"]
+
+
 def _regret_or_fallback(r: Record, name: Optional[str]) -> float:
-    return r.regret(name) if name is not None and r.times.get(name) is not None else r.regret(r.tags["heuristic"])
+    return r.regret(_pick_or_fallback(r, name))
+
+
+SLOWER_THAN_PYTORCH = 0.03  # a choice more than 3% slower than PyTorch's fastest path counts as slower
+
+
+def _vs_pytorch(r: Record, name: str) -> float:
+    """t(name) / t(PyTorch's fastest candidate: the aten_* ones) for the record; 1 where none applies."""
+    aten = [t for n, t in r.times.items() if n.startswith("aten_") and t is not None]
+    return r.times[name] / min(aten) if aten and min(aten) > 0 else 1.0
 
 
 Choices = Callable[[Record], Tuple[Optional[str], Optional[str]]]  # a record -> (learned, single best)
@@ -215,9 +234,14 @@ def judge(records: List[Record], model: Optional[dict] = None, best: Optional[Di
                  "single best": [_regret_or_fallback(r, pick[1]) for r, pick in zip(rs, picks)]}
         row = {"op": op or "all", "records": len(rs),
                "choices": sum(sum(t is not None for t in r.times.values()) > 1 for r in rs)}
+        picked = {"heuristic": [r.tags["heuristic"] for r in rs],
+                  "learned": [_pick_or_fallback(r, pick[0]) for r, pick in zip(rs, picks)],
+                  "single best": [_pick_or_fallback(r, pick[1]) for r, pick in zip(rs, picks)]}
         for mode, regrets in modes.items():
+            slower = [_vs_pytorch(r, name) > 1.0 + SLOWER_THAN_PYTORCH for r, name in zip(rs, picked[mode])]
             row[mode] = {"mean": _geomean(regrets), "worst": max(regrets, default=float("nan")),
-                         "over_1.2": sum(x > 1.2 for x in regrets) / len(regrets) if regrets else float("nan")}
+                         "over_1.2": sum(x > 1.2 for x in regrets) / len(regrets) if regrets else float("nan"),
+                         "slower_than_pytorch": sum(slower) / len(slower) if slower else float("nan")}
         row["learned vs single best"] = _geomean([s / l for s, l in zip(modes["single best"], modes["learned"])])
         row["heuristic vs single best"] = _geomean([s / h for s, h in zip(modes["single best"], modes["heuristic"])])
         rows.append(row)
@@ -324,6 +348,75 @@ def cross_validate(records: List[Record], train_on: List[str], folds: int, train
     return judge(_select(pool, train_on, evaluate_device), choose=choose)
 
 
+def record_family(r: Record) -> str:
+    """The model family of the shape that produced the record (shapes.family_of)."""
+    return family_of(r.tags.get("shape", ""))
+
+
+NEVER_HELD_OUT = ("random", "model-like")  # generic sequences: training data, not a family of models
+
+
+def hold_out_families(records: List[Record], families: Optional[List[str]] = None, margins=(0.0,),
+                      train_device: Optional[str] = None, evaluate_device: Optional[str] = None, seed: int = 0,
+                      log=print, **train_options) -> List[dict]:
+    """How each mode does on a model family it never saw: per family F (default: every family of the
+    records but the random sequences), the learned model trained on every record of the other
+    families (of GPUs named ``train_device``), each ``margin`` of ``learned.with_pytorch_margin``
+    applied to it, and every mode judged on F's records (of ``evaluate_device``). Returns, per
+    family, ``judge``'s overall row with a "learned +m" mode per margin m (and "learned" for the
+    first margin)."""
+    by_family: Dict[str, List[Record]] = {}
+    for r in records:
+        by_family.setdefault(record_family(r), []).append(r)
+    names = families or sorted(f for f in by_family if f not in NEVER_HELD_OUT)
+    unknown = [f for f in names if f not in by_family]
+    if unknown:
+        raise ValueError(f"patchgemm tune: no records of the families {', '.join(unknown)}; "
+                         f"the records' families are {', '.join(sorted(by_family))}")
+    rows = []
+    for family in names:
+        train = [r for f, rs in by_family.items() if f != family for r in rs
+                 if not train_device or train_device in r.tags.get("device", "")]
+        test = [r for r in by_family[family] if not evaluate_device or evaluate_device in r.tags.get("device", "")]
+        base = learned.train(train, seed=seed, **train_options)
+        best = single_best(train)
+        row = None
+        for m in margins:
+            model = learned.with_pytorch_margin(base, m)
+            judged = judge(test, model, best)[-1]  # the overall row
+            if row is None:
+                row = dict(judged, family=family, train_records=len(train))
+            row[f"learned +{m:g}"] = judged["learned"]
+        rows.append(row)
+        log(f"  {family}: {row['records']} records; heuristic {_mode_cell(row['heuristic'])}; "
+            + "; ".join(f"learned +{m:g} {_mode_cell(row[f'learned +{m:g}'])}" for m in margins))
+    return rows
+
+
+def format_families(rows: List[dict], margins) -> str:
+    """hold_out_families' rows as a table: per family and mode, mean / worst regret / share of
+    records over 1.2x, and the share of records more than 3% slower than PyTorch's fastest path."""
+    modes = ["heuristic"] + [f"learned +{m:g}" for m in margins] + ["single best"]
+    lines = ["| family held out | records | " + " | ".join(f"{m} mean / worst / > 1.2x / slower than PyTorch"
+                                                      for m in modes) + " |",
+             "|---|---|" + "---|" * len(modes)]
+    for row in rows + [_family_summary(rows, modes)]:
+        cells = [f"{_mode_cell(row[m])} / {row[m]['slower_than_pytorch']:.1%}" for m in modes]
+        lines.append(f"| {row['family']} | {row['records']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _family_summary(rows: List[dict], modes: List[str]) -> dict:
+    """The families' mean of each mode's mean regret and share slower, and the worst of the worsts."""
+    summary = {"family": "mean over families", "records": sum(r["records"] for r in rows)}
+    for m in modes:
+        summary[m] = {"mean": statistics.fmean(r[m]["mean"] for r in rows),
+                      "worst": max(r[m]["worst"] for r in rows),
+                      "over_1.2": statistics.fmean(r[m]["over_1.2"] for r in rows),
+                      "slower_than_pytorch": statistics.fmean(r[m]["slower_than_pytorch"] for r in rows)}
+    return summary
+
+
 def drop_unvalidated(model: dict, records: List[Record], train_on: List[str], folds: int,
                      train_device: Optional[str] = None, seed: int = 0) -> Dict[str, str]:
     """Removes from `model` each op whose learned choices do not beat the heuristic's in `folds`-fold
@@ -363,6 +456,18 @@ def main(args) -> int:
         print(f"tuning {', '.join(sets)} on {device} (cache: {cache_dir or 'memory only'})")
         records = sweep(sets, device, cache_dir)
         env = environment(device)
+    if args.hold_out_families:
+        margins = [float(m) for m in args.margins.split(",") if m]
+        families = None if args.hold_out_families == "all" else [f for f in args.hold_out_families.split(",") if f]
+        rows = hold_out_families(records, families, margins, args.train_device, args.evaluate_device, args.seed)
+        print(f"\nEach family judged by a model trained on the other families' records (regret = t(selected) / "
+              f"t(fastest); slower than PyTorch: > {SLOWER_THAN_PYTORCH:.0%} slower than its fastest aten_* path)")
+        print(format_families(rows, margins))
+        if args.json:
+            with _open(args.json, "w") as f:
+                json.dump({"environment": env, "hold_out_families": rows, "margins": margins,
+                           "records": [vars(r) for r in records]}, f, separators=(",", ":"))
+        return 0
     if args.cross_validate:
         rows = cross_validate(records, train_on, args.cross_validate, args.train_device, args.evaluate_device,
                               args.seed)

@@ -509,3 +509,54 @@ def test_cross_validation_judges_each_record_by_a_model_without_its_shape(monkey
     assert judged_b[-1]["records"] == 8
     with pytest.raises(ValueError, match="at least 2 folds"):
         tune.cross_validate(records, ["tuning"], 1)
+
+
+def _family_records():
+    """Records of two model families and of the random sequence: PyTorch's "aten_bmm" is faster where
+    m is small, "ours" where it is large; the heuristic always runs "ours"."""
+    records = []
+    for family, sizes in (("dit", range(0, 6)), ("moe", range(3, 9)), ("random", range(0, 9))):
+        for i in sizes:
+            m = 2.0 ** i
+            shape = f"random-{i}" if family == "random" else f"{family}/s{i}"
+            records.append(learned.Record(
+                "grouped_linear", "", f"({family} m {m})", "ours", {"aten_bmm": 1.0 + 4 / m, "ours": 1.0 + m / 64},
+                {"m": m}, {"shape": shape, "device": "GPU A", "sets": "families", "heuristic": "ours"}))
+    return records
+
+
+def test_each_family_is_judged_by_a_model_that_never_saw_it(monkeypatch):
+    records = _family_records()
+    real_train, trained_on = learned.train, []
+
+    def train(rs, **options):
+        trained_on.append({tune.record_family(r) for r in rs})
+        return real_train(rs, **{**options, "steps": 200})
+
+    monkeypatch.setattr(learned, "train", train)
+    rows = tune.hold_out_families(records, margins=(0.0, 100.0), log=lambda *a: None)
+    assert [row["family"] for row in rows] == ["dit", "moe"]  # the random sequence is never held out
+    assert trained_on == [{"moe", "random"}, {"dit", "random"}]
+    for row in rows:
+        assert row["records"] == 6 and row["train_records"] == len(records) - 6
+        # the heuristic ("ours") is slower than PyTorch by more than 3% wherever 1 + m/64 > 1.03 (1 + 4/m)
+        expected = sum(1 + m / 64 > 1.03 * (1 + 4 / m) for m in (r.features["m"] for r in records
+                                                                  if tune.record_family(r) == row["family"]))
+        assert row["heuristic"]["slower_than_pytorch"] == pytest.approx(expected / 6)
+        # a margin of 100 always runs PyTorch's path: never slower than it
+        assert row["learned +100"]["slower_than_pytorch"] == 0.0
+        assert row["learned"] == row["learned +0"]
+    table = tune.format_families(rows, (0.0, 100.0))
+    assert "| dit | 6 |" in table and "| mean over families | 12 |" in table
+    with pytest.raises(ValueError, match="no records of the families nope"):
+        tune.hold_out_families(records, ["nope"])
+
+
+def test_a_margin_raises_only_pytorchs_scores():
+    records = _family_records()
+    model = learned.train(records, steps=50)
+    leaning = learned.with_pytorch_margin(model, 0.5)
+    assert leaning["pytorch_margin"] == 0.5 and model.get("pytorch_margin") is None
+    for r in records:
+        before, after = (learned.scores(m["ops"]["grouped_linear"], r.features) for m in (model, leaning))
+        assert after["aten_bmm"] == pytest.approx(before["aten_bmm"] + 0.5) and after["ours"] == before["ours"]

@@ -384,6 +384,9 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
         assert r.ratio > 0 and r.chosen[r.op] in {c.name for c in patchgemm.kernels(r.op)}
         assert r.candidates_ms  # every op of the pass, each candidate timed or marked unsupported
     assert {row["op"] for row in heldout.summary(results)} == {"patch_embed", "patch_unembed", "grouped_linear"}
+    families = heldout.family_summary(results)  # (the ids name no family: TUNING-style ids, "image" / "grouped")
+    assert sum(f["n"] for f in families) == len(results)
+    assert all(0 <= f["below_0.97"] <= 1 and f["min"] <= f["geomean"] for f in families)
     # --set channels-last: channels-last 16-bit embeddings, each followed by its transpose back to x
     cl = channels_last_shapes(3)
     assert [s.op for s in cl] == ["patch_embed", "patch_unembed"] * 3 and len({s.id for s in cl}) == 6
