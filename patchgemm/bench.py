@@ -378,7 +378,8 @@ def patch_embed_case(case_id, x_shape, embed, kernel, dtype, device, tokens=Fals
         "patchgemm": lambda x, w, b: pg.patch_embed(x, w, b, out_format=fmt),
         _conv_name(device): lambda x, w, b: (lambda y: y.flatten(2).transpose(1, 2) if tokens else y)(
             conv(x, w, b, stride=kernel)),
-        "linear": lambda x, w, b: linear_patch_embed(x, w, b, tokens),
+        # A drop-in returns the conv's layout: channels-first out is made contiguous, as the conv's is.
+        "linear": lambda x, w, b: linear_patch_embed(x, w, b, tokens).contiguous(),
     }
     tokens_n = math.prod(x_shape) // fan_in
     x_n, w_n, y_n = math.prod(x_shape), embed * fan_in, tokens_n * embed
@@ -467,7 +468,7 @@ def hmlp_stem_case(case_id, x_shape, widths, kernels, dtype, device) -> Case:
         "patchgemm": ours,
         "patchgemm per stage": stack(lambda x, w, b: pg.patch_embed(x, w, b)),
         _conv_name(device): stack(lambda x, w, b: conv(x, w, b, stride=w.shape[2:])),
-        "linear": stack(lambda x, w, b: linear_patch_embed(x, w, b, False)),
+        "linear": stack(lambda x, w, b: linear_patch_embed(x, w, b, False).contiguous()),
     }
     flops = flops_fb = bytes_f = bytes_fb = 0.0
     tokens = math.prod(x_shape[2:])

@@ -949,7 +949,10 @@ class HierarchicalPatchEmbed(nn.Module):
         if x.dim() != self.dims + 2:
             raise RuntimeError(f"HierarchicalPatchEmbed: x must be [B, {first.in_channels}, *S] with {self.dims} "
                                f"spatial dims, got shape {tuple(x.shape)}")
-        if any(s % t for s, t in zip(x.shape[2:], total)):  # each conv leaves out what fills no patch
+        # Stage by stage where each conv leaves out what fills no patch, and on the CPU, where every
+        # path is ATen's: there the token-ordered gather and the norms over tokens cost more than the
+        # channels-first GEMMs and ATen's own norms one stage after the other (bench H1).
+        if x.device.type == "cpu" or any(s % t for s, t in zip(x.shape[2:], total)):
             return self._stage_by_stage(x, stages, norms, acts)
         grid = [s // t for s, t in zip(x.shape[2:], total)]
         # Stage-1 tokens ordered (final grid, k_L, ..., k_2): coarse first.
@@ -973,7 +976,7 @@ class HierarchicalPatchEmbed(nn.Module):
 
     def _stage_by_stage(self, x: Tensor, stages, norms, acts) -> Tensor:
         """The stem as its convs compute it, one after the other: for sizes that the total patch does
-        not divide, where a stage's grid is not the next stage's patches exactly."""
+        not divide, where a stage's grid is not the next stage's patches exactly, and on the CPU."""
         for stage, norm, act in zip(stages, norms, acts):
             x = _norm_act(F._patch_embed(x, stage.weight, stage.bias, "channels_first", None), norm, act, None)
         return x.flatten(2).transpose(1, 2) if self.out_format == "tokens" else x
