@@ -199,8 +199,11 @@ def format_markdown(results: List[Result], env: dict) -> str:
              f"PyTorch path's GPU time / patchgemm's choice in {mode} mode (above 1: faster).", "",
              format_summary(summary(results)), "", "Per model family (fwd and fwd+bwd ratios together):", "",
              format_family_summary(family_summary(results)), "",
+             "The calls slower than the best PyTorch path (ratio below 1.00; every call in the JSON):", "",
              "| set | shape | pass | patchgemm ms | best PyTorch ms | ratio | chosen |", "|---|---|---|---|---|---|---|"]
     for r in results:
+        if r.ratio >= 1.0:
+            continue
         name, t = r.best_torch
         chosen = ", ".join(f"{op}={c}" for op, c in r.chosen.items())
         lines.append(f"| {r.set} | {r.id} | {r.pass_} | {r.ours_ms:.4f} | {t:.4f} ({name}) | {r.ratio:.2f}x | "

@@ -387,6 +387,10 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
     families = heldout.family_summary(results)  # (the ids name no family: TUNING-style ids, "image" / "grouped")
     assert sum(f["n"] for f in families) == len(results)
     assert all(0 <= f["below_0.97"] <= 1 and f["min"] <= f["geomean"] for f in families)
+    markdown = heldout.format_markdown(results, {"selection": "heuristic"})
+    slower = [r for r in results if r.ratio < 1.0]  # the per-call table lists only these
+    per_call = markdown.split("The calls slower")[1]
+    assert "Per model family" in markdown and per_call.count("\n| tuning |") == len(slower)
     # --set channels-last: channels-last 16-bit embeddings, each followed by its transpose back to x
     cl = channels_last_shapes(3)
     assert [s.op for s in cl] == ["patch_embed", "patch_unembed"] * 3 and len({s.id for s in cl}) == 6
