@@ -331,6 +331,7 @@ def linear_patch_embed(x, w, b, tokens):
     permuted view back to channels-first)."""
     batch, channels, kernel = x.shape[0], x.shape[1], w.shape[2:]
     grid, rank = _patch_grid(x, kernel), len(kernel)
+    x = x[(slice(None), slice(None)) + tuple(slice(0, g * k) for g, k in zip(grid, kernel))]  # as the conv: whole patches
     split = [batch, channels] + [v for g, k in zip(grid, kernel) for v in (g, k)]
     order = [0] + [2 + 2 * i for i in range(rank)] + [1] + [3 + 2 * i for i in range(rank)]
     patches = x.reshape(split).permute(order).reshape(batch * math.prod(grid), -1)

@@ -3,6 +3,7 @@ conv's / the linears' result; forcing one that does not apply is a clear error; 
 log and PATCHGEMM_FORCE report and pin what runs."""
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -440,3 +441,19 @@ def test_rules_choose_what_they_were_fitted_to(shape, kernel, embed, layout, exp
         y.backward(torch.randn_like(y))  # grad_y in y's memory format, as a network's next layer gives it
     chosen = {c.op: c.chosen for c in e}
     assert {op: chosen.get(op) for op in expected} == expected, str(e)
+
+
+def test_every_shape_has_a_model_family():
+    """shapes.FAMILIES: whole families, ids that name them; family_of for the other sets' ids."""
+    from patchgemm import shapes, tune
+
+    catalog = tune.shape_sets(["families"], 0, 0)["families"]
+    assert len(catalog) == sum(len(v) for v in shapes.FAMILIES.values()) and len({s.id for s in catalog}) == len(catalog)
+    for family, members in shapes.FAMILIES.items():
+        assert len(members) >= 5 and {shapes.family_of(s.id) for s in members} == {family}
+        for s in members:  # tokens in: as many as the grid has (SigLIP's 384 / 14 leaves pixels out, as the conv)
+            if s.op == "patch_unembed" and s.tokens:
+                assert s.x[1] == math.prod(s.grid) and len(s.grid) == len(s.kernel), s.id
+    assert shapes.family_of("random-embed-3") == "random" and shapes.family_of("model-stem-7") == "model-like"
+    assert {shapes.family_of(s.id) for s in shapes.TUNING + shapes.HELDOUT} >= {"image", "video", "volumes", "grouped"}
+    assert not set(shapes.FAMILIES) & set(tune.NEVER_HELD_OUT)
