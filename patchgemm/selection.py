@@ -175,10 +175,21 @@ class Choice:
 
     def __str__(self) -> str:
         lines = [f"{self.op} {self.signature} -> {self.chosen} ({self.how})"]
+        if self.op in _GEMM_OPERANDS:
+            lines.append(f"    (a, b: {_GEMM_OPERANDS[self.op]})")
         for v in self.candidates:
             if v.status != "chosen" or v.reason:  # autotune's chosen candidate shows its time
                 lines.append(f"    {v.name}: {v.status}" + (f" ({v.reason})" if v.reason else ""))
         return "\n".join(lines)
+
+
+# What the grouped-linear ops' signatures call a and b (the GEMM c = a @ b per group, on views of
+# the caller's tensors, never copies).
+_GEMM_OPERANDS = {
+    "grouped_linear": "x as [G, B, D] and weight transposed, [G, D, N]",
+    "grouped_linear_grad_input": "grad_y as [G, B, N] and weight [G, N, D]",
+    "grouped_linear_grad_weight": "grad_y transposed, [G, N, B], and x as [G, B, D]",
+}
 
 
 class Explanation(list):

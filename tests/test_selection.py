@@ -457,3 +457,14 @@ def test_every_shape_has_a_model_family():
     assert shapes.family_of("random-embed-3") == "random" and shapes.family_of("model-stem-7") == "model-like"
     assert {shapes.family_of(s.id) for s in shapes.TUNING + shapes.HELDOUT} >= {"image", "video", "volumes", "grouped"}
     assert not set(shapes.FAMILIES) & set(tune.NEVER_HELD_OUT)
+
+
+def test_explain_names_the_grouped_gemm_operands_by_the_callers_tensors():
+    x, w = randn(4, 3, 8, requires_grad=True), randn(3, 5, 8, requires_grad=True)
+    with patchgemm.explain() as choices:
+        patchgemm.grouped_linear(x, w).sum().backward()
+    text = str(choices)
+    assert [c.op for c in choices] == ["grouped_linear", "grouped_linear_grad_input", "grouped_linear_grad_weight"]
+    for legend in ("x as [G, B, D] and weight transposed", "grad_y as [G, B, N] and weight [G, N, D]",
+                   "grad_y transposed, [G, N, B], and x as [G, B, D]"):
+        assert legend in text
