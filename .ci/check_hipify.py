@@ -2,6 +2,7 @@
 compiles: every source but the NVIDIA-only kernels (setup.py's NVIDIA_ONLY), outside `#ifndef
 USE_ROCM` blocks."""
 
+import ast
 import pathlib
 import re
 import shutil
@@ -10,7 +11,17 @@ import tempfile
 
 from torch.utils.hipify import hipify_python
 
-NVIDIA_ONLY = ("csrc/kernels/gemm/sm80/", "csrc/kernels/patch/sm80/", "csrc/kernels/patch/sm90/", "csrc/kernels/primitives/")  # as setup.py
+
+def setup_constant(name: str):
+    """A literal assigned at the top of setup.py (read, not run: running it builds)."""
+    tree = ast.parse((pathlib.Path(__file__).resolve().parent.parent / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    sys.exit(f"check_hipify: setup.py assigns no {name}")
+
+
+NVIDIA_ONLY = setup_constant("NVIDIA_ONLY")
 CUDA_API = re.compile(r"\b(cuda[A-Z]\w*|cublas\w*|CUBLAS_\w+|CUDA_R_\w+|cusparse\w*|cusolver\w*)\b")
 
 
