@@ -136,17 +136,21 @@ def measure_ceilings(device: torch.device, dtypes: List[torch.dtype]) -> Ceiling
     n = 8192 if big else 1024
     peaks = {}
     for dtype in dtypes:
-        a, b = randn(n, n, dtype=dtype, device=device), randn(n, n, dtype=dtype, device=device)
-        ms = time_ms(lambda i: a @ b, device, warmup=3, reps=10 if big else 3).ms
+        operands = [randn(n, n, dtype=dtype, device=device), randn(n, n, dtype=dtype, device=device)]
+
+        def product(i):
+            return operands[0] @ operands[1]
+
+        ms = time_ms(product, device, warmup=3, reps=10 if big else 3).ms
         peaks[str(dtype).replace("torch.", "")] = 2 * n**3 / ms / 1e9
         if dtype == torch.float32 and big:  # the rate of fp32 work that a conv's TF32 flag lets run in TF32
             old = torch.backends.cuda.matmul.allow_tf32
             torch.backends.cuda.matmul.allow_tf32 = True
             try:
-                peaks["tf32"] = 2 * n**3 / time_ms(lambda i: a @ b, device, warmup=3, reps=10).ms / 1e9
+                peaks["tf32"] = 2 * n**3 / time_ms(product, device, warmup=3, reps=10).ms / 1e9
             finally:
                 torch.backends.cuda.matmul.allow_tf32 = old
-        del a, b
+        operands.clear()  # the next dtype's 8192^2 operands do not wait for these to be freed
     nbytes = 2**30 if big else 2**26
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)

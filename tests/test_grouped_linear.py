@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import patchgemm
-from conftest import (DEVICES, DTYPES, HAS_GPU, assert_close_to_ref, capture_cuda_graph, needs_gpu, poison_allocator,
-                      randn)
+from conftest import DEVICES, DTYPES, assert_close_to_ref, capture_cuda_graph, needs_gpu, poison_allocator, randn
 
 ops = torch.ops.patchgemm
 

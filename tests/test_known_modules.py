@@ -103,7 +103,7 @@ def test_timm_vision_transformer(device):
     dict(dynamic_img_pad=True, strict_img_size=False), dict(norm_layer=nn.LayerNorm),
     dict(output_fmt="NHWC"), dict(img_size=None)])
 def test_timm_patch_embed_options(options):
-    timm = pytest.importorskip("timm")
+    pytest.importorskip("timm")
     from timm.layers import PatchEmbed
     torch.manual_seed(0)
     embed = PatchEmbed(img_size=options.pop("img_size", 32), patch_size=8, in_chans=3, embed_dim=16, **options)
