@@ -32,7 +32,8 @@ import torch
 
 import patchgemm
 from patchgemm.bench import environment, input_sets, kernel_ms
-from patchgemm.shapes import FAMILIES, HELDOUT, TUNING, Problem, Shape, channels_last_shapes, family_of, problem
+from patchgemm.shapes import (HELDOUT, TUNING, Problem, Shape, channels_last_shapes, family_of, family_shapes,
+                              problem)
 
 ROUNDS, REPS = 3, 10  # see measure()
 
@@ -136,6 +137,10 @@ def measure(s: Shape, set_name: str, device: torch.device, candidates: bool, ker
 # ---- reporting -----------------------------------------------------------------------------------
 
 
+def _geomean(ratios: List[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in ratios))
+
+
 def summary(results: List[Result]) -> List[dict]:
     """Per set, op and pass: how the ratios (best PyTorch / ours) are distributed."""
     groups: Dict[Tuple[str, str, str], List[Result]] = {}
@@ -146,7 +151,7 @@ def summary(results: List[Result]) -> List[dict]:
         ratios = [r.ratio for r in rs]
         rows.append({"set": set_name, "op": op, "pass": pass_, "n": len(rs), "min": min(ratios),
                      "median": statistics.median(ratios),
-                     "geomean": math.exp(statistics.fmean(math.log(x) for x in ratios)),
+                     "geomean": _geomean(ratios),
                      "below_0.97": [r.id for r in rs if r.ratio < 0.97]})
     return rows
 
@@ -158,7 +163,7 @@ def family_summary(results: List[Result]) -> List[dict]:
     for r in results:
         groups.setdefault(family_of(r.id), []).append(r.ratio)
     return [{"family": family, "n": len(ratios), "below_0.97": sum(x < 0.97 for x in ratios) / len(ratios),
-             "geomean": math.exp(statistics.fmean(math.log(x) for x in ratios)), "min": min(ratios)}
+             "geomean": _geomean(ratios), "min": min(ratios)}
             for family, ratios in sorted(groups.items())]
 
 
@@ -224,7 +229,7 @@ def main(argv=None) -> int:
     parser.add_argument("--markdown", metavar="PATH")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    sets = {"tuning": TUNING, "heldout": HELDOUT, "families": [s for shapes in FAMILIES.values() for s in shapes]}
+    sets = {"tuning": TUNING, "heldout": HELDOUT, "families": family_shapes()}
     if args.set == "channels-last":
         sets = {"channels-last": channels_last_shapes(args.count)}
     wanted = [f.strip() for f in (args.filter or "").split(",") if f.strip()]

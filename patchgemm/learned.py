@@ -16,6 +16,7 @@ kernel may decline a problem its table says it supports). At run time the C++ si
 The model file is JSON: per op its candidates, features, normalization and weights.
 """
 
+import copy
 import json
 import math
 import os
@@ -156,7 +157,7 @@ def with_pytorch_margin(model: dict, margin: float) -> dict:
     raised by ``margin`` (in the scores' units, log-odds of being the fastest), so one of ours runs
     only where the model prefers it by more than the margin. Kept in the model as "pytorch_margin"
     (on top of any margin it had)."""
-    out = json.loads(json.dumps(model))
+    out = copy.deepcopy(model)
     for op_model in out["ops"].values():
         op_model["b2"] = [b + margin if c.startswith("aten_") else b
                           for c, b in zip(op_model["candidates"], op_model["b2"])]

@@ -315,6 +315,11 @@ FAMILIES: Dict[str, List[Shape]] = dict([
             _grouped("serving-b1-nobias", (1, 8, 512), 512, bias=False)),
 ])
 
+def family_shapes() -> List[Shape]:
+    """Every FAMILIES shape, family after family."""
+    return [s for shapes in FAMILIES.values() for s in shapes]
+
+
 # The families of the TUNING and HELDOUT shapes, by id (first match).
 _SET_FAMILIES = [
     ("video", ("vivit", "videomae", "timesformer", "qwen-vl")),

@@ -38,7 +38,7 @@ import torch
 from . import learned, selection
 from .bench import environment
 from .learned import Record
-from .shapes import FAMILIES, HELDOUT, TUNING, Shape, family_of, model_shapes, problem, random_shapes
+from .shapes import HELDOUT, TUNING, Shape, family_of, family_shapes, model_shapes, problem, random_shapes
 
 SETS = ("tuning", "heldout", "random", "models", "families")
 TRAINING_SETS = ("tuning", "random", "models")  # `--train-on`'s default: what the shipped model trains on
@@ -82,7 +82,7 @@ def shape_sets(names: List[str], random: int, model_like: int, seed: int = 0, st
     every = {"tuning": lambda: TUNING, "heldout": lambda: HELDOUT,
              "random": lambda: random_shapes(random, seed)[start:],
              "models": lambda: model_shapes(model_like, seed)[start:],
-             "families": lambda: [s for shapes in FAMILIES.values() for s in shapes]}
+             "families": family_shapes}
     return {name: [s for s in every[name]() if s.channels_last or not only_channels_last]
             for name in dict.fromkeys(names)}
 
@@ -144,7 +144,7 @@ def relabel(records: List[Record], device: torch.device, seed: int = 0, shapes: 
         ids = {r.tags.get("shape") for r in records}
         shapes = (TUNING + HELDOUT + random_shapes(random_shape_count(ids), seed)
                   + model_shapes(random_shape_count(ids, "model-"), seed)
-                  + [s for family in FAMILIES.values() for s in family])
+                  + family_shapes())
     known = {s.id: s for s in shapes}
     by_shape: Dict[str, List[Record]] = {}
     for r in records:
@@ -229,14 +229,12 @@ def judge(records: List[Record], model: Optional[dict] = None, best: Optional[Di
     for op in sorted({r.op for r in rs_all}) + [None]:
         rs = [r for r in rs_all if op is None or r.op == op]
         picks = [choose(r) for r in rs]
-        modes = {"heuristic": [r.regret(r.tags["heuristic"]) for r in rs],
-                 "learned": [_regret_or_fallback(r, pick[0]) for r, pick in zip(rs, picks)],
-                 "single best": [_regret_or_fallback(r, pick[1]) for r, pick in zip(rs, picks)]}
-        row = {"op": op or "all", "records": len(rs),
-               "choices": sum(sum(t is not None for t in r.times.values()) > 1 for r in rs)}
         picked = {"heuristic": [r.tags["heuristic"] for r in rs],
                   "learned": [_pick_or_fallback(r, pick[0]) for r, pick in zip(rs, picks)],
                   "single best": [_pick_or_fallback(r, pick[1]) for r, pick in zip(rs, picks)]}
+        modes = {mode: [r.regret(name) for r, name in zip(rs, names)] for mode, names in picked.items()}
+        row = {"op": op or "all", "records": len(rs),
+               "choices": sum(sum(t is not None for t in r.times.values()) > 1 for r in rs)}
         for mode, regrets in modes.items():
             slower = [_vs_pytorch(r, name) > 1.0 + SLOWER_THAN_PYTORCH for r, name in zip(rs, picked[mode])]
             row[mode] = {"mean": _geomean(regrets), "worst": max(regrets, default=float("nan")),
@@ -264,11 +262,16 @@ def format_judgement(rows: List[dict], title: str) -> str:
     return "\n".join(lines)
 
 
+def _on_device(r: Record, device_text: Optional[str]) -> bool:
+    """Whether the record is of a GPU whose name has `device_text` (any, where None or empty)."""
+    return not device_text or device_text in r.tags.get("device", "")
+
+
 def _select(records: List[Record], sets: List[str], device_text: Optional[str], exclude: List[str] = ()) -> List[Record]:
     out = []
     for r in records:
         mine = set(r.tags.get("sets", "").split(","))
-        if mine & set(sets) and not mine & set(exclude) and (not device_text or device_text in r.tags.get("device", "")):
+        if mine & set(sets) and not mine & set(exclude) and _on_device(r, device_text):
             out.append(r)
     return out
 
@@ -375,18 +378,13 @@ def hold_out_families(records: List[Record], families: Optional[List[str]] = Non
                          f"the records' families are {', '.join(sorted(by_family))}")
     rows = []
     for family in names:
-        train = [r for f, rs in by_family.items() if f != family for r in rs
-                 if not train_device or train_device in r.tags.get("device", "")]
-        test = [r for r in by_family[family] if not evaluate_device or evaluate_device in r.tags.get("device", "")]
+        train = [r for f, rs in by_family.items() if f != family for r in rs if _on_device(r, train_device)]
+        test = [r for r in by_family[family] if _on_device(r, evaluate_device)]
         base = learned.train(train, seed=seed, **train_options)
         best = single_best(train)
-        row = None
-        for m in margins:
-            model = learned.with_pytorch_margin(base, m)
-            judged = judge(test, model, best)[-1]  # the overall row
-            if row is None:
-                row = dict(judged, family=family, train_records=len(train))
-            row[f"learned +{m:g}"] = judged["learned"]
+        judged = [judge(test, learned.with_pytorch_margin(base, m), best)[-1] for m in margins]  # overall rows
+        row = dict(judged[0], family=family, train_records=len(train))
+        row.update({f"learned +{m:g}": j["learned"] for m, j in zip(margins, judged)})
         rows.append(row)
         log(f"  {family}: {row['records']} records; heuristic {_mode_cell(row['heuristic'])}; "
             + "; ".join(f"learned +{m:g} {_mode_cell(row[f'learned +{m:g}'])}" for m in margins))
