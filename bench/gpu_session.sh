@@ -10,9 +10,9 @@
 #               synccheck", SANITIZE_FAMILIES: the --scale families, default all)
 #   bench       the benchmark suite (table, JSON, plot; BENCH_FILTER=P)
 #   microbench  the C++ microbenchmarks (MICROBENCH_ARGS=...)
+#   tune        python -m patchgemm tune $TUNE_ARGS (memory-only cache), records to $OUT/tune.json.gz
 #   heldout     bench/heldout.py $HELDOUT_ARGS (default: --set all), JSON to $OUT/heldout.json
 #   models      python -m patchgemm bench --models, JSON to $OUT/models.json
-#   tune        python -m patchgemm tune $TUNE_ARGS (memory-only cache), records to $OUT/tune.json.gz
 # Results go to $OUT (the device tool's result folder) or ./gpu-logs; build and stderr logs to $LOGS
 # (/tmp), their tails printed on failure. SAVE_WHEEL=1 also leaves the built wheel in $OUT/wheel,
 # in parts of at most 15 MB (the device tool returns files of up to 16 MiB), to carry to later runs;
@@ -98,6 +98,11 @@ if want microbench; then
   bash "$SRC/bench/cpp/run.sh" ${MICROBENCH_ARGS:-} --json "$OUT/microbench.json" 2>"$LOGS/microbench.err" \
     | tee "$OUT/microbench.txt" || tail -30 "$LOGS/microbench.err"
 fi
+if want tune; then
+  step "tune (${TUNE_ARGS:-defaults})"
+  python3 -m patchgemm tune ${TUNE_ARGS:-} --cache-dir "" --json "$OUT/tune.json.gz" 2>"$LOGS/tune.err" \
+    | tee "$OUT/tune.txt" | grep -vE "^  (tuning|random|models|heldout): [0-9]+/" ; tail -5 "$LOGS/tune.err"
+fi
 if want heldout; then
   step "held-out shapes (${HELDOUT_ARGS:---set all})"
   python3 "$SRC/bench/heldout.py" ${HELDOUT_ARGS:---set all} --json "$OUT/heldout.json" 2>"$LOGS/heldout.err" \
@@ -106,9 +111,4 @@ fi
 if want models; then
   step "models"
   python3 -m patchgemm bench --models --json "$OUT/models.json" 2>"$LOGS/models.err" | tee "$OUT/models.txt"
-fi
-if want tune; then
-  step "tune (${TUNE_ARGS:-defaults})"
-  python3 -m patchgemm tune ${TUNE_ARGS:-} --cache-dir "" --json "$OUT/tune.json.gz" 2>"$LOGS/tune.err" \
-    | tee "$OUT/tune.txt" | grep -vE "^  (tuning|random|models|heldout): [0-9]+/" ; tail -5 "$LOGS/tune.err"
 fi

@@ -82,6 +82,8 @@ def main(argv=None) -> int:
                       "(comma-separated)")
     tune.add_argument("--relabel", action="store_true", help="with --from-json: replace the records' heuristic "
                       "choices with today's (runs each shape once, untimed; the GPU should be the records')")
+    tune.add_argument("--records-only", action="store_true", help="write the records (swept, or read and "
+                      "relabeled) to --json and train nothing")
     tune.add_argument("--cross-validate", type=int, metavar="K", help="instead of training one "
                       "model, judge each training record by a model of the other K - 1 folds of shapes")
     tune.add_argument("--validate", type=int, default=0, metavar="K", help="keep in the trained model only the "

@@ -7,6 +7,7 @@ learned selector on some sets and report every mode's regret on the others.
     python -m patchgemm tune --from-json A.json[,B.json] [--relabel] [--train-device TEXT] [--evaluate-device TEXT] ...
     python -m patchgemm tune --from-json A.json[,B.json] --cross-validate K [--train-device TEXT] ...
     python -m patchgemm tune [--from-json A.json,...] --hold-out-families all|F,... [--margins 0,0.5,1]
+    python -m patchgemm tune ... --records-only --json PATH
 
 Each shape (patchgemm/shapes.py) runs forward and forward + backward twice: under the heuristic, to
 note its choice, then under autotune, which times every candidate of every op call it makes and
@@ -17,6 +18,8 @@ geometric mean, worst case and share of records over 1.2x, with the speedup of e
 "always the single best implementation" (per op, the candidate of least mean regret on the training
 records, the heuristic's choice where it does not apply). ``--relabel`` re-runs saved records'
 shapes under today's heuristic (untimed), so that saved timings judge changed rules.
+``--records-only`` writes the records (swept, or read and relabeled) and trains nothing: the records
+of a GPU machine come back to be judged and trained on elsewhere.
 ``--cross-validate K`` judges each training record by a model trained without its shape, so that
 choices about training (which records, which options) are made without looking at the held-out sets;
 ``--validate K`` keeps in the trained model only the ops whose cross-validated choices beat the
@@ -286,6 +289,11 @@ def read_json(path: str):
         return json.load(f)
 
 
+def save(path: str, data: dict) -> None:
+    with _open(path, "w") as f:
+        json.dump(data, f, separators=(",", ":"))
+
+
 def load_records(paths: List[str]):
     """Records saved by ``--json`` (the first file's environment with them). A problem measured more
     than once on one GPU (by shapes of two sets, or by two sweeps) is one record, its first (list the
@@ -440,6 +448,8 @@ def main(args) -> int:
     for s in train_on + evaluate_on:
         if s not in SETS:
             raise SystemExit(f"patchgemm tune: unknown set {s!r}; the sets are {', '.join(SETS)}")
+    if args.records_only and not args.json:
+        raise SystemExit("patchgemm tune: --records-only needs --json PATH")
     if args.from_json:
         records, env = load_records(args.from_json.split(","))
         if args.relabel:
@@ -454,6 +464,10 @@ def main(args) -> int:
         print(f"tuning {', '.join(sets)} on {device} (cache: {cache_dir or 'memory only'})")
         records = sweep(sets, device, cache_dir)
         env = environment(device)
+    if args.records_only:
+        save(args.json, {"environment": env, "records": [vars(r) for r in records]})
+        print(f"{len(records)} records written to {args.json}")
+        return 0
     if args.hold_out_families:
         margins = [float(m) for m in args.margins.split(",") if m]
         families = None if args.hold_out_families == "all" else [f for f in args.hold_out_families.split(",") if f]
@@ -462,9 +476,8 @@ def main(args) -> int:
               f"t(fastest); slower than PyTorch: > {SLOWER_THAN_PYTORCH:.0%} slower than its fastest aten_* path)")
         print(format_families(rows, margins))
         if args.json:
-            with _open(args.json, "w") as f:
-                json.dump({"environment": env, "hold_out_families": rows, "margins": margins,
-                           "records": [vars(r) for r in records]}, f, separators=(",", ":"))
+            save(args.json, {"environment": env, "hold_out_families": rows, "margins": margins,
+                             "records": [vars(r) for r in records]})
         return 0
     if args.cross_validate:
         rows = cross_validate(records, train_on, args.cross_validate, args.train_device, args.evaluate_device,
@@ -486,7 +499,6 @@ def main(args) -> int:
         learned.save(model, args.model)
         print(f"\nmodel written to {args.model}")
     if args.json:
-        with _open(args.json, "w") as f:
-            json.dump({"environment": env, "train_on": train_on, "evaluate_on": evaluate_on, "report": report,
-                       "records": [vars(r) for r in records]}, f, separators=(",", ":"))
+        save(args.json, {"environment": env, "train_on": train_on, "evaluate_on": evaluate_on, "report": report,
+                         "records": [vars(r) for r in records]})
     return 0
