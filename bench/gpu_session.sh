@@ -23,7 +23,7 @@
 #   [STEPS="tests bench"] [WHEEL=...] [SAVE_WHEEL=1] bash bench/gpu_session.sh
 set -uo pipefail
 OUT=${OUT:-gpu-logs}; LOGS=${LOGS:-/tmp/patchgemm-logs}; mkdir -p "$OUT" "$LOGS"
-STEPS=" ${STEPS:-tests fuzz sanitizer bench microbench} "
+STEPS=" ${STEPS-tests fuzz sanitizer bench microbench} "  # unset: these; empty: none (install only)
 # NOTE: on the lent GPU image $CXX is /opt/gcc/bin/g++, a wrapper whose extensions segfault whenever
 # C++ throws (even a 5-line load_inline op with a failing TORCH_CHECK; /usr/bin/g++ is fine).
 [ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++

@@ -78,7 +78,8 @@ def families_section(saved: dict, name: str) -> str:
     margins = saved["margins"]
     return "\n".join([
         f"## Model families left out: {_where(saved.get('environment', {}))}", "",
-        f"`python -m patchgemm tune --from-json ... --hold-out-families all --margins "
+        f"`python -m patchgemm tune --from-json ... --hold-out-families "
+        f"{','.join(r['family'] for r in saved['hold_out_families'])} --margins "
         f"{','.join(f'{m:g}' for m in margins)} --json {name}`: each family judged by a learned model trained on "
         "every other family's records (the random sequences always train). Per mode: regret = t(selected) / "
         "t(fastest candidate), mean / worst / share over 1.2x, and the share of records more than 3% slower than "
@@ -187,7 +188,7 @@ def transfer_section(paths: List[pathlib.Path]) -> str:
              f"`python bench/results.py` on {', '.join(p.name for p in paths)}: the model trained on one GPU's "
              f"{' + '.join(tune.TRAINING_SETS)} records, judged on each GPU's held-out records (regret as above; "
              "`all` rows); the rows trained on all of them judge the shipped model (`patchgemm/data/selector.json`, "
-             f"trained by `python -m patchgemm tune --from-json {names} --validate 5 --model "
+             f"trained by `python -m patchgemm tune --from-json {names} --validate 5 --margin 0.5 --model "
              "patchgemm/data/selector.json`; "
              "retraining gives slightly different models, as the CPU's float sums vary with its threads).", "",
              "| trained on | judged on | heuristic mean / worst / > 1.2x | learned mean / worst / > 1.2x | "
@@ -213,6 +214,8 @@ def main(argv=None) -> int:
     for path in sorted(args.runs):
         saved = tune.read_json(path)
         name = pathlib.Path(path).name
+        if "records" in saved and "report" not in saved:  # a sweep's records (tune --records-only): below
+            continue
         if "hold_out_families" in saved:
             sections.append(families_section(saved, name))
         elif "report" in saved:

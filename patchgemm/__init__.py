@@ -1,6 +1,5 @@
 """patchgemm: layers that are really one GEMM over strided views."""
 
-import os as _os
 import sys as _sys
 
 from . import ops as _ops  # noqa: F401  (loads the compiled library, registers the fake kernels)
@@ -8,7 +7,7 @@ from .functional import (grouped_linear, grouped_mlp, grouped_pointwise_conv, in
                          patch_embed, patch_unembed, swiglu)
 from .nn import (ConvertReport, GroupedLinear, GroupedMLP, GroupedPointwiseConv, HierarchicalPatchEmbed, HierarchicalPatchUnembed,
                  MoEExperts, PatchEmbed, PatchUnembed, convert)
-from .selection import explain, force, get_selection, kernels, set_selection
+from .selection import _select_at_import, explain, force, get_selection, kernels, set_selection
 
 __version__ = "0.2.0.dev0"
 
@@ -32,5 +31,4 @@ __all__ = [
 if "torch.distributed.tensor" in _sys.modules:  # DTensors may reach the ops: their sharding rules
     from . import distributed  # noqa: F401
 
-if _os.environ.get("PATCHGEMM_SELECTION"):
-    set_selection(_os.environ["PATCHGEMM_SELECTION"])
+_select_at_import()

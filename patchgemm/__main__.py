@@ -62,8 +62,8 @@ def main(argv=None) -> int:
     kernels = sub.add_parser("kernels", help="every op's implementations, in the order the default choice tries them")
     kernels.add_argument("op", nargs="?", help="only this op's")
     tune = sub.add_parser("tune", help="autotune shape sets, train the learned selector, report regret per mode")
-    tune.add_argument("--train-on", default="tuning,random,models", help="sets whose records train the model "
-                      "(tuning, random, models, families, heldout; default tuning,random,models)")
+    tune.add_argument("--train-on", default="tuning,random,models,families", help="sets whose records train the "
+                      "model (tuning, random, models, families, heldout; default tuning,random,models,families)")
     tune.add_argument("--evaluate-on", default="heldout", help="sets whose records judge it (default heldout)")
     tune.add_argument("--random", type=int, default=200, help="shapes in the random set (default 200)")
     tune.add_argument("--random-start", type=int, default=0, metavar="K", help="sweep only shapes K .. N - 1 of "
@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     tune.add_argument("--validate", type=int, default=0, metavar="K", help="keep in the trained model only the "
                       "ops whose choices beat the heuristic's in K-fold cross-validation (the others choose by "
                       "the heuristic)")
+    tune.add_argument("--margin", type=float, default=0.0, metavar="M", help="lean the trained model toward "
+                      "PyTorch's own paths by M (the aten_* candidates' scores raised by M; default 0)")
     tune.add_argument("--hold-out-families", metavar="NAMES", help="instead of training one model, judge each "
                       "model family (comma-separated, or 'all': every family of the records) by a model trained "
                       "on the others' records; families in patchgemm/shapes.py")

@@ -79,12 +79,22 @@ def _inputs(features: List[str], values: Dict[str, float]) -> List[float]:
     return [math.log2(1.0 + max(_value(values, f), 0.0)) for f in features]
 
 
+def backends(records: List[Record]) -> List[str]:
+    """The backends ("cpu", "cuda", "rocm") whose timings the records are, from the device each was
+    measured on (its "device" tag: "cpu" or the GPU's name); empty where one is not tagged (the
+    model then scores problems on every backend)."""
+    devices = {r.tags.get("device") for r in records}
+    if None in devices:
+        return []
+    return sorted({"cpu" if d == "cpu" else "rocm" if d.startswith("AMD") else "cuda" for d in devices})
+
+
 def train(records: List[Record], hidden: int = 128, steps: int = 4000, temperature: float = 0.2,
           weight_decay: float = 1e-3, seed: int = 0, description: str = "") -> dict:
     """A model per op from its records (ops whose records never offer a choice get none): full-batch
     Adam, the learning rate decayed to 0 along a cosine (without the decay, frequent shapes such as a
     ViT stem at batch 64 were missed)."""
-    model = {"format": FORMAT, "description": description, "ops": {}}
+    model = {"format": FORMAT, "description": description, "ops": {}, "backends": backends(records)}
     by_op: Dict[str, List[Record]] = {}
     for r in records:
         if sum(t is not None for t in r.times.values()) > 1:  # one candidate: nothing to learn
@@ -194,8 +204,8 @@ def install(model: dict) -> None:
     for op in sorted({c.op for c in kernels()}):
         m = model["ops"].get(op)
         if m is None:
-            ops._set_learned_model(op, [], [], 0, [])
+            ops._set_learned_model(op, [], [], 0, [], [])
             continue
         params = (m["mean"] + m["scale"] + [w for row in m["w1"] for w in row] + m["b1"]
                   + [w for row in m["w2"] for w in row] + m["b2"])
-        ops._set_learned_model(op, m["candidates"], m["features"], m["hidden"], params)
+        ops._set_learned_model(op, m["candidates"], m["features"], m["hidden"], params, model.get("backends", []))

@@ -5,14 +5,16 @@ choose how it is chosen (``set_selection``, ``PATCHGEMM_SELECTION``) and pin it 
 Every op has a table of candidates, ours and PyTorch's own (``python -m patchgemm kernels`` prints
 them). Three modes choose among those that apply to a call:
 
-- ``"heuristic"`` (the default): the first candidate, in table order, whose rule expects it to win.
+- ``"learned"`` (the default): a small model trained on autotune records (``python -m patchgemm tune``;
+  the one shipped with the package was trained on H100 and H200 timings, including model families
+  the rules were never fitted to) predicts the fastest, leaning toward PyTorch's own paths where the
+  prediction is close; a signature already in the autotune cache takes the measured choice. Where
+  the model has no timings of the backend (the CPU, ROCm) or of the op, the heuristic chooses.
+- ``"heuristic"``: the first candidate, in table order, whose rule expects it to win.
 - ``"autotune"``: the first call of each problem signature (shapes, strides, dtype, device, TF32 and
   determinism flags) times every candidate that applies and keeps the fastest, in memory and in a
   cache file per GPU and software versions under ``~/.cache/patchgemm`` (``PATCHGEMM_CACHE_DIR``),
   so later processes start tuned. Never during CUDA-graph capture (the heuristic chooses there).
-- ``"learned"``: a small model trained on autotune records (``python -m patchgemm tune``; one trained
-  on an H100 ships with the package) predicts the fastest; a signature already in the autotune
-  cache takes the measured choice.
 
 The state is process-wide, so calls made by autograd's backward threads follow it too.
 """
@@ -20,6 +22,7 @@ The state is process-wide, so calls made by autograd's backward threads follow i
 import contextlib
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
@@ -28,6 +31,7 @@ import torch
 from .ops import ops
 
 MODES = ("heuristic", "autotune", "learned")
+DEFAULT_MODE = "learned"  # judged on model families it never saw: see bench/RESULTS.md
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,18 @@ def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional
         _selection["pins"] = {op: ops._force(op, mode) for op in ops_with_it}
     _selection.update(mode=mode, cache_dir=cache_dir, model=model)
     return previous
+
+
+def _select_at_import() -> None:
+    """``PATCHGEMM_SELECTION``'s mode, else the default; a default model that cannot be read (a
+    damaged install) leaves the rules choosing, with a warning, rather than failing the import."""
+    if os.environ.get("PATCHGEMM_SELECTION"):
+        set_selection(os.environ["PATCHGEMM_SELECTION"])
+        return
+    try:
+        set_selection(DEFAULT_MODE)
+    except RuntimeError as e:
+        warnings.warn(f"patchgemm: the default selection ({DEFAULT_MODE}) could not start, so the rules choose: {e}")
 
 
 @contextlib.contextmanager

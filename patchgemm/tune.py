@@ -2,8 +2,8 @@
 learned selector on some sets and report every mode's regret on the others.
 
     python -m patchgemm tune [--random N [--random-start K]] [--model-like N] [--only-channels-last]
-                             [--train-on tuning,random,models] [--evaluate-on heldout] [--validate K]
-                             [--model PATH] [--json PATH] [--cache-dir DIR]
+                             [--train-on tuning,random,models,families] [--evaluate-on heldout] [--validate K]
+                             [--margin M] [--model PATH] [--json PATH] [--cache-dir DIR]
     python -m patchgemm tune --from-json A.json[,B.json] [--relabel] [--train-device TEXT] [--evaluate-device TEXT] ...
     python -m patchgemm tune --from-json A.json[,B.json] --cross-validate K [--train-device TEXT] ...
     python -m patchgemm tune [--from-json A.json,...] --hold-out-families all|F,... [--margins 0,0.5,1]
@@ -23,7 +23,8 @@ of a GPU machine come back to be judged and trained on elsewhere.
 ``--cross-validate K`` judges each training record by a model trained without its shape, so that
 choices about training (which records, which options) are made without looking at the held-out sets;
 ``--validate K`` keeps in the trained model only the ops whose cross-validated choices beat the
-heuristic's (the others choose by the heuristic in learned mode). ``--hold-out-families`` judges the
+heuristic's (the others choose by the heuristic in learned mode); ``--margin M`` leans the trained
+model toward PyTorch's own paths (``learned.with_pytorch_margin``). ``--hold-out-families`` judges the
 modes the way a new model meets them: each model family of ``shapes.FAMILIES`` (and of the tuning and
 held-out sets) in turn by a model trained on every other family's records, with the share of records
 where a mode's choice is more than 3% slower than PyTorch's fastest path.
@@ -44,7 +45,7 @@ from .learned import Record
 from .shapes import HELDOUT, TUNING, Shape, family_of, family_shapes, model_shapes, problem, random_shapes
 
 SETS = ("tuning", "heldout", "random", "models", "families")
-TRAINING_SETS = ("tuning", "random", "models")  # `--train-on`'s default: what the shipped model trains on
+TRAINING_SETS = ("tuning", "random", "models", "families")  # `--train-on`'s default: what the shipped model trains on
 
 
 def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, log=print) -> List[Record]:
@@ -476,8 +477,7 @@ def main(args) -> int:
               f"t(fastest); slower than PyTorch: > {SLOWER_THAN_PYTORCH:.0%} slower than its fastest aten_* path)")
         print(format_families(rows, margins))
         if args.json:
-            save(args.json, {"environment": env, "hold_out_families": rows, "margins": margins,
-                             "records": [vars(r) for r in records]})
+            save(args.json, {"environment": env, "hold_out_families": rows, "margins": margins})
         return 0
     if args.cross_validate:
         rows = cross_validate(records, train_on, args.cross_validate, args.train_device, args.evaluate_device,
@@ -490,6 +490,9 @@ def main(args) -> int:
         for op, verdict in drop_unvalidated(model, records, train_on, args.validate, args.train_device,
                                             args.seed).items():
             print(f"{op}: {verdict}")
+    if args.margin:
+        model = learned.with_pytorch_margin(model, args.margin)
+    if args.validate or args.margin:
         report["evaluate"] = judge(_select(records, evaluate_on, args.evaluate_device), model, report["single_best"])
         report["train"] = judge(_select(records, train_on, args.train_device, exclude=evaluate_on), model,
                                 report["single_best"])

@@ -10,6 +10,12 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+import patchgemm  # noqa: E402
+
+# The suite tests each kernel where the rules (and the testing hooks, `selection` below) send a
+# problem: it runs under the heuristic. The default mode's own choices: test_selection.py.
+patchgemm.set_selection("heuristic")
+
 HAS_GPU = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if HAS_GPU else [])
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]

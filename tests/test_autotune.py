@@ -297,7 +297,7 @@ def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
     train = tune._select(records, ["train"], None, exclude=["test"])
     test = tune._select(records, ["test"], None)
     model = learned.train(train, steps=200)
-    assert set(model["ops"]) <= ops_seen and model["ops"]
+    assert set(model["ops"]) <= ops_seen and model["ops"] and model["backends"] == ["cpu"]
     rows = tune.judge(test, model, tune.single_best(train))
     assert rows[-1]["op"] == "all" and rows[-1]["records"] == len(test)
     for row in rows:
@@ -377,16 +377,21 @@ def test_tune_sweep_gives_back_the_selection_in_force(tmp_path):
         ops._forget_selections()
 
 
-def test_the_shipped_model_loads_and_predicts_on_the_cpu():
+def test_the_shipped_model_leaves_the_cpu_to_the_rules_and_predicts_where_allowed():
     model = learned.load()
-    assert model["ops"] and model["description"]
+    assert model["ops"] and model["description"] and model["backends"] == ["cuda"]
+    x, w = randn(2, 3, 32, 32), randn(64, 3, 4, 4)
     patchgemm.set_selection("learned", cache_dir="")
     try:
-        x = randn(2, 3, 32, 32)
-        w = randn(64, 3, 4, 4)
         y, e = run_explained(lambda: patchgemm.patch_embed(x, w, None))
         torch.testing.assert_close(y, F.conv2d(x, w, stride=4), rtol=1e-4, atol=1e-4)
-        # Trained on an H100 build: the candidates a CPU build lacks count as not applying.
+        assert e[0].how == "heuristic (learned: no usable model for patch_embed)"  # GPU timings only
+        # Allowed on every backend, it predicts on the CPU too: the candidates a CPU build lacks
+        # count as not applying.
+        learned.install(dict(model, backends=[]))
+        ops._forget_selections()
+        y, e = run_explained(lambda: patchgemm.patch_embed(x, w, None))
+        torch.testing.assert_close(y, F.conv2d(x, w, stride=4), rtol=1e-4, atol=1e-4)
         assert e[0].how == "learned: predicted now" and e[0].chosen in {"gather_gemm", "aten_conv"}
     finally:
         patchgemm.set_selection("heuristic")
@@ -399,7 +404,7 @@ def test_bad_model_files_are_clear_errors(tmp_path):
     with pytest.raises(RuntimeError, match="not a model file of format 1"):
         learned.load(str(bad))
     with pytest.raises(RuntimeError, match="expected .* parameters"):
-        ops._set_learned_model("grouped_linear", ["strided_batched"], ["m"], 2, [0.0, 1.0])
+        ops._set_learned_model("grouped_linear", ["strided_batched"], ["m"], 2, [0.0, 1.0], [])
 
 
 def test_model_shapes_are_a_reproducible_sequence_apart_from_the_held_out_set():

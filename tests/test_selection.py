@@ -468,3 +468,24 @@ def test_explain_names_the_grouped_gemm_operands_by_the_callers_tensors():
     for legend in ("x as [G, B, D] and weight transposed", "grad_y as [G, B, N] and weight [G, N, D]",
                    "grad_y transposed, [G, N, B], and x as [G, B, D]"):
         assert legend in text
+
+
+def test_the_default_is_the_shipped_model_where_it_has_timings(tmp_path):
+    """A fresh process chooses by the learned model, trained on GPU timings only: on the CPU each op
+    falls back to the heuristic (and says so); on a GPU the model predicts."""
+    from patchgemm import learned
+
+    assert learned.load()["backends"] == ["cuda"]
+    code = ("import patchgemm, torch; print(patchgemm.get_selection())\n"
+            "for d in ['cpu'] + (['cuda'] if torch.cuda.is_available() else []):\n"
+            "    x, w = torch.randn(2, 3, 32, 32, device=d), torch.randn(64, 3, 4, 4, device=d)\n"
+            "    print(patchgemm.explain(patchgemm.patch_embed, x, w)[0].how)")
+    env = {k: v for k, v in os.environ.items() if k != "PATCHGEMM_SELECTION"}
+    env["PATCHGEMM_CACHE_DIR"] = str(tmp_path)  # no autotune records to recall
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["learned", "heuristic (learned: no usable model for patch_embed)"]
+    if torch.cuda.is_available():
+        assert lines[2] == "learned: predicted now"

@@ -126,10 +126,12 @@ TORCH_LIBRARY(patchgemm, m) {
   m.def("_forget_selections() -> ()", []() { patchgemm::selection::forget(); });
   m.def("_autotune_records() -> str[]", []() { return patchgemm::selection::autotune_records(); });
   // A learned model for one op (selection/learned.cpp has the layout of params); no candidates removes it.
-  m.def("_set_learned_model(str op, str[] candidates, str[] features, int hidden, float[] params) -> ()",
+  // backends: the ones ("cpu", "cuda", "rocm") whose records trained it (empty: any).
+  m.def("_set_learned_model(str op, str[] candidates, str[] features, int hidden, float[] params, "
+        "str[] backends) -> ()",
         [](const std::string& op, std::vector<std::string> candidates, std::vector<std::string> features,
-           int64_t hidden, std::vector<double> params) {
+           int64_t hidden, std::vector<double> params, std::vector<std::string> backends) {
           patchgemm::selection::set_learned_model(op, std::move(candidates), std::move(features), hidden,
-                                                  std::move(params));
+                                                  std::move(params), std::move(backends));
         });
 }

@@ -6,6 +6,7 @@
 // A query costs F * H + H * C multiply-adds (about 3,000): a few microseconds, once per signature.
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -19,7 +20,7 @@ namespace patchgemm::selection {
 namespace {
 
 struct Model {
-  std::vector<std::string> candidates, features;
+  std::vector<std::string> candidates, features, backends;
   int64_t hidden = 0;
   std::vector<double> mean, scale, w1, b1, w2, b2;
 };
@@ -34,10 +35,20 @@ Models& models() {
   return *m;
 }
 
+// "cpu", "cuda" or "rocm": a model trained on one backend's timings says nothing of another's.
+std::string backend_of(const at::Device& device) {
+  if (device.is_cpu()) return "cpu";
+#ifdef USE_ROCM
+  return "rocm";
+#else
+  return "cuda";
+#endif
+}
+
 }  // namespace
 
 void set_learned_model(const std::string& op, std::vector<std::string> candidates, std::vector<std::string> features,
-                       int64_t hidden, std::vector<double> params) {
+                       int64_t hidden, std::vector<double> params, std::vector<std::string> backends) {
   Models& m = models();
   std::lock_guard<std::mutex> lock(m.mutex);
   if (candidates.empty()) {
@@ -51,7 +62,7 @@ void set_learned_model(const std::string& op, std::vector<std::string> candidate
   TORCH_CHECK(static_cast<int64_t>(params.size()) == expected, "patchgemm learned model for ", op, ": expected ",
               expected, " parameters for ", f, " features, ", hidden, " hidden units and ", c, " candidates, got ",
               params.size());
-  Model model{std::move(candidates), std::move(features), hidden};
+  Model model{std::move(candidates), std::move(features), std::move(backends), hidden};
   auto take = [&, at = size_t(0)](int64_t n) mutable {
     std::vector<double> part(params.begin() + at, params.begin() + at + n);
     at += n;
@@ -76,6 +87,10 @@ std::vector<double> learned_scores(const std::string& op, const std::vector<std:
   const auto it = m.by_op.find(op);
   if (it == m.by_op.end()) return {};
   const Model& model = it->second;
+  if (!model.backends.empty() &&
+      std::find(model.backends.begin(), model.backends.end(), backend_of(f.device)) == model.backends.end()) {
+    return {};
+  }
   std::map<std::string, double> values(f.values.begin(), f.values.end());
   for (const auto& [name, v] : device_features(f.device)) values[name] = v;
   const size_t nf = model.features.size(), nh = static_cast<size_t>(model.hidden);

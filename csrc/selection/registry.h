@@ -447,9 +447,10 @@ std::vector<std::string> autotune_records();
 // Forgets every remembered choice (the cache files stay).
 void forget();
 // Installs the learned model of `op` (selection/learned.cpp has the layout of `params`); an empty
-// `candidates` removes it.
+// `candidates` removes it. It scores problems on the `backends` ("cpu", "cuda", "rocm") whose records
+// trained it (empty: every backend); elsewhere the heuristic chooses.
 void set_learned_model(const std::string& op, std::vector<std::string> candidates, std::vector<std::string> features,
-                       int64_t hidden, std::vector<double> params);
+                       int64_t hidden, std::vector<double> params, std::vector<std::string> backends);
 // Testing hook: the default choice without its rules (the first candidate that applies runs), and
 // without the candidates named in `excluded` (any op's). Returns nothing; reset with (true, {}).
 void set_testing(bool rules, std::vector<std::string> excluded);
