@@ -419,38 +419,3 @@ def test_long_reductions_keep_their_tail(dtype, batch, din, dout):
     rx, rw, rb = torch.autograd.grad(ref, [x64, w64, b64], gy.double().cpu())
     for name, out, expected in [("y", y, ref), ("grad_x", gx, rx), ("grad_weight", gw, rw), ("grad_bias", gb, rb)]:
         assert_close_to_ref(out, expected, dtype, name)
-
-
-# A GEMM with K = 1 (the weight gradient at batch one; the forward with one input feature) is an
-# outer product, which the GPU writes with an elementwise kernel: each output the one product
-# rounded, as cuBLAS's GEMM gives it, so bitwise equal to ATen's bmm (a bias added in float: equal
-# for 16-bit types; float32 / float64 sums may round apart where one side contracts to an fma).
-@needs_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-@pytest.mark.parametrize("layout", ["bgd", "gbd"])
-@pytest.mark.parametrize("has_bias", [True, False])
-def test_k1_outer_products_equal_atens_bmm(dtype, layout, has_bias):
-    def run(x, w, b):
-        y = patchgemm.grouped_linear(x, w, b, layout)
-        return (y, *torch.autograd.grad(y, [x, w], gy))
-
-    groups, dout, din = 5, 300, 260
-    for batch, features in [(1, din), (37, 1)]:  # K = 1 in the weight gradient / in the forward
-        shape = (batch, groups, features) if layout == "bgd" else (groups, batch, features)
-        x = randn(*shape, dtype=dtype, device="cuda", requires_grad=True)
-        w = randn(groups, dout, features, dtype=dtype, device="cuda", requires_grad=True)
-        b = randn(groups, dout, dtype=dtype, device="cuda") if has_bias else None
-        gy = randn(*shape[:-1], dout, dtype=dtype, device="cuda")
-        poison_allocator(groups * dout * features * x.element_size(), "cuda")
-        ours = run(x, w, b)
-        with patchgemm.force(grouped_linear="aten_bmm", grouped_linear_grad_input="aten_bmm",
-                             grouped_linear_grad_weight="aten_bmm"):
-            atens = run(x, w, b)
-        x64, w64 = (t.detach().double().cpu().requires_grad_() for t in (x, w))
-        ref = reference(x64, w64, None if b is None else b.double().cpu(), layout)
-        refs = (ref, *torch.autograd.grad(ref, [x64, w64], gy.double().cpu()))
-        for name, out, aten, expected in zip(["y", "grad_x", "grad_weight"], ours, atens, refs):
-            assert_close_to_ref(out, expected, dtype, name)
-            exact = not (name == "y" and has_bias and dtype in (torch.float32, torch.float64))
-            if (batch == 1 and name == "grad_weight" or features == 1 and name == "y") and exact:  # K = 1
-                assert torch.equal(out, aten), (name, batch, features)

@@ -117,21 +117,6 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
     return;
   }
 
-  if (a_in.size(2) == 1 && !c.device().is_cpu() && c.scalar_type() == a_in.scalar_type()) {
-    // K = 1 (a grouped weight gradient at batch one): an outer product, which an elementwise kernel
-    // writes at memory speed where cuBLAS's GEMMs for it take 2-3x longer. Each output is the one
-    // product (the bias or c added in float), rounded as the GEMM rounds it.
-    at::Tensor out = c;  // (the same tensor: the _out functions take a non-const reference)
-    if (accumulate) {
-      out.addcmul_(a_in, b_in);
-    } else if (bias) {
-      at::addcmul_out(out, bias_rows(), a_in, b_in);
-    } else {
-      at::mul_out(out, a_in, b_in);
-    }
-    return;
-  }
-
   const PlannedGemm planned = plan_gemm(a_in, b_in, c);
   const at::Tensor &a = planned.a, &b = planned.b;
   const BlasPlan& plan = planned.plan;
