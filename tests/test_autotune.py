@@ -330,6 +330,15 @@ def test_tune_sweep_trains_a_model_that_runs_on_the_cpu(tmp_path):
 
     assert results.main([str(saved), "--out", str(tmp_path / "RESULTS.md")]) == 0
     assert "## Selection modes, regret" in (tmp_path / "RESULTS.md").read_text()
+    # `tune --records-only` writes the records alone (a GPU's sweep, trained on elsewhere): read back
+    # whole, and no section of their own.
+    from patchgemm.__main__ import main as cli
+
+    only = tmp_path / "tune-records.json.gz"
+    assert cli(["tune", "--from-json", str(saved), "--records-only", "--json", str(only)]) == 0
+    assert [vars(r) for r in tune.load_records([str(only)])[0]] == [vars(r) for r in again]
+    assert results.main([str(only), "--out", str(tmp_path / "RESULTS.md")]) == 0
+    assert "## Selection" not in (tmp_path / "RESULTS.md").read_text()
 
     # Installed, the C++ side picks what the Python mirror predicts.
     path = str(tmp_path / "model.json")
