@@ -5,9 +5,11 @@
 #   fuzz        tests/test_fuzz.py (small problems), then tests/test_at_scale.py's large problems
 #               for SCALE_SECONDS (default 120)
 #   sanitizer   compute-sanitizer memcheck / racecheck / synccheck on tests/sanitize_smoke.py: its
-#               small shapes, then (--scale) every candidate of ours on multi-wave problems; the
-#               tools run side by side (SANITIZE_MODES="small scale", SANITIZE_TOOLS="memcheck racecheck
-#               synccheck", SANITIZE_FAMILIES: the --scale families, default all)
+#               small shapes, then (--scale) every candidate of ours on multi-wave problems, one
+#               process per tool and family, side by side (SANITIZE_MODES="small scale",
+#               SANITIZE_TOOLS="memcheck racecheck synccheck", SANITIZE_FAMILIES: the --scale
+#               families or family:op, default all); each run stops after SANITIZE_SECONDS
+#               (default 540) and says so
 #   bench       the benchmark suite (table, JSON, plot; BENCH_FILTER=P)
 #   microbench  the C++ microbenchmarks (MICROBENCH_ARGS=...)
 #   tune        python -m patchgemm tune $TUNE_ARGS (memory-only cache), records to $OUT/tune.json.gz
@@ -16,7 +18,8 @@
 # Results go to $OUT (the device tool's result folder) or ./gpu-logs; build and stderr logs to $LOGS
 # (/tmp), their tails printed on failure. SAVE_WHEEL=1 also leaves the built wheel in $OUT/wheel,
 # in parts of at most 15 MB (the device tool returns files of up to 16 MiB), to carry to later runs;
-# WHEEL=folder installs the wheel those parts make (or WHEEL=file.whl that wheel) instead of building;
+# WHEEL=folder installs the wheel those parts make (or WHEEL=file.whl that wheel) instead of building,
+# WHEEL=installed uses the patchgemm installed already (runs of this script side by side);
 # with it, OVERLAY=1 copies this tree's Python files over the installed ones (Python-only changes
 # tested without a rebuild; the compiled library stays the wheel's). The results' JSON
 # names the commit measured from git, or from PATCHGEMM_COMMIT=<hash> where the tree is a copy.
@@ -31,7 +34,9 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_CUDA_ARCH_LIST=${
 step() { echo "=== $1"; }
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 step build
-if [ -n "${WHEEL:-}" ]; then
+if [ "${WHEEL:-}" = installed ]; then  # another run of this script installed it: use that
+  echo "using the installed patchgemm"
+elif [ -n "${WHEEL:-}" ]; then
   if [ -d "$WHEEL" ]; then  # parts written by SAVE_WHEEL=1
     mkdir -p "$LOGS/wheel" && cat "$WHEEL"/part-* >"$LOGS/wheel/$(cat "$WHEEL/name")" && WHEEL="$LOGS/wheel/$(cat "$WHEEL/name")"
   fi
@@ -71,20 +76,33 @@ fi
 if want sanitizer; then
   step compute-sanitizer
   tools=${SANITIZE_TOOLS:-memcheck racecheck synccheck}
+  families=${SANITIZE_FAMILIES:-patch grouped_linear pointwise ragged swiglu instance_norm}
   for mode in ${SANITIZE_MODES:-small scale}; do
+    # One process per tool (and, at scale, per family), side by side: the sanitizers are slow
+    # on multi-wave problems and the GPU has room for all of them at once.
+    runs=$([ $mode = scale ] && echo $families || echo all)
     for tool in $tools; do
-      compute-sanitizer --tool $tool --error-exitcode 1 python3 "$SRC/tests/sanitize_smoke.py" \
-        $([ $mode = scale ] && echo --scale ${SANITIZE_FAMILIES:-}) >"$LOGS/sanitizer-$mode-$tool.log" 2>&1 &
+      # synccheck instruments only our kernels (names in namespace patchgemm): instrumenting
+      # every library kernel it starts with takes longer than a device call. racecheck cannot
+      # be filtered so: with --kernel-name, the unchecked cuBLAS kernels fail to launch under it
+      # ("failed to handle a hardware exception"); split its runs by op (family:op) instead.
+      filter=$([ $tool = synccheck ] && echo "--kernel-name kns=patchgemm")
+      for run in $runs; do
+        log="$LOGS/sanitizer-$mode-$tool-$run.log"
+        timeout ${SANITIZE_SECONDS:-540} compute-sanitizer --tool $tool $filter --error-exitcode 1 \
+          python3 "$SRC/tests/sanitize_smoke.py" $([ $mode = scale ] && echo --scale $run) \
+          >"$log" 2>&1 || echo "(exit $?)" >>"$log" &
+      done
     done
     wait
     for tool in $tools; do
-      log="$LOGS/sanitizer-$mode-$tool.log"
-      echo "$mode $tool: $(tail -1 "$log")"
-      # Whose kernels the reports are in: ours, or a library's (cuBLAS's nvjet, cuDNN's), whose
-      # internal shared-memory protocols racecheck reports but we cannot change.
-      { echo "== $mode $tool"; grep -E "Race reported|access at|Error|Invalid" "$log" | sed -E 's/\+0x[0-9a-f]+.*//' \
-          | sort | uniq -c | sort -rn | head -40; tail -3 "$log"; } >>"$OUT/sanitizer.log"
-      echo "$mode $tool reports in patchgemm kernels: $(grep -E "Race reported|access at|Error" "$log" | grep -c patchgemm)"
+      for run in $runs; do
+        log="$LOGS/sanitizer-$mode-$tool-$run.log"
+        echo "$mode $tool $run: $(tail -1 "$log")"
+        { echo "== $mode $tool $run"; grep -E "Race reported|access at|Error|Invalid" "$log" | sed -E 's/\+0x[0-9a-f]+.*//' \
+            | sort | uniq -c | sort -rn | head -40; tail -3 "$log"; } >>"$OUT/sanitizer.log"
+        echo "  reports in patchgemm kernels: $(grep -E "Race reported|access at|Error" "$log" | grep -c patchgemm)"
+      done
     done
   done
 fi

@@ -2,7 +2,7 @@
     compute-sanitizer --tool memcheck python tests/sanitize_smoke.py
 or, with --scale, every candidate of ours forced in turn on the multi-wave problems of
 scale_cases.py (a block's second tile, stores in flight across tiles):
-    compute-sanitizer --tool racecheck python tests/sanitize_smoke.py --scale [family ...]
+    compute-sanitizer --tool racecheck python tests/sanitize_smoke.py --scale [family[:op] ...]
 (not a pytest module: it asserts only that results are finite; the tests check values)."""
 
 import sys
@@ -252,11 +252,13 @@ def main():
 
 
 def main_at_scale(families):
+    """families: names of CASES, each alone (every op of the family) or as family:op (one op)."""
     runs = 0
-    for family in families:
+    for item in families:
+        family, _, only = item.partition(":")
         for case in CASES[family]:
             inputs = case.make("cuda")
-            for op in FAMILY_OPS[family]:
+            for op in [only] if only else FAMILY_OPS[family]:
                 for name in our_candidates(op):
                     try:
                         with patchgemm.force(**{op: name}):
@@ -267,6 +269,7 @@ def main_at_scale(families):
                         raise
                     assert all(torch.isfinite(t).all() for t in outputs), f"{op}={name} on {case}"
                     runs += 1
+                    print(f"  {op}={name} on {case}", flush=True)  # progress, should a run be cut short
             del inputs
             torch.cuda.empty_cache()
     torch.cuda.synchronize()
@@ -277,9 +280,10 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if "--scale" in args:
         families = [a for a in args if a != "--scale"] or list(CASES)
-        unknown = set(families) - set(CASES)
+        known = list(CASES) + [f"{family}:{op}" for family in CASES for op in FAMILY_OPS[family]]
+        unknown = set(families) - set(known)
         if unknown:
-            sys.exit(f"sanitize_smoke: unknown families {sorted(unknown)}; known: {list(CASES)}")
+            sys.exit(f"sanitize_smoke: unknown families {sorted(unknown)}; known: {known}")
         main_at_scale(families)
     else:
         main()
