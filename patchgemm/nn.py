@@ -285,20 +285,26 @@ def _ineligible(module: nn.Module) -> Optional[str]:
     """Why a conv / conv-transpose module is not a kernel == stride patch (un)embedding, or None."""
     if type(module) not in _CONVS + _CONV_TRANSPOSES:
         return f"{type(module).__name__} is not exactly one of the nn.Conv/ConvTranspose classes (custom forward?)"
+    return _patch_problem(module)
+
+
+def _patch_problem(conv) -> Optional[str]:
+    """Why a convolution is not a kernel == stride patch (un)embedding, or None. ``conv`` has the
+    attributes of an nn.Conv*d / nn.ConvTranspose*d: a module, or a call the compiler traced."""
     reasons = []
-    if tuple(module.kernel_size) != tuple(module.stride):
-        reasons.append(f"kernel_size {tuple(module.kernel_size)} != stride {tuple(module.stride)}")
-    if isinstance(module.padding, str) and module.padding != "valid" or (
-            not isinstance(module.padding, str) and any(module.padding)):
-        reasons.append(f"padding={module.padding}")
-    if any(d != 1 for d in module.dilation):
-        reasons.append(f"dilation={tuple(module.dilation)}")
-    if module.groups != 1:
-        reasons.append(f"groups={module.groups}")
-    if module.padding_mode != "zeros":
-        reasons.append(f"padding_mode={module.padding_mode!r}")
-    if type(module) in _CONV_TRANSPOSES and any(module.output_padding):
-        reasons.append(f"output_padding={tuple(module.output_padding)}")
+    if tuple(conv.kernel_size) != tuple(conv.stride):
+        reasons.append(f"kernel_size {tuple(conv.kernel_size)} != stride {tuple(conv.stride)}")
+    if isinstance(conv.padding, str) and conv.padding != "valid" or (
+            not isinstance(conv.padding, str) and any(conv.padding)):
+        reasons.append(f"padding={conv.padding}")
+    if any(d != 1 for d in conv.dilation):
+        reasons.append(f"dilation={tuple(conv.dilation)}")
+    if conv.groups != 1:
+        reasons.append(f"groups={conv.groups}")
+    if conv.padding_mode != "zeros":
+        reasons.append(f"padding_mode={conv.padding_mode!r}")
+    if conv.transposed and any(conv.output_padding):
+        reasons.append(f"output_padding={tuple(conv.output_padding)}")
     return ", ".join(reasons) or None
 
 
@@ -306,15 +312,21 @@ def _pointwise_ineligible(module: nn.Module) -> Optional[str]:
     """Why a conv module is not a grouped pointwise conv (kernel 1, groups > 1), or None."""
     if type(module) not in _CONVS:
         return f"{type(module).__name__} is not exactly nn.Conv1d/2d/3d"
+    return _pointwise_problem(module)
+
+
+def _pointwise_problem(conv) -> Optional[str]:
+    """Why a (not transposed) convolution is not a grouped pointwise conv, or None; ``conv`` as
+    for _patch_problem."""
     reasons = []
-    if any(k != 1 for k in module.kernel_size) or any(s != 1 for s in module.stride):
-        reasons.append(f"kernel_size {tuple(module.kernel_size)} / stride {tuple(module.stride)} are not all 1")
-    if isinstance(module.padding, str) and module.padding not in ("valid", "same") or (
-            not isinstance(module.padding, str) and any(module.padding)):
-        reasons.append(f"padding={module.padding}")
-    if any(d != 1 for d in module.dilation):
-        reasons.append(f"dilation={tuple(module.dilation)}")
-    if module.groups == 1:
+    if any(k != 1 for k in conv.kernel_size) or any(s != 1 for s in conv.stride):
+        reasons.append(f"kernel_size {tuple(conv.kernel_size)} / stride {tuple(conv.stride)} are not all 1")
+    if isinstance(conv.padding, str) and conv.padding not in ("valid", "same") or (
+            not isinstance(conv.padding, str) and any(conv.padding)):
+        reasons.append(f"padding={conv.padding}")
+    if any(d != 1 for d in conv.dilation):
+        reasons.append(f"dilation={tuple(conv.dilation)}")
+    if conv.groups == 1:
         reasons.append("groups=1")
     return ", ".join(reasons) or None
 
@@ -511,8 +523,9 @@ def _patch_convs(seq: nn.Module) -> int:
                for m in seq.children())
 
 
-def _left_to_pytorch(module: nn.Module) -> Optional[str]:
-    """Why convert() leaves a conv that a patchgemm module could compute, or None. 1 x 1 convs have
+def _left_to_pytorch(module) -> Optional[str]:
+    """Why convert() (and the compiler) leaves a conv that a patchgemm op could compute, or None
+    (``module`` as for _patch_problem). 1 x 1 convs have
     no patches to gather: one GEMM, or with one input channel per group a per-channel scale, which
     cuDNN runs as well. Swapped, they cost timm models 2 to 21% more GPU time per training step on
     an H100 (visformer, NextViT, InceptionNeXt, StarNet, EfficientFormerV2; depthwise: GhostNetV3,
