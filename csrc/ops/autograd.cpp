@@ -32,6 +32,7 @@
 #include "selection/norm_problem.h"
 #include "selection/patch_problem.h"
 #include "selection/ragged_problem.h"
+#include "selection/registry.h"
 
 namespace patchgemm {
 namespace {
@@ -207,10 +208,19 @@ struct RaggedGroupedLinear : Function<RaggedGroupedLinear> {
     }
     if (needs_bias_grad(ctx)) {
       // Per-group sums of grad_y's rows, accumulated in the op-math dtype (ATen's segment sums of
-      // 16-bit data accumulate in 16 bits).
-      grad_b = at::segment_reduce(grad_y.to(at::toOpMathType(grad_y.scalar_type())), "sum",
-                                  ragged_sizes(offsets, grad_y.device()))
-                   .to(grad_y.scalar_type());
+      // 16-bit data accumulate in 16 bits). `unsafe`: no check of the sizes against grad_y, which
+      // would read them on the host (a sync); they were checked where they could be.
+      const at::Tensor rows = grad_y.to(at::toOpMathType(grad_y.scalar_type()));
+      if (offsets.is_cpu() && selection::detail::capturing_graph(grad_y.device())) {
+        // A CUDA graph cannot copy the sizes to the GPU: one sum per group over host bounds.
+        const std::vector<int64_t> bounds = ragged_bounds("ragged_grouped_linear", offsets, grad_y.size(0));
+        std::vector<at::Tensor> sums;
+        for (size_t g = 0; g + 1 < bounds.size(); ++g) sums.push_back(rows.slice(0, bounds[g], bounds[g + 1]).sum(0));
+        grad_b = at::stack(sums).to(grad_y.scalar_type());
+      } else {
+        grad_b = at::segment_reduce(rows, "sum", ragged_sizes(offsets, grad_y.device()), {}, {}, 0, /*unsafe=*/true)
+                     .to(grad_y.scalar_type());
+      }
     }
     return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor()};
   }

@@ -95,6 +95,9 @@ WhyNot grouped_mm_supports(const RaggedProblem& p) {
   } else if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) {
     return "torch._grouped_mm takes float32, float16 or bfloat16";
   }
+  if (p.offsets.is_cpu() && !p.a.is_cpu() && selection::detail::capturing_graph(p.a.device())) {
+    return "the sizes are on the host: their copy to the GPU cannot be captured in a CUDA graph";
+  }
   WhyNot why = grouped_mm_layout("a", p.a);
   if (why.empty()) why = grouped_mm_layout("b", p.b);
   const int64_t cols = p.ragged_k ? p.b.size(1) : p.b.size(2);
@@ -108,8 +111,9 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
                                             "of 16 bytes; offsets read on the device (no host sync)",
        grouped_mm_supports, nullptr,
        [](const RaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
-         const bool ready = p.offsets.device() == p.a.device() && p.offsets.scalar_type() == at::kInt;
-         const at::Tensor offsets = ready ? p.offsets : p.offsets.to(p.a.device(), at::kInt, /*non_blocking=*/true);
+         at::Tensor offsets = p.offsets.to(at::kInt);
+         // (from pinned host memory the copy does not wait for the GPU)
+         if (offsets.is_cpu() && !p.a.is_cpu()) offsets = offsets.pin_memory().to(p.a.device(), /*non_blocking=*/true);
          at::Tensor out = at::_grouped_mm(p.a, p.b, offsets);
          if (p.bias) out.add_(bias_rows(p));
          return out;
@@ -124,6 +128,9 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
          if (!cuda::has_grouped_gemm()) return "this build's BLAS has no grouped GEMM (cuBLAS 12.5+)";
          const at::ScalarType dt = p.a.scalar_type();
          if (dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16) return "float64";
+         // Its array of operand pointers is copied from pinned host memory, which the allocator
+         // reuses once the copy is done: a graph replaying the copy would read whatever is there.
+         if (selection::detail::capturing_graph(p.a.device())) return "its pointer array cannot be captured in a CUDA graph";
          return "";
        },
        nullptr,

@@ -1,0 +1,169 @@
+"""CUDA graphs: every op, forward and backward, captured and replayed on new inputs equals an eager
+run on those inputs; and no path synchronizes with the host (torch.cuda.set_sync_debug_mode
+"error" raises on any synchronizing call), so a captured step is the eager step."""
+
+import pytest
+import torch
+
+import patchgemm
+from conftest import assert_close_to_ref, capture_cuda_graph, needs_gpu, randn
+
+pytestmark = needs_gpu
+DEV = "cuda"
+
+
+def _sizes_on_gpu(sizes):
+    return torch.tensor(sizes, device=DEV)
+
+
+# name -> (make(dtype) -> (tensors that require grad, other inputs), call(*tensors, *others))
+def _grouped_linear(layout):
+    def make(dtype):
+        x = randn(96, 6, 64, dtype=dtype, device=DEV) if layout == "bgd" else randn(6, 96, 64, dtype=dtype, device=DEV)
+        return [x, randn(6, 80, 64, dtype=dtype, device=DEV), randn(6, 80, dtype=dtype, device=DEV)], []
+    return make, lambda x, w, b: patchgemm.grouped_linear(x, w, b, layout)
+
+
+def _ragged(on_gpu):
+    sizes = [40, 0, 25, 63]
+
+    def make(dtype):
+        group_sizes = _sizes_on_gpu(sizes) if on_gpu else sizes
+        return [randn(sum(sizes), 64, dtype=dtype, device=DEV), randn(4, 48, 64, dtype=dtype, device=DEV),
+                randn(4, 48, dtype=dtype, device=DEV)], [group_sizes]
+    return make, lambda x, w, b, group_sizes: patchgemm.grouped_linear(x, w, b, group_sizes=group_sizes)
+
+
+def _pointwise(dtype):
+    x = randn(4, 64, 12, 12, dtype=dtype, device=DEV).contiguous(memory_format=torch.channels_last)
+    return [x, randn(96, 16, 1, 1, dtype=dtype, device=DEV), randn(96, dtype=dtype, device=DEV)], []
+
+
+def _mlp(dtype):
+    return [randn(32, 4, 64, dtype=dtype, device=DEV), randn(4, 2 * 48, 64, dtype=dtype, device=DEV),
+            randn(4, 64, 48, dtype=dtype, device=DEV)], []
+
+
+def _moe(dtype):
+    tokens, top_k, experts = 96, 2, 6
+    index = torch.stack([torch.randperm(experts, device=DEV)[:top_k] for _ in range(tokens)])
+    return [randn(tokens, 64, dtype=dtype, device=DEV), randn(experts, 2 * 32, 64, dtype=dtype, device=DEV),
+            randn(experts, 64, 32, dtype=dtype, device=DEV)], [index, torch.rand(tokens, top_k, device=DEV).to(dtype)]
+
+
+def _patch(shape, kernel, embed=64):
+    def make(dtype):
+        return [randn(*shape, dtype=dtype, device=DEV), randn(embed, shape[1], *kernel, dtype=dtype, device=DEV),
+                randn(embed, dtype=dtype, device=DEV)], []
+    return make
+
+
+def _unembed(grid, kernel, tokens):
+    def make(dtype):
+        x = randn(3, grid[0] * grid[1], 64, dtype=dtype, device=DEV) if tokens else randn(3, 64, *grid, dtype=dtype,
+                                                                                          device=DEV)
+        return [x, randn(64, 5, *kernel, dtype=dtype, device=DEV), randn(5, dtype=dtype, device=DEV)], []
+    return make
+
+
+def _norm(dtype):
+    return [randn(3, 40, 6, 7, 8, dtype=dtype, device=DEV), randn(40, dtype=dtype, device=DEV),
+            randn(40, dtype=dtype, device=DEV)], []
+
+
+OPS = {
+    "grouped_linear_bgd": _grouped_linear("bgd"),
+    "grouped_linear_gbd": _grouped_linear("gbd"),
+    "ragged_sizes_on_cpu": _ragged(False),
+    "grouped_pointwise_conv": (_pointwise, lambda x, w, b: patchgemm.grouped_pointwise_conv(x, w, b, groups=4)),
+    "swiglu": (lambda dtype: ([randn(64, 2 * 96, dtype=dtype, device=DEV)], []), patchgemm.swiglu),
+    "grouped_mlp": (_mlp, patchgemm.grouped_mlp),
+    "patch_embed_channels_first": (_patch((5, 3, 64, 48), (16, 16)), patchgemm.patch_embed),
+    "patch_embed_tokens": (_patch((5, 3, 64, 48), (16, 16)),
+                           lambda x, w, b: patchgemm.patch_embed(x, w, b, out_format="tokens")),
+    "patch_embed_3d": (_patch((2, 4, 16, 16, 16), (4, 4, 4)), patchgemm.patch_embed),
+    "patch_embed_1d": (_patch((8, 2, 200), (8,)), patchgemm.patch_embed),
+    "patch_unembed": (_unembed((4, 5), (4, 4), False), patchgemm.patch_unembed),
+    "patch_unembed_tokens": (_unembed((4, 5), (4, 4), True),
+                             lambda x, w, b: patchgemm.patch_unembed(x, w, b, in_format="tokens", grid=(4, 5))),
+    "instance_norm_act": (_norm, patchgemm.instance_norm_act),
+}
+# Ragged groups with their sizes on the GPU (moe_experts computes them there): torch._grouped_mm
+# reads them there, in bfloat16 on sm_90+. The other dtypes' paths read them on the host.
+GPU_SIZED = {"ragged_sizes_on_gpu": _ragged(True),
+             "moe_experts": (_moe, lambda x, wgu, wd, index, weight: patchgemm.moe_experts(x, index, weight, wgu, wd))}
+
+
+def _step(call, params, others, grad_out):
+    """Forward, then every parameter's gradient for the fixed output gradient."""
+    def step():
+        y = call(*params, *others)
+        return (y, *torch.autograd.grad(y, params, grad_out))
+    return step
+
+
+def _refill(tensors):
+    with torch.no_grad():
+        for t in tensors:
+            if t.is_floating_point():
+                t.copy_(torch.randn_like(t))
+
+
+def _check_replay(call, params, others, dtype):
+    grad_out = torch.randn_like(call(*params, *others))
+    step = _step(call, params, others, grad_out)
+    step()  # (the choices made, the caches warm: what capture needs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()  # no host synchronization on the path
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph, captured = capture_cuda_graph(step)
+    _refill(params + [grad_out])
+    graph.replay()
+    eager = step()
+    torch.cuda.synchronize()
+    for name, got, want in zip(["y"] + [f"grad {i}" for i in range(len(params))], captured, eager):
+        assert_close_to_ref(got, want, dtype, f"replayed {name}", tol=1e-2 if dtype != torch.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("op", list(OPS))
+def test_capture_replays_every_op_and_gradient(op, dtype):
+    make, call = OPS[op]
+    torch.manual_seed(0)
+    params, others = make(dtype)
+    for p in params:
+        p.requires_grad_()
+    _check_replay(call, params, others, dtype)
+
+
+@pytest.mark.parametrize("op", list(GPU_SIZED))
+def test_capture_replays_groups_sized_on_the_gpu(op):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("torch._grouped_mm (group sizes read on the GPU) needs sm_90")
+    make, call = GPU_SIZED[op]
+    params, others = make(torch.bfloat16)
+    for p in params:
+        p.requires_grad_()
+    _check_replay(call, params, others, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("op", list(GPU_SIZED))
+def test_groups_sized_on_the_gpu_read_on_the_host_refuse_capture(op, dtype):
+    """float16 / float32 ragged groups run a path that reads the sizes on the host: capturing it
+    is a clear error, never a graph that replays stale sizes."""
+    make, call = GPU_SIZED[op]
+    params, others = make(dtype)
+    call(*params, *others)
+    with pytest.raises(RuntimeError, match="reads the group sizes on the host"):
+        capture_cuda_graph(lambda: call(*params, *others))
+
+
+def test_hierarchical_stem_captures_a_training_step():
+    stem = patchgemm.HierarchicalPatchEmbed(4, 64, (4, 2, 2), out_format="tokens").to(DEV, torch.bfloat16)
+    x = randn(2, 4, 32, 32, 32, dtype=torch.bfloat16, device=DEV)
+    params = list(stem.parameters())
+    _check_replay(lambda x, *ps: stem(x), [x.requires_grad_()] + params, [], torch.bfloat16)
