@@ -56,6 +56,9 @@ def main(argv=None) -> int:
                        help="instead of the suite: a training step of real models, original vs converted "
                        "(comma-separated names, default all: ViT-B/16, ViT-L/14, ConvNeXt-T, ConvNeXt-CL, Swin-T, "
                        "VideoMAE-S, MATEY-3D, Mixtral-S, Mixtral-S-bf16, OLMoE-S, OLMoE-S-bf16, Qwen3-MoE-S)")
+    bench.add_argument("--compile", action="store_true",
+                       help="with --models: each model compiled (torch.compile of the original, of convert()'s "
+                       "model, and patchgemm.compile), each without and with CUDA graphs")
     bench.add_argument("--host", action="store_true",
                        help="instead of the suite: the host time per call of every op vs the PyTorch op it replaces")
     sub.add_parser("info", help="version, build flavour, torch/CUDA/BLAS versions")
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
         from . import model_bench
 
         names = None if args.models == "all" else [n.strip() for n in args.models.split(",") if n.strip()]
-        return model_bench.main(names, device=args.device, json_path=args.json)
+        return model_bench.main(names, device=args.device, json_path=args.json, compiled=args.compile)
     return suite.main(device=args.device, json_path=args.json, filter=args.filter, plot_path=args.plot)
 
 

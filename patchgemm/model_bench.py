@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -164,6 +164,27 @@ def specs(tiny: bool = False) -> List[ModelSpec]:
     ]
 
 
+# --compile: each model compiled three ways (the original, the model convert() returns, and the
+# original through patchgemm's compiler integration), each without and with CUDA graphs ("-cg":
+# mode="reduce-overhead"); the first is the base of the ratios.
+COMPILE_FORMS = ("compile", "compile-cg", "convert+compile", "convert+compile-cg", "patchgemm.compile",
+                 "patchgemm.compile-cg")
+
+
+def _compiled(form: str, original: nn.Module) -> Tuple[nn.Module, str]:
+    """A compile form of the model, and what the form's report says."""
+    from .compiler import compile as patchgemm_compile
+
+    name, graphs = (form[:-3], True) if form.endswith("-cg") else (form, False)
+    mode = "reduce-overhead" if graphs else None
+    if name == "compile":
+        return torch.compile(original, mode=mode), ""
+    if name == "convert+compile":
+        report = convert(original, inplace=False)
+        return torch.compile(report.model, mode=mode), f"{len(report.swapped)} swapped"
+    return patchgemm_compile(original, mode=mode), ""
+
+
 def _make(form: str, original: nn.Module) -> nn.Module:
     if form in ("original", "conv"):
         return original
@@ -283,10 +304,20 @@ def measure(models: Sequence[nn.Module], x: torch.Tensor, device: torch.device, 
     return rows
 
 
+def _relative_diff(model: nn.Module, original: nn.Module, x: torch.Tensor) -> float:
+    """|model(x) - original(x)| / |original(x)| under the step's bf16 autocast, in training mode
+    with gradients on, as the step runs (a compiled model then compiles its training graph once)."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        want, got = _output(original(x)).detach().float(), _output(model(x)).detach().float()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
 def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tiny: Optional[bool] = None,
-        progress=print, on_rows: Callable[[List[ModelRow]], object] = lambda rows: None) -> List[ModelRow]:
+        progress=print, on_rows: Callable[[List[ModelRow]], object] = lambda rows: None,
+        compiled: bool = False) -> List[ModelRow]:
     """Every named model's rows (all models without names); ``on_rows`` sees the rows so far after
-    each model. ``tiny`` (the default on the CPU): small sizes."""
+    each model. ``tiny`` (the default on the CPU): small sizes. ``compiled``: the COMPILE_FORMS
+    instead of the model's own forms (those with CUDA graphs on a GPU only)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tiny = dev.type == "cpu" if tiny is None else tiny
     wanted = [n.lower() for n in names or []]
@@ -307,10 +338,18 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
         if spec.channels_last:
             original = original.to(memory_format=torch.channels_last)
             x = x.contiguous(memory_format=torch.channels_last)
+        forms = spec.forms
+        if compiled:
+            forms = [f for f in COMPILE_FORMS if dev.type == "cuda" or not f.endswith("-cg")]
         models, notes = [], []
-        for form in spec.forms:
+        for form in forms:
             note = ""
-            if form == "converted":
+            if form in COMPILE_FORMS:
+                original.train()
+                model, note = _compiled(form, original)
+                if not form.endswith("-cg"):  # (a CUDA-graph form's outputs are its graphs' buffers)
+                    note = "; ".join(filter(None, [note, f"output rel. diff {_relative_diff(model, original, x):.1e}"]))
+            elif form == "converted":
                 report = convert(original, inplace=False)
                 model = report.model
                 original.eval(), model.eval()  # (no dropout or drop-path: the same function twice)
@@ -323,17 +362,21 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
             models.append(model)
             notes.append(note)
         measured = measure(models, x, dev)
+        for i, model in enumerate(models):  # (the compiler's report fills as the model is traced)
+            report = getattr(model, "patchgemm_report", None)
+            if report is not None:
+                notes[i] = "; ".join(filter(None, [f"{len(report.rewritten)} rewritten", notes[i]]))
         base = measured[0]
-        for i, (form, note, row) in enumerate(zip(spec.forms, notes, measured)):
+        for i, (form, note, row) in enumerate(zip(forms, notes, measured)):
             row.model, row.form, row.note = spec.name, form, note
             if row is not base:
                 row.vs_original_gpu = base.gpu_ms / row.gpu_ms
                 row.vs_original_wall = base.wall_ms / row.wall_ms
                 row.vs_original_wall_paired = paired_wall_ratio(base, row)
-            if i >= 2:  # e.g. converted against use_linear as well as against the conv original
+            if i >= 2 and not compiled:  # e.g. converted against use_linear as well as against the conv original
                 prev = measured[i - 1]
                 row.note = "; ".join(filter(None, [
-                    f"vs {spec.forms[i - 1]}: GPU {prev.gpu_ms / row.gpu_ms:.3f}x, "
+                    f"vs {forms[i - 1]}: GPU {prev.gpu_ms / row.gpu_ms:.3f}x, "
                     f"wall {prev.wall_ms / row.wall_ms:.3f}x", row.note]))
             progress(format_rows([row], header=False))
             rows.append(row)
@@ -349,17 +392,17 @@ def format_rows(rows: List[ModelRow], header: bool = True) -> str:
         width = int(fmt.split(".")[0])
         return f"{'-':>{width}}" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
-    lines = [f"{'model':<14} {'form':<11} {'GPU ms':>8} {'wall ms':>8} {'peak MB':>8} {'GPU x':>6} {'wall x':>6} {'paired':>6}  note"]
+    lines = [f"{'model':<14} {'form':<20} {'GPU ms':>8} {'wall ms':>8} {'peak MB':>8} {'GPU x':>6} {'wall x':>6} {'paired':>6}  note"]
     lines = lines if header else []
     for r in rows:
-        lines.append(f"{r.model:<14} {r.form:<11} {num(r.gpu_ms, '8.2f')} {num(r.wall_ms, '8.2f')} "
+        lines.append(f"{r.model:<14} {r.form:<20} {num(r.gpu_ms, '8.2f')} {num(r.wall_ms, '8.2f')} "
                      f"{num(r.peak_mb, '8.0f')} {num(r.vs_original_gpu, '6.3f')} {num(r.vs_original_wall, '6.3f')} "
                      f"{num(r.vs_original_wall_paired, '6.3f')}  {r.note}")
     return "\n".join(lines)
 
 
 def main(names: Optional[Sequence[str]] = None, device: Optional[str] = None, json_path: Optional[str] = None,
-         tiny: Optional[bool] = None) -> int:
+         tiny: Optional[bool] = None, compiled: bool = False) -> int:
     import json
     from dataclasses import asdict
 
@@ -378,6 +421,6 @@ def main(names: Optional[Sequence[str]] = None, device: Optional[str] = None, js
                 json.dump({"environment": environment(dev), "models": [asdict(r) for r in rows]}, f, indent=1)
 
     print(format_rows([]))
-    rows = run(names, device=str(dev), tiny=tiny, on_rows=save)
+    rows = run(names, device=str(dev), tiny=tiny, on_rows=save, compiled=compiled)
     print("\n" + format_rows(rows))
     return 0
