@@ -13,7 +13,10 @@ Rewritten (the rules are :func:`convert`'s, applied to calls instead of modules)
   it to channels-last order, the GEMM writes the tokens' layout and those become free views;
 - ``conv_transpose{1,2,3}d`` likewise (output_padding 0) -> ``patch_unembed``;
 - grouped pointwise ``conv{1,2,3}d`` (kernel 1, stride 1, groups > 1, more than one input channel
-  per group) -> ``grouped_pointwise_conv``.
+  per group) -> ``grouped_pointwise_conv``;
+- grouped linears written as ``torch.einsum("bgd,gdo->bgo", x, w)`` (or ``"bgd,god->bgo"``, more
+  batch dims, group-major ``"gbd,..."``), or as ``bmm`` of ``x[B, G, D].transpose(0, 1)`` whose
+  every use transposes the result back -> ``grouped_linear``, which writes ``[B, G, O]`` directly.
 
 Every other call is left to the backend; 1 x 1 convs with one group, and depthwise ones, stay
 (cuDNN computes them as well), as in :func:`convert`.
@@ -42,8 +45,8 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclass
 class CompileReport:
-    """What the backend rewrote: ``rewritten`` (where, "conv2d -> patch_embed ...") and ``left``
-    (where, why) per convolution it met in a traced graph. ``where`` is the module path of the call
+    """What the backend rewrote: ``rewritten`` (where, "conv2d -> patch_embed ...") per call
+    rewritten, and ``left`` (where, why) per convolution it met and left. ``where`` is the module path of the call
     (``patch_embed.proj``) where the trace names it. A graph traced again (new shapes, a graph
     break) adds its calls; a call is listed once."""
     rewritten: List[Tuple[str, str]] = field(default_factory=list)
@@ -200,6 +203,78 @@ def _rewrite_conv(node: fx.Node, report: CompileReport) -> Optional[Tuple[Callab
     return functional.patch_embed, operands, {"out_format": "channels_last" if tokens else "channels_first"}
 
 
+def _swaps_first_two(node) -> bool:
+    """Whether `node` is a 3-D tensor's ``.transpose(0, 1)`` (or ``.permute(1, 0, 2)``)."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function"):
+        return False
+    value = _value(node)
+    if value is None or value.dim() != 3:
+        return False
+    dims = _dims(node)
+    if _is_method(node, "transpose"):
+        return len(dims) == 2 and {d % 3 for d in dims if type(d) is int} == {0, 1}
+    return _is_method(node, "permute") and tuple(d % 3 for d in dims if type(d) is int) == (1, 0, 2) and len(dims) == 3
+
+
+def _floats(*nodes) -> bool:
+    return all(_value(n) is not None and _value(n).dtype in _FLOATS for n in nodes)
+
+
+def _rewrite_bmm(node: fx.Node, report: CompileReport) -> Optional[Tuple[Callable, tuple, dict, List[fx.Node]]]:
+    """``bmm(x.transpose(0, 1), w).transpose(0, 1)`` as grouped_linear(x, w^T): the call and the
+    nodes it replaces (the transposes that read the bmm), or None."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    a, w = node.args
+    users = list(node.users)
+    if not (_swaps_first_two(a) and users and all(_swaps_first_two(u) and u.args[0] is node for u in users)):
+        return None  # (a bmm over group-major operands is one strided-batched GEMM already)
+    x = a.args[0]
+    if not _floats(x, w):
+        return None
+    report._add(report.rewritten, (_where(node), f"bmm(x{tuple(_value(x).shape)}.transpose(0, 1), "
+                                                 f"w{tuple(_value(w).shape)}).transpose(0, 1) -> grouped_linear"))
+    return functional.grouped_linear, (x, ("transpose", w), None, "bgd"), {}, users
+
+
+def _grouped_einsum(equation: str) -> Optional[Tuple[str, bool]]:
+    """(layout, whether w is [G, D, O]) when the einsum is a grouped linear of x and w, else None."""
+    equation = equation.replace(" ", "")
+    if "..." in equation or "->" not in equation or equation.count(",") != 1:
+        return None
+    lhs, out = equation.split("->")
+    xs, ws = lhs.split(",")
+    if len(ws) != 3 or len(set(ws)) != 3 or len(set(xs)) != len(xs) or len(xs) < 2:
+        return None
+    g, d = ws[0], xs[-1]
+    if g == d or d not in ws[1:]:
+        return None
+    o = ws[2] if ws[1] == d else ws[1]
+    if o in xs or out != xs[:-1] + o:
+        return None
+    if xs[-2] == g:
+        layout = "bgd"
+    elif xs[0] == g and len(xs) >= 3:
+        layout = "gbd"
+    else:
+        return None
+    return layout, ws[1] == d
+
+
+def _rewrite_einsum(node: fx.Node, report: CompileReport) -> Optional[Tuple[Callable, tuple, dict, List[fx.Node]]]:
+    args = list(node.args)
+    if node.kwargs or not args or not isinstance(args[0], str):
+        return None
+    operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    form = _grouped_einsum(args[0])
+    if form is None or len(operands) != 2 or not _floats(*operands):
+        return None
+    x, w = operands
+    layout, w_is_gdo = form
+    report._add(report.rewritten, (_where(node), f"einsum({args[0]!r}) -> grouped_linear"))
+    return functional.grouped_linear, (x, ("transpose", w) if w_is_gdo else w, None, layout), {}, [node]
+
+
 def rewrite(gm: fx.GraphModule, report: Optional[CompileReport] = None) -> CompileReport:
     """Rewrite, in place, the calls of a Dynamo-traced graph that patchgemm ops compute (see the
     module's docstring); returns the report (``report``, added to, if given)."""
@@ -207,26 +282,59 @@ def rewrite(gm: fx.GraphModule, report: Optional[CompileReport] = None) -> Compi
     graph = gm.graph
     changed = False
     for node in list(graph.nodes):
-        if node.op != "call_function" or not (node.target in _CONVS or node.target in _CONV_TRANSPOSES):
+        if node.op == "call_function" and (node.target in _CONVS or node.target in _CONV_TRANSPOSES):
+            call = _rewrite_conv(node, report)
+            call = call and (*call, [node])
+        elif _is_method(node, "bmm"):
+            call = _rewrite_bmm(node, report)
+        elif node.op == "call_function" and node.target is torch.einsum:
+            call = _rewrite_einsum(node, report)
+        else:
             continue
-        call = _rewrite_conv(node, report)
         if call is None:
             continue
-        fn, args, kwargs = call
-        with graph.inserting_after(node):
-            new = graph.call_function(fn, args, kwargs)
-        new.meta.update(node.meta)
-        example = _value(node)
-        if example is not None:  # the new call's own fake result: its strides may differ
-            with example.fake_mode:
-                new.meta["example_value"] = fn(*[_value(a) if isinstance(a, fx.Node) else a for a in args], **kwargs)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
+        fn, args, kwargs, replaced = call
+        _replace(graph, node, replaced, fn, args, kwargs)
         changed = True
     if changed:
         graph.lint()
         gm.recompile()
     return report
+
+
+def _replace(graph: fx.Graph, node: fx.Node, replaced: List[fx.Node], fn: Callable, args: tuple, kwargs: dict) -> None:
+    """Insert ``fn(*args, **kwargs)`` after `node` and let it stand for every node in `replaced`
+    (each computes the value it computes); then erase what is left unused. An argument
+    ``("transpose", w)`` stands for ``w.transpose(1, 2)``, inserted too."""
+    def fake(arg):  # the example value of an argument, for the new nodes' metadata
+        if isinstance(arg, tuple):
+            return fake(arg[1]).transpose(1, 2)
+        return _value(arg) if isinstance(arg, fx.Node) else arg
+
+    example = _value(replaced[-1])
+    with graph.inserting_before(node.next):  # (each new node before node.next: in order)
+        new_args = []
+        for arg in args:
+            if isinstance(arg, tuple):
+                transposed = graph.call_method("transpose", (arg[1], 1, 2))
+                if example is not None:
+                    transposed.meta["example_value"] = fake(arg)
+                arg = transposed
+            new_args.append(arg)
+        new = graph.call_function(fn, tuple(new_args), kwargs)
+    new.meta.update(replaced[-1].meta)
+    if example is not None:  # the new call's own fake result: its strides may differ
+        with example.fake_mode:
+            new.meta["example_value"] = fn(*[fake(a) for a in args], **kwargs)
+    for old in replaced:
+        old.replace_all_uses_with(new)
+    for old in dict.fromkeys([*replaced, node]):
+        if not old.users:
+            inputs = old.all_input_nodes
+            graph.erase_node(old)
+            for n in inputs:  # (the bmm's transpose of x, when nothing else reads it)
+                if n.op != "placeholder" and not n.users and n is not node and n not in replaced:
+                    graph.erase_node(n)
 
 
 def _inner_compiler(backend: Union[str, Callable], mode: Optional[str], options: Optional[dict]) -> Callable:

@@ -181,3 +181,32 @@ def test_autocast_regions_are_rewritten():
         got, want = compiled(x, s), model(x, s)
     assert_same([g.float() for g in got], [w.float() for w in want], 3e-2)
     assert len(compiled.patchgemm_report.rewritten) == len(REWRITTEN), str(compiled.patchgemm_report)
+
+
+def grouped_linears(x, w, w_god, x_gbd):
+    """Grouped linears as models write them: einsums, and bmm over x[B, G, D].transpose(0, 1)."""
+    return (torch.einsum("bgd,gdo->bgo", x, w),
+            torch.einsum("n b g d, g o d -> n b g o", x.view(2, 3, 4, 5), w_god),
+            torch.einsum("gbd,gdo->gbo", x_gbd, w),
+            torch.bmm(x.transpose(0, 1), w).transpose(0, 1),
+            x.permute(1, 0, 2).bmm(w_god.transpose(1, 2)).permute(1, 0, 2) + 1,
+            torch.bmm(x.transpose(0, 1), w) * 2,          # the [G, B, O] result itself is read: left
+            torch.einsum("bd,gdo->bgo", x[:, 0], w),      # one x for every group: not a grouped linear
+            torch.bmm(x_gbd, w))                          # group-major: one strided-batched GEMM already
+
+
+def test_grouped_linears_written_as_einsum_or_bmm_become_grouped_linear():
+    torch.manual_seed(0)
+    args = [torch.randn(6, 4, 5, dtype=torch.float64, requires_grad=True),
+            torch.randn(4, 5, 7, dtype=torch.float64, requires_grad=True),
+            torch.randn(4, 7, 5, dtype=torch.float64, requires_grad=True),
+            torch.randn(4, 6, 5, dtype=torch.float64, requires_grad=True)]
+    compiled = patchgemm.compile(grouped_linears, backend="aot_eager", fullgraph=True)
+    got, want = compiled(*args), grouped_linears(*args)
+    assert_same(got, want, 1e-12)
+    weights = [torch.randn_like(t) for t in want]
+    assert_same(torch.autograd.grad(sum((g * r).sum() for g, r in zip(got, weights)), args),
+                torch.autograd.grad(sum((t * r).sum() for t, r in zip(want, weights)), args), 1e-12)
+    rewritten = [what for _, what in compiled.patchgemm_report.rewritten]
+    assert len(rewritten) == 5 and all(w.endswith("-> grouped_linear") for w in rewritten), rewritten
+    assert got[0].is_contiguous() and got[3].is_contiguous()  # [B, G, O] written directly
