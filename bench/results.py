@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from patchgemm.bench import Row, format_table  # noqa: E402
 from patchgemm.host_bench import HostRow  # noqa: E402
 from patchgemm.host_bench import format_rows as format_host_rows  # noqa: E402
-from patchgemm.model_bench import ModelRow, format_rows, paired_wall_ratio  # noqa: E402
+from patchgemm.model_bench import COMPILE_FORMS, ModelRow, format_rows, paired_wall_ratio  # noqa: E402
 from patchgemm import learned, tune  # noqa: E402
 
 import distributed  # noqa: E402
@@ -94,8 +94,11 @@ def _table_section(saved: dict, title: str, command: str, method: str, table: st
 
 def models_section(saved: dict, name: str) -> str:
     models = ",".join(dict.fromkeys(r["model"] for r in saved["models"]))  # the run's models, in order
+    compiled = any(r["form"] in COMPILE_FORMS for r in saved["models"])
     return _table_section(
-        saved, "Models, a training step", f"python -m patchgemm bench --models {models} --json {name}",
+        saved, "Models compiled, a training step" if compiled else "Models, a training step",
+        f"python -m patchgemm bench --models {models}{' --compile' if compiled else ''} --json {name}",
+        ("each form compiled (`-cg`: with CUDA graphs, Inductor's reduce-overhead mode); " if compiled else "") +
         "forward + backward under bf16 autocast, random weights, models built from their libraries' configs. GPU "
         "ms is the profiler's sum of kernel times per step; wall ms the wall time per step with 10 steps back to "
         "back, the fastest of 31 rounds in which a model's forms take turns with the garbage collector off (a "

@@ -245,6 +245,19 @@ def test_model_bench_runs_every_form_on_the_cpu(capsys):
     assert "swapped 2" in str(report)
 
 
+def test_model_bench_compiles_every_form_on_the_cpu():
+    """`bench --models --compile` on tiny sizes: the compiled original, convert() then compile,
+    and patchgemm.compile (no CUDA graphs on the CPU), each computing the model's function."""
+    from patchgemm import model_bench
+
+    torch._dynamo.reset()
+    rows = model_bench.run(["MATEY-3D"], device="cpu", tiny=True, progress=lambda line: None, compiled=True)
+    assert [r.form for r in rows] == ["compile", "convert+compile", "patchgemm.compile"]
+    assert all(r.gpu_ms > 0 and r.wall_ms > 0 for r in rows) and rows[2].vs_original_gpu > 0
+    assert "2 swapped" in rows[1].note and rows[2].note.startswith("6 rewritten; ")
+    assert all(float(r.note.split("diff ")[1]) < 3e-2 for r in rows)
+
+
 def test_host_bench_times_every_op_against_its_pytorch_op(tmp_path):
     """`python -m patchgemm bench --host` on tiny sizes: a row per op and pass, and the JSON renders
     as a section of RESULTS.md."""
