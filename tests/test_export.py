@@ -51,6 +51,18 @@ def test_export_round_trips_with_the_eager_outputs(device):
     torch.testing.assert_close(torch.export.load(buffer).module()(x), want)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_export_with_a_dynamic_batch(device):
+    """One exported program for every batch size: no op pins the batch to the traced one."""
+    model = converted(device)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    exported = torch.export.export(model, (torch.randn(2, 3, 32, 24, device=device),),
+                                   dynamic_shapes={"x": {0: batch}})
+    for b in (1, 5, 64):
+        x = torch.randn(b, 3, 32, 24, device=device)
+        torch.testing.assert_close(exported.module()(x), model(x))
+
+
 def aot_compile_and_run(model, x, path):
     exported = torch.export.export(model, (x,))
     package = torch._inductor.aoti_compile_and_package(exported, package_path=str(path))

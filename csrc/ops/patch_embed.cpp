@@ -173,9 +173,11 @@ UnembedProblem unembed_problem(const at::Tensor& x, const at::Tensor& weight, co
 }
 
 at::Tensor whole_patches(const at::Tensor& x, const at::Tensor& weight, c10::IntArrayRef levels) {
-  if (!levels.empty() || x.dim() != weight.dim() || x.dim() < 3 || x.size(1) != weight.size(1) ||
+  // Symbolic sizes first: size(d) of a tensor traced with symbolic sizes reads all of them as
+  // ints, which pins every dim (torch.export's dynamic batch) to the traced value.
+  if (!levels.empty() || x.dim() != weight.dim() || x.dim() < 3 ||
       x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
-      weight.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+      weight.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || x.size(1) != weight.size(1)) {
     return x;  // (the op's checks name what does not fit)
   }
   at::Tensor whole = x;
