@@ -22,6 +22,7 @@ Every other call is left to the backend; 1 x 1 convs with one group, and depthwi
 (cuDNN computes them as well), as in :func:`convert`.
 """
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple, Union
@@ -33,6 +34,7 @@ from . import functional
 from .nn import _left_to_pytorch, _patch_problem, _pointwise_problem
 
 __all__ = ["compile", "backend", "CompileReport"]
+_log = logging.getLogger(__name__)
 
 # The torch functions a traced conv module calls, with their parameters in order.
 _CONV_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -369,8 +371,12 @@ class _Backend:
 
 def backend(gm: fx.GraphModule, example_inputs, mode: Optional[str] = None, options: Optional[dict] = None):
     """The backend ``torch.compile(model, backend="patchgemm")`` names (mode and options are
-    Inductor's). It keeps no report: :func:`compile` does."""
-    return _Backend("inductor", mode, options)(gm, example_inputs)
+    Inductor's). Each traced graph's report goes to the ``patchgemm.compiler`` logger (INFO);
+    :func:`compile` keeps them on the compiled model instead."""
+    rewriting = _Backend("inductor", mode, options)
+    compiled = rewriting(gm, example_inputs)
+    _log.info("%s", rewriting.report)
+    return compiled
 
 
 def compile(model: Callable, *, backend: Union[str, Callable] = "inductor", mode: Optional[str] = None,

@@ -128,13 +128,15 @@ def test_inductor_compiles_the_rewritten_graph():
     assert len(compiled.patchgemm_report.rewritten) == len(REWRITTEN)
 
 
-def test_torch_compile_finds_the_backend_by_name():
-    """The package's entry point registers "patchgemm" with Dynamo."""
+def test_torch_compile_finds_the_backend_by_name(caplog):
+    """The package's entry point registers "patchgemm" with Dynamo; the report goes to the log."""
     model = Model().double()
     x, s = inputs("cpu")
     compiled = torch.compile(model, backend="patchgemm", mode="default")
-    assert_same(compiled(x, s), model(x, s), 1e-10)
+    with caplog.at_level("INFO", logger="patchgemm.compiler"):
+        assert_same(compiled(x, s), model(x, s), 1e-10)
     assert "patchgemm" in torch._dynamo.list_backends()
+    assert "rewrote 6, left 3" in caplog.text
 
 
 def test_calls_it_cannot_read_are_left():
