@@ -155,8 +155,9 @@ def _uses_tokens(node: fx.Node, rank: int) -> bool:
     return bool(node.users) and all(reads_tokens(user) for user in node.users)
 
 
-def _rewrite_conv(node: fx.Node, report: CompileReport) -> Optional[Tuple[Callable, tuple, dict]]:
-    """The patchgemm call computing a conv node, or None (with the reason in the report)."""
+def _rewrite_conv(node: fx.Node, report: CompileReport) -> Optional[Tuple[Callable, tuple, dict, List[fx.Node]]]:
+    """The patchgemm call computing a conv node (and the node it replaces), or None (with the
+    reason in the report)."""
     transposed = node.target in _CONV_TRANSPOSES
     rank = (_CONV_TRANSPOSES if transposed else _CONVS)[node.target]
     name = node.target.__name__
@@ -196,13 +197,13 @@ def _rewrite_conv(node: fx.Node, report: CompileReport) -> Optional[Tuple[Callab
     operands = (args["input"], args["weight"], bias)
     if pointwise:
         report._add(report.rewritten, (where, f"{described} -> grouped_pointwise_conv"))
-        return functional.grouped_pointwise_conv, operands, {"groups": conv.groups}
+        return functional.grouped_pointwise_conv, operands, {"groups": conv.groups}, [node]
     if transposed:
         report._add(report.rewritten, (where, f"{described} -> patch_unembed"))
-        return functional.patch_unembed, operands, {}
+        return functional.patch_unembed, operands, {}, [node]
     tokens = x.dim() == rank + 2 and _uses_tokens(node, rank)
     report._add(report.rewritten, (where, f"{described} -> patch_embed" + (" writing tokens" if tokens else "")))
-    return functional.patch_embed, operands, {"out_format": "channels_last" if tokens else "channels_first"}
+    return functional.patch_embed, operands, {"out_format": "channels_last" if tokens else "channels_first"}, [node]
 
 
 def _swaps_first_two(node) -> bool:
@@ -236,7 +237,12 @@ def _rewrite_bmm(node: fx.Node, report: CompileReport) -> Optional[Tuple[Callabl
         return None
     report._add(report.rewritten, (_where(node), f"bmm(x{tuple(_value(x).shape)}.transpose(0, 1), "
                                                  f"w{tuple(_value(w).shape)}).transpose(0, 1) -> grouped_linear"))
-    return functional.grouped_linear, (x, ("transpose", w), None, "bgd"), {}, users
+    return _grouped_linear_in_out, (x, w, "bgd"), {}, users
+
+
+def _grouped_linear_in_out(x, w, layout):
+    """grouped_linear of a weight laid out [G, D_in, D_out] (bmm's, and einsum's "gdo")."""
+    return functional.grouped_linear(x, w.transpose(1, 2), None, layout)
 
 
 def _grouped_einsum(equation: str) -> Optional[Tuple[str, bool]]:
@@ -274,7 +280,9 @@ def _rewrite_einsum(node: fx.Node, report: CompileReport) -> Optional[Tuple[Call
     x, w = operands
     layout, w_is_gdo = form
     report._add(report.rewritten, (_where(node), f"einsum({args[0]!r}) -> grouped_linear"))
-    return functional.grouped_linear, (x, ("transpose", w) if w_is_gdo else w, None, layout), {}, [node]
+    if w_is_gdo:
+        return _grouped_linear_in_out, (x, w, layout), {}, [node]
+    return functional.grouped_linear, (x, w, None, layout), {}, [node]
 
 
 def rewrite(gm: fx.GraphModule, report: Optional[CompileReport] = None) -> CompileReport:
@@ -286,7 +294,6 @@ def rewrite(gm: fx.GraphModule, report: Optional[CompileReport] = None) -> Compi
     for node in list(graph.nodes):
         if node.op == "call_function" and (node.target in _CONVS or node.target in _CONV_TRANSPOSES):
             call = _rewrite_conv(node, report)
-            call = call and (*call, [node])
         elif _is_method(node, "bmm"):
             call = _rewrite_bmm(node, report)
         elif node.op == "call_function" and node.target is torch.einsum:
@@ -306,28 +313,14 @@ def rewrite(gm: fx.GraphModule, report: Optional[CompileReport] = None) -> Compi
 
 def _replace(graph: fx.Graph, node: fx.Node, replaced: List[fx.Node], fn: Callable, args: tuple, kwargs: dict) -> None:
     """Insert ``fn(*args, **kwargs)`` after `node` and let it stand for every node in `replaced`
-    (each computes the value it computes); then erase what is left unused. An argument
-    ``("transpose", w)`` stands for ``w.transpose(1, 2)``, inserted too."""
-    def fake(arg):  # the example value of an argument, for the new nodes' metadata
-        if isinstance(arg, tuple):
-            return fake(arg[1]).transpose(1, 2)
-        return _value(arg) if isinstance(arg, fx.Node) else arg
-
-    example = _value(replaced[-1])
-    with graph.inserting_before(node.next):  # (each new node before node.next: in order)
-        new_args = []
-        for arg in args:
-            if isinstance(arg, tuple):
-                transposed = graph.call_method("transpose", (arg[1], 1, 2))
-                if example is not None:
-                    transposed.meta["example_value"] = fake(arg)
-                arg = transposed
-            new_args.append(arg)
-        new = graph.call_function(fn, tuple(new_args), kwargs)
+    (each computes the value it computes); then erase what is left unused."""
+    with graph.inserting_after(node):
+        new = graph.call_function(fn, args, kwargs)
     new.meta.update(replaced[-1].meta)
+    example = _value(replaced[-1])
     if example is not None:  # the new call's own fake result: its strides may differ
         with example.fake_mode:
-            new.meta["example_value"] = fn(*[fake(a) for a in args], **kwargs)
+            new.meta["example_value"] = fn(*[_value(a) if isinstance(a, fx.Node) else a for a in args], **kwargs)
     for old in replaced:
         old.replace_all_uses_with(new)
     for old in dict.fromkeys([*replaced, node]):
