@@ -305,8 +305,9 @@ def measure(models: Sequence[nn.Module], x: torch.Tensor, device: torch.device, 
 
 
 def _relative_diff(model: nn.Module, original: nn.Module, x: torch.Tensor) -> float:
-    """|model(x) - original(x)| / |original(x)| under the step's bf16 autocast, in training mode
-    with gradients on, as the step runs (a compiled model then compiles its training graph once)."""
+    """|model(x) - original(x)| / |original(x)| under the step's bf16 autocast, in the modes the
+    caller set (a compiled model is checked as the step runs it, training with gradients on, so it
+    compiles its training graph once)."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
         want, got = _output(original(x)).detach().float(), _output(model(x)).detach().float()
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
@@ -353,10 +354,8 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
                 report = convert(original, inplace=False)
                 model = report.model
                 original.eval(), model.eval()  # (no dropout or drop-path: the same function twice)
-                with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
-                    want, got = _output(original(x)).float(), _output(model(x)).float()
-                diff = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-                note = f"{len(report.swapped)} swapped; output rel. diff {diff:.1e}"
+                with torch.no_grad():
+                    note = f"{len(report.swapped)} swapped; output rel. diff {_relative_diff(model, original, x):.1e}"
             else:
                 model = _make(form, original)
             models.append(model)
