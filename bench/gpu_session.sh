@@ -15,6 +15,7 @@
 #   tune        python -m patchgemm tune $TUNE_ARGS (memory-only cache), records to $OUT/tune.json.gz
 #   heldout     bench/heldout.py $HELDOUT_ARGS (default: --set all), JSON to $OUT/heldout.json
 #   models      python -m patchgemm bench --models, JSON to $OUT/models.json
+#   fp8         bench/fp8.py (FP8 grouped linear against bf16 and PyTorch's FP8), JSON to $OUT/fp8.json
 # Results go to $OUT (the device tool's result folder) or ./gpu-logs; build and stderr logs to $LOGS
 # (/tmp), their tails printed on failure. SAVE_WHEEL=1 also leaves the built wheel in $OUT/wheel,
 # in parts of at most 15 MB (the device tool returns files of up to 16 MiB), to carry to later runs;
@@ -129,4 +130,8 @@ fi
 if want models; then
   step "models"
   python3 -m patchgemm bench --models --json "$OUT/models.json" 2>"$LOGS/models.err" | tee "$OUT/models.txt"
+fi
+if want fp8; then
+  step "fp8"
+  python3 "$SRC/bench/fp8.py" --json "$OUT/fp8.json" 2>"$LOGS/fp8.err" | tee "$OUT/fp8.txt"; tail -5 "$LOGS/fp8.err"
 fi

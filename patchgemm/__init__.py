@@ -8,6 +8,7 @@ from .functional import (grouped_linear, grouped_mlp, grouped_pointwise_conv, in
 from .nn import (ConvertReport, GroupedLinear, GroupedMLP, GroupedPointwiseConv, HierarchicalPatchEmbed, HierarchicalPatchUnembed,
                  MoEExperts, PatchEmbed, PatchUnembed, convert)
 from .compiler import CompileReport, compile
+from .fp8 import Float8Recipe, fp8_autocast
 from .selection import _select_at_import, explain, force, get_selection, kernels, set_selection
 
 __version__ = "0.2.0.dev0"
@@ -25,7 +26,8 @@ __all__ = [
     "grouped_linear", "grouped_mlp", "grouped_pointwise_conv", "swiglu", "moe_experts", "GroupedLinear", "GroupedMLP",
     "MoEExperts",
     "GroupedPointwiseConv", "patch_embed", "patch_unembed", "instance_norm_act", "PatchEmbed", "PatchUnembed",
-    "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "compile", "CompileReport", "explain", "force", "kernels",
+    "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "compile", "CompileReport", "Float8Recipe",
+    "fp8_autocast", "explain", "force", "kernels",
     "set_selection", "get_selection", "__version__",
 ]
 

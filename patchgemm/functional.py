@@ -3,26 +3,36 @@
 import itertools
 import math
 import operator
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from . import fp8 as _fp8
 from ._functorch import call as _call
+from .fp8 import Float8Recipe
 
 LAYOUTS = ("bgd", "gbd")
 _unsafe_view = torch.ops.aten._unsafe_view.default  # a reshape whose result is not a view (as matmul's)
 
 
+def _autocast_dtype(t: Tensor) -> Optional[torch.dtype]:
+    """The dtype torch.autocast computes ops on t's device in, or None where it is off (or the
+    device has none: meta)."""
+    if not torch._C._is_any_autocast_enabled():  # the usual case, in one call (torch.compile folds it)
+        return None
+    device_type = "cuda" if t.is_cuda else t.device.type  # (is_cuda: no device object)
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def _autocast(*tensors):
     """Cast floating tensors to the autocast dtype, as torch.autocast does for nn.Linear and the
     convs: float64 stays float64, and devices without autocast (meta) are left alone."""
-    if not torch._C._is_any_autocast_enabled():  # the usual case, in one call (torch.compile folds it)
+    dtype = _autocast_dtype(tensors[0])
+    if dtype is None:
         return tensors
-    device_type = "cuda" if tensors[0].is_cuda else tensors[0].device.type  # (is_cuda: no device object)
-    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
                  for t in tensors)
 
@@ -46,7 +56,7 @@ def _grid(grid, where: str) -> list:
 
 
 def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, layout: str = "bgd", *,
-                   group_sizes=None, offsets=None) -> Tensor:
+                   group_sizes=None, offsets=None, fp8: Union[None, bool, Float8Recipe] = None) -> Tensor:
     """G independent linears over the groups of ``x``, as one strided-batched GEMM.
 
     Args:
@@ -63,6 +73,8 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
             sm_90+), else one.
         offsets: instead of ``group_sizes``, their cumulative sums (``torch._grouped_mm``'s
             ``offs``): group g is rows ``offsets[g-1]:offsets[g]``.
+        fp8: run in FP8 (patchgemm.fp8): ``True`` (the default recipe), a ``Float8Recipe``, ``False``
+            (never), or None (the enclosing ``fp8_autocast`` region's choice). Not for ragged groups.
 
     Returns:
         ``y`` in the layout of ``x`` with Din replaced by Dout:
@@ -80,11 +92,17 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         raise RuntimeError(f"grouped_linear: weight must be [G, Dout, Din], got shape {tuple(weight.shape)}")
     if bias is not None and not isinstance(bias, Tensor):
         raise TypeError("grouped_linear: bias must be a tensor or None")
-    x, weight, bias = _autocast(x, weight, bias)
+    recipe = _fp8.resolve("grouped_linear", fp8)
     if group_sizes is not None or offsets is not None:
-        return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets)
-    if x.dim() == 3:  # the op's own form, in either layout
-        return _call("grouped_linear", x, weight, bias, layout == "gbd")
+        if fp8:
+            raise ValueError("grouped_linear: fp8 is not supported for ragged groups (group_sizes / offsets)")
+        return _ragged_grouped_linear(*_autocast(x, weight, bias), group_sizes, offsets)
+    if recipe is None:
+        x, weight, bias = _autocast(x, weight, bias)
+        if x.dim() == 3:  # the op's own form, in either layout
+            return _call("grouped_linear", x, weight, bias, layout == "gbd")
+    elif x.dim() == 3:
+        return _fp8.grouped_linear(x, weight, bias, layout == "gbd", recipe, _autocast_dtype(x) or x.dtype)
 
     groups, out_features, _ = weight.shape
     if layout == "bgd":
@@ -105,7 +123,10 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
                 f"grouped_linear: x must be [G, ..., Din] for layout 'gbd', got shape {tuple(x.shape)}")
         x3 = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
-    y = _call("grouped_linear", x3, weight, bias, layout == "gbd")
+    if recipe is None:
+        y = _call("grouped_linear", x3, weight, bias, layout == "gbd")
+    else:
+        y = _fp8.grouped_linear(x3, weight, bias, layout == "gbd", recipe, _autocast_dtype(x) or x.dtype)
     # As nn.Linear on N-D x: the result is y's memory but not a view of it, so a module returning it
     # returns no view (FSDP2 warns about those: an in-place op on one would skip its hooks).
     return _unsafe_view(y, (*x.shape[:-1], out_features))
@@ -183,7 +204,7 @@ ACTIVATIONS = ("swiglu",)
 
 def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd", *,
                 bias_gate_up: Optional[Tensor] = None, bias_down: Optional[Tensor] = None,
-                activation: str = "swiglu") -> Tensor:
+                activation: str = "swiglu", fp8: Union[None, bool, Float8Recipe] = None) -> Tensor:
     """A gated MLP per group: ``down_g(silu(gate_g(x_g)) * up_g(x_g))`` for the G groups of ``x``.
 
     Args:
@@ -193,6 +214,7 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
         w_down: ``[G, D_out, H]``.
         bias_gate_up, bias_down: ``[G, 2H]`` and ``[G, D_out]``, or None.
         activation: ``"swiglu"``.
+        fp8: both GEMMs in FP8, as grouped_linear's ``fp8`` (the activation in the compute dtype).
 
     Three GEMMs and one fused activation: gate and up are one strided-batched GEMM, the activation
     reads its output in place and writes h, the down GEMM reads h; backward likewise (one fused
@@ -209,8 +231,8 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
         raise RuntimeError(
             f"grouped_mlp: w_gate_up must be [G, 2H, D] and w_down [G, D_out, H] with the same G and H, got "
             f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
-    gate_up = grouped_linear(x, w_gate_up, bias_gate_up, layout)
-    return grouped_linear(swiglu(gate_up), w_down, bias_down, layout)
+    gate_up = grouped_linear(x, w_gate_up, bias_gate_up, layout, fp8=fp8)
+    return grouped_linear(swiglu(gate_up), w_down, bias_down, layout, fp8=fp8)
 
 
 def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:

@@ -4,13 +4,15 @@ import copy
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from . import functional as F
 from ._functorch import call as _call
+from .fp8 import Float8Recipe
+from .fp8 import resolve as resolve_fp8
 
 __all__ = ["GroupedLinear", "GroupedMLP", "GroupedPointwiseConv", "PatchEmbed", "PatchUnembed", "HierarchicalPatchEmbed",
            "HierarchicalPatchUnembed", "convert", "ConvertReport"]
@@ -31,14 +33,17 @@ class GroupedLinear(nn.Module):
 
     ``x`` is ``[..., G, in_features]`` (``layout="bgd"``) or ``[G, ..., in_features]`` (``"gbd"``);
     parameters are ``weight[G, out_features, in_features]`` and ``bias[G, out_features]``, each group
-    initialised like ``nn.Linear``.
+    initialised like ``nn.Linear``. ``fp8``: run in FP8 (``True``, a ``Float8Recipe``), never
+    (``False``), or as the enclosing ``fp8_autocast`` says (None).
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
-                 layout: str = "bgd", device=None, dtype=None):
+                 layout: str = "bgd", device=None, dtype=None, *, fp8: Union[None, bool, Float8Recipe] = None):
         super().__init__()
         if layout not in F.LAYOUTS:
             raise ValueError(f"GroupedLinear: layout must be one of {F.LAYOUTS}, got {layout!r}")
+        resolve_fp8("GroupedLinear", fp8)  # checks its type
+        self.fp8 = fp8
         num_groups, in_features, out_features = _sizes("GroupedLinear", 0, num_groups=num_groups,
                                                        in_features=in_features, out_features=out_features)
         factory = {"device": device, "dtype": dtype}
@@ -57,11 +62,12 @@ class GroupedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.grouped_linear(x, self.weight, self.bias, self.layout)
+        return F.grouped_linear(x, self.weight, self.bias, self.layout, fp8=self.fp8)
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
-                f"out_features={self.out_features}, bias={self.bias is not None}, layout={self.layout!r}")
+                f"out_features={self.out_features}, bias={self.bias is not None}, layout={self.layout!r}"
+                + (f", fp8={self.fp8!r}" if self.fp8 is not None else ""))
 
     @classmethod
     def from_linears(cls, linears: Sequence[nn.Linear], layout: str = "bgd") -> "GroupedLinear":
@@ -115,12 +121,16 @@ class GroupedMLP(nn.Module):
 
     Parameters: ``w_gate_up[G, 2*hidden, dim]`` (gate rows first, then up) and
     ``w_down[G, out_dim, hidden]``, plus ``bias_gate_up[G, 2*hidden]`` / ``bias_down[G, out_dim]``
-    when ``bias``; each projection initialised like ``nn.Linear``.
+    when ``bias``; each projection initialised like ``nn.Linear``. ``fp8``: both GEMMs in FP8, as
+    GroupedLinear's.
     """
 
     def __init__(self, num_groups: int, dim: int, hidden: int, activation: str = "swiglu", *,
-                 out_dim: Optional[int] = None, bias: bool = False, layout: str = "bgd", device=None, dtype=None):
+                 out_dim: Optional[int] = None, bias: bool = False, layout: str = "bgd", device=None, dtype=None,
+                 fp8: Union[None, bool, Float8Recipe] = None):
         super().__init__()
+        resolve_fp8("GroupedMLP", fp8)  # checks its type
+        self.fp8 = fp8
         out_dim = dim if out_dim is None else out_dim
         if activation not in F.ACTIVATIONS:
             raise ValueError(f"GroupedMLP: activation must be one of {F.ACTIVATIONS}, got {activation!r}")
@@ -147,11 +157,12 @@ class GroupedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.grouped_mlp(x, self.w_gate_up, self.w_down, self.layout, bias_gate_up=self.bias_gate_up,
-                             bias_down=self.bias_down, activation=self.activation)
+                             bias_down=self.bias_down, activation=self.activation, fp8=self.fp8)
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, dim={self.dim}, hidden={self.hidden}, out_dim={self.out_dim}, "
-                f"activation={self.activation!r}, bias={self.bias_down is not None}, layout={self.layout!r}")
+                f"activation={self.activation!r}, bias={self.bias_down is not None}, layout={self.layout!r}"
+                + (f", fp8={self.fp8!r}" if self.fp8 is not None else ""))
 
 
 class MoEExperts(nn.Module):

@@ -176,3 +176,18 @@ def _(grad_y, x, weight, bias, mean, rstd, gelu, tokens):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty((channels,) if weight is not None else (0,)),
             x.new_empty((channels,) if bias is not None else (0,)))
+
+
+# ---- FP8: fake kernels -----------------------------------------------------------------------------
+
+@torch.library.register_fake("patchgemm::quantize_fp8")
+def _(x, format):
+    return x.new_empty(x.shape, dtype=format), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.register_fake("patchgemm::scaled_grouped_mm")
+def _(a, b, scale_a, scale_b, bias, group_major, out_dtype, fast_accum=False):
+    torch._check(a.dim() == 3 and b.dim() == 3, lambda: "scaled_grouped_mm: a and b must be 3-D")
+    torch._check(a.shape[_group_dim(group_major)] == b.shape[0] and a.shape[2] == b.shape[2],
+                 lambda: "scaled_grouped_mm: a and b must agree in G and K")
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[1]), dtype=out_dtype)

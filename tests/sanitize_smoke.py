@@ -28,6 +28,18 @@ def main():
                 y = patchgemm.grouped_linear(x, w, b, layout)
                 grads = torch.autograd.grad(y, [x, w], torch.randn_like(y))
                 assert all(torch.isfinite(t).all() for t in (y, *grads))
+    # FP8: the fused quantization (scalar tails, and a grid-stride run over more packs than threads)
+    # and the FP8 grouped linear, forward and backward
+    if torch.cuda.get_device_capability() >= (8, 9):
+        for n in (1, 13, 3 * 2**20 + 7):
+            for dtype in (torch.bfloat16, torch.float32):
+                data, scale = ops.quantize_fp8(torch.randn(n, dtype=dtype, device="cuda"), torch.float8_e5m2)
+                assert torch.isfinite(scale) and torch.isfinite(data.float()).all()
+        x = torch.randn(64, 3, 32, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        layer = patchgemm.GroupedLinear(3, 32, 48, device="cuda", dtype=torch.bfloat16, fp8=True)
+        y = layer(x)
+        grads = torch.autograd.grad(y, [x, layer.weight, layer.bias], torch.randn_like(y))
+        assert all(torch.isfinite(t).all() for t in (y, *grads))
     # splitting at a lowered BLAS integer limit
     old = ops._set_blas_int_limit(6)
     x = torch.randn(9, 2, 3, device="cuda", requires_grad=True)

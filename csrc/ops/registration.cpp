@@ -82,6 +82,18 @@ TORCH_LIBRARY(patchgemm, m) {
       "instance_norm_act_backward(Tensor grad_y, Tensor x, Tensor? weight, Tensor? bias, "
       "Tensor mean, Tensor rstd, bool gelu, bool tokens) -> (Tensor, Tensor, Tensor)");
 
+  // FP8 with current scaling: data = saturate(x / scale) in `format` (float8_e4m3fn or float8_e5m2),
+  // contiguous in x's shape, and scale = amax(|x|) / max(format) (1 for an all-zero x), a float32
+  // scalar: x ~ scale * data.
+  m.def("quantize_fp8(Tensor x, ScalarType format) -> (Tensor, Tensor)");
+  // The grouped linear of FP8 operands: a [B, G, K] or (group_major) [G, B, K], b [G, N, K], per-tensor
+  // scales (float32 scalars); y[.., g, :] = scale_a * scale_b * a[.., g, :] @ b[g].T + bias[g] in a's
+  // layout, contiguous, of out_dtype (bias [G, N] of out_dtype). `fast_accum`: Hopper's faster FP8
+  // accumulation. Each pass of an FP8 grouped linear is one of these (patchgemm/fp8.py).
+  m.def(
+      "scaled_grouped_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias, bool group_major, "
+      "ScalarType out_dtype, bool fast_accum=False) -> Tensor");
+
   // "cpu" | "cuda" | "rocm", the arch list it was built for, and the BLAS library version.
   m.def("build_info() -> str[]", []() -> std::vector<std::string> {
     return {PATCHGEMM_FLAVOUR, PATCHGEMM_ARCHS, patchgemm::blas_version()};

@@ -303,6 +303,88 @@ bool lt_matmul(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, c
       at::cuda::getCurrentCUDAStream()));
   return true;
 }
+
+cudaDataType_t fp8_type(at::ScalarType t) { return t == at::kFloat8_e4m3fn ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+
+// FP8 through cuBLASLt (run_scaled_gemm_lt). Row-major c = a @ b^T is column-major c^T = b @ a^T:
+// BLAS A is b read transposed (K-major), BLAS B is a (K-major): the "TN" form Hopper's FP8 needs.
+std::string scaled_lt_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                             const at::Tensor& scale_b, const at::Tensor& c, const std::optional<at::Tensor>& bias,
+                             bool fast_accum) {
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(c.get_device());
+  if (props->major * 10 + props->minor < 89) return "FP8 matmuls need sm_89 or newer";
+  if (a.scalar_type() == at::kFloat8_e5m2 && b.scalar_type() == at::kFloat8_e5m2) {
+    return "cuBLASLt multiplies no two e5m2 operands";
+  }
+  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(1);
+  if (batch == 0 || m == 0 || n == 0 || k == 0) return "an empty problem";
+  if (a.stride(2) != 1 || b.stride(2) != 1) return "an operand whose K is not contiguous (FP8 reads both K-major)";
+  const int64_t lda = m > 1 ? a.stride(1) : k, ldb = n > 1 ? b.stride(1) : k, ldc = m > 1 ? c.stride(1) : n;
+  const auto off16 = [](int64_t v) { return v % 16 != 0; };
+  if (off16(k) || off16(lda) || off16(ldb) || lda < k || ldb < k || ldc < n || c.stride(2) != 1 ||
+      off16(ldc * c.element_size()) ||
+      (batch > 1 && (off16(a.stride(0)) || off16(b.stride(0)) || off16(c.stride(0) * c.element_size())))) {
+    return "K, the leading dimensions and batch strides must be multiples of 16 bytes for cuBLASLt's FP8";
+  }
+  if (pointer_alignment(a.const_data_ptr()) < 16 || pointer_alignment(b.const_data_ptr()) < 16 ||
+      pointer_alignment(c.const_data_ptr()) < 16) {
+    return "an operand not 16-byte aligned";
+  }
+  const cudaDataType_t out_type = blas_types(c.scalar_type(), false).data;
+  // The epilogue adds a bias of the output's 16-bit type; other biases are added after.
+  const bool bias_in_epilogue = bias && c.element_size() == 2 && bias->scalar_type() == c.scalar_type() &&
+                                bias->stride(1) == 1 && pointer_alignment(bias->const_data_ptr()) >= 16;
+
+  MatmulDesc desc;
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.value, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scale_b.const_data_ptr());
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scale_a.const_data_ptr());
+  set_desc(desc.value, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum));
+  if (bias_in_epilogue) {
+    set_desc(desc.value, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias->const_data_ptr());
+    set_desc(desc.value, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, static_cast<int64_t>(bias->stride(0)));
+  }
+  Layout layout_a, layout_b, layout_c;
+  make_layout(layout_a, fp8_type(b.scalar_type()), k, n, ldb, batch, b.stride(0));
+  make_layout(layout_b, fp8_type(a.scalar_type()), k, m, lda, batch, a.stride(0));
+  make_layout(layout_c, out_type, n, m, ldc, batch, c.stride(0));
+
+  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
+  void* workspace = at::cuda::getCUDABlasLtWorkspace();
+  const uint32_t alignments[3] = {pointer_alignment(b.const_data_ptr()), pointer_alignment(a.const_data_ptr()),
+                                  pointer_alignment(c.const_data_ptr())};
+  // The key of lt_matmul's shapes, its last entry 2 (an FP8 matmul) where theirs is 0 or 1.
+  const LtShape shape{c.get_device(), fp8_type(a.scalar_type()) * 100 + fp8_type(b.scalar_type()), out_type,
+                      fast_accum, bias_in_epilogue ? bias->stride(0) : -1, m, n, k, lda, ldb, ldc, batch,
+                      a.stride(0), b.stride(0), c.stride(0), 0, alignments[0], alignments[1], alignments[2],
+                      static_cast<int64_t>(workspace_size), 2};
+  cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  cublasLtMatmulAlgo_t chosen;
+  {
+    LtAlgorithms& known = lt_algorithms();
+    const std::lock_guard<std::mutex> lock(known.mutex);
+    auto found = known.by_shape.find(shape);
+    if (found == known.by_shape.end()) {
+      found = known.by_shape
+                  .emplace(shape, ask_heuristic(handle, desc.value, layout_a.value, layout_b.value, layout_c.value,
+                                                workspace_size, alignments, false))
+                  .first;
+    }
+    if (found->second.count == 0) return "cuBLASLt proposes no FP8 algorithm for this shape";
+    chosen = found->second.algo[0];
+  }
+  const float alpha = 1.f, beta = 0.f;
+  void* ptr_c = c.data_ptr();
+  PATCHGEMM_CUBLAS_CHECK(cublasLtMatmul(handle, desc.value, &alpha, b.const_data_ptr(), layout_a.value,
+                                        a.const_data_ptr(), layout_b.value, &beta, ptr_c, layout_c.value, ptr_c,
+                                        layout_c.value, &chosen, workspace, workspace_size,
+                                        at::cuda::getCurrentCUDAStream()));
+  if (bias && !bias_in_epilogue) c.add_(bias->unsqueeze(1));
+  return {};
+}
 #endif  // USE_ROCM
 
 }  // namespace
@@ -324,6 +406,17 @@ bool run_lt_call(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
   TORCH_CHECK(algorithm >= 0 && algorithm < kLtAlgorithms, "patchgemm: no cuBLASLt algorithm ", algorithm);
   const c10::cuda::CUDAGuard guard(c.device());
   return lt_matmul(call, a, b, c, bias, math, algorithm);
+}
+
+std::string run_scaled_gemm_lt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                               const at::Tensor& scale_b, const at::Tensor& c, const std::optional<at::Tensor>& bias,
+                               bool fast_accum) {
+#ifdef USE_ROCM
+  return "ROCm (hipBLASLt's FP8 is not wired up)";
+#else
+  const c10::cuda::CUDAGuard guard(c.device());
+  return scaled_lt_matmul(a, b, scale_a, scale_b, c, bias, fast_accum);
+#endif
 }
 
 #ifndef USE_ROCM

@@ -111,6 +111,16 @@ struct GroupedBlasCall {
   const void* b;
   void* c;
 };
+// c[i] = scale_a * scale_b * a[i] @ b[i]^T (+ bias[i] broadcast over the rows of c[i]) for FP8 a
+// [batch, M, K] and b [batch, N, K] (e4m3fn or e5m2, not both e5m2) whose K is contiguous (Hopper's
+// FP8 GEMMs read both operands K-major); c [batch, M, N] bfloat16, float16 or float32 with unit
+// column stride; scales float32 scalars on c's GPU (dequantization factors); bias [batch, N] of c's
+// dtype. One cuBLASLt strided-batched matmul, sums in fp32 (`fast_accum`: Hopper's faster FP8
+// accumulation, which rounds partial sums more often). Returns why it does not apply (empty: done):
+// a GPU before sm_89, ROCm, or sizes, strides or pointers off cuBLASLt's 16-byte FP8 alignment.
+std::string run_scaled_gemm_lt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                               const at::Tensor& scale_b, const at::Tensor& c, const std::optional<at::Tensor>& bias,
+                               bool fast_accum);
 // Whether this build has cuBLAS's grouped GEMM (cublasGemmGroupedBatchedEx, cuBLAS 12.5+; not
 // hipBLAS), for float32, float16 and bfloat16.
 bool has_grouped_gemm();

@@ -1,0 +1,125 @@
+"""FP8 grouped linear against bf16 and against the FP8 a user can write with PyTorch, same run.
+
+    python bench/fp8.py [--json out.json] [--shapes G1,...]
+
+Per shape ([B, G, Din] -> Dout per group, bias): forward and forward+backward, GPU time (median of
+CUDA events, the host's issue time apart) for
+  patchgemm bf16              GroupedLinear in bfloat16;
+  patchgemm fp8               GroupedLinear(fp8=True) on the same bfloat16 tensors (quantization of x
+                              and the weight included in every call, as current scaling does);
+  torch._scaled_grouped_mm    x and the weight quantized with torch ops, one batched FP8 GEMM with
+                              (broadcast) row-wise scales, then the [G, B, N] -> [B, G, N] copy;
+  torch._scaled_mm per group  the same quantization, G FP8 GEMMs, stacked.
+PyTorch's FP8 GEMMs have no backward: forward+backward compares with bf16 only.
+Needs an sm_89+ GPU.
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+import patchgemm
+from patchgemm.bench import environment, time_ms
+
+SHAPES = {  # id: (B, G, Din, Dout)
+    "G1": (2560, 12, 1024, 3072),
+    "G1-down": (2560, 12, 3072, 1024),
+    "G4": (8192, 8, 512, 512),
+    "G5": (1024, 32, 256, 1024),
+}
+E4M3 = torch.float8_e4m3fn
+
+
+def quantize_with_torch(t):
+    """Per-tensor current scaling as a user writes it: (data, dequantization scale)."""
+    amax = t.abs().amax().float()
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (t.float() / scale).clamp(-448, 448).to(E4M3), scale
+
+
+def scaled_grouped_mm_forward(x, w, b):
+    x8, sx = quantize_with_torch(x)
+    w8, sw = quantize_with_torch(w)
+    G, B, N = w.shape[0], x.shape[0], w.shape[1]
+    y = torch._scaled_grouped_mm(x8.transpose(0, 1).contiguous(), w8.transpose(1, 2), sx.expand(G, B).contiguous(),
+                                 sw.expand(G, N).contiguous(), out_dtype=torch.bfloat16)
+    return (y + b.unsqueeze(1)).transpose(0, 1).contiguous()
+
+
+def scaled_mm_loop_forward(x, w, b):
+    x8, sx = quantize_with_torch(x)
+    w8, sw = quantize_with_torch(w)
+    return torch.stack([torch._scaled_mm(x8[:, g].contiguous(), w8[g].t(), sx, sw, bias=b[g],
+                                         out_dtype=torch.bfloat16) for g in range(w.shape[0])], dim=1)
+
+
+def measure(shape_id, device):
+    B, G, D, N = SHAPES[shape_id]
+    torch.manual_seed(0)
+    x = torch.randn(B, G, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+    layer = patchgemm.GroupedLinear(G, D, N, device=device, dtype=torch.bfloat16)
+    layer8 = patchgemm.GroupedLinear(G, D, N, device=device, dtype=torch.bfloat16, fp8=True)
+    layer8.load_state_dict(layer.state_dict())
+    grad = torch.randn(B, G, N, device=device, dtype=torch.bfloat16)
+    w, b = layer.weight.detach(), layer.bias.detach()
+    forward = {
+        "patchgemm bf16": lambda: layer(x),
+        "patchgemm fp8": lambda: layer8(x),
+        "torch._scaled_grouped_mm": lambda: scaled_grouped_mm_forward(x.detach(), w, b),
+        "torch._scaled_mm per group": lambda: scaled_mm_loop_forward(x.detach(), w, b),
+    }
+    reference = layer(x).detach().double()
+    rows = []
+    for name, fn in forward.items():
+        try:
+            with torch.no_grad():
+                error = ((fn().double() - reference).norm() / reference.norm()).item()
+                t = time_ms(lambda i: fn(), device)
+        except (RuntimeError, NotImplementedError) as e:  # an op this torch or GPU lacks
+            rows.append({"shape": shape_id, "pass": "fwd", "impl": name, "error": str(e).splitlines()[0]})
+            continue
+        rows.append({"shape": shape_id, "pass": "fwd", "impl": name, "gpu_ms": t.ms, "host_ms": t.host_ms,
+                     "rel_err_vs_bf16": error})
+    for name, module in (("patchgemm bf16", layer), ("patchgemm fp8", layer8)):
+        def step(i, module=module):
+            x.grad = None
+            module.zero_grad(set_to_none=True)
+            module(x).backward(grad)
+        t = time_ms(step, device)
+        rows.append({"shape": shape_id, "pass": "fwd+bwd", "impl": name, "gpu_ms": t.ms, "host_ms": t.host_ms})
+    flops = 2.0 * B * G * D * N
+    for r in rows:
+        if "gpu_ms" in r:
+            r["tflops"] = flops * (3 if r["pass"] == "fwd+bwd" else 1) / r["gpu_ms"] / 1e9
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the rows and the environment here")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated ids of " + ", ".join(SHAPES))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        sys.exit("bench/fp8.py: needs an sm_89+ NVIDIA GPU")
+    device = torch.device("cuda")
+    rows = [r for s in args.shapes.split(",") for r in measure(s, device)]
+    print(f"{'shape':8} {'pass':8} {'implementation':28} {'GPU ms':>8} {'host ms':>8} {'TFLOP/s':>8} "
+          f"{'vs bf16':>8} {'rel err':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:8} {r['pass']:8} {r['impl']:28} n/a: {r['error'][:80]}")
+            continue
+        base = next(q for q in rows if q["shape"] == r["shape"] and q["pass"] == r["pass"]
+                    and q["impl"] == "patchgemm bf16")
+        err = f"{r['rel_err_vs_bf16']:.4f}" if "rel_err_vs_bf16" in r else ""
+        print(f"{r['shape']:8} {r['pass']:8} {r['impl']:28} {r['gpu_ms']:8.3f} {r['host_ms']:8.3f} "
+              f"{r['tflops']:8.0f} {base['gpu_ms'] / r['gpu_ms']:7.2f}x {err:>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(device), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

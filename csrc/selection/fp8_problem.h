@@ -1,0 +1,31 @@
+// The FP8 ops' problems, as the ops (ops/fp8.cpp) build them after validation and the tables
+// (selection/fp8_tables.cpp) run them.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace patchgemm {
+
+// quantize_fp8: x contiguous, to `format` (e4m3fn or e5m2) with one scale for the tensor.
+struct QuantizeProblem {
+  at::Tensor x;
+  at::ScalarType format;
+};
+
+// scaled_grouped_mm over [G, ...] views: c_g [M, N] = scale_a * scale_b * a_g [M, K] @ b_g [N, K]^T
+// (+ bias_g), written into `out` (contiguous, in the op's layout; `c` is its [G, M, N] view).
+struct ScaledGroupedProblem {
+  at::Tensor a, b;                 // FP8, [G, M, K] and [G, N, K]
+  at::Tensor scale_a, scale_b;     // float32 scalars
+  std::optional<at::Tensor> bias;  // [G, N], of out's dtype
+  bool fast_accum = false;
+  at::Tensor out, c;
+};
+
+std::tuple<at::Tensor, at::Tensor> select_quantize_fp8(const QuantizeProblem& p);
+at::Tensor select_scaled_grouped_mm(const ScaledGroupedProblem& p);
+
+}  // namespace patchgemm

@@ -1,0 +1,332 @@
+"""FP8 grouped linears (patchgemm.fp8): quantization, the FP8 grouped GEMM against float64 of the
+dequantized operands, the autograd recipe, the switches, compile, and a toy training run against
+bf16. On the CPU the GEMM is emulated exactly (dequantized_bmm); on sm_89+ GPUs cuBLASLt's FP8 runs."""
+
+import pytest
+import torch
+
+import patchgemm
+from patchgemm import Float8Recipe, fp8_autocast
+from conftest import DEVICES, HAS_GPU, assert_close_to_ref, poison_allocator, randn, rel_error
+
+ops = torch.ops.patchgemm
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+# Relative spacing of each format's values (3 and 2 mantissa bits): rounding to nearest errs by at
+# most half of it per element.
+HALF_ULP = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+HAS_FP8_GPU = HAS_GPU and torch.version.cuda is not None and torch.cuda.get_device_capability() >= (8, 9)
+needs_fp8_gpu = pytest.mark.skipif(not HAS_FP8_GPU, reason="needs an sm_89+ NVIDIA GPU")
+
+
+def dequantized(data, scale):
+    return data.double() * scale.double()
+
+
+# ---- quantize_fp8 ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("numel", [1, 7, 4096 + 5, 3 * 1024 * 1024 + 1])
+def test_quantize_scales_by_amax_and_rounds_to_nearest(device, dtype, fmt, numel):
+    x = (randn(numel, dtype=torch.float64) * 3).to(device=device, dtype=dtype)
+    data, scale = ops.quantize_fp8(x, fmt)
+    assert data.dtype == fmt and data.shape == x.shape and data.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.shape == () and scale.device == x.device
+    amax = x.double().abs().max()
+    assert scale.item() == pytest.approx((amax / FP8_MAX[fmt]).item(), rel=1e-6)
+    assert data.double().abs().max().item() == FP8_MAX[fmt]  # the largest value lands on the format's max
+    # Each element within half a step of the format (relative), or of its smallest subnormal step.
+    back, x64 = dequantized(data, scale), x.double()
+    tiny = scale.double() * (2.0**-9 if fmt == E4M3 else 2.0**-16)
+    assert ((back - x64).abs() <= HALF_ULP[fmt] * x64.abs() + tiny).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_edge_values(device):
+    zeros = torch.zeros(33, device=device)
+    data, scale = ops.quantize_fp8(zeros, E4M3)
+    assert scale.item() == 1.0 and (data.float() == 0).all()
+    empty_data, empty_scale = ops.quantize_fp8(torch.empty(0, 16, device=device), E4M3)
+    assert empty_data.shape == (0, 16) and empty_scale.item() == 1.0
+    for bad in (float("nan"), float("inf")):
+        x = randn(64, device=device)
+        x[5] = bad
+        data, scale = ops.quantize_fp8(x, E4M3)
+        # Never a finite result from a non-finite input: the scale (or the data) carries it.
+        assert not torch.isfinite(dequantized(data, scale)).all()
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_fused_quantize_is_bitwise_aten(dtype, fmt):
+    x = randn(3, 1000, 1024 + 3, dtype=dtype, device="cuda") * 5
+    with patchgemm.force(quantize_fp8="fused"):
+        data, scale = ops.quantize_fp8(x, fmt)
+        again, _ = ops.quantize_fp8(x, fmt)
+    with patchgemm.force(quantize_fp8="aten"):
+        ref_data, ref_scale = ops.quantize_fp8(x, fmt)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+    assert torch.equal(data.view(torch.uint8), again.view(torch.uint8))
+
+
+# ---- scaled_grouped_mm: the FP8 grouped GEMM ------------------------------------------------------
+
+def quantized(shape, device, fmt=E4M3, scale=1.0):
+    return ops.quantize_fp8(randn(*shape, device=device) * scale, fmt)
+
+
+def scaled_ref(a8, sa, b8, sb, bias, group_major):
+    a = dequantized(a8, sa)
+    a = a if group_major else a.transpose(0, 1)
+    y = a @ dequantized(b8, sb).transpose(1, 2)  # [G, M, N]
+    if bias is not None:
+        y = y + bias.double().unsqueeze(1)
+    return y if group_major else y.transpose(0, 1)
+
+
+# (B, G, K, N): cuBLASLt's FP8 shapes (multiples of 16), and odd ones, which no FP8 GEMM takes.
+GEMM_SHAPES = [(32, 3, 64, 48), (5, 2, 16, 16), (7, 3, 20, 9)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", GEMM_SHAPES)
+@pytest.mark.parametrize("group_major", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scaled_grouped_mm_matches_float64(device, shape, group_major, out_dtype, with_bias):
+    B, G, K, N = shape
+    a8, sa = quantized((G, B, K) if group_major else (B, G, K), device)
+    b8, sb = quantized((G, N, K), device, scale=0.1)
+    bias = randn(G, N, dtype=out_dtype, device=device) if with_bias else None
+    poison_allocator(B * G * N * 4, device)
+    y = ops.scaled_grouped_mm(a8, b8, sa, sb, bias, group_major, out_dtype)
+    assert y.dtype == out_dtype and y.is_contiguous() and y.shape == ((G, B, N) if group_major else (B, G, N))
+    # One rounding into out_dtype from exact sums on the CPU; fp32 sums of exact products on a GPU.
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[out_dtype]
+    assert_close_to_ref(y, scaled_ref(a8, sa, b8, sb, bias, group_major), out_dtype, tol=tol)
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_scaled_grouped_mm_at_scale_is_bitwise_repeatable(fast_accum):
+    """The benchmark's G1 (B 2560, G 12, 1024 -> 3072): hundreds of output tiles per group, many waves."""
+    B, G, K, N = 2560, 12, 1024, 3072
+    a8, sa = quantized((B, G, K), "cuda")
+    b8, sb = quantized((G, N, K), "cuda", scale=0.03)
+    with patchgemm.explain() as report:
+        y = ops.scaled_grouped_mm(a8, b8, sa, sb, None, False, torch.bfloat16, fast_accum)
+    assert "cublaslt_fp8" in str(report)
+    for _ in range(3):
+        assert torch.equal(y, ops.scaled_grouped_mm(a8, b8, sa, sb, None, False, torch.bfloat16, fast_accum))
+    ref = scaled_ref(a8, sa, b8, sb, None, False)
+    assert rel_error(y, ref) < (2e-3 if fast_accum else 1e-3) + 4e-3  # bf16 rounding, plus fast accumulation's
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("candidate", ["cublaslt_fp8", "aten_scaled_mm", "dequantized_bmm"])
+def test_scaled_grouped_mm_candidates_agree(candidate):
+    a8, sa = quantized((64, 4, 128), "cuda")
+    b8, sb = quantized((4, 96, 128), "cuda", scale=0.1)
+    bias = randn(4, 96, dtype=torch.bfloat16, device="cuda")
+    with patchgemm.force(scaled_grouped_mm=candidate):
+        y = ops.scaled_grouped_mm(a8, b8, sa, sb, bias, False, torch.bfloat16)
+    assert_close_to_ref(y, scaled_ref(a8, sa, b8, sb, bias, False), torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scaled_grouped_mm_bad_input(device):
+    a8, sa = quantized((8, 2, 32), device)
+    b8, sb = quantized((2, 16, 32), device)
+    with pytest.raises(RuntimeError, match="a must be float8"):
+        ops.scaled_grouped_mm(a8.float(), b8, sa, sb, None, False, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="must agree in G and K"):
+        ops.scaled_grouped_mm(a8, b8[:, :, :16], sa, sb, None, False, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="scale_b must be one float32 value"):
+        ops.scaled_grouped_mm(a8, b8, sa, sb.expand(2), None, False, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="out_dtype must be"):
+        ops.scaled_grouped_mm(a8, b8, sa, sb, None, False, torch.float64)
+    with pytest.raises(RuntimeError, match=r"bias must be \[G, N\]"):
+        ops.scaled_grouped_mm(a8, b8, sa, sb, torch.zeros(2, 15, dtype=torch.bfloat16, device=device), False,
+                              torch.bfloat16)
+    with pytest.raises(RuntimeError, match="format must be"):
+        ops.quantize_fp8(randn(4, device=device), torch.bfloat16)
+
+
+def test_opcheck():
+    a8, sa = quantized((16, 2, 32), "cpu")
+    b8, sb = quantized((2, 16, 32), "cpu")
+    torch.library.opcheck(ops.quantize_fp8, (randn(4, 8), E4M3))
+    # (Not test_schema for FP8 inputs: its mutation check multiplies them, which ATen cannot in FP8.)
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(ops.scaled_grouped_mm, (a8, b8, sa, sb, None, False, torch.bfloat16, False), test_utils=utils)
+    g8, sg = quantized((2, 16, 32), "cpu")
+    torch.library.opcheck(ops.scaled_grouped_mm, (g8, b8, sg, sb, torch.ones(2, 16), True, torch.float32, True),
+                          test_utils=utils)
+
+
+# ---- the grouped linear in FP8 --------------------------------------------------------------------
+
+def fp8_reference(x, weight, bias, grad_y, group_major, recipe):
+    """Forward and gradients in float64 from the operands the recipe quantizes (their exact values)."""
+    x8, sx = ops.quantize_fp8(x.detach(), recipe.forward_format)
+    w8, sw = ops.quantize_fp8(weight.detach(), recipe.forward_format)
+    g8, sg = ops.quantize_fp8(grad_y, recipe.backward_format)
+    by_group = (lambda t: t) if group_major else (lambda t: t.transpose(0, 1))
+    xq, wq, gq = by_group(dequantized(x8, sx)), dequantized(w8, sw), by_group(dequantized(g8, sg))
+    y = xq @ wq.transpose(1, 2) + (bias.double().unsqueeze(1) if bias is not None else 0)
+    return by_group(y), by_group(gq @ wq), gq.transpose(1, 2) @ xq, by_group(grad_y.double()).sum(1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["bgd", "gbd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(48, 3, 64, 32), (9, 2, 24, 10)])
+def test_grouped_linear_fp8_forward_and_backward(device, layout, dtype, shape):
+    B, G, D, O = shape
+    group_major = layout == "gbd"
+    x = randn(*((G, B, D) if group_major else (B, G, D)), dtype=dtype, device=device, requires_grad=True)
+    layer = patchgemm.GroupedLinear(G, D, O, layout=layout, device=device, dtype=dtype, fp8=True)
+    y = layer(x)
+    assert y.dtype == dtype
+    grad_y = randn(*y.shape, dtype=dtype, device=device)
+    y.backward(grad_y)
+    ref_y, ref_gx, ref_gw, ref_gb = fp8_reference(x, layer.weight, layer.bias, grad_y, group_major, Float8Recipe())
+    assert_close_to_ref(y, ref_y, torch.bfloat16, "y")  # fp32 output: fast accumulation's rounding on a GPU
+    assert_close_to_ref(x.grad, ref_gx, dtype, "grad_x", tol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert_close_to_ref(layer.weight.grad, ref_gw, dtype, "grad_weight", tol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert_close_to_ref(layer.bias.grad, ref_gb, dtype, "grad_bias", tol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_error_against_full_precision_is_within_the_recipe_bound(device):
+    """The documented bound: e4m3 operands (half-step 2^-4) give ~3% relative error on random data,
+    e5m2 gradients ~6%; we assert 6% and 12%."""
+    B, G, D, O = 256, 4, 128, 64
+    x = randn(B, G, D, device=device, requires_grad=True)
+    layer = patchgemm.GroupedLinear(G, D, O, device=device, fp8=True)
+    y = layer(x)
+    grad_y = randn(*y.shape, device=device)
+    y.backward(grad_y)
+    x64, w64 = x.detach().double().transpose(0, 1), layer.weight.detach().double()
+    g64 = grad_y.double().transpose(0, 1)
+    exact_y = (x64 @ w64.transpose(1, 2) + layer.bias.detach().double().unsqueeze(1)).transpose(0, 1)
+    assert rel_error(y, exact_y) < 0.06
+    assert rel_error(x.grad, (g64 @ w64).transpose(0, 1)) < 0.12
+    assert rel_error(layer.weight.grad, g64.transpose(1, 2) @ x64) < 0.12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_autocast_region_and_overrides(device):
+    x = randn(16, 2, 32, device=device)
+    plain = patchgemm.GroupedLinear(2, 32, 16, device=device)
+    never = patchgemm.GroupedLinear(2, 32, 16, device=device, fp8=False)
+    never.load_state_dict(plain.state_dict())
+    exact = plain(x)
+    with fp8_autocast():
+        quantized_y = plain(x)
+        assert torch.equal(never(x), exact)  # a module's own choice wins
+        with fp8_autocast(enabled=False):
+            assert torch.equal(plain(x), exact)
+    assert torch.equal(plain(x), exact)  # the region is over
+    assert not torch.equal(quantized_y, exact) and rel_error(quantized_y, exact) < 0.06
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_mlp_fp8_matches_its_region(device):
+    x = randn(16, 2, 32, device=device)
+    mlp = patchgemm.GroupedMLP(2, 32, 64, device=device)
+    mlp8 = patchgemm.GroupedMLP(2, 32, 64, device=device, fp8=True)
+    mlp8.load_state_dict(mlp.state_dict())
+    with fp8_autocast():
+        in_region = mlp(x)
+    assert torch.equal(mlp8(x), in_region)
+    assert 0 < rel_error(in_region, mlp(x)) < 0.1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_under_autocast_keeps_fp32_master_weights(device):
+    layer = patchgemm.GroupedLinear(3, 32, 16, device=device, fp8=True)
+    x = randn(8, 3, 32, device=device, requires_grad=True)
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert layer.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    assert layer.bias.grad.dtype == torch.float32
+
+
+def test_fp8_switch_errors():
+    with pytest.raises(TypeError, match="fp8 must be None, a bool or a patchgemm.Float8Recipe"):
+        patchgemm.GroupedLinear(2, 16, 16, fp8="e4m3")
+    with pytest.raises(ValueError, match="forward_format must be"):
+        Float8Recipe(forward_format=torch.float8_e5m2)
+    with pytest.raises(TypeError, match="recipe must be"):
+        with fp8_autocast(recipe="hybrid"):
+            pass
+    with pytest.raises(ValueError, match="not supported for ragged groups"):
+        patchgemm.grouped_linear(randn(6, 16), randn(2, 8, 16), group_sizes=[2, 4], fp8=True)
+    with pytest.raises(TypeError, match="FP8 needs float32, float16 or bfloat16 x"):
+        patchgemm.grouped_linear(randn(4, 2, 16, dtype=torch.float64), randn(2, 8, 16), fp8=True)
+    # In a region, ragged groups run in their usual precision.
+    with fp8_autocast():
+        y = patchgemm.grouped_linear(randn(6, 16), randn(2, 8, 16), group_sizes=[2, 4])
+    assert y.shape == (6, 8)
+
+
+def test_fp8_compiles_without_graph_breaks():
+    layer = patchgemm.GroupedLinear(2, 32, 16, fp8=True)
+    x = randn(16, 2, 32, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    y.sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    eager = layer(x)
+    eager.sum().backward()
+    assert torch.equal(y, eager) and torch.equal(grad, x.grad)
+
+
+def test_explain_shows_the_fp8_choices():
+    with patchgemm.explain() as report:
+        patchgemm.grouped_linear(randn(4, 2, 16), randn(2, 16, 16), fp8=True)
+    text = str(report)
+    assert "quantize_fp8" in text and "scaled_grouped_mm" in text
+
+
+# ---- a toy training run: FP8 tracks bf16 ----------------------------------------------------------
+
+def train(fp8, device, steps=500):
+    torch.manual_seed(0)
+    G, D, H = 4, 64, 128
+    teacher = [torch.randn(G, H, D, device=device) / D**0.5, torch.randn(G, D, H, device=device) / H**0.5]
+    model = torch.nn.Sequential(patchgemm.GroupedLinear(G, D, H, device=device, fp8=fp8), torch.nn.GELU(),
+                                patchgemm.GroupedLinear(G, H, D, device=device, fp8=fp8))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    for _ in range(steps):
+        x = torch.randn(64, G, D, device=device)
+        with torch.no_grad():
+            target = patchgemm.grouped_linear(torch.nn.functional.gelu(patchgemm.grouped_linear(x, teacher[0])),
+                                              teacher[1])
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    with torch.no_grad(), torch.autocast(device_type=device, dtype=torch.bfloat16):  # held-out loss
+        x = torch.randn(4096, G, D, device=device, generator=torch.Generator(device).manual_seed(1))
+        target = patchgemm.grouped_linear(torch.nn.functional.gelu(patchgemm.grouped_linear(x, teacher[0])),
+                                          teacher[1])
+        return torch.nn.functional.mse_loss(model(x).float(), target.float()).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_toy_training_fp8_loss_within_2_percent_of_bf16(device):
+    bf16, fp8 = train(False, device), train(True, device)
+    first = train(True, device, steps=0)
+    assert fp8 < 0.5 * first  # it learned
+    assert abs(fp8 - bf16) <= 0.02 * bf16, f"FP8 loss {fp8:.5g} vs bf16 {bf16:.5g}"
