@@ -105,20 +105,26 @@ def main(argv=None):
         sys.exit("bench/fp8.py: needs an sm_89+ NVIDIA GPU")
     device = torch.device("cuda")
     rows = [r for s in args.shapes.split(",") for r in measure(s, device)]
-    print(f"{'shape':8} {'pass':8} {'implementation':28} {'GPU ms':>8} {'host ms':>8} {'TFLOP/s':>8} "
-          f"{'vs bf16':>8} {'rel err':>8}")
+    print(format_rows(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"kind": "fp8", "environment": environment(device), "rows": rows}, f, indent=1)
+
+
+def format_rows(rows) -> str:
+    """The table: per shape and pass, each implementation's times and its speed-up over bf16."""
+    lines = [f"{'shape':8} {'pass':8} {'implementation':28} {'GPU ms':>8} {'host ms':>8} {'TFLOP/s':>8} "
+             f"{'vs bf16':>8} {'rel err':>8}"]
     for r in rows:
         if "error" in r:
-            print(f"{r['shape']:8} {r['pass']:8} {r['impl']:28} n/a: {r['error'][:80]}")
+            lines.append(f"{r['shape']:8} {r['pass']:8} {r['impl']:28} n/a: {r['error'][:80]}")
             continue
         base = next(q for q in rows if q["shape"] == r["shape"] and q["pass"] == r["pass"]
                     and q["impl"] == "patchgemm bf16")
         err = f"{r['rel_err_vs_bf16']:.4f}" if "rel_err_vs_bf16" in r else ""
-        print(f"{r['shape']:8} {r['pass']:8} {r['impl']:28} {r['gpu_ms']:8.3f} {r['host_ms']:8.3f} "
-              f"{r['tflops']:8.0f} {base['gpu_ms'] / r['gpu_ms']:7.2f}x {err:>8}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment(device), "rows": rows}, f, indent=1)
+        lines.append(f"{r['shape']:8} {r['pass']:8} {r['impl']:28} {r['gpu_ms']:8.3f} {r['host_ms']:8.3f} "
+                     f"{r['tflops']:8.0f} {base['gpu_ms'] / r['gpu_ms']:7.2f}x {err:>8}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m
 `python bench/heldout.py --json` (held-out shapes) or `torchrun ... bench/distributed.py --json`
 (several GPUs) or `python bench/zoo.py --json` (convert across timm's and transformers' models) or
 `python -m patchgemm tune --json` (autotune records; with --hold-out-families, the families report)
-wrote; bench/results/ keeps the current ones per GPU, named <gpu>-suite.json / <gpu>-models.json /
+or `python bench/fp8.py --json` (FP8 grouped linear) wrote; bench/results/ keeps the current ones per
+GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-fp8.json /
 <gpu>-host.json / <gpu>-heldout.json / <gpu>-x<world>-distributed.json / <gpu>-zoo.json /
 tune-<gpu>.json.gz / <gpu>-families.json.gz. Every section says the
 date, GPU, versions and command of its run.
@@ -27,6 +28,7 @@ from patchgemm.model_bench import COMPILE_FORMS, ModelRow, format_rows, paired_w
 from patchgemm import learned, tune  # noqa: E402
 
 import distributed  # noqa: E402
+import fp8  # noqa: E402
 import zoo  # noqa: E402
 import heldout  # noqa: E402
 
@@ -132,6 +134,16 @@ def zoo_section(saved: dict, name: str) -> str:
         zoo.format_rows(saved["rows"]))
 
 
+def fp8_section(saved: dict, name: str) -> str:
+    return _table_section(
+        saved, "FP8 grouped linear", f"python bench/fp8.py --json {name}",
+        "bf16 tensors, `[B, G, Din] -> Dout` per group with bias; `patchgemm fp8` quantizes x and the weight (and, "
+        "backward, the output gradient) on every call (current scaling); PyTorch's FP8 rows quantize with torch "
+        "ops and have no backward. GPU ms: CUDA-event medians; `vs bf16` = patchgemm bf16's GPU time over the "
+        "row's; `rel err` against patchgemm bf16's output.",
+        fp8.format_rows(saved["rows"]))
+
+
 def host_section(saved: dict, name: str) -> str:
     return _table_section(
         saved, "Host time per call", f"python -m patchgemm bench --host --json {name}",
@@ -227,6 +239,8 @@ def main(argv=None) -> int:
             sections.append(models_section(saved, name))
         elif saved.get("kind") == "zoo":
             sections.append(zoo_section(saved, name))
+        elif saved.get("kind") == "fp8":
+            sections.append(fp8_section(saved, name))
         elif saved.get("kind") == "distributed":
             sections.append(distributed_section(saved, name))
         elif "host" in saved:

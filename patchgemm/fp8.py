@@ -86,17 +86,31 @@ def resolve(where: str, fp8: Union[None, bool, Float8Recipe]) -> Optional[Float8
     raise TypeError(f"{where}: fp8 must be None, a bool or a patchgemm.Float8Recipe, got {type(fp8).__name__}")
 
 
+def _quantize(t: torch.Tensor, fmt: torch.dtype, group_major: bool, rowwise: bool, batch_major: bool):
+    """(t in fmt in its layout or None, t's [G, D, B] copy or None, scale) for an activation or
+    gradient t [B, G, D] ([G, B, D] when group_major): the copy is what a GEMM summing over B reads."""
+    if group_major:
+        data, data_t, scale = ops.quantize_fp8(t, fmt, rowwise, batch_major)
+        return (data if rowwise else None), (data_t if batch_major else None), scale
+    B, G, D = t.shape
+    data, data_t, scale = ops.quantize_fp8(t.reshape(B, G * D), fmt, rowwise, batch_major)
+    return (data.view(B, G, D) if rowwise else None), (data_t.view(G, D, B) if batch_major else None), scale
+
+
 class _GroupedLinearFp8(torch.autograd.Function):
     """y = x_g @ weight_g^T + bias_g with x and the weight quantized to e4m3 (one scale each); the
-    backward quantizes grad_y and runs both gradients' GEMMs in FP8 on the saved FP8 operands, each
-    read K-major (Hopper's FP8 GEMMs read no other way): the weight transposed for grad_x, x and
-    grad_y transposed (batch-major) for grad_weight."""
+    backward quantizes grad_y and runs both gradients' GEMMs in FP8. Hopper's FP8 GEMMs read both
+    operands K-major, so each quantization also writes the transposed copy a gradient's GEMM needs
+    (in the same pass): the weight's for grad_x, x's and grad_y's (batch-major) for grad_weight; the
+    forward saves those copies, in FP8, and nothing else."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group_major: bool, out_dtype: torch.dtype, recipe: Float8Recipe):
-        x8, x_scale = ops.quantize_fp8(x, recipe.forward_format)
-        w8, w_scale = ops.quantize_fp8(weight, recipe.forward_format)
-        ctx.save_for_backward(x8, x_scale, w8, w_scale)
+    def forward(ctx, x, weight, bias, group_major: bool, out_dtype: torch.dtype, recipe: Float8Recipe,
+                need_grad_x: bool, need_grad_w: bool):
+        fmt = recipe.forward_format
+        x8, x8_t, x_scale = _quantize(x, fmt, group_major, True, need_grad_w)
+        w8, w8_t, w_scale = ops.quantize_fp8(weight, fmt, True, need_grad_x)
+        ctx.save_for_backward(x8_t, x_scale, w8_t if need_grad_x else None, w_scale)
         ctx.group_major, ctx.recipe, ctx.x_dtype, ctx.w_dtype = group_major, recipe, x.dtype, weight.dtype
         return ops.scaled_grouped_mm(x8, w8, x_scale, w_scale, bias, group_major, out_dtype,
                                      recipe.fast_accumulation)
@@ -104,22 +118,18 @@ class _GroupedLinearFp8(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x8, x_scale, w8, w_scale = ctx.saved_tensors
+        x8_t, x_scale, w8_t, w_scale = ctx.saved_tensors
         group_major = ctx.group_major
-        g8, g_scale = ops.quantize_fp8(grad_y, ctx.recipe.backward_format)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g8, g8_t, g_scale = _quantize(grad_y, ctx.recipe.backward_format, group_major, need_x, need_w)
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:  # grad_x_g [B, Din] = grad_y_g [B, Dout] @ weight_g [Dout, Din]
-            grad_x = ops.scaled_grouped_mm(g8, w8.transpose(1, 2).contiguous(), g_scale, w_scale, None, group_major,
-                                           ctx.x_dtype, False)
-        if ctx.needs_input_grad[1]:  # grad_w_g [Dout, Din] = grad_y_g^T [Dout, B] @ x_g [B, Din]
-            def by_batch(t):  # [G, D, B], contiguous
-                return (t if group_major else t.transpose(0, 1)).transpose(1, 2).contiguous()
-
-            grad_w = ops.scaled_grouped_mm(by_batch(g8), by_batch(x8), g_scale, x_scale, None, True, ctx.w_dtype,
-                                           False)
-        if ctx.needs_input_grad[2]:
+        if need_x:  # grad_x_g [B, Din] = grad_y_g [B, Dout] @ weight_g [Dout, Din]
+            grad_x = ops.scaled_grouped_mm(g8, w8_t, g_scale, w_scale, None, group_major, ctx.x_dtype, False)
+        if need_w:  # grad_w_g [Dout, Din] = grad_y_g^T [Dout, B] @ x_g [B, Din]
+            grad_w = ops.scaled_grouped_mm(g8_t, x8_t, g_scale, x_scale, None, True, ctx.w_dtype, False)
+        if need_b:
             grad_b = grad_y.sum(1 if group_major else 0, dtype=torch.float32).to(grad_y.dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def grouped_linear(x3: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_major: bool,
@@ -132,4 +142,6 @@ def grouped_linear(x3: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                             f"(shape {tuple(t.shape)})")
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
-    return _GroupedLinearFp8.apply(x3, weight, bias, group_major, out_dtype, recipe)
+    grad = torch.is_grad_enabled()
+    return _GroupedLinearFp8.apply(x3, weight, bias, group_major, out_dtype, recipe, grad and x3.requires_grad,
+                                   grad and weight.requires_grad)

@@ -33,8 +33,11 @@ def main():
     if torch.cuda.get_device_capability() >= (8, 9):
         for n in (1, 13, 3 * 2**20 + 7):
             for dtype in (torch.bfloat16, torch.float32):
-                data, scale = ops.quantize_fp8(torch.randn(n, dtype=dtype, device="cuda"), torch.float8_e5m2)
+                x = torch.randn(n, dtype=dtype, device="cuda")
+                data, _, scale = ops.quantize_fp8(x, torch.float8_e5m2)
                 assert torch.isfinite(scale) and torch.isfinite(data.float()).all()
+                data, data_t, scale = ops.quantize_fp8(x.view(1, -1, 1 if n % 7 else 7), torch.float8_e4m3fn, True, True)
+                assert torch.isfinite(data_t.float()).all()
         x = torch.randn(64, 3, 32, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         layer = patchgemm.GroupedLinear(3, 32, 48, device="cuda", dtype=torch.bfloat16, fp8=True)
         y = layer(x)

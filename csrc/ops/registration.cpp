@@ -82,10 +82,11 @@ TORCH_LIBRARY(patchgemm, m) {
       "instance_norm_act_backward(Tensor grad_y, Tensor x, Tensor? weight, Tensor? bias, "
       "Tensor mean, Tensor rstd, bool gelu, bool tokens) -> (Tensor, Tensor, Tensor)");
 
-  // FP8 with current scaling: data = saturate(x / scale) in `format` (float8_e4m3fn or float8_e5m2),
-  // contiguous in x's shape, and scale = amax(|x|) / max(format) (1 for an all-zero x), a float32
-  // scalar: x ~ scale * data.
-  m.def("quantize_fp8(Tensor x, ScalarType format) -> (Tensor, Tensor)");
+  // FP8 with current scaling: (data, data_t, scale) with data = saturate(x * (1 / scale)) in `format`
+  // (float8_e4m3fn or float8_e5m2), contiguous in x's shape where `rowwise` (else empty), data_t the
+  // same values with x's last two dims swapped, contiguous, where `transposed` (else empty), and
+  // scale = amax(|x|) / max(format) (1 for an all-zero x), a float32 scalar: x ~ scale * data.
+  m.def("quantize_fp8(Tensor x, ScalarType format, bool rowwise=True, bool transposed=False) -> (Tensor, Tensor, Tensor)");
   // The grouped linear of FP8 operands: a [B, G, K] or (group_major) [G, B, K], b [G, N, K], per-tensor
   // scales (float32 scalars); y[.., g, :] = scale_a * scale_b * a[.., g, :] @ b[g].T + bias[g] in a's
   // layout, contiguous, of out_dtype (bias [G, N] of out_dtype). `fast_accum`: Hopper's faster FP8

@@ -9,10 +9,12 @@
 
 namespace patchgemm {
 
-// quantize_fp8: x contiguous, to `format` (e4m3fn or e5m2) with one scale for the tensor.
+// quantize_fp8: x contiguous, to `format` (e4m3fn or e5m2) with one scale for the tensor; data in
+// x's layout where `rowwise`, the copy with the last two dims swapped where `transposed`.
 struct QuantizeProblem {
   at::Tensor x;
   at::ScalarType format;
+  bool rowwise = true, transposed = false;
 };
 
 // scaled_grouped_mm over [G, ...] views: c_g [M, N] = scale_a * scale_b * a_g [M, K] @ b_g [N, K]^T
@@ -25,7 +27,7 @@ struct ScaledGroupedProblem {
   at::Tensor out, c;
 };
 
-std::tuple<at::Tensor, at::Tensor> select_quantize_fp8(const QuantizeProblem& p);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> select_quantize_fp8(const QuantizeProblem& p);
 at::Tensor select_scaled_grouped_mm(const ScaledGroupedProblem& p);
 
 }  // namespace patchgemm

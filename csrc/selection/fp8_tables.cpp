@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #ifdef PATCHGEMM_WITH_CUDA
 #ifndef USE_ROCM
@@ -27,18 +29,21 @@ using selection::WhyNot;
 
 std::string quantize_signature(const QuantizeProblem& p) {
   std::ostringstream out;
-  out << "(" << describe("x", p.x) << " -> " << c10::toString(p.format) << ")";
+  out << "(" << describe("x", p.x) << " -> " << c10::toString(p.format) << (p.rowwise ? "" : ", no rowwise")
+      << (p.transposed ? ", transposed" : "") << ")";
   return out.str();
 }
 
 selection::ProblemFeatures quantize_features(const QuantizeProblem& p) {
-  return selection::features_on(p.x, {{"numel", double(p.x.numel())}});
+  return selection::features_on(p.x, {{"numel", double(p.x.numel())}, {"transposed", p.transposed ? 1.0 : 0.0}});
 }
 
-const Table<QuantizeProblem, std::tuple<at::Tensor, at::Tensor>> kQuantize(
+const Table<QuantizeProblem, std::tuple<at::Tensor, at::Tensor, at::Tensor>> kQuantize(
     "quantize_fp8",
     {
-        {"fused", "cuda", "x float32, float16 or bfloat16 on an NVIDIA GPU: amax, then one pass that casts",
+        {"fused", "cuda",
+         "x float32, float16 or bfloat16 on an NVIDIA GPU: amax, then one pass that casts (and transposes "
+         "through shared memory)",
          [](const QuantizeProblem& p) -> WhyNot {
 #if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
            if (!p.x.is_cuda()) return "CUDA tensors only";
@@ -49,25 +54,31 @@ const Table<QuantizeProblem, std::tuple<at::Tensor, at::Tensor>> kQuantize(
 #endif
          },
          nullptr,
-         [](const QuantizeProblem& p, bool, WhyNot& why) -> std::optional<std::tuple<at::Tensor, at::Tensor>> {
+         [](const QuantizeProblem& p, bool, WhyNot& why) -> std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> {
 #if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
            if (reinterpret_cast<uintptr_t>(p.x.const_data_ptr()) % 16 != 0) {
              why = "x not 16-byte aligned";
              return std::nullopt;
            }
-           at::Tensor data = at::empty(p.x.sizes(), p.x.options().dtype(p.format));
+           const at::TensorOptions fp8 = p.x.options().dtype(p.format);
+           std::vector<int64_t> swapped = p.x.sizes().vec();
+           if (p.transposed) std::swap(swapped[swapped.size() - 1], swapped[swapped.size() - 2]);
+           at::Tensor data = p.rowwise ? at::empty(p.x.sizes(), fp8) : at::Tensor();
+           at::Tensor data_t = p.transposed ? at::empty(swapped, fp8) : at::Tensor();
            at::Tensor scale = at::empty({}, p.x.options().dtype(at::kFloat));
-           cuda::quantize_fp8(p.x, data, scale);
-           return std::make_tuple(data, scale);
+           cuda::quantize_fp8(p.x, data, data_t, scale);
+           const at::Tensor none = at::empty({0}, fp8);
+           return std::make_tuple(p.rowwise ? data : none, p.transposed ? data_t : none, scale);
 #else
            why = "this build has no CUDA kernels";
            return std::nullopt;
 #endif
          }},
-        {"aten", "cpu cuda rocm", "any x: ATen's abs, max, division, clamp and cast",
+        {"aten", "cpu cuda rocm", "any x: ATen's abs, max, division, clamp and cast; a copy transposes",
          [](const QuantizeProblem&) { return WhyNot(); }, nullptr,
-         [](const QuantizeProblem& p, bool, WhyNot&) -> std::optional<std::tuple<at::Tensor, at::Tensor>> {
-           return quantize_fp8_aten(p.x, p.format);
+         [](const QuantizeProblem& p, bool, WhyNot&) -> std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> {
+           Quantized q = quantize_fp8_aten(p.x, p.format, p.rowwise, p.transposed);
+           return std::make_tuple(q.data, q.data_t, q.scale);
          }},
     },
     quantize_signature, quantize_features);
@@ -143,7 +154,7 @@ const Table<ScaledGroupedProblem, at::Tensor> kScaledGroupedMm(
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> select_quantize_fp8(const QuantizeProblem& p) { return kQuantize.run(p); }
+std::tuple<at::Tensor, at::Tensor, at::Tensor> select_quantize_fp8(const QuantizeProblem& p) { return kQuantize.run(p); }
 at::Tensor select_scaled_grouped_mm(const ScaledGroupedProblem& p) { return kScaledGroupedMm.run(p); }
 
 }  // namespace patchgemm

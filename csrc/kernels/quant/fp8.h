@@ -1,5 +1,5 @@
 // FP8 quantization with current scaling: one scale per tensor, computed from the tensor itself.
-// data = saturate(x / scale) in an FP8 format, scale = amax(|x|) / max(format) (1 for an all-zero x),
+// data = saturate(x * (1 / scale)) in an FP8 format, scale = amax(|x|) / max(format) (1 for an all-zero x),
 // so x ~ scale * data; `scale` is what an FP8 GEMM multiplies its product by (cuBLASLt's A/B scale,
 // torch._scaled_mm's scale_a/scale_b). A NaN in x makes amax NaN, an inf makes it inf: the scale
 // then carries it into every product (never a finite answer from a non-finite input).
@@ -14,15 +14,22 @@ namespace patchgemm {
 // The largest finite value of an FP8 format (e4m3fn: 448, e5m2: 57344).
 double fp8_max(at::ScalarType format);
 
-// ATen's reduction and elementwise ops (four passes over x): any device, the reference.
-std::tuple<at::Tensor, at::Tensor> quantize_fp8_aten(const at::Tensor& x, at::ScalarType format);
+// What quantize_fp8 returns: data (x's shape, contiguous) where `rowwise`, data_t (x with its last
+// two dims swapped, contiguous: the K-major copy a GEMM over the other dim reads) where
+// `transposed`, each else an empty tensor; and the scale.
+struct Quantized {
+  at::Tensor data, data_t, scale;
+};
+
+// ATen's reduction and elementwise ops (four passes over x, a copy for data_t): any device, the reference.
+Quantized quantize_fp8_aten(const at::Tensor& x, at::ScalarType format, bool rowwise, bool transposed);
 
 #if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
 namespace cuda {
-// Two kernels, no host sync (graph-safe): amax(|x|) into `scale`'s memory, then one pass that reads
-// x, writes data and turns amax into the scale. x contiguous float32/float16/bfloat16, data
-// contiguous of x's shape in e4m3fn or e5m2, scale a float32 scalar; all on one GPU.
-void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale);
+// Two kernels, no host sync (graph-safe): amax(|x|), then one pass that reads x, writes data and/or
+// data_t (either may be undefined, not both) and the scale. x contiguous float32/float16/bfloat16
+// and 16-byte aligned, data / data_t contiguous in e4m3fn or e5m2, scale a float32 scalar; one GPU.
+void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& data_t, const at::Tensor& scale);
 }  // namespace cuda
 #endif
 

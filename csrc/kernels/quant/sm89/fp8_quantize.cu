@@ -1,6 +1,7 @@
-// Current-scaling FP8 quantization in two kernels: amax(|x|), then the cast that reads it. Each
-// thread moves 16 bytes of x at a time; the divisions round to nearest (--use_fast_math would
-// otherwise approximate them), so the result is bitwise that of quantize_fp8_aten.
+// Current-scaling FP8 quantization in two kernels: amax(|x|), then the cast that reads it -- a flat
+// one (each thread moves 16 bytes of x at a time) or one that also writes the transposed copy. Every
+// step rounds to nearest (explicit intrinsics: --use_fast_math would approximate and contract them),
+// as ATen's reciprocal and multiplication do, so the result is bitwise quantize_fp8_aten's.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -51,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x,
   }
 }
 
-// scale = amax / max (1 for amax 0; NaN and inf carried), data = saturate(x / scale). The scale
+// scale = amax / max (1 for amax 0; NaN and inf carried), data = saturate(x * (1 / scale)). The scale
 // goes to its own word: no block may overwrite amax's bits while another may still read them.
 template <typename T, __nv_fp8_interpretation_t kFormat>
 __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, int64_t n,
@@ -62,6 +63,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
   constexpr float kMax = kFormat == __NV_E4M3 ? 448.f : 57344.f;
   const float amax = __uint_as_float(*amax_bits);
   const float scale = amax == 0.f ? 1.f : __fdiv_rn(amax, kMax);
+  const float inverse = __frcp_rn(scale);
   const int64_t packs = n / P::kSize, stride = int64_t(gridDim.x) * kThreads;
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (first == 0) *scale_out = scale;
@@ -73,45 +75,133 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
     Out o;
 #pragma unroll
     for (int j = 0; j < P::kSize; ++j) {
-      o.v[j] = __nv_cvt_float_to_fp8(__fdiv_rn(static_cast<float>(p.v[j]), scale), __NV_SATFINITE, kFormat);
+      o.v[j] = __nv_cvt_float_to_fp8(__fmul_rn(static_cast<float>(p.v[j]), inverse), __NV_SATFINITE, kFormat);
     }
     reinterpret_cast<Out*>(data)[i] = o;
   }
   for (int64_t i = packs * P::kSize + first; i < n; i += stride) {
-    data[i] = __nv_cvt_float_to_fp8(__fdiv_rn(static_cast<float>(x[i]), scale), __NV_SATFINITE, kFormat);
+    data[i] = __nv_cvt_float_to_fp8(__fmul_rn(static_cast<float>(x[i]), inverse), __NV_SATFINITE, kFormat);
+  }
+}
+
+// The same cast for x viewed as [P, R, C], writing data [P, R, C] (if given) and data_t [P, C, R]:
+// a block quantizes a 64 x 64 tile, reading x and writing data along C, and writes data_t from the
+// tile in shared memory along R. kVec consecutive values per thread (4 where R and C are multiples
+// of 4: 8- or 16-byte loads, 4-byte stores both ways; else 1).
+constexpr int kTile = 64;
+
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Vec {
+  T v[kVec];
+};
+template <int kVec>
+struct alignas(kVec) Bytes {
+  __nv_fp8_storage_t v[kVec];
+};
+
+template <typename T, __nv_fp8_interpretation_t kFormat, int kVec>
+__global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const T* __restrict__ x, int64_t P, int64_t R,
+                                                                    int64_t C, const unsigned int* __restrict__ amax_bits,
+                                                                    __nv_fp8_storage_t* __restrict__ data,
+                                                                    __nv_fp8_storage_t* __restrict__ data_t,
+                                                                    float* __restrict__ scale_out) {
+  constexpr float kMax = kFormat == __NV_E4M3 ? 448.f : 57344.f;
+  constexpr int kLanes = kTile / kVec, kRowsPerPass = kThreads / kLanes;
+  // Rows of 68 bytes: 4-byte aligned, and the column reads of the transposed store spread over banks.
+  __shared__ __align__(4) __nv_fp8_storage_t tile[kTile][kTile + 4];
+  const float amax = __uint_as_float(*amax_bits);
+  const float scale = amax == 0.f ? 1.f : __fdiv_rn(amax, kMax);
+  const float inverse = __frcp_rn(scale);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *scale_out = scale;
+  const int lane = threadIdx.x % kLanes, first_row = threadIdx.x / kLanes;
+  const int64_t row_tiles = (R + kTile - 1) / kTile;
+  const int64_t c0 = int64_t(blockIdx.x) * kTile;
+  for (int64_t p = blockIdx.z; p < P; p += gridDim.z) {
+    const T* in = x + p * R * C;
+    for (int64_t rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
+      const int64_t r0 = rt * kTile;
+      for (int i = first_row; i < kTile; i += kRowsPerPass) {
+        const int64_t r = r0 + i, c = c0 + int64_t(lane) * kVec;  // C % kVec == 0: all kVec or none
+        Bytes<kVec> q{};
+        if (r < R && c < C) {
+          const Vec<T, kVec> v = *reinterpret_cast<const Vec<T, kVec>*>(in + r * C + c);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            q.v[j] = __nv_cvt_float_to_fp8(__fmul_rn(static_cast<float>(v.v[j]), inverse), __NV_SATFINITE, kFormat);
+          }
+          if (data != nullptr) *reinterpret_cast<Bytes<kVec>*>(data + p * R * C + r * C + c) = q;
+        }
+        *reinterpret_cast<Bytes<kVec>*>(&tile[i][lane * kVec]) = q;
+      }
+      __syncthreads();
+      for (int i = first_row; i < kTile; i += kRowsPerPass) {  // row c0 + i of data_t[p], from column r0 + lane * kVec
+        const int64_t c = c0 + i, r = r0 + int64_t(lane) * kVec;
+        if (c < C && r < R) {
+          Bytes<kVec> q;
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) q.v[j] = tile[lane * kVec + j][i];
+          *reinterpret_cast<Bytes<kVec>*>(data_t + p * R * C + c * R + r) = q;
+        }
+      }
+      __syncthreads();
+    }
   }
 }
 
 }  // namespace
 
-void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale) {
-  TORCH_INTERNAL_ASSERT(x.is_contiguous() && data.is_contiguous() && data.numel() == x.numel());
-  TORCH_INTERNAL_ASSERT(scale.scalar_type() == at::kFloat && scale.numel() == 1);
+void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& data_t, const at::Tensor& scale) {
+  TORCH_INTERNAL_ASSERT(x.is_contiguous() && scale.scalar_type() == at::kFloat && scale.numel() == 1);
+  TORCH_INTERNAL_ASSERT(data.defined() || data_t.defined());
+  const at::Tensor& some = data.defined() ? data : data_t;
+  const bool e4m3 = some.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_INTERNAL_ASSERT(e4m3 || some.scalar_type() == at::kFloat8_e5m2);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t n = x.numel();
-  // amax's bits live beside the scale until the cast has read them (one allocation, one memset).
+  // amax's bits live apart from the scale until the cast has read them (one allocation, one memset).
   const at::Tensor amax_bits = at::zeros({1}, x.options().dtype(at::kInt));
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t pack = 16 / x.element_size();
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((n / pack + kThreads - 1) / kThreads, 8 * sms));
-  const bool e4m3 = data.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_INTERNAL_ASSERT(e4m3 || data.scalar_type() == at::kFloat8_e5m2);
-  // Pack loads need x 16-byte aligned; the allocator's tensors are, offset views may not be.
-  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(data.const_data_ptr()) % 16 == 0);
+  // Pack loads need x 16-byte aligned (the caller checks), as do the flat cast's pack stores.
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 == 0);
   auto* bits = reinterpret_cast<unsigned int*>(amax_bits.mutable_data_ptr<int>());
-  auto* out = reinterpret_cast<__nv_fp8_storage_t*>(data.mutable_data_ptr());
+  auto* out = data.defined() ? reinterpret_cast<__nv_fp8_storage_t*>(data.mutable_data_ptr()) : nullptr;
+  float* scale_out = scale.mutable_data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize_fp8", [&] {
     const auto* in = x.const_data_ptr<scalar_t>();
     if (n > 0) {
       amax_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(in, n, bits);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (e4m3) {
-      cast_kernel<scalar_t, __NV_E4M3><<<blocks, kThreads, 0, stream>>>(in, n, bits, out, scale.mutable_data_ptr<float>());
-    } else {
-      cast_kernel<scalar_t, __NV_E5M2><<<blocks, kThreads, 0, stream>>>(in, n, bits, out, scale.mutable_data_ptr<float>());
+    if (!data_t.defined()) {  // the flat cast, 16 bytes of x per thread
+      TORCH_INTERNAL_ASSERT(data.is_contiguous() && data.numel() == n &&
+                            reinterpret_cast<uintptr_t>(data.const_data_ptr()) % 16 == 0);
+      if (e4m3) {
+        cast_kernel<scalar_t, __NV_E4M3><<<blocks, kThreads, 0, stream>>>(in, n, bits, out, scale_out);
+      } else {
+        cast_kernel<scalar_t, __NV_E5M2><<<blocks, kThreads, 0, stream>>>(in, n, bits, out, scale_out);
+      }
+    } else {  // [P, R, C] as the last two dims and the rest
+      const int64_t C = x.dim() >= 1 ? x.size(-1) : 1, R = x.dim() >= 2 ? x.size(-2) : 1;
+      const int64_t P = (R * C) ? n / (R * C) : 0;
+      TORCH_INTERNAL_ASSERT(data_t.is_contiguous() && data_t.numel() == n);
+      auto* out_t = reinterpret_cast<__nv_fp8_storage_t*>(data_t.mutable_data_ptr());
+      const int64_t col_tiles = (C + kTile - 1) / kTile, row_tiles = (R + kTile - 1) / kTile;
+      TORCH_CHECK(col_tiles <= INT32_MAX, "quantize_fp8: x's last dim ", C, " is too long to transpose");
+      const dim3 grid(static_cast<unsigned>(std::max<int64_t>(col_tiles, 1)),
+                      static_cast<unsigned>(std::clamp<int64_t>(row_tiles, 1, 65535)),
+                      static_cast<unsigned>(std::clamp<int64_t>(P, 1, 65535)));
+      // 4 values per thread where every 4-value group starts 4-aligned in x, data and data_t.
+      const bool by4 = R % 4 == 0 && C % 4 == 0 && reinterpret_cast<uintptr_t>(out_t) % 4 == 0 &&
+                       (out == nullptr || reinterpret_cast<uintptr_t>(out) % 4 == 0);
+      const auto launch = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>(in, P, R, C, bits, out, out_t, scale_out); };
+      if (e4m3) {
+        by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 4>) : launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 1>);
+      } else {
+        by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 4>) : launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 1>);
+      }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
