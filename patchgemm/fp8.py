@@ -121,8 +121,9 @@ class _GroupedLinearFp8(torch.autograd.Function):
         x8_t, x_scale, w8_t, w_scale = ctx.saved_tensors
         group_major = ctx.group_major
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g8, g8_t, g_scale = _quantize(grad_y, ctx.recipe.backward_format, group_major, need_x, need_w)
         grad_x = grad_w = grad_b = None
+        if need_x or need_w:
+            g8, g8_t, g_scale = _quantize(grad_y, ctx.recipe.backward_format, group_major, need_x, need_w)
         if need_x:  # grad_x_g [B, Din] = grad_y_g [B, Dout] @ weight_g [Dout, Din]
             grad_x = ops.scaled_grouped_mm(g8, w8_t, g_scale, w_scale, None, group_major, ctx.x_dtype, False)
         if need_w:  # grad_w_g [Dout, Din] = grad_y_g^T [Dout, B] @ x_g [B, Din]

@@ -287,6 +287,17 @@ def test_fp8_under_autocast_keeps_fp32_master_weights(device):
     assert layer.bias.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("needs", ["x", "weight", "bias", "weight and bias"])
+def test_fp8_backward_computes_only_what_is_needed(needs):
+    layer = patchgemm.GroupedLinear(2, 32, 16, fp8=True)
+    x = randn(8, 2, 32, requires_grad="x" in needs)
+    layer.weight.requires_grad_("weight" in needs)
+    layer.bias.requires_grad_("bias" in needs)
+    layer(x).sum().backward()
+    for name, t in (("x", x), ("weight", layer.weight), ("bias", layer.bias)):
+        assert (t.grad is not None) == (name in needs.split(" and ")), name
+
+
 def test_fp8_switch_errors():
     with pytest.raises(TypeError, match="fp8 must be None, a bool or a patchgemm.Float8Recipe"):
         patchgemm.GroupedLinear(2, 16, 16, fp8="e4m3")
