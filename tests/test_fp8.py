@@ -287,6 +287,23 @@ def test_fp8_under_autocast_keeps_fp32_master_weights(device):
     assert layer.bias.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_takes_every_x_form_grouped_linear_does(device):
+    w, b = randn(3, 16, 32, device=device), randn(3, 16, device=device)
+    x = randn(4, 5, 3, 32, device=device)
+    y = patchgemm.grouped_linear(x, w, b, fp8=True)
+    assert y.shape == (4, 5, 3, 16)
+    assert torch.equal(y.reshape(20, 3, 16), patchgemm.grouped_linear(x.reshape(20, 3, 32), w, b, fp8=True))
+    flat = patchgemm.grouped_linear(x.reshape(60, 32), w, b, fp8=True)
+    assert torch.equal(flat, y.reshape(60, 16))
+    # Other strides: the same quantized values, a GEMM of other leading dimensions (on a GPU perhaps
+    # another algorithm, summing in another order).
+    strided = x.reshape(20, 3, 32).transpose(0, 1).contiguous().transpose(0, 1)  # [B, G, D] view of [G, B, D]
+    assert rel_error(patchgemm.grouped_linear(strided, w, b, fp8=True), y.reshape(20, 3, 16)) < 1e-3
+    gbd = patchgemm.grouped_linear(x.reshape(20, 3, 32).transpose(0, 1), w, b, "gbd", fp8=True)
+    assert rel_error(gbd.transpose(0, 1), y.reshape(20, 3, 16)) < 1e-3
+
+
 @pytest.mark.parametrize("needs", ["x", "weight", "bias", "weight and bias"])
 def test_fp8_backward_computes_only_what_is_needed(needs):
     layer = patchgemm.GroupedLinear(2, 32, 16, fp8=True)
