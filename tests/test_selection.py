@@ -220,6 +220,9 @@ def test_cpu_grouped_linear_with_bias_runs_baddbmm():
     x, w, b = randn(4, 3, 8), randn(3, 5, 8), randn(3, 5)
     assert patchgemm.explain(patchgemm.grouped_linear, x, w, b)[0].chosen == "aten_bmm"
     assert patchgemm.explain(patchgemm.grouped_linear, x, w)[0].chosen == "strided_batched"
+    # bfloat16: the planned call, whose operands are laid out for ATen's fast bf16 loop
+    x, w, b = (t.to(torch.bfloat16) for t in (x, w, b))
+    assert patchgemm.explain(patchgemm.grouped_linear, x, w, b)[0].chosen == "strided_batched"
 
 
 def test_cpu_small_windows_into_channels_first_choose_onednn():

@@ -65,8 +65,12 @@ std::vector<Candidate<GroupedProblem, at::Tensor>> candidates() {
        [](const GroupedProblem&) { return WhyNot(); },
        // On the CPU both run ATen's bmm; with a bias, baddbmm adds it in the product, where the
        // planned call adds the product onto a bias written first (one more pass over the output).
+       // Not in bfloat16: there the planned call lays the operands out for ATen's fast bf16 loop
+       // (kernels/gemm/gemm_cpu.cpp), which more than pays for the pass.
        [](const GroupedProblem& p) -> WhyNot {
-         if (p.a.device().is_cpu() && p.bias) return "rule: on the CPU, ATen's baddbmm adds the bias in the product";
+         if (p.a.device().is_cpu() && p.bias && p.a.scalar_type() != at::kBFloat16) {
+           return "rule: on the CPU, ATen's baddbmm adds the bias in the product";
+         }
          return {};
        },
        [](const GroupedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
