@@ -97,12 +97,8 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         if fp8:
             raise ValueError("grouped_linear: fp8 is not supported for ragged groups (group_sizes / offsets)")
         return _ragged_grouped_linear(*_autocast(x, weight, bias), group_sizes, offsets)
-    if recipe is None:
-        x, weight, bias = _autocast(x, weight, bias)
-        if x.dim() == 3:  # the op's own form, in either layout
-            return _call("grouped_linear", x, weight, bias, layout == "gbd")
-    elif x.dim() == 3:
-        return _fp8.grouped_linear(x, weight, bias, layout == "gbd", recipe, _autocast_dtype(x) or x.dtype)
+    if x.dim() == 3:  # the op's own form, in either layout
+        return _grouped_linear_3d(x, weight, bias, layout == "gbd", recipe)
 
     groups, out_features, _ = weight.shape
     if layout == "bgd":
@@ -123,13 +119,18 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
                 f"grouped_linear: x must be [G, ..., Din] for layout 'gbd', got shape {tuple(x.shape)}")
         x3 = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
-    if recipe is None:
-        y = _call("grouped_linear", x3, weight, bias, layout == "gbd")
-    else:
-        y = _fp8.grouped_linear(x3, weight, bias, layout == "gbd", recipe, _autocast_dtype(x) or x.dtype)
+    y = _grouped_linear_3d(x3, weight, bias, layout == "gbd", recipe)
     # As nn.Linear on N-D x: the result is y's memory but not a view of it, so a module returning it
     # returns no view (FSDP2 warns about those: an in-place op on one would skip its hooks).
     return _unsafe_view(y, (*x.shape[:-1], out_features))
+
+
+def _grouped_linear_3d(x3, weight, bias, group_major, recipe):
+    """The op on a 3-D x: in autocast's dtype (its casts), or in FP8 with `recipe`, which quantizes x
+    and the weight from their own dtypes and writes autocast's (else x's)."""
+    if recipe is not None:
+        return _fp8.grouped_linear(x3, weight, bias, group_major, recipe, _autocast_dtype(x3) or x3.dtype)
+    return _call("grouped_linear", *_autocast(x3, weight, bias), group_major)
 
 
 def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):

@@ -1,8 +1,6 @@
 // FP8 quantization through ATen's ops: the reference and the path where no fused kernel runs.
 #include "kernels/quant/fp8.h"
 
-#include <limits>
-
 namespace patchgemm {
 
 double fp8_max(at::ScalarType format) {
