@@ -235,6 +235,21 @@ LtProposals ask_heuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, cu
   return proposals;
 }
 
+// The heuristic's proposals for `shape` (asked on its first sight). The reference stays valid:
+// entries are never changed or removed after insertion, and map nodes do not move.
+const LtProposals& lt_proposals(const LtShape& shape, cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                                cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c,
+                                size_t workspace_size, const uint32_t (&alignments)[3], bool fp32_sums) {
+  LtAlgorithms& known = lt_algorithms();
+  const std::lock_guard<std::mutex> lock(known.mutex);
+  auto found = known.by_shape.find(shape);
+  if (found == known.by_shape.end()) {
+    found = known.by_shape.emplace(shape, ask_heuristic(handle, desc, a, b, c, workspace_size, alignments, fp32_sums))
+                .first;
+  }
+  return found->second;
+}
+
 // One strided-batched cuBLASLt matmul with the `algorithm`-th algorithm its heuristic proposes, and
 // the bias, if any, added in the epilogue (CUBLASLT_EPILOGUE_BIAS: one entry per row of the
 // column-major output, i.e. per output feature). Returns false where it does not apply (fp64, an
@@ -281,20 +296,10 @@ bool lt_matmul(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, c
                       static_cast<int64_t>(workspace_size), fp32_sums};
 
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  const cublasLtMatmulAlgo_t* chosen = nullptr;
-  {
-    LtAlgorithms& known = lt_algorithms();
-    const std::lock_guard<std::mutex> lock(known.mutex);
-    auto found = known.by_shape.find(shape);
-    if (found == known.by_shape.end()) {
-      found = known.by_shape
-                  .emplace(shape, ask_heuristic(handle, desc.value, layout_a.value, layout_b.value, layout_c.value,
-                                                workspace_size, alignments, fp32_sums))
-                  .first;
-    }
-    if (algorithm >= found->second.count) return false;
-    chosen = &found->second.algo[algorithm];
-  }
+  const LtProposals& proposals = lt_proposals(shape, handle, desc.value, layout_a.value, layout_b.value,
+                                              layout_c.value, workspace_size, alignments, fp32_sums);
+  if (algorithm >= proposals.count) return false;
+  const cublasLtMatmulAlgo_t* chosen = &proposals.algo[algorithm];
 
   const Scalars s(dtype, false);
   PATCHGEMM_CUBLAS_CHECK(cublasLtMatmul(
@@ -362,25 +367,14 @@ std::string scaled_lt_matmul(const at::Tensor& a, const at::Tensor& b, const at:
                       a.stride(0), b.stride(0), c.stride(0), 0, alignments[0], alignments[1], alignments[2],
                       static_cast<int64_t>(workspace_size), 2};
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  cublasLtMatmulAlgo_t chosen;
-  {
-    LtAlgorithms& known = lt_algorithms();
-    const std::lock_guard<std::mutex> lock(known.mutex);
-    auto found = known.by_shape.find(shape);
-    if (found == known.by_shape.end()) {
-      found = known.by_shape
-                  .emplace(shape, ask_heuristic(handle, desc.value, layout_a.value, layout_b.value, layout_c.value,
-                                                workspace_size, alignments, false))
-                  .first;
-    }
-    if (found->second.count == 0) return "cuBLASLt proposes no FP8 algorithm for this shape";
-    chosen = found->second.algo[0];
-  }
+  const LtProposals& proposals = lt_proposals(shape, handle, desc.value, layout_a.value, layout_b.value,
+                                              layout_c.value, workspace_size, alignments, false);
+  if (proposals.count == 0) return "cuBLASLt proposes no FP8 algorithm for this shape";
   const float alpha = 1.f, beta = 0.f;
   void* ptr_c = c.data_ptr();
   PATCHGEMM_CUBLAS_CHECK(cublasLtMatmul(handle, desc.value, &alpha, b.const_data_ptr(), layout_a.value,
                                         a.const_data_ptr(), layout_b.value, &beta, ptr_c, layout_c.value, ptr_c,
-                                        layout_c.value, &chosen, workspace, workspace_size,
+                                        layout_c.value, &proposals.algo[0], workspace, workspace_size,
                                         at::cuda::getCurrentCUDAStream()));
   if (bias && !bias_in_epilogue) c.add_(bias->unsqueeze(1));
   return {};

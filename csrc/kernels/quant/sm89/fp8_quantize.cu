@@ -17,11 +17,37 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// kVec consecutive values of x, and their kVec FP8 bytes, each moved as one aligned access.
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Vec {
+  T v[kVec];
+};
+template <int kVec>
+struct alignas(kVec) Bytes {
+  __nv_fp8_storage_t v[kVec];
+};
+
 // 16 bytes of x: 4 float32 or 8 16-bit values.
 template <typename T>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / sizeof(T);
-  T v[kSize];
+constexpr int kPack = 16 / sizeof(T);
+template <typename T>
+using Pack = Vec<T, kPack<T>>;
+
+// The scale from amax's bits (amax / max; 1 for amax 0; NaN and inf carried) and its reciprocal,
+// which every value is multiplied by before the saturating cast.
+template <__nv_fp8_interpretation_t kFormat>
+struct Scaling {
+  float scale, inverse;
+  __device__ __forceinline__ explicit Scaling(const unsigned int* amax_bits) {
+    constexpr float kMax = kFormat == __NV_E4M3 ? 448.f : 57344.f;
+    const float amax = __uint_as_float(*amax_bits);
+    scale = amax == 0.f ? 1.f : __fdiv_rn(amax, kMax);
+    inverse = __frcp_rn(scale);
+  }
+  template <typename T>
+  __device__ __forceinline__ __nv_fp8_storage_t operator()(T v) const {
+    return __nv_cvt_float_to_fp8(__fmul_rn(static_cast<float>(v), inverse), __NV_SATFINITE, kFormat);
+  }
 };
 
 // The bits of |v|: non-negative floats order as their bit patterns, and a NaN (sign cleared) lies
@@ -33,15 +59,16 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x, int64_t n,
                                                           unsigned int* __restrict__ amax_bits) {
   using P = Pack<T>;
+  constexpr int kSize = kPack<T>;
   unsigned int local = 0;
-  const int64_t packs = n / P::kSize, stride = int64_t(gridDim.x) * kThreads;
+  const int64_t packs = n / kSize, stride = int64_t(gridDim.x) * kThreads;
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   for (int64_t i = first; i < packs; i += stride) {
     const P p = reinterpret_cast<const P*>(x)[i];
 #pragma unroll
-    for (int j = 0; j < P::kSize; ++j) local = max(local, abs_bits(static_cast<float>(p.v[j])));
+    for (int j = 0; j < kSize; ++j) local = max(local, abs_bits(static_cast<float>(p.v[j])));
   }
-  for (int64_t i = packs * P::kSize + first; i < n; i += stride) local = max(local, abs_bits(static_cast<float>(x[i])));
+  for (int64_t i = packs * kSize + first; i < n; i += stride) local = max(local, abs_bits(static_cast<float>(x[i])));
   for (int offset = 16; offset > 0; offset /= 2) local = max(local, __shfl_xor_sync(0xffffffffu, local, offset));
   __shared__ unsigned int warps[kThreads / 32];
   if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = local;
@@ -52,36 +79,27 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x,
   }
 }
 
-// scale = amax / max (1 for amax 0; NaN and inf carried), data = saturate(x * (1 / scale)). The scale
-// goes to its own word: no block may overwrite amax's bits while another may still read them.
+// data = saturate(x * (1 / scale)), the scale as Scaling computes it. The scale goes to its own
+// word: no block may overwrite amax's bits while another may still read them.
 template <typename T, __nv_fp8_interpretation_t kFormat>
 __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, int64_t n,
                                                           const unsigned int* __restrict__ amax_bits,
                                                           __nv_fp8_storage_t* __restrict__ data,
                                                           float* __restrict__ scale_out) {
-  using P = Pack<T>;
-  constexpr float kMax = kFormat == __NV_E4M3 ? 448.f : 57344.f;
-  const float amax = __uint_as_float(*amax_bits);
-  const float scale = amax == 0.f ? 1.f : __fdiv_rn(amax, kMax);
-  const float inverse = __frcp_rn(scale);
-  const int64_t packs = n / P::kSize, stride = int64_t(gridDim.x) * kThreads;
+  constexpr int kSize = kPack<T>;
+  using Out = Bytes<kSize>;
+  const Scaling<kFormat> quantize(amax_bits);
+  const int64_t packs = n / kSize, stride = int64_t(gridDim.x) * kThreads;
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  if (first == 0) *scale_out = scale;
-  struct alignas(P::kSize) Out {
-    __nv_fp8_storage_t v[P::kSize];
-  };
+  if (first == 0) *scale_out = quantize.scale;
   for (int64_t i = first; i < packs; i += stride) {
-    const P p = reinterpret_cast<const P*>(x)[i];
+    const Pack<T> p = reinterpret_cast<const Pack<T>*>(x)[i];
     Out o;
 #pragma unroll
-    for (int j = 0; j < P::kSize; ++j) {
-      o.v[j] = __nv_cvt_float_to_fp8(__fmul_rn(static_cast<float>(p.v[j]), inverse), __NV_SATFINITE, kFormat);
-    }
+    for (int j = 0; j < kSize; ++j) o.v[j] = quantize(p.v[j]);
     reinterpret_cast<Out*>(data)[i] = o;
   }
-  for (int64_t i = packs * P::kSize + first; i < n; i += stride) {
-    data[i] = __nv_cvt_float_to_fp8(__fmul_rn(static_cast<float>(x[i]), inverse), __NV_SATFINITE, kFormat);
-  }
+  for (int64_t i = packs * kSize + first; i < n; i += stride) data[i] = quantize(x[i]);
 }
 
 // The same cast for x viewed as [P, R, C], writing data [P, R, C] (if given) and data_t [P, C, R]:
@@ -90,29 +108,17 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
 // of 4: 8- or 16-byte loads, 4-byte stores both ways; else 1).
 constexpr int kTile = 64;
 
-template <typename T, int kVec>
-struct alignas(sizeof(T) * kVec) Vec {
-  T v[kVec];
-};
-template <int kVec>
-struct alignas(kVec) Bytes {
-  __nv_fp8_storage_t v[kVec];
-};
-
 template <typename T, __nv_fp8_interpretation_t kFormat, int kVec>
 __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const T* __restrict__ x, int64_t P, int64_t R,
                                                                     int64_t C, const unsigned int* __restrict__ amax_bits,
                                                                     __nv_fp8_storage_t* __restrict__ data,
                                                                     __nv_fp8_storage_t* __restrict__ data_t,
                                                                     float* __restrict__ scale_out) {
-  constexpr float kMax = kFormat == __NV_E4M3 ? 448.f : 57344.f;
   constexpr int kLanes = kTile / kVec, kRowsPerPass = kThreads / kLanes;
   // Rows of 68 bytes: 4-byte aligned, and the column reads of the transposed store spread over banks.
   __shared__ __align__(4) __nv_fp8_storage_t tile[kTile][kTile + 4];
-  const float amax = __uint_as_float(*amax_bits);
-  const float scale = amax == 0.f ? 1.f : __fdiv_rn(amax, kMax);
-  const float inverse = __frcp_rn(scale);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *scale_out = scale;
+  const Scaling<kFormat> quantize(amax_bits);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *scale_out = quantize.scale;
   const int lane = threadIdx.x % kLanes, first_row = threadIdx.x / kLanes;
   const int64_t row_tiles = (R + kTile - 1) / kTile;
   const int64_t c0 = int64_t(blockIdx.x) * kTile;
@@ -126,9 +132,7 @@ __global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const T* __res
         if (r < R && c < C) {
           const Vec<T, kVec> v = *reinterpret_cast<const Vec<T, kVec>*>(in + r * C + c);
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            q.v[j] = __nv_cvt_float_to_fp8(__fmul_rn(static_cast<float>(v.v[j]), inverse), __NV_SATFINITE, kFormat);
-          }
+          for (int j = 0; j < kVec; ++j) q.v[j] = quantize(v.v[j]);
           if (data != nullptr) *reinterpret_cast<Bytes<kVec>*>(data + p * R * C + r * C + c) = q;
         }
         *reinterpret_cast<Bytes<kVec>*>(&tile[i][lane * kVec]) = q;
