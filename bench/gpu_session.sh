@@ -8,7 +8,8 @@
 #               small shapes, then (--scale) every candidate of ours on multi-wave problems, one
 #               process per tool and family, side by side (SANITIZE_MODES="small scale",
 #               SANITIZE_TOOLS="memcheck racecheck synccheck", SANITIZE_FAMILIES: the --scale
-#               families or family:op, default all); each run stops after SANITIZE_SECONDS
+#               families or family:op, default all; SANITIZE_ONCE=1: each candidate on one
+#               multi-wave problem, its family's smallest); each run stops after SANITIZE_SECONDS
 #               (default 540) and says so
 #   bench       the benchmark suite (table, JSON, plot; BENCH_FILTER=P)
 #   microbench  the C++ microbenchmarks (MICROBENCH_ARGS=...)
@@ -91,7 +92,7 @@ if want sanitizer; then
       for run in $runs; do
         log="$LOGS/sanitizer-$mode-$tool-$run.log"
         timeout ${SANITIZE_SECONDS:-540} compute-sanitizer --tool $tool $filter --error-exitcode 1 \
-          python3 "$SRC/tests/sanitize_smoke.py" $([ $mode = scale ] && echo --scale $run) \
+          python3 "$SRC/tests/sanitize_smoke.py" $([ $mode = scale ] && echo --scale ${SANITIZE_ONCE:+--once} $run) \
           >"$log" 2>&1 || echo "(exit $?)" >>"$log" &
       done
     done

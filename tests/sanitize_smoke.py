@@ -2,7 +2,7 @@
     compute-sanitizer --tool memcheck python tests/sanitize_smoke.py
 or, with --scale, every candidate of ours forced in turn on the multi-wave problems of
 scale_cases.py (a block's second tile, stores in flight across tiles):
-    compute-sanitizer --tool racecheck python tests/sanitize_smoke.py --scale [family[:op] ...]
+    compute-sanitizer --tool racecheck python tests/sanitize_smoke.py --scale [--once] [family[:op] ...]
 (not a pytest module: it asserts only that results are finite; the tests check values)."""
 
 import sys
@@ -266,27 +266,45 @@ def main():
     print("sanitize_smoke: ok")
 
 
-def main_at_scale(families):
-    """families: names of CASES, each alone (every op of the family) or as family:op (one op)."""
+def run_forced(case, inputs, op, name) -> bool:
+    """case's forward + backward with candidate `name` forced for `op`; False where it declines."""
+    try:
+        with patchgemm.force(**{op: name}):
+            outputs = case.run(inputs)
+    except RuntimeError as e:
+        if does_not_apply(e):
+            return False
+        raise
+    assert all(torch.isfinite(t).all() for t in outputs), f"{op}={name} on {case}"
+    print(f"  {op}={name} on {case}", flush=True)  # progress, should a run be cut short
+    return True
+
+
+def main_at_scale(families, once=False):
+    """families: names of CASES, each alone (every op of the family) or as family:op (one op).
+    once: each candidate on one case only, the family's smallest it applies to (every case is
+    multi-wave; racecheck, the slowest tool, finishes so)."""
     runs = 0
     for item in families:
         family, _, only = item.partition(":")
-        for case in CASES[family]:
-            inputs = case.make("cuda")
-            for op in [only] if only else FAMILY_OPS[family]:
+        ops = [only] if only else FAMILY_OPS[family]
+        if once:
+            inputs = [case.make("cuda") for case in CASES[family]]
+            sizes = [sum(t.numel() for t in made.values()) for made in inputs]
+            order = sorted(range(len(inputs)), key=sizes.__getitem__)
+            for op in ops:
                 for name in our_candidates(op):
-                    try:
-                        with patchgemm.force(**{op: name}):
-                            outputs = case.run(inputs)
-                    except RuntimeError as e:
-                        if does_not_apply(e):
-                            continue
-                        raise
-                    assert all(torch.isfinite(t).all() for t in outputs), f"{op}={name} on {case}"
-                    runs += 1
-                    print(f"  {op}={name} on {case}", flush=True)  # progress, should a run be cut short
-            del inputs
-            torch.cuda.empty_cache()
+                    ran = any(run_forced(CASES[family][i], inputs[i], op, name) for i in order)
+                    runs += ran
+                    if not ran:
+                        print(f"  {op}={name}: applies to no {family} case", flush=True)
+        else:
+            for case in CASES[family]:
+                inputs = case.make("cuda")
+                for op in ops:
+                    runs += sum(run_forced(case, inputs, op, name) for name in our_candidates(op))
+        del inputs
+        torch.cuda.empty_cache()
     torch.cuda.synchronize()
     print(f"sanitize_smoke --scale: ok ({runs} runs)")
 
@@ -294,11 +312,11 @@ def main_at_scale(families):
 if __name__ == "__main__":
     args = sys.argv[1:]
     if "--scale" in args:
-        families = [a for a in args if a != "--scale"] or list(CASES)
+        families = [a for a in args if a not in ("--scale", "--once")] or list(CASES)
         known = list(CASES) + [f"{family}:{op}" for family in CASES for op in FAMILY_OPS[family]]
         unknown = set(families) - set(known)
         if unknown:
             sys.exit(f"sanitize_smoke: unknown families {sorted(unknown)}; known: {known}")
-        main_at_scale(families)
+        main_at_scale(families, once="--once" in args)
     else:
         main()
