@@ -102,7 +102,7 @@ if want sanitizer; then
         log="$LOGS/sanitizer-$mode-$tool-$run.log"
         echo "$mode $tool $run: $(tail -1 "$log")"
         { echo "== $mode $tool $run"; grep -E "Race reported|access at|Error|Invalid" "$log" | sed -E 's/\+0x[0-9a-f]+.*//' \
-            | sort | uniq -c | sort -rn | head -40; tail -3 "$log"; } >>"$OUT/sanitizer.log"
+            | sort | uniq -c | sort -rn | head -40; grep -E "^  [a-z_0-9]+=" "$log"; tail -3 "$log"; } >>"$OUT/sanitizer.log"
         echo "  reports in patchgemm kernels: $(grep -E "Race reported|access at|Error" "$log" | grep -c patchgemm)"
       done
     done
