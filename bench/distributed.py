@@ -36,7 +36,7 @@ from torch.distributed.tensor import Replicate, Shard, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import patchgemm
-from patchgemm.bench import _sleep_ms, environment
+from patchgemm.tools.bench import _sleep_ms, environment
 from patchgemm.distributed import shard_groups
 
 LAYERS = {  # name: (global batch, groups, in, out)

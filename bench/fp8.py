@@ -21,7 +21,7 @@ import sys
 import torch
 
 import patchgemm
-from patchgemm.bench import environment, time_ms
+from patchgemm.tools.bench import environment, time_ms
 
 SHAPES = {  # id: (B, G, Din, Dout)
     "G1": (2560, 12, 1024, 3072),

@@ -5,7 +5,7 @@
 
 The shape sets, ``TUNING`` (rules may be fitted to these), ``HELDOUT`` (never tuned on) and
 ``FAMILIES`` (model families: the default choice is judged on each with it left out of training),
-live in ``patchgemm/shapes.py``, which explains the split; ``channels-last`` is
+live in ``patchgemm/tools/shapes.py``, which explains the split; ``channels-last`` is
 ``shapes.channels_last_shapes`` (``--count`` channels-last embeddings, default 50, each with its
 transpose), apart from ``all``. ``--selection`` runs ours under that mode (default: the package's).
 The report ends with a table per model family: the share of ratios below 0.97.
@@ -31,8 +31,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 import patchgemm
-from patchgemm.bench import environment, input_sets, kernel_ms
-from patchgemm.shapes import (HELDOUT, TUNING, Problem, Shape, channels_last_shapes, family_of, family_shapes,
+from patchgemm.tools.bench import environment, input_sets, kernel_ms
+from patchgemm.tools.shapes import (HELDOUT, TUNING, Problem, Shape, channels_last_shapes, family_of, family_shapes,
                               problem)
 
 ROUNDS, REPS = 3, 10  # see measure()

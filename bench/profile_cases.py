@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from patchgemm import bench
+from patchgemm.tools import bench
 
 
 def main(argv):

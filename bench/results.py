@@ -21,11 +21,12 @@ from typing import List
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from patchgemm.bench import Row, format_table  # noqa: E402
-from patchgemm.host_bench import HostRow  # noqa: E402
-from patchgemm.host_bench import format_rows as format_host_rows  # noqa: E402
-from patchgemm.model_bench import COMPILE_FORMS, ModelRow, format_rows, paired_wall_ratio  # noqa: E402
-from patchgemm import learned, tune  # noqa: E402
+from patchgemm.tools.bench import Row, format_table  # noqa: E402
+from patchgemm.tools.host_bench import HostRow  # noqa: E402
+from patchgemm.tools.host_bench import format_rows as format_host_rows  # noqa: E402
+from patchgemm.tools.model_bench import COMPILE_FORMS, ModelRow, format_rows, paired_wall_ratio  # noqa: E402
+from patchgemm import selection  # noqa: E402
+from patchgemm.tools import tune  # noqa: E402
 
 import distributed  # noqa: E402
 import fp8  # noqa: E402
@@ -209,7 +210,7 @@ def transfer_section(paths: List[pathlib.Path]) -> str:
              "| trained on | judged on | heuristic mean / worst / > 1.2x | learned mean / worst / > 1.2x | "
              "single best mean / worst / > 1.2x |",
              "|---|---|---|---|---|"]
-    shipped = learned.load()
+    shipped = selection.load_model()
     for train_gpu in [*gpus, None]:
         for eval_gpu in gpus:
             _, report = tune.train_and_judge(records, list(tune.TRAINING_SETS), ["heldout"], train_gpu, eval_gpu,

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import patchgemm
-from patchgemm import model_bench
-from patchgemm.bench import environment, kernel_ms
+from patchgemm.tools import model_bench
+from patchgemm.tools.bench import environment, kernel_ms
 
 TIMM_ZOO = ("vit_small_patch16_224,vit_base_patch32_224,deit3_small_patch16_224,beit_base_patch16_224,"
             "vit_small_patch14_dinov2,flexivit_small,convnext_tiny,convnextv2_atto,swin_tiny_patch4_window7_224,"

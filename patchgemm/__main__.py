@@ -96,7 +96,7 @@ def main(argv=None) -> int:
                       "PyTorch's own paths by M (the aten_* candidates' scores raised by M; default 0)")
     tune.add_argument("--hold-out-families", metavar="NAMES", help="instead of training one model, judge each "
                       "model family (comma-separated, or 'all': every family of the records) by a model trained "
-                      "on the others' records; families in patchgemm/shapes.py")
+                      "on the others' records; families in patchgemm/tools/shapes.py")
     tune.add_argument("--margins", default="0", metavar="M,...", help="with --hold-out-families: the margins "
                       "toward PyTorch's paths to judge the learned mode at (default 0)")
     tune.add_argument("--train-device", metavar="TEXT", help="train only on records of GPUs whose name has TEXT")
@@ -108,21 +108,21 @@ def main(argv=None) -> int:
     if args.command == "kernels":
         return list_kernels(args.op)
     if args.command == "tune":
-        from . import tune as tuning
+        from .tools import tune as tuning
 
         return tuning.main(args)
-    from . import bench as suite
+    from .tools import bench as suite
 
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.from_json:
         return suite.replay(args.from_json, plot_path=args.plot)
     if args.host:
-        from . import host_bench
+        from .tools import host_bench
 
         return host_bench.main(device=args.device, json_path=args.json)
     if args.models:
-        from . import model_bench
+        from .tools import model_bench
 
         names = None if args.models == "all" else [n.strip() for n in args.models.split(",") if n.strip()]
         return model_bench.main(names, device=args.device, json_path=args.json, compiled=args.compile)

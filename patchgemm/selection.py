@@ -32,6 +32,8 @@ from .ops import ops
 
 MODES = ("heuristic", "autotune", "learned")
 DEFAULT_MODE = "learned"  # judged on model families it never saw: see bench/RESULTS.md
+MODEL_FORMAT = 1  # of the learned selector's model files (patchgemm.tools.learned writes them)
+DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "data", "selector.json")
 
 
 @dataclass(frozen=True)
@@ -119,9 +121,7 @@ def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional
             raise ValueError(f"patchgemm.set_selection: {mode!r} is neither a mode ({', '.join(MODES)}) nor an "
                              f"implementation name ({', '.join(names)})")
     if mode == "learned":
-        from . import learned
-
-        learned.install(learned.load(model))
+        install_model(load_model(model))
     directory = default_cache_dir() if cache_dir is None else cache_dir
     ops._set_selection_mode(mode if mode in MODES else "heuristic", directory if mode in MODES else "",
                             _software_key())
@@ -132,6 +132,31 @@ def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional
         _selection["pins"] = {op: ops._force(op, mode) for op in ops_with_it}
     _selection.update(mode=mode, cache_dir=cache_dir, model=model)
     return previous
+
+
+def load_model(path: Optional[str] = None) -> dict:
+    """A learned selector's model file (default: the one shipped with the package)."""
+    path = path or DEFAULT_MODEL
+    try:
+        with open(path) as f:
+            model = json.load(f)
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"patchgemm learned selector: cannot read the model file {path}: {e}") from e
+    if not isinstance(model, dict) or model.get("format") != MODEL_FORMAT or not isinstance(model.get("ops"), dict):
+        raise RuntimeError(f"patchgemm learned selector: {path} is not a model file of format {MODEL_FORMAT}")
+    return model
+
+
+def install_model(model: dict) -> None:
+    """Hands a model's ops to the C++ selection (ops without a model choose by the heuristic)."""
+    for op in sorted({c.op for c in kernels()}):
+        m = model["ops"].get(op)
+        if m is None:
+            ops._set_learned_model(op, [], [], 0, [], [])
+            continue
+        params = (m["mean"] + m["scale"] + [w for row in m["w1"] for w in row] + m["b1"]
+                  + [w for row in m["w2"] for w in row] + m["b2"])
+        ops._set_learned_model(op, m["candidates"], m["features"], m["hidden"], params, model.get("backends", []))
 
 
 def _select_at_import() -> None:
@@ -147,7 +172,7 @@ def _select_at_import() -> None:
 
 
 @contextlib.contextmanager
-def _restored_selection():
+def restored_selection():
     """Gives back the selection in force on entry (mode, autotune directory, model) on exit."""
     saved = dict(_selection)
     try:

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 import patchgemm
-from patchgemm import learned, tune
+from patchgemm import selection
+from patchgemm.tools import learned, tune
 from patchgemm.ops import ops
-from patchgemm.shapes import _MAX_ELEMENTS, HELDOUT, _embed, _grouped, _unembed, model_shapes, problem
+from patchgemm.tools.shapes import _MAX_ELEMENTS, HELDOUT, _embed, _grouped, _unembed, model_shapes, problem
 from conftest import DEVICES, assert_close_to_ref, needs_gpu, randn
 
 
@@ -387,7 +388,7 @@ def test_tune_sweep_gives_back_the_selection_in_force(tmp_path):
 
 
 def test_the_shipped_model_leaves_the_cpu_to_the_rules_and_predicts_where_allowed():
-    model = learned.load()
+    model = selection.load_model()
     assert model["ops"] and model["description"] and model["backends"] == ["cuda"]
     x, w = randn(2, 3, 32, 32), randn(64, 3, 4, 4)
     patchgemm.set_selection("learned", cache_dir="")
@@ -397,7 +398,7 @@ def test_the_shipped_model_leaves_the_cpu_to_the_rules_and_predicts_where_allowe
         assert e[0].how == "heuristic (learned: no usable model for patch_embed)"  # GPU timings only
         # Allowed on every backend, it predicts on the CPU too: the candidates a CPU build lacks
         # count as not applying.
-        learned.install(dict(model, backends=[]))
+        selection.install_model(dict(model, backends=[]))
         ops._forget_selections()
         y, e = run_explained(lambda: patchgemm.patch_embed(x, w, None))
         torch.testing.assert_close(y, F.conv2d(x, w, stride=4), rtol=1e-4, atol=1e-4)
@@ -411,7 +412,7 @@ def test_bad_model_files_are_clear_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": 99, "ops": {}}')
     with pytest.raises(RuntimeError, match="not a model file of format 1"):
-        learned.load(str(bad))
+        selection.load_model(str(bad))
     with pytest.raises(RuntimeError, match="expected .* parameters"):
         ops._set_learned_model("grouped_linear", ["strided_batched"], ["m"], 2, [0.0, 1.0], [])
 

@@ -312,7 +312,7 @@ def test_model_bench_runs_a_moe_language_model_on_the_cpu(tmp_path):
     pytest.importorskip("transformers")
     import json
 
-    from patchgemm import model_bench
+    from patchgemm.tools import model_bench
 
     path = tmp_path / "models.json"
     assert model_bench.main(["OLMoE-S"], device="cpu", json_path=str(path), tiny=True) == 0

@@ -6,7 +6,7 @@ import struct
 import pytest
 
 from patchgemm import __main__ as cli
-from patchgemm.plot import summarize
+from patchgemm.tools.plot import summarize
 
 
 def rows():
@@ -60,7 +60,7 @@ def test_plot_with_nothing_to_compare_is_a_clear_error(tmp_path):
 
 def test_time_ms_reports_the_median_and_no_separate_host_time_on_the_cpu():
     import torch
-    from patchgemm.bench import time_ms
+    from patchgemm.tools.bench import time_ms
 
     calls = []
     t = time_ms(lambda i: calls.append(i), torch.device("cpu"), warmup=2, reps=5)
@@ -69,13 +69,13 @@ def test_time_ms_reports_the_median_and_no_separate_host_time_on_the_cpu():
 
 
 def test_filter_names_cases_or_families_not_substrings():
-    from patchgemm.bench import _matches
+    from patchgemm.tools.bench import _matches
 
     assert _matches("G1 fp32", "g1") and _matches("G1 fp32", "g1 fp32") and _matches("P3", "p3")
     assert not _matches("G1 fp32", "p3") and not _matches("P10", "p1")
 
 
 def test_the_cpu_bench_names_atens_conv():
-    from patchgemm.bench import _conv_name
+    from patchgemm.tools.bench import _conv_name
 
     assert _conv_name("cpu") == "ATen conv"

@@ -11,11 +11,11 @@ DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
 @pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
 def test_python_examples_run(doc):
-    from patchgemm.selection import _restored_selection
+    from patchgemm.selection import restored_selection
 
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
     namespace = {}
-    with _restored_selection():  # an example may set a selection mode: later tests run the default
+    with restored_selection():  # an example may set a selection mode: later tests run the default
         for i, block in enumerate(blocks):  # one namespace: later blocks use earlier imports
             exec(compile(block, f"{doc.name} block {i}", "exec"), namespace)
 

@@ -376,7 +376,7 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
     spec = importlib.util.spec_from_file_location("heldout", path)
     heldout = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(heldout)
-    from patchgemm.shapes import _embed, _grouped, _unembed, channels_last_shapes
+    from patchgemm.tools.shapes import _embed, _grouped, _unembed, channels_last_shapes
 
     shapes = [_embed("e", (2, 4, 8, 8), 16, (2, 2), channels_last=True),
               _unembed("u", (2, 3, 12), 4, (4,), tokens=True, grid=(3,)),
@@ -448,7 +448,7 @@ def test_rules_choose_what_they_were_fitted_to(shape, kernel, embed, layout, exp
 
 def test_every_shape_has_a_model_family():
     """shapes.FAMILIES: whole families, ids that name them; family_of for the other sets' ids."""
-    from patchgemm import shapes, tune
+    from patchgemm.tools import shapes, tune
 
     catalog = tune.shape_sets(["families"], 0, 0)["families"]
     assert len(catalog) == sum(len(v) for v in shapes.FAMILIES.values()) and len({s.id for s in catalog}) == len(catalog)
@@ -476,9 +476,9 @@ def test_explain_names_the_grouped_gemm_operands_by_the_callers_tensors():
 def test_the_default_is_the_shipped_model_where_it_has_timings(tmp_path):
     """A fresh process chooses by the learned model, trained on GPU timings only: on the CPU each op
     falls back to the heuristic (and says so); on a GPU the model predicts."""
-    from patchgemm import learned
+    from patchgemm import selection
 
-    assert learned.load()["backends"] == ["cuda"]
+    assert selection.load_model()["backends"] == ["cuda"]
     code = ("import patchgemm, torch; print(patchgemm.get_selection())\n"
             "for d in ['cpu'] + (['cuda'] if torch.cuda.is_available() else []):\n"
             "    x, w = torch.randn(2, 3, 32, 32, device=d), torch.randn(64, 3, 4, 4, device=d)\n"

@@ -224,7 +224,7 @@ def test_a_converted_stem_under_bf16_autocast():
 def test_model_bench_runs_every_form_on_the_cpu(capsys):
     """`python -m patchgemm bench --models` on tiny sizes: the MATEY-style model in its three forms,
     the converted form swapping the stem and the output whole and computing the same function."""
-    from patchgemm import model_bench
+    from patchgemm.tools import model_bench
 
     rows = model_bench.run(["MATEY-3D"], device="cpu", tiny=True, progress=lambda line: None)
     assert [r.form for r in rows] == ["conv", "use_linear", "converted"]
@@ -248,7 +248,7 @@ def test_model_bench_runs_every_form_on_the_cpu(capsys):
 def test_model_bench_compiles_every_form_on_the_cpu():
     """`bench --models --compile` on tiny sizes: the compiled original, convert() then compile,
     and patchgemm.compile (no CUDA graphs on the CPU), each computing the model's function."""
-    from patchgemm import model_bench
+    from patchgemm.tools import model_bench
 
     torch._dynamo.reset()
     rows = model_bench.run(["MATEY-3D"], device="cpu", tiny=True, progress=lambda line: None, compiled=True)
@@ -265,7 +265,7 @@ def test_host_bench_times_every_op_against_its_pytorch_op(tmp_path):
     import sys
     from pathlib import Path
 
-    from patchgemm import host_bench
+    from patchgemm.tools import host_bench
 
     out = tmp_path / "cpu-host.json"
     assert host_bench.main(device="cpu", json_path=str(out), pairs=1, tiny=True) == 0

@@ -2,7 +2,7 @@
 
 Left: how many times faster patchgemm is than the best PyTorch baseline of each case and pass (log
 scale; right of the line at 1x is faster). Right: each one's distance to the floor, as % of floor
-speed (100% = at the floor). Needs matplotlib (`pip install patchgemm[plot]`).
+speed (100% = at the floor). Needs matplotlib (`pip install patchgemm[bench]`).
 """
 
 from dataclasses import dataclass
@@ -60,7 +60,7 @@ def plot(rows: Iterable[Mapping], path: str, title: Optional[str] = None) -> Lis
     try:
         import matplotlib
     except ImportError as e:
-        raise RuntimeError("--plot needs matplotlib: pip install matplotlib (or patchgemm[plot])") from e
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib (or patchgemm[bench])") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

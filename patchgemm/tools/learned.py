@@ -11,7 +11,8 @@ weighted by what is at stake (the log of the slowest-to-fastest ratio). The feat
 candidate, whether it applies and whether it is the one the heuristic runs (the model starts from
 what the rules know; the C++ side runs the heuristic once per new signature to find it, since a
 kernel may decline a problem its table says it supports). At run time the C++ side
-(csrc/selection/learned.cpp) computes the same scores and runs the best-scored candidate that applies.
+(csrc/selection/learned.cpp) computes the same scores and runs the best-scored candidate that applies;
+``patchgemm.selection.load_model`` / ``install_model`` read a model file and hand it over.
 
 The model file is JSON: per op its candidates, features, normalization and weights.
 """
@@ -25,8 +26,9 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-FORMAT = 1
-DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "data", "selector.json")
+from .. import selection
+
+FORMAT = selection.MODEL_FORMAT
 
 
 @dataclass
@@ -181,31 +183,3 @@ def save(model: dict, path: str) -> None:
     with open(tmp, "w") as f:
         json.dump(model, f, separators=(",", ":"))
     os.replace(tmp, path)
-
-
-def load(path: Optional[str] = None) -> dict:
-    """A model file (default: the one shipped with the package)."""
-    path = path or DEFAULT_MODEL
-    try:
-        with open(path) as f:
-            model = json.load(f)
-    except (OSError, ValueError) as e:
-        raise RuntimeError(f"patchgemm learned selector: cannot read the model file {path}: {e}") from e
-    if not isinstance(model, dict) or model.get("format") != FORMAT or not isinstance(model.get("ops"), dict):
-        raise RuntimeError(f"patchgemm learned selector: {path} is not a model file of format {FORMAT}")
-    return model
-
-
-def install(model: dict) -> None:
-    """Hands the model's ops to the C++ selection (ops without a model choose by the heuristic)."""
-    from .ops import ops
-    from .selection import kernels
-
-    for op in sorted({c.op for c in kernels()}):
-        m = model["ops"].get(op)
-        if m is None:
-            ops._set_learned_model(op, [], [], 0, [], [])
-            continue
-        params = (m["mean"] + m["scale"] + [w for row in m["w1"] for w in row] + m["b1"]
-                  + [w for row in m["w2"] for w in row] + m["b2"])
-        ops._set_learned_model(op, m["candidates"], m["features"], m["hidden"], params, model.get("backends", []))

@@ -9,7 +9,7 @@ learned selector on some sets and report every mode's regret on the others.
     python -m patchgemm tune [--from-json A.json,...] --hold-out-families all|F,... [--margins 0,0.5,1]
     python -m patchgemm tune ... --records-only --json PATH
 
-Each shape (patchgemm/shapes.py) runs forward and forward + backward twice: under the heuristic, to
+Each shape (patchgemm/tools/shapes.py) runs forward and forward + backward twice: under the heuristic, to
 note its choice, then under autotune, which times every candidate of every op call it makes and
 writes the records to the autotune cache (so a tuned machine's later processes start tuned). The
 records of the ``--train-on`` sets train the model; those of the ``--evaluate-on`` sets, which it
@@ -39,7 +39,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import learned, selection
+from .. import selection
+from . import learned
 from .bench import environment
 from .learned import Record
 from .shapes import HELDOUT, TUNING, Shape, family_of, family_shapes, model_shapes, problem, random_shapes
@@ -54,7 +55,7 @@ def sweep(sets: Dict[str, List[Shape]], device: torch.device, cache_dir: str, lo
     tags: Dict[str, Dict[str, str]] = {}  # (op, signature) -> tags
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     failures: List[str] = []
-    with selection._restored_selection():
+    with selection.restored_selection():
         for set_name, shapes in sets.items():
             for i, s in enumerate(shapes):
                 try:
@@ -154,7 +155,7 @@ def relabel(records: List[Record], device: torch.device, seed: int = 0, shapes: 
     for r in records:
         by_shape.setdefault(r.tags.get("shape"), []).append(r)
     relabeled = 0
-    with selection._restored_selection():
+    with selection.restored_selection():
         for shape_id, rs in by_shape.items():
             if shape_id not in known:
                 log(f"  {shape_id}: not a known shape, left as it was")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .bench import kernel_ms
-from .nn import convert
+from ..nn import convert
 
 
 # ---- a MATEY-style 3-D model ----------------------------------------------------------------------
@@ -173,7 +173,7 @@ COMPILE_FORMS = ("compile", "compile-cg", "convert+compile", "convert+compile-cg
 
 def _compiled(form: str, original: nn.Module) -> Tuple[nn.Module, str]:
     """A compile form of the model, and what the form's report says."""
-    from .compiler import compile as patchgemm_compile
+    from ..compiler import compile as patchgemm_compile
 
     name, graphs = (form[:-3], True) if form.endswith("-cg") else (form, False)
     mode = "reduce-overhead" if graphs else None

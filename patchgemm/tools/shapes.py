@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import functional as pg
+from .. import functional as pg
 from .bench import _CONV, _CONV_T, linear_patch_embed, linear_patch_unembed, randn
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -18,9 +18,9 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from . import functional as pg
+from .. import functional as pg
 from .bench import _sleep_ms, environment, randn
-from .nn import PatchEmbed
+from ..nn import PatchEmbed
 
 
 @dataclass

@@ -6,6 +6,7 @@ ratio measured in the same run: ours vs each PyTorch baseline, and ours vs the f
 max(FLOPs / measured GEMM peak, bytes / measured copy bandwidth).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from . import functional as pg
+from .. import functional as pg
 
 # ---- timing --------------------------------------------------------------------------------------
 
@@ -429,7 +430,7 @@ def hmlp_stem_case(case_id, x_shape, widths, kernels, dtype, device) -> Case:
     """A whole kernel == stride stem: Conv -> InstanceNorm -> GELU -> ... -> Conv (BENCHMARKS.md H1)."""
     from torch.func import functional_call
 
-    from .nn import HierarchicalPatchEmbed
+    from ..nn import HierarchicalPatchEmbed
 
     rank = len(x_shape) - 2
     elt = torch.finfo(dtype).bits // 8
@@ -665,7 +666,7 @@ def _commit() -> Optional[str]:
 
 
 def environment(device: torch.device) -> dict:
-    from . import __version__
+    from .. import __version__
 
     env = {"torch": torch.__version__, "device": str(device), "date": time.strftime("%Y-%m-%d"),
            "patchgemm": __version__, "commit": _commit()}
@@ -694,7 +695,10 @@ def _matches(case_id: str, wanted: str) -> bool:
 
 def main(device: Optional[str] = None, json_path: Optional[str] = None, filter: Optional[str] = None,
          plot_path: Optional[str] = None) -> int:
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is an extra: patchgemm[bench]
+        tqdm = None
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     wanted = [f.strip().lower() for f in (filter or "").split(",") if f.strip()]
@@ -706,7 +710,8 @@ def main(device: Optional[str] = None, json_path: Optional[str] = None, filter: 
     ceilings = measure_ceilings(dev, sorted({c.dtype for c in cases}, key=str))
     print(f"ceilings: matmul TFLOP/s {ceilings.matmul_tflops}, copy {ceilings.copy_tbs:.2f} TB/s")
     rows = []
-    with tqdm(total=sum(2 * len(c.impls) for c in cases), desc="bench", unit="run") as progress:
+    runs = sum(2 * len(c.impls) for c in cases)
+    with tqdm(total=runs, desc="bench", unit="run") if tqdm else contextlib.nullcontext() as progress:
         for case in cases:
             rows += run_case(case, dev, ceilings, progress)
     print(format_table(rows))
