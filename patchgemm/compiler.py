@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from . import functional
-from .nn import _left_to_pytorch, _patch_problem, _pointwise_problem
+from .conv_rules import left_to_pytorch, patch_problem, pointwise_problem
 
 __all__ = ["compile", "backend", "CompileReport"]
 _log = logging.getLogger(__name__)
@@ -187,10 +187,10 @@ def _rewrite_conv(node: fx.Node, report: CompileReport) -> Optional[Tuple[Callab
         report._add(report.left, (where, f"{name}: stride, padding, dilation or groups not constant"))
         return None
     described = f"{name}(weight {tuple(weight.shape)}, stride {conv.stride})"
-    reason = _patch_problem(conv)
-    pointwise = bool(reason) and not transposed and not _pointwise_problem(conv)
+    reason = patch_problem(conv)
+    pointwise = bool(reason) and not transposed and not pointwise_problem(conv)
     if pointwise or not reason:
-        reason = _left_to_pytorch(conv)
+        reason = left_to_pytorch(conv)
     if reason:
         report._add(report.left, (where, f"{described}: {reason}"))
         return None

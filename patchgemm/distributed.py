@@ -33,6 +33,7 @@ from torch.distributed.tensor.experimental import register_sharding
 
 from . import _functorch
 from . import functional as _F
+from ._args import autocast
 from .ops import _group_dim, ops
 
 __all__ = ["shard_groups"]
@@ -145,7 +146,7 @@ def _local_result(module, x: Tensor) -> Tensor:
         if (x.dim() == 3 and isinstance(weight, DTensor) and (bias is None or isinstance(bias, DTensor))
                 and not _functorch.active() and not torch.compiler.is_compiling()):
             # the usual case, in one autograd node (functorch transforms and tracing take the other)
-            return _ShardedGroupedLinear.apply(*_F._autocast(x, weight, bias), module.layout == "gbd")
+            return _ShardedGroupedLinear.apply(*autocast(x, weight, bias), module.layout == "gbd")
     names, params = zip(*module.named_parameters(recurse=False))
     shards = dict(zip(names, _LocalShards.apply(*params)))
     if isinstance(module, GroupedMLP):

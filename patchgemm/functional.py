@@ -2,57 +2,18 @@
 
 import itertools
 import math
-import operator
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from . import fp8 as _fp8
+from ._args import (EMBED_FORMATS, as_grid, as_int, autocast, autocast_dtype, check_format, check_pad,
+                    unsafe_view)
 from ._functorch import call as _call
 from .fp8 import Float8Recipe
 
 LAYOUTS = ("bgd", "gbd")
-_unsafe_view = torch.ops.aten._unsafe_view.default  # a reshape whose result is not a view (as matmul's)
-
-
-def _autocast_dtype(t: Tensor) -> Optional[torch.dtype]:
-    """The dtype torch.autocast computes ops on t's device in, or None where it is off (or the
-    device has none: meta)."""
-    if not torch._C._is_any_autocast_enabled():  # the usual case, in one call (torch.compile folds it)
-        return None
-    device_type = "cuda" if t.is_cuda else t.device.type  # (is_cuda: no device object)
-    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
-
-
-def _autocast(*tensors):
-    """Cast floating tensors to the autocast dtype, as torch.autocast does for nn.Linear and the
-    convs: float64 stays float64, and devices without autocast (meta) are left alone."""
-    dtype = _autocast_dtype(tensors[0])
-    if dtype is None:
-        return tensors
-    return tuple(t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
-                 for t in tensors)
-
-
-def _int(value, what: str) -> int:
-    """value as an int: floats, strings and bools are a TypeError naming `what`, never truncated."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
-
-
-def _grid(grid, where: str) -> list:
-    """A patch grid as ints; floats, strings and other non-integers are a TypeError, not truncated."""
-    try:
-        return [operator.index(g) for g in grid]
-    except TypeError:
-        raise TypeError(f"{where}: grid must be a sequence of ints, got {grid!r}") from None
 
 
 def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, layout: str = "bgd", *,
@@ -96,7 +57,7 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
     if group_sizes is not None or offsets is not None:
         if fp8:
             raise ValueError("grouped_linear: fp8 is not supported for ragged groups (group_sizes / offsets)")
-        return _ragged_grouped_linear(*_autocast(x, weight, bias), group_sizes, offsets)
+        return _ragged_grouped_linear(*autocast(x, weight, bias), group_sizes, offsets)
     if x.dim() == 3:  # the op's own form, in either layout
         return _grouped_linear_3d(x, weight, bias, layout == "gbd", recipe)
 
@@ -122,15 +83,15 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
     y = _grouped_linear_3d(x3, weight, bias, layout == "gbd", recipe)
     # As nn.Linear on N-D x: the result is y's memory but not a view of it, so a module returning it
     # returns no view (FSDP2 warns about those: an in-place op on one would skip its hooks).
-    return _unsafe_view(y, (*x.shape[:-1], out_features))
+    return unsafe_view(y, (*x.shape[:-1], out_features))
 
 
 def _grouped_linear_3d(x3, weight, bias, group_major, recipe):
     """The op on a 3-D x: in autocast's dtype (its casts), or in FP8 with `recipe`, which quantizes x
     and the weight from their own dtypes and writes autocast's (else x's)."""
     if recipe is not None:
-        return _fp8.grouped_linear(x3, weight, bias, group_major, recipe, _autocast_dtype(x3) or x3.dtype)
-    return _call("grouped_linear", *_autocast(x3, weight, bias), group_major)
+        return _fp8.grouped_linear(x3, weight, bias, group_major, recipe, autocast_dtype(x3) or x3.dtype)
+    return _call("grouped_linear", *autocast(x3, weight, bias), group_major)
 
 
 def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):
@@ -153,7 +114,7 @@ def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):
         if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__"):
             raise TypeError(f"grouped_linear: {name} must be a sequence of ints or a 1-D int32/int64 tensor, "
                             f"got {type(given).__name__} {given!r}")
-        values = [_int(v, f"grouped_linear: each of {name}") for v in given]
+        values = [as_int(v, f"grouped_linear: each of {name}") for v in given]
         if group_sizes is not None:
             if any(v < 0 for v in values):
                 raise RuntimeError(f"grouped_linear: group_sizes must be >= 0, got {values}")
@@ -182,8 +143,8 @@ def grouped_pointwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = N
     unbatched = x.dim() == weight.dim() - 1
     if unbatched:
         x = x.unsqueeze(0)
-    groups = _int(groups, "grouped_pointwise_conv: groups")
-    x, weight, bias = _autocast(x, weight, bias)
+    groups = as_int(groups, "grouped_pointwise_conv: groups")
+    x, weight, bias = autocast(x, weight, bias)
     y = _call("grouped_pointwise_conv", x, weight, bias, groups)
     return y.squeeze(0) if unbatched else y
 
@@ -355,20 +316,6 @@ def _rows_by_slot(y, order, unsort):
 
 # ---- kernel == stride convolutions ----------------------------------------------------------------
 
-FORMATS = ("channels_first", "tokens")
-EMBED_FORMATS = ("channels_first", "channels_last", "tokens")  # patch_embed's out_format
-
-
-def _check_format(name, value, allowed=FORMATS):
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-
-
-def _check_pad(where, pad):
-    if pad not in (None, "dynamic"):
-        raise ValueError(f"{where}: pad must be None or 'dynamic', got {pad!r}")
-
-
 def _check_weight(op, weight, layout):
     if not isinstance(weight, Tensor):
         raise TypeError(f"{op}: weight must be a tensor")
@@ -398,15 +345,15 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     Backward computes dW and dbias always and dx only when x requires grad, recomputing the patch
     matrix from x instead of saving it.
     """
-    _check_format("patch_embed: out_format", out_format, EMBED_FORMATS)
+    check_format("patch_embed: out_format", out_format, EMBED_FORMATS)
     _check_weight("patch_embed", weight, "[E, C, *kernel]")
-    _check_pad("patch_embed", pad)
+    check_pad("patch_embed", pad)
     if not isinstance(x, Tensor):
         raise TypeError("patch_embed: x must be a tensor")
-    return _patch_embed(x, weight, bias, out_format, pad)
+    return patch_embed_unchecked(x, weight, bias, out_format, pad)
 
 
-def _patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: str, pad: Optional[str]) -> Tensor:
+def patch_embed_unchecked(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: str, pad: Optional[str]) -> Tensor:
     """patch_embed once its options are checked (PatchEmbed checks them when it is built)."""
     rank = weight.dim()
     unbatched = x.dim() == rank - 1
@@ -420,11 +367,11 @@ def _patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: 
         extra = [(-s) % k for s, k in zip(x.shape[2:], weight.shape[2:])]
         if any(extra):
             x = torch.nn.functional.pad(x, [p for e in reversed(extra) for p in (0, e)])
-    x, weight, bias = _autocast(x, weight, bias)
+    x, weight, bias = autocast(x, weight, bias)
     y = _call("patch_embed", x, weight, bias, out_format != "channels_first", [])
     if out_format == "channels_last":
         grid = [s // k for s, k in zip(x.shape[2:], weight.shape[2:])]
-        y = _unsafe_view(y.transpose(1, 2), (y.shape[0], y.shape[2], *grid))  # the tokens' memory, not a view
+        y = unsafe_view(y.transpose(1, 2), (y.shape[0], y.shape[2], *grid))  # the tokens' memory, not a view
     return y.squeeze(0) if unbatched else y
 
 
@@ -442,7 +389,7 @@ def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
 
     Returns ``[B, C_out, *(grid * k)]``, contiguous.
     """
-    _check_format("patch_unembed: in_format", in_format)
+    check_format("patch_unembed: in_format", in_format)
     _check_weight("patch_unembed", weight, "[C_in, C_out, *kernel]")
     if not isinstance(x, Tensor):
         raise TypeError("patch_unembed: x must be a tensor")
@@ -454,12 +401,12 @@ def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     if tokens:
         if grid is None:
             raise ValueError("patch_unembed: in_format='tokens' needs grid=(n_d, n_h, n_w), one size per kernel dim")
-        grid = _grid(grid, "patch_unembed")
+        grid = as_grid(grid, "patch_unembed")
         if len(grid) != rank:
             raise RuntimeError(f"patch_unembed: grid {tuple(grid)} must have {rank} entries for weight {tuple(weight.shape)}")
-    elif grid is not None and tuple(_grid(grid, "patch_unembed")) != tuple(x.shape[2:]):
+    elif grid is not None and tuple(as_grid(grid, "patch_unembed")) != tuple(x.shape[2:]):
         raise RuntimeError(f"patch_unembed: grid {tuple(grid)} does not match x {tuple(x.shape)}")
-    x, weight, bias = _autocast(x, weight, bias)
+    x, weight, bias = autocast(x, weight, bias)
     y = _call("patch_unembed", x, weight, bias, tokens, grid if tokens else [])
     return y.squeeze(0) if unbatched else y
 
@@ -480,7 +427,7 @@ def instance_norm_act(x: Tensor, weight: Optional[Tensor] = None, bias: Optional
     per-channel statistics, and recomputes the normalized activation; PyTorch's two ops save two
     copies of the activation and make about three times the passes over it.
     """
-    _check_format("instance_norm_act: layout", layout)
+    check_format("instance_norm_act: layout", layout)
     if act not in ("gelu", None):
         raise ValueError(f"instance_norm_act: act must be 'gelu' or None, got {act!r}")
     if not isinstance(x, Tensor):

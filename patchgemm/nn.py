@@ -10,7 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F
+from ._args import EMBED_FORMATS, as_grid, as_int, autocast, check_format, check_pad, unsafe_view
 from ._functorch import call as _call
+from .conv_rules import left_to_pytorch, patch_problem, pointwise_problem
 from .fp8 import Float8Recipe
 from .fp8 import resolve as resolve_fp8
 
@@ -21,7 +23,7 @@ __all__ = ["GroupedLinear", "GroupedMLP", "GroupedPointwiseConv", "PatchEmbed", 
 def _sizes(where: str, minimum: int, **sizes) -> Tuple[int, ...]:
     """The given sizes as ints, in order: non-integers are a TypeError (as torch's modules raise), sizes
     below `minimum` a ValueError, each naming the argument."""
-    values = tuple(F._int(v, f"{where}: {k}") for k, v in sizes.items())
+    values = tuple(as_int(v, f"{where}: {k}") for k, v in sizes.items())
     if any(v < minimum for v in values):
         given = ", ".join(f"{k}={v}" for k, v in zip(sizes, values))
         raise ValueError(f"{where}: sizes must be >= {minimum}, got {given}")
@@ -296,50 +298,14 @@ def _ineligible(module: nn.Module) -> Optional[str]:
     """Why a conv / conv-transpose module is not a kernel == stride patch (un)embedding, or None."""
     if type(module) not in _CONVS + _CONV_TRANSPOSES:
         return f"{type(module).__name__} is not exactly one of the nn.Conv/ConvTranspose classes (custom forward?)"
-    return _patch_problem(module)
-
-
-def _patch_problem(conv) -> Optional[str]:
-    """Why a convolution is not a kernel == stride patch (un)embedding, or None. ``conv`` has the
-    attributes of an nn.Conv*d / nn.ConvTranspose*d: a module, or a call the compiler traced."""
-    reasons = []
-    if tuple(conv.kernel_size) != tuple(conv.stride):
-        reasons.append(f"kernel_size {tuple(conv.kernel_size)} != stride {tuple(conv.stride)}")
-    if isinstance(conv.padding, str) and conv.padding != "valid" or (
-            not isinstance(conv.padding, str) and any(conv.padding)):
-        reasons.append(f"padding={conv.padding}")
-    if any(d != 1 for d in conv.dilation):
-        reasons.append(f"dilation={tuple(conv.dilation)}")
-    if conv.groups != 1:
-        reasons.append(f"groups={conv.groups}")
-    if conv.padding_mode != "zeros":
-        reasons.append(f"padding_mode={conv.padding_mode!r}")
-    if conv.transposed and any(conv.output_padding):
-        reasons.append(f"output_padding={tuple(conv.output_padding)}")
-    return ", ".join(reasons) or None
+    return patch_problem(module)
 
 
 def _pointwise_ineligible(module: nn.Module) -> Optional[str]:
     """Why a conv module is not a grouped pointwise conv (kernel 1, groups > 1), or None."""
     if type(module) not in _CONVS:
         return f"{type(module).__name__} is not exactly nn.Conv1d/2d/3d"
-    return _pointwise_problem(module)
-
-
-def _pointwise_problem(conv) -> Optional[str]:
-    """Why a (not transposed) convolution is not a grouped pointwise conv, or None; ``conv`` as
-    for _patch_problem."""
-    reasons = []
-    if any(k != 1 for k in conv.kernel_size) or any(s != 1 for s in conv.stride):
-        reasons.append(f"kernel_size {tuple(conv.kernel_size)} / stride {tuple(conv.stride)} are not all 1")
-    if isinstance(conv.padding, str) and conv.padding not in ("valid", "same") or (
-            not isinstance(conv.padding, str) and any(conv.padding)):
-        reasons.append(f"padding={conv.padding}")
-    if any(d != 1 for d in conv.dilation):
-        reasons.append(f"dilation={tuple(conv.dilation)}")
-    if conv.groups == 1:
-        reasons.append("groups=1")
-    return ", ".join(reasons) or None
+    return pointwise_problem(module)
 
 
 def _init_like_conv(weight: Tensor, bias: Optional[Tensor], fan_in: int) -> None:
@@ -385,7 +351,7 @@ class PatchEmbed(_ConvAttributes, nn.Module):
 
     @out_format.setter
     def out_format(self, value: str) -> None:
-        F._check_format("PatchEmbed: out_format", value, F.EMBED_FORMATS)
+        check_format("PatchEmbed: out_format", value, EMBED_FORMATS)
         self._out_format = value
 
     @property
@@ -394,11 +360,11 @@ class PatchEmbed(_ConvAttributes, nn.Module):
 
     @pad.setter
     def pad(self, value: Optional[str]) -> None:
-        F._check_pad("PatchEmbed", value)
+        check_pad("PatchEmbed", value)
         self._pad = value
 
     def forward(self, x: Tensor) -> Tensor:
-        return F._patch_embed(x, self.weight, self.bias, self._out_format, self._pad)
+        return F.patch_embed_unchecked(x, self.weight, self.bias, self._out_format, self._pad)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.embed_dim}, patch_size={self.kernel_size}, "
@@ -472,11 +438,11 @@ class PatchUnembed(_ConvAttributes, nn.Module):
                  dims: Optional[int] = None, in_format: str = "channels_first",
                  grid: Optional[Sequence[int]] = None, device=None, dtype=None):
         super().__init__()
-        F._check_format("PatchUnembed: in_format", in_format)
+        check_format("PatchUnembed: in_format", in_format)
         self.kernel_size = _patch_size(patch_size, dims, "PatchUnembed")
         in_channels, out_channels = _sizes("PatchUnembed", 0, in_channels=in_channels, out_channels=out_channels)
         self.in_channels, self.out_channels = in_channels, out_channels
-        self.in_format, self.grid = in_format, None if grid is None else tuple(F._grid(grid, "PatchUnembed"))
+        self.in_format, self.grid = in_format, None if grid is None else tuple(as_grid(grid, "PatchUnembed"))
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(in_channels, out_channels, *self.kernel_size, **factory))
         self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
@@ -530,25 +496,8 @@ class ConvertReport:
 
 def _patch_convs(seq: nn.Module) -> int:
     """How many of ``seq``'s children are kernel == stride convs (or conv-transposes) wider than 1."""
-    return sum(type(m) in _CONVS + _CONV_TRANSPOSES and not _ineligible(m) and not _left_to_pytorch(m)
+    return sum(type(m) in _CONVS + _CONV_TRANSPOSES and not _ineligible(m) and not left_to_pytorch(m)
                for m in seq.children())
-
-
-def _left_to_pytorch(module) -> Optional[str]:
-    """Why convert() (and the compiler) leaves a conv that a patchgemm op could compute, or None
-    (``module`` as for _patch_problem). 1 x 1 convs have
-    no patches to gather: one GEMM, or with one input channel per group a per-channel scale, which
-    cuDNN runs as well. Swapped, they cost timm models 2 to 21% more GPU time per training step on
-    an H100 (visformer, NextViT, InceptionNeXt, StarNet, EfficientFormerV2; depthwise: GhostNetV3,
-    LCNetV2, MobileOne); grouped ones with wider groups gain (EfficientViT-B0)."""
-    if any(k != 1 for k in module.kernel_size):
-        return None
-    if module.groups == 1:
-        return "kernel 1: a pointwise conv is one GEMM in cuDNN too; left to PyTorch"
-    if module.in_channels == module.groups:
-        return "one input channel per group: a per-channel scale (depthwise 1 x 1), one elementwise pass in cuDNN; " \
-               "left to PyTorch"
-    return None
 
 
 # Patch-embedding modules of timm and transformers whose kernel == stride conv feeds only a
@@ -655,7 +604,7 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
         reason = _ineligible(module)
         grouped_pointwise = bool(reason) and type(module) in _CONVS and not _pointwise_ineligible(module)
         if grouped_pointwise or not reason:
-            reason = _left_to_pytorch(module)
+            reason = left_to_pytorch(module)
         if reason:
             report.skipped.append((name, reason))
             return None
@@ -933,7 +882,7 @@ class HierarchicalPatchEmbed(nn.Module):
             raise ValueError(f"HierarchicalPatchEmbed: act must be one of {list(_ACTS)}, got {act!r}")
         if dims not in (1, 2, 3):
             raise ValueError(f"HierarchicalPatchEmbed: dims must be 1, 2 or 3, got {dims!r}")
-        F._check_format("HierarchicalPatchEmbed: out_format", out_format)
+        check_format("HierarchicalPatchEmbed: out_format", out_format)
         factory = {"device": device, "dtype": dtype}
         hidden = hidden_dim or max(1, embed_dim // 4)
         kernels = [_as_tuple(k, dims, "HierarchicalPatchEmbed: stages[i]") for k in stages]
@@ -962,7 +911,7 @@ class HierarchicalPatchEmbed(nn.Module):
         Pretraining's ``hMLP_stem``), two convs or more. It holds ``seq``'s own modules under their
         names, so ``seq``'s ``state_dict`` loads into it unchanged. ValueError where ``seq`` is not
         such a stem."""
-        F._check_format("HierarchicalPatchEmbed: out_format", out_format)
+        check_format("HierarchicalPatchEmbed: out_format", out_format)
         return _stem_from_sequential(cls, seq, _CONVS, PatchEmbed.from_conv, out_format=out_format)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -981,7 +930,7 @@ class HierarchicalPatchEmbed(nn.Module):
         grid = [s // t for s, t in zip(x.shape[2:], total)]
         # Stage-1 tokens ordered (final grid, k_L, ..., k_2): coarse first.
         levels = grid + [v for k in reversed(kernels[1:]) for v in k]
-        x, w, b = F._autocast(x, first.weight, first.bias)
+        x, w, b = autocast(x, first.weight, first.bias)
         y = _call("patch_embed", x, w, b, True, levels)  # [B, N1, C1]
         for i, stage in enumerate(stages):
             if i > 0:
@@ -996,13 +945,13 @@ class HierarchicalPatchEmbed(nn.Module):
         if self.out_format == "tokens":
             return y
         # (an _unsafe_view: the same strides as the view, but not a view for FSDP2 to warn about)
-        return F._unsafe_view(y.transpose(1, 2), (y.shape[0], y.shape[2], *grid))
+        return unsafe_view(y.transpose(1, 2), (y.shape[0], y.shape[2], *grid))
 
     def _stage_by_stage(self, x: Tensor, stages, norms, acts) -> Tensor:
         """The stem as its convs compute it, one after the other: for sizes that the total patch does
         not divide, where a stage's grid is not the next stage's patches exactly, and on the CPU."""
         for stage, norm, act in zip(stages, norms, acts):
-            x = _norm_act(F._patch_embed(x, stage.weight, stage.bias, "channels_first", None), norm, act, None)
+            x = _norm_act(F.patch_embed_unchecked(x, stage.weight, stage.bias, "channels_first", None), norm, act, None)
         return x.flatten(2).transpose(1, 2) if self.out_format == "tokens" else x
 
 
@@ -1023,7 +972,7 @@ class HierarchicalPatchUnembed(nn.Module):
             raise ValueError(f"HierarchicalPatchUnembed: act must be one of {list(_ACTS)}, got {act!r}")
         if dims not in (1, 2, 3):
             raise ValueError(f"HierarchicalPatchUnembed: dims must be 1, 2 or 3, got {dims!r}")
-        F._check_format("HierarchicalPatchUnembed: in_format", in_format)
+        check_format("HierarchicalPatchUnembed: in_format", in_format)
         factory = {"device": device, "dtype": dtype}
         hidden = hidden_dim or max(1, embed_dim // 4)
         kernels = [_as_tuple(k, dims, "HierarchicalPatchUnembed: stages[i]") for k in stages]
@@ -1053,7 +1002,7 @@ class HierarchicalPatchUnembed(nn.Module):
         modules, each followed by an optional norm and an optional activation (as the
         ``hMLP_output`` of MATEY or Multiple Physics Pretraining), keeping ``seq``'s parameter names;
         as :meth:`HierarchicalPatchEmbed.from_sequential`."""
-        F._check_format("HierarchicalPatchUnembed: in_format", in_format)
+        check_format("HierarchicalPatchUnembed: in_format", in_format)
         return _stem_from_sequential(cls, seq, _CONV_TRANSPOSES, PatchUnembed.from_conv_transpose,
                                      in_format=in_format)
 
@@ -1068,13 +1017,13 @@ class HierarchicalPatchUnembed(nn.Module):
         else:
             if grid is None or len(grid) != self.dims:
                 raise ValueError(f"HierarchicalPatchUnembed: tokens input needs grid with {self.dims} sizes")
-            grid = F._grid(grid, "HierarchicalPatchUnembed")
+            grid = as_grid(grid, "HierarchicalPatchUnembed")
             if x.dim() != 3 or x.shape[1] != math.prod(grid) or x.shape[2] != first.in_channels:
                 raise RuntimeError(
                     f"HierarchicalPatchUnembed: x must be [B, {math.prod(grid)}, {first.in_channels}] for grid "
                     f"{tuple(grid)}, got {tuple(x.shape)}")
             y = x
-        y, = F._autocast(y)
+        y, = autocast(y)
         for i, stage in enumerate(stages[:-1]):
             patch = math.prod(stage.kernel_size)
             bias = None if stage.bias is None else stage.bias.repeat(patch).to(y.dtype)
@@ -1086,6 +1035,6 @@ class HierarchicalPatchUnembed(nn.Module):
         last = stages[-1]
         # Scatter with the token order the stages produced: (grid, k_L, ..., k_2).
         levels = grid + [v for s in stages[:-1] for v in s.kernel_size]
-        _, w, b = F._autocast(y, last.weight, last.bias)
+        _, w, b = autocast(y, last.weight, last.bias)
         out = _call("patch_unembed", y, w, b, True, levels)
         return _norm_act(out, norms[-1], acts[-1], None)
