@@ -36,7 +36,7 @@ from torch.distributed.tensor import Replicate, Shard, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import patchgemm
-from patchgemm.tools.bench import _sleep_ms, environment
+from patchgemm.tools.bench import sleep_ms, environment
 from patchgemm.distributed import shard_groups
 
 LAYERS = {  # name: (global batch, groups, in, out)
@@ -73,7 +73,7 @@ def _time_steps(step, device, active=True) -> dict:
             if cuda:
                 torch.cuda.synchronize(device)
                 if busy:  # twice the host time of a round, so the host has queued it all
-                    _sleep_ms(2 * STEPS * max(host, default=1.0) + 0.5, device)
+                    sleep_ms(2 * STEPS * max(host, default=1.0) + 0.5, device)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             t0 = time.perf_counter()

@@ -9,7 +9,8 @@ from .nn import (ConvertReport, GroupedLinear, GroupedMLP, GroupedPointwiseConv,
                  MoEExperts, PatchEmbed, PatchUnembed, convert)
 from .compiler import CompileReport, compile
 from .fp8 import Float8Recipe, fp8_autocast
-from .selection import _select_at_import, explain, force, get_selection, kernels, set_selection
+from . import selection as _selection
+from .selection import explain, force, get_selection, kernels, set_selection
 
 __version__ = "0.2.0.dev0"
 
@@ -34,4 +35,4 @@ __all__ = [
 if "torch.distributed.tensor" in _sys.modules:  # DTensors may reach the ops: their sharding rules
     from . import distributed  # noqa: F401
 
-_select_at_import()
+_selection.select_at_import()

@@ -34,14 +34,14 @@ from torch.distributed.tensor.experimental import register_sharding
 from . import _functorch
 from . import functional as _F
 from ._args import autocast
-from .ops import _group_dim, ops
+from .ops import group_dim, ops
 
 __all__ = ["shard_groups"]
 
 
 def _dims(group_major: bool):
     """(group dim, batch dim) of a 3-D activation [B, G, D] or, group-major, [G, B, D]."""
-    g = _group_dim(group_major)
+    g = group_dim(group_major)
     return g, 1 - g
 
 

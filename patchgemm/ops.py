@@ -40,7 +40,7 @@ except ImportError as e:
 ops = torch.ops.patchgemm
 
 
-def _group_dim(group_major: bool) -> int:
+def group_dim(group_major: bool) -> int:
     """The group dim of a 3-D activation in the given layout."""
     return 0 if group_major else 1
 
@@ -50,7 +50,7 @@ def _group_dim(group_major: bool) -> int:
 @torch.library.register_fake("patchgemm::grouped_linear")
 def _(x, weight, bias, group_major):
     torch._check(x.dim() == 3 and weight.dim() == 3, lambda: "grouped_linear: x and weight must be 3-D")
-    g = _group_dim(group_major)
+    g = group_dim(group_major)
     torch._check(x.shape[g] == weight.shape[0], lambda: "grouped_linear: group count mismatch")
     torch._check(x.shape[2] == weight.shape[2], lambda: "grouped_linear: Din mismatch")
     return x.new_empty((x.shape[0], x.shape[1], weight.shape[1]))
@@ -64,7 +64,7 @@ def _(grad_y, weight, group_major):
 
 @torch.library.register_fake("patchgemm::grouped_linear_grad_weight")
 def _(grad_y, x, group_major):
-    g = _group_dim(group_major)
+    g = group_dim(group_major)
     return x.new_empty((x.shape[g], grad_y.shape[2], x.shape[2]))
 
 
@@ -190,6 +190,6 @@ def _(x, format, rowwise=True, transposed=False):
 @torch.library.register_fake("patchgemm::scaled_grouped_mm")
 def _(a, b, scale_a, scale_b, bias, group_major, out_dtype, fast_accum=False):
     torch._check(a.dim() == 3 and b.dim() == 3, lambda: "scaled_grouped_mm: a and b must be 3-D")
-    torch._check(a.shape[_group_dim(group_major)] == b.shape[0] and a.shape[2] == b.shape[2],
+    torch._check(a.shape[group_dim(group_major)] == b.shape[0] and a.shape[2] == b.shape[2],
                  lambda: "scaled_grouped_mm: a and b must agree in G and K")
     return a.new_empty((a.shape[0], a.shape[1], b.shape[1]), dtype=out_dtype)

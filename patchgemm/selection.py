@@ -159,7 +159,7 @@ def install_model(model: dict) -> None:
         ops._set_learned_model(op, m["candidates"], m["features"], m["hidden"], params, model.get("backends", []))
 
 
-def _select_at_import() -> None:
+def select_at_import() -> None:
     """``PATCHGEMM_SELECTION``'s mode, else the default; a default model that cannot be read (a
     damaged install) leaves the rules choosing, with a warning, rather than failing the import."""
     if os.environ.get("PATCHGEMM_SELECTION"):

@@ -46,7 +46,7 @@ def _sleep_rate(device: torch.device) -> float:
 _cycles_per_ms: Dict[int, float] = {}
 
 
-def _sleep_ms(ms: float, device: torch.device, recalibrate: bool = False) -> None:
+def sleep_ms(ms: float, device: torch.device, recalibrate: bool = False) -> None:
     """Keeps the GPU busy for about `ms` (torch.cuda._sleep spins for a number of clock cycles);
     `recalibrate` measures the spin rate again first (after a warm-up has raised the clock)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -81,7 +81,7 @@ def time_ms(fn: Callable[[int], object], device: torch.device, warmup: int = 5, 
         for i in range(reps):
             while True:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                _sleep_ms(lead_ms, device, recalibrate=i == 0)  # at the clock the warm-up left
+                sleep_ms(lead_ms, device, recalibrate=i == 0)  # at the clock the warm-up left
                 start.record()
                 t0 = time.perf_counter()
                 fn(i)
@@ -354,8 +354,8 @@ def linear_patch_unembed(x, w, b):
     return y if b is None else y + b.view(1, -1, *[1] * rank)
 
 
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+CONV_TRANSPOSES = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 def _conv_name(device) -> str:
@@ -378,7 +378,7 @@ def patch_embed_case(case_id, x_shape, embed, kernel, dtype, device, tokens=Fals
             "b": randn(embed, dtype=dtype, device=device, requires_grad=True),
         }
 
-    conv = _CONV[rank]
+    conv = CONVS[rank]
     fmt = "tokens" if tokens else "channels_first"
     impls = {
         "patchgemm": lambda x, w, b: pg.patch_embed(x, w, b, out_format=fmt),
@@ -410,7 +410,7 @@ def patch_unembed_case(case_id, x_shape, out_channels, kernel, dtype, device) ->
             "b": randn(out_channels, dtype=dtype, device=device, requires_grad=True),
         }
 
-    conv_t = _CONV_T[rank]
+    conv_t = CONV_TRANSPOSES[rank]
     impls = {
         "patchgemm": lambda x, w, b: pg.patch_unembed(x, w, b),
         _conv_name(device): lambda x, w, b: conv_t(x, w, b, stride=kernel),
@@ -469,7 +469,7 @@ def hmlp_stem_case(case_id, x_shape, widths, kernels, dtype, device) -> Case:
         assert set(mapping) == set(names)
         return functional_call(stem, mapping, (x,))
 
-    conv = _CONV[rank]
+    conv = CONVS[rank]
     impls = {
         "patchgemm": ours,
         "patchgemm per stage": stack(lambda x, w, b: pg.patch_embed(x, w, b)),

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import functional as pg
-from .bench import _sleep_ms, environment, randn
+from .bench import sleep_ms, environment, randn
 from ..nn import PatchEmbed
 
 
@@ -169,7 +169,7 @@ def host_us(ours: Callable[[], object], theirs: Callable[[], object], device: to
     for i in range(pairs):
         for fn in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
             if cuda:
-                _sleep_ms(lead_ms, device)
+                sleep_ms(lead_ms, device)
             t0 = time.perf_counter()
             fn()
             times[fn].append((time.perf_counter() - t0) * 1e6)

@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import functional as pg
-from .bench import _CONV, _CONV_T, linear_patch_embed, linear_patch_unembed, randn
+from .bench import CONVS, CONV_TRANSPOSES, linear_patch_embed, linear_patch_unembed, randn
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -375,7 +375,7 @@ def problem(s: Shape, device: torch.device) -> Problem:
                     "b": randn(s.width, dtype=dtype, device=device, requires_grad=True) if s.bias else None}
 
         out = "tokens" if s.tokens else "channels_first"
-        conv = _CONV[rank]
+        conv = CONVS[rank]
         paths = {"conv": lambda x, w, b: (lambda y: y.flatten(2).transpose(1, 2) if s.tokens else y)(
                      conv(x, w, b, stride=k)),
                  # A drop-in returns the conv's memory format (linear_patch_embed: a permuted view).
@@ -399,7 +399,7 @@ def problem(s: Shape, device: torch.device) -> Problem:
         def channels_first(x):
             return x.transpose(1, 2).reshape(x.shape[0], c_in, *grid) if s.tokens else x
 
-        conv_t = _CONV_T[rank]
+        conv_t = CONV_TRANSPOSES[rank]
         out_fmt = _memory_format(rank) if s.channels_last and not s.tokens else torch.contiguous_format
         paths = {"conv_transpose": lambda x, w, b: conv_t(channels_first(x), w, b, stride=k),
                  "linear": lambda x, w, b: linear_patch_unembed(channels_first(x), w, b).contiguous(memory_format=out_fmt)}
