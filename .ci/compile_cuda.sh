@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Compile every CUDA source with nvcc against the installed torch's headers, so a CUDA build break
-# cannot land from a machine without a GPU. A CPU torch wheel ships ATen's CUDA headers but not the
+# Compile every CUDA source with nvcc against the installed torch's headers, and every C++ source
+# with PATCHGEMM_WITH_CUDA defined (the CUDA branches the CPU build leaves out), so a CUDA build break
+# cannot land from a machine without a GPU (python_module.cpp, the Python binding, has none). A CPU torch wheel ships ATen's CUDA headers but not the
 # cuBLAS/cuSPARSE/cuSOLVER headers they include (taken from NVIDIA's wheels) nor one generated
 # config header (a one-line shim). Compile only: there is no libtorch_cuda to link against here. The
 # -D flags are the ones torch.utils.cpp_extension passes to nvcc (no implicit 16-bit conversions);
@@ -22,7 +23,7 @@ PY
 cublas_include=$(dirname "$(find "$work/headers" -name cublas_v2.h | head -1)")
 mkdir -p "$work/shim/c10/cuda/impl"
 printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >"$work/shim/c10/cuda/impl/cuda_cmake_macros.h"
-for src in $(find "$root/csrc" -name "*.cu" | sort); do
+for src in $(find "$root/csrc" \( -name "*.cu" -o -name "*.cpp" \) ! -name python_module.cpp | sort); do
   echo "nvcc -c ${src#$root/}"
   nvcc -c "$src" -o "$work/out.o" -std=c++20 -gencode=arch=compute_90a,code=sm_90a -DPATCHGEMM_SM90A -DPATCHGEMM_WITH_CUDA \
     -I"$root/csrc" -I"$work/shim" -I"$torch_dir/include" \

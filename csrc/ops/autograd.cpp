@@ -17,7 +17,7 @@
 //   swiglu          swiglu_backward, from gate_up (h is not saved: the backward recomputes it)
 // One exception: where patch_embed's (patch_unembed's) choice settles on ATen's (transposed)
 // convolution before anything runs (channels-last x on cuDNN, plain calls), the op is that
-// convolution with PyTorch's autograd (patch_problem.h: may_settle_on_aten).
+// convolution with PyTorch's autograd (ops/patch_embed.h: may_settle_on_aten).
 // The patch matrix is never saved: patch_weight_grad recomputes it from x, an input of the op
 // (saving an input costs no memory); nor is the normalized activation: the norm's backward
 // recomputes it from x.
@@ -28,10 +28,14 @@
 #include <torch/library.h>
 
 #include "kernels/gemm/gemm.h"
+#include "kernels/norm/instance_norm.h"
 #include "ops/checks.h"
-#include "selection/norm_problem.h"
-#include "selection/patch_problem.h"
-#include "selection/ragged_problem.h"
+#include "ops/instance_norm.h"
+#include "ops/patch_embed.h"
+#include "ops/ragged_grouped_linear.h"
+#include "selection/norm_tables.h"
+#include "selection/patch_tables.h"
+#include "selection/ragged_tables.h"
 #include "selection/registry.h"
 
 namespace patchgemm {

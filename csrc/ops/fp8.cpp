@@ -6,7 +6,8 @@
 
 #include "kernels/quant/fp8.h"
 #include "ops/checks.h"
-#include "selection/fp8_problem.h"
+#include "problems/fp8.h"
+#include "selection/fp8_tables.h"
 
 namespace patchgemm {
 namespace {

@@ -4,7 +4,7 @@
 #include <torch/library.h>
 
 #include "ops/checks.h"
-#include "selection/grouped_problem.h"
+#include "selection/grouped_linear_tables.h"
 
 namespace patchgemm {
 namespace {

@@ -7,7 +7,7 @@
 #include <torch/library.h>
 
 #include "ops/checks.h"
-#include "selection/pointwise_problem.h"
+#include "selection/pointwise_tables.h"
 
 namespace patchgemm {
 namespace {

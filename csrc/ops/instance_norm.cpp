@@ -6,7 +6,8 @@
 #include <cmath>
 
 #include "ops/checks.h"
-#include "selection/norm_problem.h"
+#include "ops/instance_norm.h"
+#include "selection/norm_tables.h"
 
 namespace patchgemm {
 

@@ -11,7 +11,8 @@
 #include <torch/library.h>
 
 #include "ops/checks.h"
-#include "selection/patch_problem.h"
+#include "ops/patch_embed.h"
+#include "selection/patch_tables.h"
 
 namespace patchgemm {
 namespace {

@@ -6,7 +6,8 @@
 #include <torch/library.h>
 
 #include "ops/checks.h"
-#include "selection/ragged_problem.h"
+#include "ops/ragged_grouped_linear.h"
+#include "selection/ragged_tables.h"
 #include "selection/registry.h"
 
 namespace patchgemm {
@@ -37,33 +38,6 @@ void check_rows(const char* op, const char* name, const at::Tensor& t, const at:
 }
 
 }  // namespace
-
-std::vector<int64_t> ragged_bounds(const char* op, const at::Tensor& offsets, int64_t rows) {
-  // A copy to the host waits for the GPU: not allowed while a CUDA graph is captured (and a graph
-  // could not replay another step's sizes anyway).
-  TORCH_CHECK(offsets.is_cpu() || !selection::detail::capturing_graph(offsets.device()), op,
-              ": this path reads the group sizes on the host, and they are on ", offsets.device(),
-              " while a CUDA graph is being captured. Pass them on the CPU (the graph then keeps those sizes) "
-              "or use bfloat16 on sm_90+, where torch._grouped_mm reads them on the GPU");
-  const at::Tensor ends = offsets.to(at::kCPU, at::kLong).contiguous();
-  const int64_t* e = ends.const_data_ptr<int64_t>();
-  std::vector<int64_t> bounds{0};
-  for (int64_t g = 0; g < ends.numel(); ++g) {
-    TORCH_CHECK(e[g] >= bounds.back(), op, ": group sizes must be >= 0 (offsets non-decreasing), got offsets[", g,
-                "] = ", e[g], " after ", bounds.back());
-    bounds.push_back(e[g]);
-  }
-  TORCH_CHECK(bounds.back() == rows, op, ": the group sizes add up to ", bounds.back(), " but x has ", rows, " rows");
-  return bounds;
-}
-
-at::Tensor ragged_sizes(const at::Tensor& offsets, at::Device device) {
-  at::Tensor ends = offsets.to(at::kLong);
-  // A copy to the GPU from pageable host memory waits for the GPU; from pinned memory it does not.
-  if (ends.is_cpu() && !device.is_cpu()) ends = ends.pin_memory();
-  ends = ends.to(device, at::kLong, /*non_blocking=*/true);
-  return at::diff(ends, 1, 0, at::zeros({1}, ends.options()));
-}
 
 at::Tensor ragged_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                  const at::Tensor& offsets) {

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "kernels/gemm/strided_gemm.h"
-#include "selection/patch_problem.h"
 #include "selection/registry.h"
 
 #ifndef PATCHGEMM_FLAVOUR

@@ -4,7 +4,7 @@
 #include <torch/library.h>
 
 #include "ops/checks.h"
-#include "selection/activation_problem.h"
+#include "selection/activation_tables.h"
 
 namespace patchgemm {
 namespace {

@@ -5,7 +5,7 @@
 #include <sstream>
 
 #include "kernels/activation/swiglu.h"
-#include "selection/activation_problem.h"
+#include "selection/activation_tables.h"
 #include "selection/registry.h"
 
 namespace patchgemm {

@@ -16,7 +16,8 @@
 
 #include "kernels/gemm/gemm.h"
 #include "kernels/quant/fp8.h"
-#include "selection/fp8_problem.h"
+#include "problems/fp8.h"
+#include "selection/fp8_tables.h"
 #include "selection/registry.h"
 
 namespace patchgemm {

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "kernels/gemm/gemm.h"
-#include "selection/grouped_problem.h"
+#include "selection/grouped_linear_tables.h"
 #include "selection/registry.h"
 
 namespace patchgemm {

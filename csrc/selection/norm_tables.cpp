@@ -4,7 +4,8 @@
 
 #include <sstream>
 
-#include "selection/norm_problem.h"
+#include "kernels/norm/instance_norm.h"
+#include "selection/norm_tables.h"
 #include "selection/registry.h"
 
 namespace patchgemm {

@@ -7,7 +7,9 @@
 #include <sstream>
 
 #include "kernels/gemm/gemm.h"
-#include "selection/patch_problem.h"
+#include "kernels/patch/patch_gemm.h"
+#include "kernels/patch/patchify.h"
+#include "selection/patch_tables.h"
 #include "selection/registry.h"
 
 #ifdef PATCHGEMM_PTX_KERNELS
@@ -46,7 +48,7 @@ at::Tensor aten_conv(const at::Tensor& x, const at::Tensor& weight, const std::o
 
 #ifdef PATCHGEMM_PTX_KERNELS
 // What the fused kernels need of every problem: CUDA tensors, and channels-first patches, which a
-// channels-last volume v5 also is where its pixels lie without gaps (patchify.h: channels_first_view).
+// channels-last volume v5 also is where its pixels lie without gaps (problems/patch_geometry.h: channels_first_view).
 WhyNot fused_kernels_apply(const at::Tensor& t, const PatchGeometry& g, const at::Tensor& v5) {
   if (!t.is_cuda()) return "CUDA tensors only";
   return has_channels_first_view(v5, g) ? WhyNot() : "channels-last x with gaps between pixels (W stride != C)";

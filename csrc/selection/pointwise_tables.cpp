@@ -15,7 +15,7 @@
 #include <sstream>
 
 #include "kernels/gemm/gemm.h"
-#include "selection/pointwise_problem.h"
+#include "selection/pointwise_tables.h"
 #include "selection/registry.h"
 
 #ifdef PATCHGEMM_PTX_KERNELS

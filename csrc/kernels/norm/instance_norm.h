@@ -14,19 +14,9 @@
 #include <optional>
 #include <tuple>
 
+#include "problems/norm.h"
+
 namespace patchgemm {
-
-// The [B, S, C] view of x: sizes and the layout flag, shared by the CPU and CUDA paths.
-struct NormShape {
-  int64_t batch = 0, channels = 0, spatial = 0;
-  bool tokens = false;  // channels innermost ([B, S, C]); else [B, C, S]
-  C10_HOST_DEVICE int64_t numel() const { return batch * channels * spatial; }
-};
-
-// The statistics' dtype: float64 for float64 x, else float32.
-inline at::ScalarType norm_acc_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 // The ATen implementation (instance_norm_aten.cpp), any device; x, weight, bias contiguous (weight,
 // bias [C] or undefined). Forward: (y, mean, rstd). Backward: (grad_x, grad_weight, grad_bias), the

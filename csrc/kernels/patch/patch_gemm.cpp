@@ -1,5 +1,5 @@
 // The patch ops on gather (patchify) / scatter (unpatchify) + one GEMM, on every backend; see
-// patchify.h for the patch matrix.
+// problems/patch_geometry.h for the patch matrix.
 //
 //   embed        y = P @ W^T (+ b): tokens [B, N, E] as one plain GEMM, channels-first [B, E, N] as
 //                one GEMM batched over B (W shared, stride 0), or where that runs slowly as
@@ -12,7 +12,8 @@
 #include <ATen/OpMathType.h>
 
 #include "kernels/gemm/gemm.h"
-#include "selection/patch_problem.h"
+#include "kernels/patch/patch_gemm.h"
+#include "kernels/patch/patchify.h"
 
 namespace patchgemm {
 namespace {
@@ -79,15 +80,6 @@ at::Tensor contiguous_by_transpose(const at::Tensor& t) {
 }
 
 }  // namespace
-
-at::Tensor weight_rows(const at::Tensor& weight, bool channels_last) {
-  const int64_t rows = weight.size(0), K = c10::multiply_integers(weight.sizes().slice(1));
-  if (!channels_last) return weight.reshape({rows, K});
-  std::vector<int64_t> order{0};
-  for (int64_t d = 2; d < weight.dim(); ++d) order.push_back(d);
-  order.push_back(1);
-  return weight.permute(order).reshape({rows, K});
-}
 
 std::optional<at::Tensor> patch_matrix_as_view(const at::Tensor& x5, const PatchGeometry& g) {
   if (g.tokens() != 1) return std::nullopt;

@@ -13,7 +13,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "kernels/patch/patchify.h"
+#include "problems/patch_geometry.h"
 
 namespace patchgemm {
 namespace cuda {

@@ -3,7 +3,7 @@
 // scattered into y from the epilogue), with warpgroup MMAs (wgmma) in place of mma.sync, as the
 // forward's implicit_patch_gemm_sm90.cu. A patch row of y is a run of kw elements, and the runs of
 // consecutive tokens are adjacent: the epilogue stores 16 bytes = the runs of 8 / kw tokens. Where
-// kw % 8 == 0 (channels-last y's rows of kw * C elements are: patchify.h, channels_first_view) it
+// kw % 8 == 0 (channels-last y's rows of kw * C elements are: patch_geometry.h, channels_first_view) it
 // stores 8 elements of one token's row instead, a warp's lanes along the row.
 //
 // Persistent and warp-specialized, because the GEMM is short (C_in: 3 to 24 slices) and its output

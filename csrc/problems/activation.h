@@ -11,8 +11,4 @@ struct SwigluProblem {
   at::Tensor grad_h;   // [..., H]; the backward only
 };
 
-// h [..., H] = silu(gate) * up, and grad_gate_up [..., 2H] from grad_h.
-at::Tensor select_swiglu(const SwigluProblem& p);
-at::Tensor select_swiglu_backward(const SwigluProblem& p);
-
 }  // namespace patchgemm

@@ -27,7 +27,4 @@ struct ScaledGroupedProblem {
   at::Tensor out, c;
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> select_quantize_fp8(const QuantizeProblem& p);
-at::Tensor select_scaled_grouped_mm(const ScaledGroupedProblem& p);
-
 }  // namespace patchgemm

@@ -34,9 +34,4 @@ struct PointwiseWeightGradProblem {
   bool with_bias = false;
 };
 
-// Fills p.out and returns it, or returns a result of its own of shape out_sizes (any format).
-at::Tensor select_pointwise(const PointwiseProblem& p);
-// (grad_w, grad_b): grad_b undefined without with_bias.
-std::tuple<at::Tensor, at::Tensor> select_pointwise_weight_grad(const PointwiseWeightGradProblem& p);
-
 }  // namespace patchgemm

@@ -18,7 +18,4 @@ struct GroupedProblem {
   at::Tensor out, c;               // the op's output, and c = its [G, M, N] view
 };
 
-// Runs the problem's GEMM with the implementation its table picks; returns out.
-at::Tensor select_grouped_gemm(const GroupedProblem& p);
-
 }  // namespace patchgemm

@@ -1,0 +1,15 @@
+// The SwiGLU selection table's entry points (activation_tables.cpp):
+// the implementation each call runs.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "problems/activation.h"
+
+namespace patchgemm {
+
+// h [..., H] = silu(gate) * up, and grad_gate_up [..., 2H] from grad_h.
+at::Tensor select_swiglu(const SwigluProblem& p);
+at::Tensor select_swiglu_backward(const SwigluProblem& p);
+
+}  // namespace patchgemm

@@ -1,0 +1,20 @@
+// The grouped pointwise conv selection table's entry points (pointwise_tables.cpp):
+// the implementation each call runs.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "problems/pointwise.h"
+
+namespace patchgemm {
+
+// Fills p.out and returns it, or returns a result of its own of shape out_sizes (any format).
+at::Tensor select_pointwise(const PointwiseProblem& p);
+// (grad_w, grad_b): grad_b undefined without with_bias.
+std::tuple<at::Tensor, at::Tensor> select_pointwise_weight_grad(const PointwiseWeightGradProblem& p);
+
+}  // namespace patchgemm

@@ -1,0 +1,24 @@
+// The ragged grouped linear selection table's entry points (ragged_tables.cpp):
+// the implementation each call runs.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+#include "problems/ragged.h"
+
+namespace patchgemm {
+
+at::Tensor select_ragged_gemm(const RaggedProblem& p);
+
+// The groups' row bounds [0, offsets[0], ..., offsets[G-1]], read on the host (a sync for GPU
+// offsets) and checked: non-decreasing from 0, ending at `rows`. The op checks CPU offsets with it,
+// the candidates that need the sizes on the host read GPU offsets with it (ragged_tables.cpp).
+std::vector<int64_t> ragged_bounds(const char* op, const at::Tensor& offsets, int64_t rows);
+
+// Each group's sizes on `device` ([G], int64), from offsets anywhere, without a host sync.
+at::Tensor ragged_sizes(const at::Tensor& offsets, at::Device device);
+
+}  // namespace patchgemm
