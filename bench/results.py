@@ -158,22 +158,20 @@ def tune_section(saved: dict, name: str) -> str:
     report = saved["report"]
     shape_ids = {r["tags"].get("shape") for r in saved["records"]}
     random_shapes, model_shapes = tune.random_shape_count(shape_ids), tune.random_shape_count(shape_ids, "model-")
+    fitted = next(row for row in report["train"] if row["op"] == "all")
     tables = [tune.format_judgement(report["evaluate"], f"Held-out records ({', '.join(saved['evaluate_on'])}), "
                                     "never trained on:"),
-              tune.format_judgement(report["train"], f"\nTraining records ({', '.join(saved['train_on'])}):")]
+              f"\nOn the {fitted['records']} records it was fitted to ({', '.join(saved['train_on'])}; per op: "
+              f"`--from-json` above): heuristic {tune.mode_cell(fitted['heuristic'])}, learned "
+              f"{tune.mode_cell(fitted['learned'])}."]
     return "\n".join([
         f"## Selection modes, regret: {_where(saved.get('environment', {}))}", "",
         f"`python -m patchgemm tune --from-json bench/results/{name} --json bench/results/{name}` "
         f"(the sweep: `python -m patchgemm tune --random {random_shapes} --model-like {model_shapes} --json ...`, "
-        "in parts merged by `--from-json`; the heuristic's recorded choices are the rules' of the commit above, "
-        "noted by the sweep or by `--relabel` on the GPU, untimed). Regret = t(selected) / "
-        "t(fastest candidate), GPU time of each candidate as autotune measures it (CUDA events around "
-        "back-to-back calls behind a spin kernel); geometric mean / worst / share over 1.2x over the records (one per op call "
-        "signature). `single best` = per op the one candidate of least mean regret on the training "
-        "records; `learned vs single best` = its time / the learned choice's. This GPU's model, every op's; "
-        "the shipped one (`patchgemm/data/selector.json`) is trained on the records of every GPU saved here "
-        "and keeps the ops whose model beats the rules in 5-fold cross-validation (`--from-json` with all of "
-        "them, `--validate 5 --model ...`).", "",
+        "in parts merged by `--from-json`; the heuristic's choices are the rules' of the commit above). "
+        "Regret = t(selected) / t(fastest candidate): geometric mean / worst / share over 1.2x (method: "
+        "docs/benchmarks.md); `single best` = per op the one candidate of least mean regret on the training "
+        "records. This GPU's model; the shipped one is trained on every GPU's records saved here.", "",
         *tables, ""])
 
 
@@ -216,7 +214,7 @@ def transfer_section(paths: List[pathlib.Path]) -> str:
             _, report = tune.train_and_judge(records, list(tune.TRAINING_SETS), ["heldout"], train_gpu, eval_gpu,
                                              model=shipped if train_gpu is None else None)
             row = report["evaluate"][-1]
-            cells = [tune._mode_cell(row[m]) for m in ("heuristic", "learned", "single best")]
+            cells = [tune.mode_cell(row[m]) for m in ("heuristic", "learned", "single best")]
             lines.append(f"| {train_gpu or ' + '.join(gpus)} | {eval_gpu} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])
 

@@ -251,7 +251,7 @@ def judge(records: List[Record], model: Optional[dict] = None, best: Optional[Di
     return rows
 
 
-def _mode_cell(regret: dict) -> str:
+def mode_cell(regret: dict) -> str:
     """A mode's "mean / worst / share of records over 1.2x"."""
     return f"{regret['mean']:.3f} / {regret['worst']:.2f} / {regret['over_1.2']:.1%}"
 
@@ -261,7 +261,7 @@ def format_judgement(rows: List[dict], title: str) -> str:
              "learned mean / worst / > 1.2x | single best mean / worst / > 1.2x | learned vs single best |",
              "|---|---|---|---|---|---|"]
     for row in rows:
-        cells = [_mode_cell(row[m]) for m in ("heuristic", "learned", "single best")]
+        cells = [mode_cell(row[m]) for m in ("heuristic", "learned", "single best")]
         lines.append(f"| {row['op']} | {row['records']} ({row['choices']}) | " + " | ".join(cells)
                      + f" | {row['learned vs single best']:.3f}x |")
     return "\n".join(lines)
@@ -396,8 +396,8 @@ def hold_out_families(records: List[Record], families: Optional[List[str]] = Non
         row = dict(judged[0], family=family, train_records=len(train))
         row.update({f"learned +{m:g}": j["learned"] for m, j in zip(margins, judged)})
         rows.append(row)
-        log(f"  {family}: {row['records']} records; heuristic {_mode_cell(row['heuristic'])}; "
-            + "; ".join(f"learned +{m:g} {_mode_cell(row[f'learned +{m:g}'])}" for m in margins))
+        log(f"  {family}: {row['records']} records; heuristic {mode_cell(row['heuristic'])}; "
+            + "; ".join(f"learned +{m:g} {mode_cell(row[f'learned +{m:g}'])}" for m in margins))
     return rows
 
 
@@ -409,7 +409,7 @@ def format_families(rows: List[dict], margins) -> str:
                                                       for m in modes) + " |",
              "|---|---|" + "---|" * len(modes)]
     for row in rows + [_family_summary(rows, modes)]:
-        cells = [f"{_mode_cell(row[m])} / {row[m]['slower_than_pytorch']:.1%}" for m in modes]
+        cells = [f"{mode_cell(row[m])} / {row[m]['slower_than_pytorch']:.1%}" for m in modes]
         lines.append(f"| {row['family']} | {row['records']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
