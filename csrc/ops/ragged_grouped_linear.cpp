@@ -8,7 +8,6 @@
 #include "ops/checks.h"
 #include "ops/ragged_grouped_linear.h"
 #include "selection/ragged_tables.h"
-#include "selection/registry.h"
 
 namespace patchgemm {
 namespace {

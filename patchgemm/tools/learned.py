@@ -28,8 +28,6 @@ import torch
 
 from .. import selection
 
-FORMAT = selection.MODEL_FORMAT
-
 
 @dataclass
 class Record:
@@ -96,7 +94,7 @@ def train(records: List[Record], hidden: int = 128, steps: int = 4000, temperatu
     """A model per op from its records (ops whose records never offer a choice get none): full-batch
     Adam, the learning rate decayed to 0 along a cosine (without the decay, frequent shapes such as a
     ViT stem at batch 64 were missed)."""
-    model = {"format": FORMAT, "description": description, "ops": {}, "backends": backends(records)}
+    model = {"format": selection.MODEL_FORMAT, "description": description, "ops": {}, "backends": backends(records)}
     by_op: Dict[str, List[Record]] = {}
     for r in records:
         if sum(t is not None for t in r.times.values()) > 1:  # one candidate: nothing to learn
