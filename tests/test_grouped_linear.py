@@ -214,6 +214,54 @@ def test_planner_splits_at_blas_int_limit(device, group_major):
         assert_close_to_ref(g, rg, torch.float64, name)
 
 
+def applicable(op, device):
+    return [c.name for c in patchgemm.kernels(op) if device in c.backends]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["bgd", "gbd"])
+@pytest.mark.parametrize("batch, din, dout", [(1, 64, 48), (5, 1, 48), (5, 64, 1), (1, 1, 1)])
+def test_vector_sized_gemms_match_float64_with_every_candidate(device, dtype, layout, batch, din, dout):
+    """A GEMM dimension of 1 (batch one: K = 1 in the weight gradient; Din or Dout of 1) gives each
+    operand a column or row form; every candidate of the three passes agrees with float64."""
+    groups = 3
+    x = randn(*x_shape("3d", layout, batch, groups, din), dtype=dtype, device=device, requires_grad=True)
+    weight = randn(groups, dout, din, dtype=dtype, device=device, requires_grad=True)
+    bias = randn(groups, dout, dtype=dtype, device=device, requires_grad=True)
+    ref_inputs = [t.detach().double().cpu().requires_grad_() for t in (x, weight, bias)]
+    ref_y = reference(*ref_inputs, layout)
+    grad_y = randn(*ref_y.shape, dtype=dtype, device=device)
+    ref_grads = torch.autograd.grad(ref_y, ref_inputs, grad_y.double().cpu())
+    passes = ["grouped_linear", "grouped_linear_grad_input", "grouped_linear_grad_weight"]
+    ran = []
+    for name in applicable("grouped_linear", device):
+        try:
+            with patchgemm.force(**{op: name for op in passes}):
+                y = patchgemm.grouped_linear(x, weight, bias, layout)
+                grads = torch.autograd.grad(y, [x, weight, bias], grad_y)
+        except RuntimeError as e:  # cuBLASLt may propose fewer algorithms than the k-th
+            assert name.startswith("cublaslt_algo") and "does not apply" in str(e), f"{name}: {e}"
+            continue
+        ran.append(name)
+        assert_close_to_ref(y, ref_y, dtype, f"{name} y")
+        for what, g, rg in zip(["dx", "dweight", "dbias"], grads, ref_grads):
+            assert_close_to_ref(g, rg, dtype, f"{name} {what}")
+    assert {"strided_batched", "aten_bmm"} <= set(ran)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_column_past_the_blas_int_limit_is_split(device):
+    """A K = 1 column longer than the BLAS integer limit keeps the row form, split along its length."""
+    grad_y, x = randn(1, 2, 5, dtype=torch.float64, device=device), randn(1, 2, 2, dtype=torch.float64, device=device)
+    old = ops._set_blas_int_limit(3)
+    try:
+        grad_w = ops.grouped_linear_grad_weight(grad_y, x, False)
+    finally:
+        ops._set_blas_int_limit(old)
+    torch.testing.assert_close(grad_w, torch.einsum("bgo,bgi->goi", grad_y, x))
+
+
 def test_leading_dimension_past_limit_is_a_clear_error():
     old = ops._set_blas_int_limit(4)
     try:

@@ -16,8 +16,13 @@ struct BlasOperand {
 
 // BLAS is column-major: a row-major matrix X[r, c] read as stored column-major data is X^T.
 // Returns (op, ld) such that op(stored X) == X^T, or nothing if no leading dimension describes X.
-// Strides of size-1 dimensions are irrelevant and ignored.
-std::optional<BlasOperand> transposed_as_blas(const MatrixView& x) {
+// Strides of size-1 dimensions are irrelevant and ignored. One contiguous column (an input of a
+// GEMM with K = 1 or N = 1) is described, as ATen describes it, transposed with ld = its length when
+// `column_as_column`: read as one row of ld 1 instead, cuBLAS's heuristic picks a pre-Hopper kernel
+// up to 3x slower (the batch-one grouped weight gradient, K = 1). Outputs are written untransposed,
+// so they always take the row form.
+std::optional<BlasOperand> transposed_as_blas(const MatrixView& x, bool column_as_column) {
+  if (column_as_column && x.cols <= 1 && x.rows > 1 && x.row_stride == 1) return BlasOperand{true, x.rows};
   if (x.col_stride == 1 || x.cols <= 1) {
     const int64_t ld = x.rows <= 1 ? std::max<int64_t>(1, x.cols) : x.row_stride;
     if (ld >= std::max<int64_t>(1, x.cols)) return BlasOperand{false, ld};
@@ -29,9 +34,16 @@ std::optional<BlasOperand> transposed_as_blas(const MatrixView& x) {
   return std::nullopt;
 }
 
+// An input operand's form: a column longer than the BLAS integer limit keeps the row form (ld 1),
+// which the planner splits along its length.
+std::optional<BlasOperand> input_as_blas(const MatrixView& x, int64_t int_limit) {
+  const auto op = transposed_as_blas(x, /*column_as_column=*/true);
+  return op && op->ld > int_limit ? transposed_as_blas(x, false) : op;
+}
+
 // C is written, not read through an op: it must be the non-transposed case.
 bool output_ok(const MatrixView& c) {
-  auto op = transposed_as_blas(c);
+  auto op = transposed_as_blas(c, /*column_as_column=*/false);
   return op.has_value() && !op->trans;
 }
 
@@ -45,12 +57,12 @@ bool splits_k_tail(const SplitKGuard& guard, int64_t m, int64_t n, int64_t k, in
 }  // namespace
 
 LayoutVerdict check_blas_layout(const GemmProblem& p) {
-  return {transposed_as_blas(p.a).has_value(), transposed_as_blas(p.b).has_value(), output_ok(p.c)};
+  return {transposed_as_blas(p.a, false).has_value(), transposed_as_blas(p.b, false).has_value(), output_ok(p.c)};
 }
 
 BlasPlan plan_blas_calls(const GemmProblem& p, int64_t int_limit, const SplitKGuard& guard) {
-  const auto op_a = transposed_as_blas(p.a);  // becomes BLAS B
-  const auto op_b = transposed_as_blas(p.b);  // becomes BLAS A
+  const auto op_a = input_as_blas(p.a, int_limit);  // becomes BLAS B
+  const auto op_b = input_as_blas(p.b, int_limit);  // becomes BLAS A
   if (!op_a || !op_b || !output_ok(p.c)) {
     return {{}, "an operand's strides have no BLAS layout"};
   }
