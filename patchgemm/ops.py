@@ -117,9 +117,9 @@ def _(grad_h, gate_up):
 # ---- patch embedding: fake kernels ----------------------------------------------------------------
 
 def _level_grid(levels, rank):
-    """The grid that flattened `levels` (groups of `rank` sizes) multiply to, per dim."""
+    """The grid that flattened `levels` (groups of `rank` sizes; None: none) multiply to, per dim."""
     grid = [1] * rank
-    for i, size in enumerate(levels):
+    for i, size in enumerate(levels or []):
         grid[i % rank] *= size
     return grid
 

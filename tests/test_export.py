@@ -77,18 +77,26 @@ def test_aot_inductor_runs_grouped_linear(device, tmp_path):
     torch.testing.assert_close(aot_compile_and_run(model, x, tmp_path / "model.pt2"), model(x))
 
 
-# Two PyTorch faults stop the other ops under AOTInductor (torch 2.11 and 2.13); strict, so that a
-# torch without them fails these tests, which then join the one above.
-# torch 2.13 raises; torch 2.11 logs the op's error and returns None for the outputs.
-@pytest.mark.xfail(raises=(RuntimeError, AssertionError), strict=True, reason="pytorch/pytorch#194324: AOTInductor's "
-                   "proxy executor hands a custom op an empty int[] argument (the patch ops' levels) as None")
-def test_aot_inductor_runs_the_patch_ops(tmp_path):
+# AOTInductor's proxy executor hands a custom op an empty int[] argument as None
+# (pytorch/pytorch#194324): the patch ops take their levels as int[]? for it, None meaning [].
+PATCH_MODELS = {
+    "embed_unembed": lambda: nn.Sequential(patchgemm.PatchEmbed(3, 16, 4), patchgemm.PatchUnembed(16, 3, 4)),
+    "tokens": lambda: patchgemm.PatchEmbed(3, 16, 4, out_format="tokens"),
+    "stem": lambda: patchgemm.HierarchicalPatchEmbed(3, 16, (2, 2), dims=2),  # levels on CUDA
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model", PATCH_MODELS)
+def test_aot_inductor_runs_the_patch_ops(device, model, tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(patchgemm.PatchEmbed(3, 16, 4), patchgemm.PatchUnembed(16, 3, 4)).eval()
-    x = torch.randn(2, 3, 32, 24)
-    torch.testing.assert_close(aot_compile_and_run(model, x, tmp_path / "model.pt2"), model(x))
+    module = PATCH_MODELS[model]().to(device).eval()
+    x = torch.randn(2, 3, 32, 24, device=device)
+    torch.testing.assert_close(aot_compile_and_run(module, x, tmp_path / "model.pt2"), module(x))
 
 
+# A PyTorch fault stops grouped_pointwise_conv under AOTInductor (torch 2.11 and 2.13); strict, so that a
+# torch without it fails this test, which then joins the ones above.
 @pytest.mark.xfail(raises=RuntimeError, strict=True, reason="AOTInductor hands the op the [32, 8, 1, 1] weight "
                    "parameter as [32, 8, 1]")
 def test_aot_inductor_runs_grouped_pointwise_conv(tmp_path):

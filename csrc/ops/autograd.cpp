@@ -48,10 +48,10 @@ using torch::autograd::variable_list;
 using OptionalTensor = std::optional<at::Tensor>;
 using Weighted = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, bool);
 using Patch = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, bool,
-                         c10::IntArrayRef);
+                         at::OptionalIntArrayRef);
 using PatchWeightGrad = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                            c10::IntArrayRef, bool,
-                                                           c10::IntArrayRef, bool, bool);
+                                                           at::OptionalIntArrayRef, bool, bool);
 using GradInput = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
 
 template <typename Signature>
@@ -343,9 +343,9 @@ const auto& patch_weight_grad_op() {
 // The patch ops' autograd kernels, which backward calls directly for dx (the other op) where the
 // call is plain: they record it under create_graph=True, as through the dispatcher.
 at::Tensor patch_embed_autograd(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, bool tokens,
-                                c10::IntArrayRef levels);
+                                at::OptionalIntArrayRef levels);
 at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
-                                  bool tokens, c10::IntArrayRef levels);
+                                  bool tokens, at::OptionalIntArrayRef levels);
 
 // dW (and db) in backward, directly where the call is plain (grad mode is off: a second derivative
 // of it is refused).
@@ -437,7 +437,8 @@ struct PatchUnembed : Function<PatchUnembed> {
 };
 
 at::Tensor patch_embed_autograd(const at::Tensor& x_given, const at::Tensor& weight,
-                                const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
+                                const OptionalTensor& bias, bool tokens, at::OptionalIntArrayRef levels_given) {
+  const c10::IntArrayRef levels = token_levels(levels_given);
   // What a conv leaves out is cut here, above autograd: its positions get a zero gradient.
   const at::Tensor x = whole_patches(x_given, weight, levels);
   const bool tracked = needs_autograd(x, weight, bias);
@@ -453,7 +454,8 @@ at::Tensor patch_embed_autograd(const at::Tensor& x_given, const at::Tensor& wei
 
 at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   const OptionalTensor& bias, bool tokens,
-                                  c10::IntArrayRef levels) {
+                                  at::OptionalIntArrayRef levels_given) {
+  const c10::IntArrayRef levels = token_levels(levels_given);
   const bool tracked = needs_autograd(x, weight, bias);
   if (!plain_call({x, weight, or_undefined(bias)})) {
     if (!tracked) return call_below_autograd(patch_unembed_op(), x, weight, bias, tokens, levels);

@@ -193,14 +193,15 @@ at::Tensor whole_patches(const at::Tensor& x, const at::Tensor& weight, c10::Int
 }
 
 at::Tensor patch_embed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       bool tokens, c10::IntArrayRef levels) {
-  return select_patch_embed(embed_problem(whole_patches(x, weight, levels), weight, bias, tokens, levels));
+                       bool tokens, at::OptionalIntArrayRef levels) {
+  const c10::IntArrayRef order = token_levels(levels);
+  return select_patch_embed(embed_problem(whole_patches(x, weight, order), weight, bias, tokens, order));
 }
 
 at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias, bool tokens,
-                         c10::IntArrayRef levels) {
-  return select_patch_unembed(unembed_problem(x, weight, bias, tokens, levels));
+                         at::OptionalIntArrayRef levels) {
+  return select_patch_unembed(unembed_problem(x, weight, bias, tokens, token_levels(levels)));
 }
 
 WeightGradProblem weight_grad_problem(const at::Tensor& grad_y, const at::Tensor& x, c10::IntArrayRef kernel,
@@ -243,9 +244,10 @@ WeightGrads patch_weight_grads(const WeightGradProblem& p) {
 
 std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, const at::Tensor& x,
                                                      c10::IntArrayRef kernel, bool tokens,
-                                                     c10::IntArrayRef levels, bool with_bias,
+                                                     at::OptionalIntArrayRef levels, bool with_bias,
                                                      bool transposed) {
-  return patch_weight_grads(weight_grad_problem(grad_y, x, kernel, tokens, levels, with_bias, transposed));
+  return patch_weight_grads(
+      weight_grad_problem(grad_y, x, kernel, tokens, token_levels(levels), with_bias, transposed));
 }
 
 TORCH_LIBRARY_IMPL(patchgemm, CPU, m) {

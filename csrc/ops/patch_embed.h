@@ -9,6 +9,9 @@
 
 namespace patchgemm {
 
+// The patch ops' `levels` argument (int[]?): None and [] both mean row-major tokens.
+inline c10::IntArrayRef token_levels(at::OptionalIntArrayRef levels) { return levels.value_or(c10::IntArrayRef{}); }
+
 // x [B, C, *S] without the last positions of each spatial dim that fill no whole patch of weight
 // [E, C, *k], which a kernel == stride convolution leaves out: a view, or x itself where every
 // size is a multiple (and where levels order the tokens: those need whole grids). Both the autograd

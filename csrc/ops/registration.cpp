@@ -56,17 +56,18 @@ TORCH_LIBRARY(patchgemm, m) {
   // Kernel == stride convolution: x [B, C, *S] (any strides), weight [E, C, *k] (the conv
   // layout), bias [E]; y = conv(x, weight, bias, stride=k) as channels-first [B, E, *grid] or
   // tokens [B, N, E]. `levels` (tokens only) orders the tokens level by level, coarse first, each
-  // level a group of one size per spatial dim whose products per dim are the grid; [] is row-major.
-  m.def("patch_embed(Tensor x, Tensor weight, Tensor? bias, bool tokens, int[] levels) -> Tensor");
+  // level a group of one size per spatial dim whose products per dim are the grid; [] is row-major,
+  // and so is None (what AOTInductor's proxy executor hands an op for an empty int list).
+  m.def("patch_embed(Tensor x, Tensor weight, Tensor? bias, bool tokens, int[]? levels) -> Tensor");
   // Its transpose: x channels-first [B, C_in, *grid] (levels = []) or tokens [B, N, C_in] (levels
   // give the grid and token order), weight [C_in, C_out, *k] (the ConvTranspose layout), bias
   // [C_out]; y = conv_transpose(x, weight, bias, stride=k), [B, C_out, *(grid * k)], contiguous.
-  m.def("patch_unembed(Tensor x, Tensor weight, Tensor? bias, bool tokens, int[] levels) -> Tensor");
+  m.def("patch_unembed(Tensor x, Tensor weight, Tensor? bias, bool tokens, int[]? levels) -> Tensor");
   // (grad_weight [E, C, *k], grad_bias [E] or [0]) of patch_embed from grad_y (its output format)
   // and x. `transposed`: patch_unembed's, with (x, grad_y) in these roles swapped, grad_bias then
   // [C] (x summed per channel).
   m.def(
-      "patch_weight_grad(Tensor grad_y, Tensor x, int[] kernel_size, bool tokens, int[] levels, "
+      "patch_weight_grad(Tensor grad_y, Tensor x, int[] kernel_size, bool tokens, int[]? levels, "
       "bool with_bias, bool transposed=False) -> (Tensor, Tensor)");
 
   // Instance norm (statistics per sample and channel over the spatial dims or tokens), then the
