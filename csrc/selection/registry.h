@@ -363,21 +363,26 @@ class Table {
     std::vector<size_t> order(candidates_.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return scores[a] > scores[b]; });
+    // The candidates scored above the heuristic's pick are tried in order; reaching the pick, its
+    // result (in hand) is taken.
     for (size_t i : order) {
+      if (i == heuristic_pick) break;
       const auto& c = candidates_[i];
-      std::optional<Result> result;
-      if (i == heuristic_pick) {
-        result = std::move(heuristic_result);
-      } else {
-        WhyNot why = why_not(c, p);
-        if (why.empty()) result = c.run(p, /*ruled=*/false, why);
-      }
+      WhyNot why = why_not(c, p);
+      if (!why.empty()) continue;
+      std::optional<Result> result = c.run(p, /*ruled=*/false, why);
       if (!result) continue;
-      detail::remember_predicted(device, key, c.name);
-      if (detail::observed()) note_single(p, c.name, "learned: predicted now", "scored lower");
+      remember_learned(p, device, key, c.name);
       return std::move(*result);
     }
-    TORCH_CHECK(false, op_, ": the learned order lost the heuristic's choice; please report it");
+    remember_learned(p, device, key, candidates_[heuristic_pick].name);
+    return heuristic_result;
+  }
+
+  void remember_learned(const Problem& p, const at::Device& device, const std::string& key,
+                        const std::string& name) const {
+    detail::remember_predicted(device, key, name);
+    if (detail::observed()) note_single(p, name, "learned: predicted now", "scored lower");
   }
 
   // Adds, per candidate, whether it applies (its `supports`) and whether it is the one the heuristic
