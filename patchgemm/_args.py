@@ -2,7 +2,7 @@
 (and cast) alike: errors name the argument and never truncate a value."""
 
 import operator
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -43,6 +43,16 @@ def as_int(value, what: str) -> int:
     except TypeError:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
 
+
+
+def check_sizes(where: str, minimum: int, **sizes) -> Tuple[int, ...]:
+    """The given sizes as ints, in order: non-integers are a TypeError (as torch's modules raise), sizes
+    below `minimum` a ValueError, each naming the argument."""
+    values = tuple(as_int(v, f"{where}: {k}") for k, v in sizes.items())
+    if any(v < minimum for v in values):
+        given = ", ".join(f"{k}={v}" for k, v in zip(sizes, values))
+        raise ValueError(f"{where}: sizes must be >= {minimum}, got {given}")
+    return values
 
 def as_grid(grid, where: str) -> list:
     """A patch grid as ints; floats, strings and other non-integers are a TypeError, not truncated."""
