@@ -147,7 +147,8 @@ int run(int argc, char** argv) {
   }
   if (chosen.empty()) {
     std::string families;
-    for (const char* f : {"gemm", "gather", "scatter", "patch_embed", "patch_weight_grad", "patch_unembed"}) families += std::string(" ") + f;
+    for (const char* f : {"gemm", "gather", "scatter", "patch_embed", "patch_weight_grad", "patch_unembed"})
+      families += std::string(" ") + f;
     throw UsageError("no problem id matches --filter (families:" + families + "; see --list)");
   }
   if (o.list) {

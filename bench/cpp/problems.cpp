@@ -290,10 +290,11 @@ std::vector<Problem> patch_problems(const PatchSpec& s, at::ScalarType dtype, at
                        at::randn(s.weight(s.embed, s.channels), opts)};
         },
         bytes, device);
-    const auto op = c10::Dispatcher::singleton()
-                        .findSchemaOrThrow("patchgemm::patch_weight_grad", "")
-                        .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, c10::IntArrayRef,
-                                                                  bool, c10::IntArrayRef, bool, bool)>();
+    const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("patchgemm::patch_weight_grad", "")
+            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, bool,
+                                                      c10::IntArrayRef, bool, bool)>();
     const std::vector<int64_t> zeros(s.kernel.size(), 0), ones(s.kernel.size(), 1);
     return {
         [=](int64_t i) { const Layer& l = pick(sets, i); op.call(l.x, l.w, s.kernel, false, {}, true, false); },

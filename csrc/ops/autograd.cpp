@@ -296,7 +296,8 @@ struct GroupedPointwiseConv : Function<GroupedPointwiseConv> {
 
 at::Tensor grouped_pointwise_conv_autograd(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
                                            int64_t groups) {
-  if (!needs_autograd(x, weight, bias)) return call_below_autograd(grouped_pointwise_conv_op(), x, weight, bias, groups);
+  if (!needs_autograd(x, weight, bias))
+    return call_below_autograd(grouped_pointwise_conv_op(), x, weight, bias, groups);
   return GroupedPointwiseConv::apply(x, weight, bias, groups);
 }
 
@@ -419,8 +420,9 @@ struct PatchUnembed : Function<PatchUnembed> {
     refuse_second_derivative(ctx->needs_input_grad(kWeight), "patch_unembed", "weight gradient");
     at::Tensor grad_x, grad_w, grad_b;
     if (ctx->needs_input_grad(kX)) {
-      grad_x = plain_call({grad_y, c.weight}) ? patch_embed_autograd(grad_y, c.weight, std::nullopt, c.tokens, c.levels)
-                                              : patch_embed_op().call(grad_y, c.weight, std::nullopt, c.tokens, c.levels);
+      grad_x = plain_call({grad_y, c.weight})
+                   ? patch_embed_autograd(grad_y, c.weight, std::nullopt, c.tokens, c.levels)
+                   : patch_embed_op().call(grad_y, c.weight, std::nullopt, c.tokens, c.levels);
     }
     const bool needs_b = needs_bias_grad(ctx);
     if (ctx->needs_input_grad(kWeight)) {

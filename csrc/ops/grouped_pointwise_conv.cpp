@@ -1,13 +1,13 @@
 // Grouped pointwise convolution: F.conv{1,2,3}d(x, weight, bias, groups=G) with kernel size 1, i.e.
 // G independent small linears over the channel groups of every position. Validation here, once;
-// the tables in selection/pointwise_tables.cpp run it. The output takes the memory format x
+// the tables in selection/grouped_pointwise_conv_tables.cpp run it. The output takes the memory format x
 // suggests, as PyTorch's convolutions do: channels_last(_3d) x is the tokens problem [N, G, c_in],
 // anything else is made contiguous and runs channels-first [B, G, c_in, L].
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "ops/checks.h"
-#include "selection/pointwise_tables.h"
+#include "selection/grouped_pointwise_conv_tables.h"
 
 namespace patchgemm {
 namespace {
@@ -25,22 +25,25 @@ at::Tensor grouped_view(const at::Tensor& t, bool tokens, int64_t groups) {
 }
 
 void check_activation(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.dim() >= 3 && t.dim() <= 5, op, ": ", name, " must be [B, C, *spatial] with 1 to 3 spatial dims, got shape ",
-              t.sizes());
+  TORCH_CHECK(t.dim() >= 3 && t.dim() <= 5, op, ": ", name,
+              " must be [B, C, *spatial] with 1 to 3 spatial dims, got shape ", t.sizes());
   check_floating(op, name, t);
 }
 
 // weight [C_out, C_in / G, 1, ...]: checks it against the channels and groups; returns C_in / G.
 void check_weight(const char* op, const at::Tensor& weight, int64_t rank, int64_t groups) {
   TORCH_CHECK(groups >= 1, op, ": groups must be >= 1, got ", groups);
-  TORCH_CHECK(weight.dim() == rank, op, ": weight must be [C_out, C_in / groups", rank == 3 ? ", 1" : rank == 4 ? ", 1, 1" : ", 1, 1, 1",
+  TORCH_CHECK(weight.dim() == rank, op, ": weight must be [C_out, C_in / groups",
+              rank == 3   ? ", 1"
+              : rank == 4 ? ", 1, 1"
+                          : ", 1, 1, 1",
               "] for x of ", rank, " dims, got shape ", weight.sizes());
   for (int64_t d = 2; d < rank; ++d) {
     TORCH_CHECK(weight.size(d) == 1, op, ": the kernel must be 1 in every spatial dim (a pointwise conv), got weight ",
                 weight.sizes());
   }
-  TORCH_CHECK(weight.size(0) % groups == 0, op, ": weight's C_out = ", weight.size(0), " must be a multiple of groups = ",
-              groups, " (weight ", weight.sizes(), ")");
+  TORCH_CHECK(weight.size(0) % groups == 0, op, ": weight's C_out = ", weight.size(0),
+              " must be a multiple of groups = ", groups, " (weight ", weight.sizes(), ")");
   check_floating(op, "weight", weight);
 }
 
@@ -50,8 +53,8 @@ at::Tensor group_matrix(const at::Tensor& weight, int64_t groups) {
 
 }  // namespace
 
-at::Tensor grouped_pointwise_conv(const at::Tensor& x_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                                  int64_t groups) {
+at::Tensor grouped_pointwise_conv(const at::Tensor& x_in, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, int64_t groups) {
   constexpr const char* op = "grouped_pointwise_conv";
   check_activation(op, "x", x_in);
   check_weight(op, weight, x_in.dim(), groups);
@@ -71,9 +74,9 @@ at::Tensor grouped_pointwise_conv(const at::Tensor& x_in, const at::Tensor& weig
   at::Tensor y = at::empty(sizes, x.options().memory_format(format));
   std::optional<at::Tensor> bias_g;
   if (bias) bias_g = bias->view({groups, -1});
-  PointwiseProblem p{op, tokens, grouped_view(x, tokens, groups), group_matrix(weight, groups), bias_g,
+  GroupedPointwiseConvProblem p{op, tokens, grouped_view(x, tokens, groups), group_matrix(weight, groups), bias_g,
                      grouped_view(y, tokens, groups), sizes, x, weight, groups};
-  const at::Tensor out = select_pointwise(p);
+  const at::Tensor out = select_grouped_pointwise_conv(p);
   if (out.is_same(p.out)) return y;
   // A result of its own (aten_conv) in the format decided here (ATen's CPU conv3d, e.g., ignores
   // channels_last_3d): one copy where they differ.
@@ -93,14 +96,23 @@ at::Tensor grouped_pointwise_conv_grad_input(const at::Tensor& grad_y_in, const 
   std::vector<int64_t> sizes = grad_y.sizes().vec();
   sizes[1] = groups * weight.size(1);
   at::Tensor grad_x = at::empty(sizes, grad_y.options().memory_format(format));
-  PointwiseProblem p{op, tokens, grouped_view(grad_y, tokens, groups), group_matrix(weight, groups).transpose(1, 2),
-                     std::nullopt, grouped_view(grad_x, tokens, groups), sizes, at::Tensor(), at::Tensor(), groups};
-  const at::Tensor out = select_pointwise(p);
+  GroupedPointwiseConvProblem p{op,
+                                tokens,
+                                grouped_view(grad_y, tokens, groups),
+                                group_matrix(weight, groups).transpose(1, 2),
+                                std::nullopt,
+                                grouped_view(grad_x, tokens, groups),
+                                sizes,
+                                at::Tensor(),
+                                at::Tensor(),
+                                groups};
+  const at::Tensor out = select_grouped_pointwise_conv(p);
   return out.is_same(p.out) ? grad_x : out;  // (a result of its own is contiguous, as grad_y)
 }
 
-std::tuple<at::Tensor, at::Tensor> grouped_pointwise_conv_grad_weight(const at::Tensor& grad_y_in, const at::Tensor& x_in,
-                                                                      int64_t groups, bool with_bias) {
+std::tuple<at::Tensor, at::Tensor> grouped_pointwise_conv_grad_weight(const at::Tensor& grad_y_in,
+                                                                      const at::Tensor& x_in, int64_t groups,
+                                                                      bool with_bias) {
   constexpr const char* op = "grouped_pointwise_conv_grad_weight";
   check_activation(op, "grad_y", grad_y_in);
   check_activation(op, "x", x_in);
@@ -113,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor> grouped_pointwise_conv_grad_weight(const at::
   const at::MemoryFormat format = output_format(x_in);
   const bool tokens = format != at::MemoryFormat::Contiguous;
   const at::Tensor x = x_in.contiguous(format), grad_y = grad_y_in.contiguous(format);
-  auto [grad_w, grad_b] = select_pointwise_weight_grad(
+  auto [grad_w, grad_b] = select_grouped_pointwise_conv_weight_grad(
       {tokens, grouped_view(grad_y, tokens, groups), grouped_view(x, tokens, groups), with_bias});
   std::vector<int64_t> sizes(x.dim(), 1);
   sizes[0] = grad_y.size(1);

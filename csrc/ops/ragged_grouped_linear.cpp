@@ -54,7 +54,8 @@ at::Tensor ragged_grouped_linear(const at::Tensor& x, const at::Tensor& weight, 
   return select_ragged_gemm({op, false, x.contiguous(), weight.transpose(1, 2), bias, offsets, weight.size(0)});
 }
 
-at::Tensor ragged_grouped_linear_grad_input(const at::Tensor& grad_y, const at::Tensor& weight, const at::Tensor& offsets) {
+at::Tensor ragged_grouped_linear_grad_input(const at::Tensor& grad_y, const at::Tensor& weight,
+                                            const at::Tensor& offsets) {
   constexpr const char* op = "ragged_grouped_linear_grad_input";
   check_weight(op, weight);
   check_rows(op, "grad_y", grad_y, weight, 1);
@@ -73,7 +74,8 @@ at::Tensor ragged_grouped_linear_grad_weight(const at::Tensor& grad_y, const at:
               " must have the same rows");
   check_offsets(op, offsets, x, offsets.dim() == 1 ? offsets.size(0) : 0);
   // grad_w[g] = grad_y_g^T @ x_g: the reduction runs over the group's rows.
-  return select_ragged_gemm({op, true, grad_y.contiguous().t(), x.contiguous(), std::nullopt, offsets, offsets.size(0)});
+  return select_ragged_gemm(
+      {op, true, grad_y.contiguous().t(), x.contiguous(), std::nullopt, offsets, offsets.size(0)});
 }
 
 TORCH_LIBRARY_IMPL(patchgemm, CPU, m) {

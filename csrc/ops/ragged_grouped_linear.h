@@ -10,7 +10,8 @@ namespace patchgemm {
 
 at::Tensor ragged_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                  const at::Tensor& offsets);
-at::Tensor ragged_grouped_linear_grad_input(const at::Tensor& grad_y, const at::Tensor& weight, const at::Tensor& offsets);
+at::Tensor ragged_grouped_linear_grad_input(const at::Tensor& grad_y, const at::Tensor& weight,
+                                            const at::Tensor& offsets);
 at::Tensor ragged_grouped_linear_grad_weight(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& offsets);
 
 }  // namespace patchgemm

@@ -46,7 +46,9 @@ TORCH_LIBRARY(patchgemm, m) {
   // same pass.
   m.def("grouped_pointwise_conv(Tensor x, Tensor weight, Tensor? bias, int groups) -> Tensor");
   m.def("grouped_pointwise_conv_grad_input(Tensor grad_y, Tensor weight, int groups) -> Tensor");
-  m.def("grouped_pointwise_conv_grad_weight(Tensor grad_y, Tensor x, int groups, bool with_bias=False) -> (Tensor, Tensor)");
+  m.def(
+      "grouped_pointwise_conv_grad_weight(Tensor grad_y, Tensor x, int groups, bool with_bias=False) -> (Tensor, "
+      "Tensor)");
 
   // SwiGLU, the activation of gated MLPs: gate_up [..., 2H] holds gate and up side by side;
   // h [..., H] = silu(gate) * up, and its backward grad_gate_up [..., 2H] from grad_h and gate_up.
@@ -86,7 +88,9 @@ TORCH_LIBRARY(patchgemm, m) {
   // (float8_e4m3fn or float8_e5m2), contiguous in x's shape where `rowwise` (else empty), data_t the
   // same values with x's last two dims swapped, contiguous, where `transposed` (else empty), and
   // scale = amax(|x|) / max(format) (1 for an all-zero x), a float32 scalar: x ~ scale * data.
-  m.def("quantize_fp8(Tensor x, ScalarType format, bool rowwise=True, bool transposed=False) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "quantize_fp8(Tensor x, ScalarType format, bool rowwise=True, bool transposed=False) -> (Tensor, Tensor, "
+      "Tensor)");
   // The grouped linear of FP8 operands: a [B, G, K] or (group_major) [G, B, K], b [G, N, K], per-tensor
   // scales (float32 scalars); y[.., g, :] = scale_a * scale_b * a[.., g, :] @ b[g].T + bias[g] in a's
   // layout, contiguous, of out_dtype (bias [G, N] of out_dtype). `fast_accum`: Hopper's faster FP8

@@ -1,10 +1,10 @@
 // SwiGLU: h = silu(gate) * up over gate_up [..., 2H] (gate first), the activation of gated MLPs
-// (grouped_mlp). Validation here, once; the tables in selection/activation_tables.cpp run it.
+// (grouped_mlp). Validation here, once; the tables in selection/swiglu_tables.cpp run it.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "ops/checks.h"
-#include "selection/activation_tables.h"
+#include "selection/swiglu_tables.h"
 
 namespace patchgemm {
 namespace {
@@ -12,8 +12,8 @@ namespace {
 void check_gate_up(const char* op, const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() >= 1, op, ": gate_up must be [..., 2H], got a 0-D tensor");
   check_floating(op, "gate_up", gate_up);
-  TORCH_CHECK(gate_up.size(-1) % 2 == 0, op, ": gate_up's last dim holds gate and up side by side and must be even, got shape ",
-              gate_up.sizes());
+  TORCH_CHECK(gate_up.size(-1) % 2 == 0, op,
+              ": gate_up's last dim holds gate and up side by side and must be even, got shape ", gate_up.sizes());
 }
 
 }  // namespace

@@ -354,7 +354,8 @@ void remember_measured(const ProblemFeatures& f, const std::string& key,
   auto features = f.values;
   const DeviceInfo info = describe_device(f.device);
   features.insert(features.end(), info.features.begin(), info.features.end());
-  const std::string line = key + "\t" + chosen + "\t" + format_pairs(times, true) + "\t" + format_pairs(features, false);
+  const std::string line =
+      key + "\t" + chosen + "\t" + format_pairs(times, true) + "\t" + format_pairs(features, false);
   Memory& m = memory();
   std::lock_guard<std::mutex> lock(m.mutex);
   DeviceMemory& dm = device_memory(m, f.device);

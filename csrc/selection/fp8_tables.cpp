@@ -55,7 +55,8 @@ const Table<QuantizeProblem, std::tuple<at::Tensor, at::Tensor, at::Tensor>> kQu
 #endif
          },
          nullptr,
-         [](const QuantizeProblem& p, bool, WhyNot& why) -> std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> {
+         [](const QuantizeProblem& p, bool,
+            WhyNot& why) -> std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> {
 #if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
            if (reinterpret_cast<uintptr_t>(p.x.const_data_ptr()) % 16 != 0) {
              why = "x not 16-byte aligned";
@@ -155,7 +156,9 @@ const Table<ScaledGroupedProblem, at::Tensor> kScaledGroupedMm(
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> select_quantize_fp8(const QuantizeProblem& p) { return kQuantize.run(p); }
+std::tuple<at::Tensor, at::Tensor, at::Tensor> select_quantize_fp8(const QuantizeProblem& p) {
+  return kQuantize.run(p);
+}
 at::Tensor select_scaled_grouped_mm(const ScaledGroupedProblem& p) { return kScaledGroupedMm.run(p); }
 
 }  // namespace patchgemm

@@ -27,9 +27,12 @@ std::string signature(const GroupedProblem& p) {
 
 // c_g [M, N] = a_g [M, K] @ b_g [K, N] over G groups, and which operands are transposed in memory.
 selection::ProblemFeatures features(const GroupedProblem& p) {
-  return selection::features_on(p.a, {{"groups", double(p.a.size(0))}, {"m", double(p.a.size(1))},
-                                      {"k", double(p.a.size(2))}, {"n", double(p.b.size(2))},
-                                      {"bias", p.bias ? 1.0 : 0.0}, {"a_rows_contiguous", p.a.stride(2) == 1 ? 1.0 : 0.0},
+  return selection::features_on(p.a, {{"groups", double(p.a.size(0))},
+                                      {"m", double(p.a.size(1))},
+                                      {"k", double(p.a.size(2))},
+                                      {"n", double(p.b.size(2))},
+                                      {"bias", p.bias ? 1.0 : 0.0},
+                                      {"a_rows_contiguous", p.a.stride(2) == 1 ? 1.0 : 0.0},
                                       {"b_rows_contiguous", p.b.stride(2) == 1 ? 1.0 : 0.0}});
 }
 

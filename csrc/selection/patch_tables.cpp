@@ -292,7 +292,8 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
          [](const EmbedProblem& p) -> WhyNot {
            if (!p.tokens_out) return "channels-first output (linear writes tokens)";
            // at::linear follows the matmul flags; a conv replacement follows the conv's.
-           if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat) return "fp32 on CUDA (linear's TF32 flag is not the conv's)";
+           if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat)
+             return "fp32 on CUDA (linear's TF32 flag is not the conv's)";
            WhyNot why = aten_linear_sums_unlike_a_conv(p);
            return why.empty() ? row_major_tokens(p.g) : why;
          },
@@ -340,17 +341,21 @@ std::optional<at::Tensor> fused_unembed(const UnembedProblem& p, Kernel kernel) 
 // win at any C_in measured (192 to 1536), on mma.sync where it pays.
 Candidate<UnembedProblem, at::Tensor> implicit_unembed(const char* name, cuda::Implicit kernel, const char* backends,
                                                       const char* conditions) {
-  return {name, backends, conditions,
+  return {name,
+          backends,
+          conditions,
           fused_unembed_applies,
           [kernel](const UnembedProblem& p) -> WhyNot {
             if (p.g.patch_size() < 128) return "rule: patches under 128 elements leave the tiles idle";
-            if (kernel == cuda::Implicit::kMma) return implicit_mma_pays(p.weight.size(0), p.g.batch * p.g.tokens(), p.x);
+            if (kernel == cuda::Implicit::kMma)
+              return implicit_mma_pays(p.weight.size(0), p.g.batch * p.g.tokens(), p.x);
             return {};
           },
           [kernel](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
-            return fused_unembed(p, [&](const at::Tensor& x, bool tokens, const PatchGeometry& g, const at::Tensor& y5) {
-              return cuda::implicit_unembed(kernel, x, tokens, p.w2(), p.bias, g, y5, why);
-            });
+            return fused_unembed(p,
+                                 [&](const at::Tensor& x, bool tokens, const PatchGeometry& g, const at::Tensor& y5) {
+                                   return cuda::implicit_unembed(kernel, x, tokens, p.w2(), p.bias, g, y5, why);
+                                 });
           }};
 }
 #endif
@@ -359,8 +364,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
     "patch_unembed",
     {
 #ifdef PATCHGEMM_PTX_KERNELS
-        {"tiny", "cuda sm_80+", "16-bit, kw even, patches of at most 64 elements, C_in <= 512",
-         fused_unembed_applies,
+        {"tiny", "cuda sm_80+", "16-bit, kw even, patches of at most 64 elements, C_in <= 512", fused_unembed_applies,
          // Over 256 input channels one block fills an SM, and GEMM -> scatter runs faster, but where
          // its GEMM reads channels-first x poorly (a small grid, unaligned rows).
          [](const UnembedProblem& p) -> WhyNot {
@@ -370,7 +374,8 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
          [](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            // (Asked first: y and W's rows cost allocations, and for channels-last x a copy.)
            const bool tokens = p.fused_reads_tokens();
-           if (!cuda::tiny_unembed_fits(p.x, tokens, p.weight.size(0), p.bias.has_value(), channels_first_geometry(p.g), why)) {
+           if (!cuda::tiny_unembed_fits(p.x, tokens, p.weight.size(0), p.bias.has_value(), channels_first_geometry(p.g),
+                                        why)) {
              return std::nullopt;
            }
            return fused_unembed(p, [&](const at::Tensor& x, bool tokens, const PatchGeometry& g, const at::Tensor& y5) {
@@ -387,11 +392,13 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
          [](const UnembedProblem&) { return WhyNot(); },
          [](const UnembedProblem& p) { return cudnn_wins_channels_last(p.x, p.g); },
          [](const UnembedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return unembed_by_gemm(p); }},
-        {"aten_linear", "cpu cuda rocm", "row-major tokens; 16-bit on CUDA: the usual hand rewrite, tokens @ W by ATen's "
-                                         "matmul, then the patches copied out by a permute, then the bias",
+        {"aten_linear", "cpu cuda rocm",
+         "row-major tokens; 16-bit on CUDA: the usual hand rewrite, tokens @ W by ATen's "
+         "matmul, then the patches copied out by a permute, then the bias",
          [](const UnembedProblem& p) -> WhyNot {
            // at::matmul follows the matmul flags; a conv replacement follows the conv's.
-           if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat) return "fp32 on CUDA (matmul's TF32 flag is not the conv's)";
+           if (p.x.is_cuda() && p.x.scalar_type() == at::kFloat)
+             return "fp32 on CUDA (matmul's TF32 flag is not the conv's)";
            WhyNot why = aten_matmul_sums_unlike_a_conv(p.x, p.g.batch * p.g.tokens(), p.g.patch_size(),
                                                         p.weight.size(0));
            return why.empty() ? row_major_tokens(p.g) : why;
@@ -402,14 +409,12 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
          },
          [](const UnembedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return unembed_by_aten_linear(p); }},
         {"aten_conv_transpose", "cpu cuda rocm", "PyTorch's transposed convolution (cuDNN on CUDA); row-major tokens",
-         [](const UnembedProblem& p) { return row_major_tokens(p.g); },
-         nullptr,
+         [](const UnembedProblem& p) { return row_major_tokens(p.g); }, nullptr,
          [](const UnembedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
            return unembed_by_aten_conv_transpose(p);
          }},
     },
-    patch_signature<UnembedProblem>,
-    [](const UnembedProblem& p) {
+    patch_signature<UnembedProblem>, [](const UnembedProblem& p) {
       return patch_features(p.x, p.g, p.weight.size(0), p.tokens, {{"bias", p.bias ? 1.0 : 0.0}});
     });
 
@@ -482,8 +487,9 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
     "patch_weight_grad",
     {
 #ifdef PATCHGEMM_PTX_KERNELS
-        {"tiny", "cuda sm_80+", "16-bit, kw = 2, gw % 4 == 0, patches of at most 64 elements, E <= 256; the bias "
-                                "gradient in the same pass",
+        {"tiny", "cuda sm_80+",
+         "16-bit, kw = 2, gw % 4 == 0, patches of at most 64 elements, E <= 256; the bias "
+         "gradient in the same pass",
          [](const WeightGradProblem& p) { return fused_kernels_apply(p.x, p.g, p.x5); },
          [](const WeightGradProblem& p) { return not_a_view(p.x5, p.g); },
          [](const WeightGradProblem& p, bool, WhyNot& why) -> std::optional<WeightGrads> {
@@ -494,7 +500,8 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
            auto grads = cuda::tiny_weight_grad(dy_for_kernels(p), dy_tokens(p), x5, g, p.embed, bias, why);
            if (!grads) return std::nullopt;
            const auto& [grad_w, grad_b] = *grads;
-           return WeightGrads{weight_grad_in_weight_shape(grad_w, p), p.with_bias ? grad_b : at::empty({0}, p.x.options())};
+           return WeightGrads{weight_grad_in_weight_shape(grad_w, p),
+                              p.with_bias ? grad_b : at::empty({0}, p.x.options())};
          }},
         implicit_weight_grad("implicit_rows_sm90", cuda::Implicit::kRowsSm90, "cuda sm_90a",
                              "16-bit, tokens grad_y, x contiguous, kw of 16 to 64, kh a multiple of 128 / kw, "
@@ -504,8 +511,9 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
         implicit_weight_grad("implicit_mma", cuda::Implicit::kMma, "cuda sm_80+",
                              "16-bit, kw = 2, gw % 4 == 0, K >= 16, E >= 32"),
 #endif
-        {"gather_gemm", "cpu cuda rocm", "any problem: the patch matrix gathered (or a view of x), one GEMM; the "
-                                         "bias gradient from a ones column",
+        {"gather_gemm", "cpu cuda rocm",
+         "any problem: the patch matrix gathered (or a view of x), one GEMM; the "
+         "bias gradient from a ones column",
          [](const WeightGradProblem&) { return WhyNot(); },
          [](const WeightGradProblem& p) -> WhyNot {
            // Tiny channels-first problems: cuDNN's one kernel beats the gather, GEMM and bias launches.
@@ -516,10 +524,11 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
            WhyNot why = onednn_wins_small_windows({p.x, p.grad_y}, p.g, p.tokens);
            return !why.empty() ? why : cudnn_wins_channels_last(p.x, p.g);
          },
-         [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> { return weight_grad_by_gemm(p); }},
+         [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> {
+           return weight_grad_by_gemm(p);
+         }},
         {"aten_conv_backward", "cpu cuda rocm", "PyTorch's convolution backward (cuDNN on CUDA); row-major tokens",
-         [](const WeightGradProblem& p) { return row_major_tokens(p.g); },
-         nullptr,
+         [](const WeightGradProblem& p) { return row_major_tokens(p.g); }, nullptr,
          [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> {
            std::vector<int64_t> shape{p.g.batch, p.embed};
            for (int64_t s : grid_of(p.g, p.rank)) shape.push_back(s);
@@ -534,8 +543,7 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
            return WeightGrads{grad_w, conv_bias ? grad_b : bias_grad_by_sum(p)};
          }},
     },
-    weight_grad_signature,
-    [](const WeightGradProblem& p) {
+    weight_grad_signature, [](const WeightGradProblem& p) {
       return patch_features(p.x, p.g, p.embed, p.tokens, {{"bias", p.with_bias ? 1.0 : 0.0},
                                                           {"transposed", p.transposed ? 1.0 : 0.0},
                                                           {"grad_y_tokens", p.dy.stride(2) == 1 ? 1.0 : 0.0}});

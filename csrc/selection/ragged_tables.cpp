@@ -63,7 +63,8 @@ struct GroupGemm {
 
 GroupGemm group_gemm(const RaggedProblem& p, const at::Tensor& out, int64_t g, int64_t start, int64_t end) {
   if (p.ragged_k) {
-    return {p.a.slice(1, start, end).unsqueeze(0), p.b.slice(0, start, end).unsqueeze(0), out[g].unsqueeze(0), std::nullopt};
+    return {p.a.slice(1, start, end).unsqueeze(0), p.b.slice(0, start, end).unsqueeze(0), out[g].unsqueeze(0),
+            std::nullopt};
   }
   std::optional<at::Tensor> bias;
   if (p.bias) bias = (*p.bias)[g].unsqueeze(0);
@@ -78,7 +79,8 @@ WhyNot grouped_mm_layout(const char* name, const at::Tensor& t) {
   const int64_t inner = t.dim() - 1, elem = t.element_size();
   const bool row_major = t.stride(inner) == 1, col_major = t.stride(inner - 1) == 1;
   if (!row_major && !col_major) return std::string(name) + " is neither row- nor column-major";
-  if (t.stride(row_major ? inner - 1 : inner) * elem % 16) return std::string(name) + "'s rows are not a multiple of 16 bytes";
+  if (t.stride(row_major ? inner - 1 : inner) * elem % 16)
+    return std::string(name) + "'s rows are not a multiple of 16 bytes";
   if (reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16) return std::string(name) + " is not 16-byte aligned";
   return "";
 }
@@ -107,8 +109,9 @@ WhyNot grouped_mm_supports(const RaggedProblem& p) {
 
 std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
   return {
-      {"aten_grouped_mm", "cpu cuda sm_90", "torch._grouped_mm: bfloat16 on CUDA (float32 / float16 too on the CPU), rows "
-                                            "of 16 bytes; offsets read on the device (no host sync)",
+      {"aten_grouped_mm", "cpu cuda sm_90",
+       "torch._grouped_mm: bfloat16 on CUDA (float32 / float16 too on the CPU), rows "
+       "of 16 bytes; offsets read on the device (no host sync)",
        grouped_mm_supports, nullptr,
        [](const RaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
          at::Tensor offsets = p.offsets.to(at::kInt);
@@ -121,8 +124,9 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
 #ifdef PATCHGEMM_WITH_CUDA
 // (hipBLAS's grouped GEMM has another signature: not wired up on ROCm.)
 #ifndef USE_ROCM
-      {"cublas_grouped", "cuda", "one cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx, cuBLAS 12.5+) over the non-empty "
-                                 "groups; float32, float16, bfloat16; sizes read on the host",
+      {"cublas_grouped", "cuda",
+       "one cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx, cuBLAS 12.5+) over the non-empty "
+       "groups; float32, float16, bfloat16; sizes read on the host",
        [](const RaggedProblem& p) -> WhyNot {
          if (!p.a.is_cuda()) return "a is not on a CUDA device";
          if (!cuda::has_grouped_gemm()) return "this build's BLAS has no grouped GEMM (cuBLAS 12.5+)";
@@ -130,7 +134,8 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
          if (dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16) return "float64";
          // Its array of operand pointers is copied from pinned host memory, which the allocator
          // reuses once the copy is done: a graph replaying the copy would read whatever is there.
-         if (selection::detail::capturing_graph(p.a.device())) return "its pointer array cannot be captured in a CUDA graph";
+         if (selection::detail::capturing_graph(p.a.device()))
+           return "its pointer array cannot be captured in a CUDA graph";
          return "";
        },
        nullptr,
@@ -153,7 +158,8 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
            }
            const BlasPlan plan = plan_blas_calls(problem, blas_int_limit(), guard);
            if (!plan.error.empty() || plan.calls.size() != 1) {
-             why = "group " + std::to_string(g) + " needs more than one BLAS call (a long ragged K, or sizes past 32 bits)";
+             why = "group " + std::to_string(g) +
+                   " needs more than one BLAS call (a long ragged K, or sizes past 32 bits)";
              return std::nullopt;
            }
            calls.push_back({plan.calls[0], gg.a.const_data_ptr(), gg.b.const_data_ptr(), gg.c.data_ptr()});
@@ -184,8 +190,10 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
 }
 
 const Table<RaggedProblem, at::Tensor> kForward("ragged_grouped_linear", candidates(), signature, features);
-const Table<RaggedProblem, at::Tensor> kGradInput("ragged_grouped_linear_grad_input", candidates(), signature, features);
-const Table<RaggedProblem, at::Tensor> kGradWeight("ragged_grouped_linear_grad_weight", candidates(), signature, features);
+const Table<RaggedProblem, at::Tensor> kGradInput("ragged_grouped_linear_grad_input", candidates(), signature,
+                                                  features);
+const Table<RaggedProblem, at::Tensor> kGradWeight("ragged_grouped_linear_grad_weight", candidates(), signature,
+                                                   features);
 
 }  // namespace
 

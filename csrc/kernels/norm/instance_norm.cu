@@ -398,7 +398,8 @@ SumsGrid plan_sums(const NormShape& s) {
     constexpr int64_t kMinRows = 8;
     const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     g.chunks = std::max<int64_t>(1, 8 * sms / std::max<int64_t>(1, s.batch * tiles));
-    g.chunks = std::min({g.chunks, (s.spatial + rows_per_pass * kMinRows - 1) / (rows_per_pass * kMinRows), kMaxChunks});
+    g.chunks =
+        std::min({g.chunks, (s.spatial + rows_per_pass * kMinRows - 1) / (rows_per_pass * kMinRows), kMaxChunks});
     g.chunk = (s.spatial + g.chunks - 1) / g.chunks;
     g.chunks = (s.spatial + g.chunk - 1) / g.chunk;
     TORCH_CHECK(s.batch <= 65535 && tiles <= 65535, "instance_norm_act: batch ", s.batch,

@@ -278,7 +278,8 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
       // a batched call of few tiles would leave mostly idle.
       const at::Tensor sums = at::empty({1, embed, ld}, p.x.options().dtype(sums_type));
       for (int64_t b = 0; b < g.batch; ++b) {
-        run_gemm(dy.narrow(0, b, 1).transpose(1, 2), pm.narrow(0, b, 1), sums, std::nullopt, /*accumulate=*/b > 0, kConv);
+        run_gemm(dy.narrow(0, b, 1).transpose(1, 2), pm.narrow(0, b, 1), sums, std::nullopt, /*accumulate=*/b > 0,
+                 kConv);
       }
       dw = sums.to(p.x.scalar_type());
     } else {

@@ -22,8 +22,8 @@ namespace patchgemm {
 // that column); the other padding columns hold 0, so GEMMs can run over all ld (aligned) columns.
 at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_column);
 
-// The inverse: y5 [B, C, D, H, W] (contiguous, or channels-last with g.channels_last) = the patches in the first K columns of q [B, N, *]
-// (unit column stride), plus bias[C] when given. Every element of y5 is written.
+// The inverse: y5 [B, C, D, H, W] (contiguous, or channels-last with g.channels_last) = the patches in the first K
+// columns of q [B, N, *] (unit column stride), plus bias[C] when given. Every element of y5 is written.
 void unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
                 const at::Tensor& y5);
 

@@ -641,9 +641,10 @@ bool plan_tiles(Tiling& t, const PatchGeometry& g, int64_t unit_bytes, bool all_
     const int64_t tiles = (g.grid[2] + tokens - 1) / tokens, even = (g.grid[2] + tiles - 1) / tiles;
     tokens = std::min<int64_t>({g.grid[2], kMaxTileTokens, (even + group - 1) / group * group});
   }
-  int64_t channels = all_channels ? g.channels
-                                  : std::min<int64_t>({g.channels, std::max<int64_t>(1, budget / (tokens * per_channel)),
-                                                       std::max<int64_t>(1, kMaxTileRows / kdkh)});
+  int64_t channels = all_channels
+                         ? g.channels
+                         : std::min<int64_t>({g.channels, std::max<int64_t>(1, budget / (tokens * per_channel)),
+                                              std::max<int64_t>(1, kMaxTileRows / kdkh)});
   t.full_rows = gather && channels == g.channels && (t.ld | 1) <= budget;
   const auto token_units = [&] { return (t.full_rows ? t.ld : channels * per_channel) | 1; };
   while (tokens > 1 && tokens * token_units() > budget) tokens = (tokens + 1) / 2;

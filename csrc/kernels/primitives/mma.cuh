@@ -1,5 +1,6 @@
 // Warp-level tensor-core building blocks shared by the fused patch kernels (sm_80+ PTX: ldmatrix,
-// mma.sync, cp.async), and the implicit GEMMs' pipelined main loop. NVIDIA only: the kernels that include this are compiled out on ROCm.
+// mma.sync, cp.async), and the implicit GEMMs' pipelined main loop. NVIDIA only: the kernels that include this are
+// compiled out on ROCm.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -37,7 +38,9 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t address) 
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* p) { ldmatrix_x2(r, smem_address(p)); }
 
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(address));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(address));
 }
 
 // d += a (16 x 16, row-major) @ b (16 x 8, column-major), fp32 accumulators.

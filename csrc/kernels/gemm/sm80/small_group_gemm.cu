@@ -76,14 +76,16 @@ struct TileCursor {
 
 // matrix[g][r][k] as a 16-bit pair (k, k + 1) of an mma A fragment; zero past M and K.
 template <typename T>
-__device__ __forceinline__ uint32_t matrix_pair(const T* m, int64_t m_m, int64_t m_k, int rows, int depth, int r, int k) {
+__device__ __forceinline__ uint32_t matrix_pair(const T* m, int64_t m_m, int64_t m_k, int rows, int depth, int r,
+                                                int k) {
   const T lo = r < rows && k < depth ? m[r * m_m + k * m_k] : zero<T>();
   const T hi = r < rows && k + 1 < depth ? m[r * m_m + (k + 1) * m_k] : zero<T>();
   return pack2<T>(to_float(lo), to_float(hi));
 }
 
 // matrix[g][r][k] rounded to TF32, an element of a tf32 mma A fragment; zero past M and K.
-__device__ __forceinline__ uint32_t matrix_tf32(const float* m, int64_t m_m, int64_t m_k, int rows, int depth, int r, int k) {
+__device__ __forceinline__ uint32_t matrix_tf32(const float* m, int64_t m_m, int64_t m_k, int rows, int depth, int r,
+                                                int k) {
   return to_tf32(r < rows && k < depth ? m[r * m_m + k * m_k] : 0.f);
 }
 
@@ -314,7 +316,8 @@ __global__ void __launch_bounds__(kThreads, 1) small_group_weight_grad_kernel(co
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int warp_m = warp % 4, warp_n = warp / 4;
   const int64_t g = blockIdx.y, split = blockIdx.x;
-  const int begin = static_cast<int>(split * a.slices / gridDim.x), end = static_cast<int>((split + 1) * a.slices / gridDim.x);
+  const int begin = static_cast<int>(split * a.slices / gridDim.x),
+            end = static_cast<int>((split + 1) * a.slices / gridDim.x);
   constexpr int kChunksG = kGradTileL / 8;
 
   // Rows past M and K are never loaded; zero keeps the products they feed (discarded) defined. With
@@ -360,12 +363,14 @@ __global__ void __launch_bounds__(kThreads, 1) small_group_weight_grad_kernel(co
   auto load_fragments = [&](int buf, int slot, int kk) {
     if (!live) return;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(af[buf][mt], a_frag + (slot * kGradSlot + mt * 16 * kGradPitch + kk) * 2);
+    for (int mt = 0; mt < 2; ++mt)
+      ldmatrix_x4(af[buf][mt], a_frag + (slot * kGradSlot + mt * 16 * kGradPitch + kk) * 2);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t r[4];
       ldmatrix_x4(r, b_frag + (slot * kGradSlot + np * 16 * kGradPitch + kk) * 2);
-      bf[buf][2 * np][0] = r[0], bf[buf][2 * np][1] = r[1], bf[buf][2 * np + 1][0] = r[2], bf[buf][2 * np + 1][1] = r[3];
+      bf[buf][2 * np][0] = r[0], bf[buf][2 * np][1] = r[1], bf[buf][2 * np + 1][0] = r[2],
+                  bf[buf][2 * np + 1][1] = r[3];
     }
   };
   float acc[2][8][4] = {};
@@ -480,7 +485,8 @@ bool common_checks(const at::Tensor& x, int64_t rows, int64_t depth, bool fp32, 
   if (rows > kMaxRows || depth > kMaxRows) return decline(why, "groups of at most 128 channels in and out only");
   if (x.numel() == 0 || rows == 0) return decline(why, "empty problem");
   if (x.size(3) % 8) return decline(why, "positions per sample must be a multiple of 8");
-  if (x.size(0) >= INT_MAX || x.size(1) >= INT_MAX || x.size(3) >= INT_MAX) return decline(why, "sizes past 32-bit indices");
+  if (x.size(0) >= INT_MAX || x.size(1) >= INT_MAX || x.size(3) >= INT_MAX)
+    return decline(why, "sizes past 32-bit indices");
   for (const at::Tensor& t : operands) {
     if (!positions_aligned(t)) return decline(why, "positions must be contiguous, in 16-byte aligned runs of 8");
   }
@@ -492,7 +498,9 @@ template <typename T, int kKSteps, int kTileL, int kStages>
 constexpr int apply_smem = (2 * kMaxRows + kStages * kKSteps * 16) * (kTileL + 8) * sizeof(T);
 
 // Whether a block with `smem` bytes of dynamic shared memory fits on the current GPU.
-bool smem_fits(int smem) { return smem <= static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin); }
+bool smem_fits(int smem) {
+  return smem <= static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+}
 
 template <typename T, int kKSteps, int kTileL, int kStages, int kMinBlocks, int kWarpsM = 4>
 bool launch_apply(ApplyArgs<T> args) {
@@ -507,7 +515,8 @@ bool launch_apply(ApplyArgs<T> args) {
   // (at two tiles a block reads whole rows by itself). Wider teams measured slower on H100.
   args.team = args.l_tiles % 2 == 0 && args.l_tiles >= 4 ? 2 : 1;
   args.tiles = int64_t{args.groups} * args.batch * args.l_tiles / args.team;
-  const int64_t teams = std::max<int64_t>(1, std::min<int64_t>(args.tiles, int64_t{shape.blocks_per_sm} * shape.sms / args.team));
+  const int64_t teams =
+      std::max<int64_t>(1, std::min<int64_t>(args.tiles, int64_t{shape.blocks_per_sm} * shape.sms / args.team));
   kernel<<<static_cast<unsigned>(teams * args.team), threads, smem, at::cuda::getCurrentCUDAStream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
@@ -545,7 +554,8 @@ bool dispatch_apply(const ApplyArgs<T>& args) {
 }
 
 template <typename T>
-bool run_apply(const at::Tensor& matrix, const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+bool run_apply(const at::Tensor& matrix, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+               const at::Tensor& out) {
   ApplyArgs<T> a;
   a.x = static_cast<const T*>(x.const_data_ptr());
   a.x_b = x.stride(0), a.x_g = x.stride(1), a.x_k = x.stride(2);
@@ -564,7 +574,8 @@ bool run_apply(const at::Tensor& matrix, const at::Tensor& x, const std::optiona
 }
 
 template <typename T>
-void run_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& grad_w, const at::Tensor& grad_b) {
+void run_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& grad_w,
+                     const at::Tensor& grad_b) {
   GradArgs<T> a;
   a.dy = static_cast<const T*>(grad_y.const_data_ptr());
   a.dy_b = grad_y.stride(0), a.dy_g = grad_y.stride(1), a.dy_m = grad_y.stride(2);
@@ -580,13 +591,15 @@ void run_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Te
   constexpr int smem = 2 * kGradStages * kGradSlot * 2;
   const auto kernel = small_group_weight_grad_kernel<T>;
   const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, smem);
-  TORCH_CHECK(shape.blocks_per_sm > 0, "small_group_weight_grad: ", smem, " bytes of shared memory fit no block on this GPU");
+  TORCH_CHECK(shape.blocks_per_sm > 0, "small_group_weight_grad: ", smem,
+              " bytes of shared memory fit no block on this GPU");
   // The ranges per group: the count of at most 16, each of at least 4 slices, whose blocks finish in
   // the fewest waves of resident blocks for the work (waves / splits), the smaller on ties.
   const int64_t resident = int64_t{shape.blocks_per_sm} * shape.sms;
   int64_t splits = 1;
   for (int64_t s = 2; s <= std::min<int64_t>(16, a.slices / 4); ++s) {
-    const int64_t waves = (a.groups * s + resident - 1) / resident, best = (a.groups * splits + resident - 1) / resident;
+    const int64_t waves = (a.groups * s + resident - 1) / resident,
+                  best = (a.groups * splits + resident - 1) / resident;
     if (waves * splits < best * s) splits = s;
   }
   at::Tensor partial, arrivals;  // (kept alive until the launch is queued)
@@ -619,11 +632,12 @@ bool small_group_apply(const at::Tensor& matrix, const at::Tensor& x, const std:
 bool small_group_weight_grad(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& grad_w,
                              const at::Tensor& grad_b, std::string& why) {
   if (!common_checks(x, grad_y.size(2), x.size(2), /*fp32=*/false, why, {x, grad_y})) return false;
-  TORCH_CHECK(!grad_b.defined() || x.size(2) < kMaxRows, "small_group_weight_grad: the bias gradient's column needs K < ",
-              kMaxRows, ", got K = ", x.size(2));
+  TORCH_CHECK(!grad_b.defined() || x.size(2) < kMaxRows,
+              "small_group_weight_grad: the bias gradient's column needs K < ", kMaxRows, ", got K = ", x.size(2));
   TORCH_CHECK(grad_w.is_contiguous() && (!grad_b.defined() || grad_b.is_contiguous()),
               "small_group_weight_grad: grad_w and grad_b must be contiguous");
-  if (x.size(0) * ((x.size(3) + kGradTileL - 1) / kGradTileL) >= INT_MAX) return decline(why, "sizes past 32-bit indices");
+  if (x.size(0) * ((x.size(3) + kGradTileL - 1) / kGradTileL) >= INT_MAX)
+    return decline(why, "sizes past 32-bit indices");
   if (x.size(1) >= 65536) return decline(why, "at most 65535 groups");
   const c10::cuda::CUDAGuard guard(x.device());
   if (x.scalar_type() == at::kHalf) {

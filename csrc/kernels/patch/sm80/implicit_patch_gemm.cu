@@ -70,8 +70,10 @@ __global__ void __launch_bounds__(kThreads) implicit_embed_kernel(Problem p, con
 
   // Tokens past the end read the last real ones and embeddings past E read zeros (without loads:
   // clamped rows of W would all hit one line): their results are never stored.
-  for (int r = threadIdx.x; r < k_tiles * kRuns; r += kThreads) run_offset[r] = r * V < p.K ? patch_offset(p, r * V) : -1;
-  if (!kPairMajor && threadIdx.x < kTileM) token_origin[threadIdx.x] = patch_origin(p, min(m0 + threadIdx.x, p.rows - 1));
+  for (int r = threadIdx.x; r < k_tiles * kRuns; r += kThreads)
+    run_offset[r] = r * V < p.K ? patch_offset(p, r * V) : -1;
+  if (!kPairMajor && threadIdx.x < kTileM)
+    token_origin[threadIdx.x] = patch_origin(p, min(m0 + threadIdx.x, p.rows - 1));
   __syncthreads();
 
   // A: this thread copies run `run` of every K slice for kLoadsA tokens, kTokenStep apart.

@@ -40,7 +40,9 @@ constexpr int kPitch = kTileK + 8;       // elements of a [token][channel] or [c
 constexpr int kTokenPitch = kTileM + 8;  // elements of a [channel][token] row (272 B: conflict-free ldmatrix)
 constexpr int kStagePitch = kTileM + 8;  // words of the output stage's [pair][token] rows (= 8 mod 32)
 
-__host__ __device__ constexpr int slot_bytes_a(bool tokens_in) { return tokens_in ? kTileM * kPitch * 2 : kTileK * kTokenPitch * 2; }
+__host__ __device__ constexpr int slot_bytes_a(bool tokens_in) {
+  return tokens_in ? kTileM * kPitch * 2 : kTileK * kTokenPitch * 2;
+}
 constexpr int kSlotB = kTileN * kPitch * 2;
 constexpr int smem_bytes(bool tokens_in) {
   return std::max(kStages * (slot_bytes_a(tokens_in) + kSlotB), kPairs * kStagePitch * 4);
@@ -213,7 +215,8 @@ bool implicit_unembed(Implicit kernel, const at::Tensor& x, bool tokens, const a
   const int64_t kw = g.kernel[2];
   if (dtype != at::kHalf && dtype != at::kBFloat16) return decline(why, "16-bit dtypes only");
   if (kernel != Implicit::kMma && kernel != Implicit::kSm90) return decline(why, "no such unembedding kernel");
-  if (tokens ? C_in % 8 : N % 8) return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 8");
+  if (tokens ? C_in % 8 : N % 8)
+    return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 8");
   if (g.levels.size() != 1) return decline(why, "row-major token order only (no levels)");
   if (!(kw == 2 || (wgmma && (kw == 4 || kw % 8 == 0)))) {
     return decline(why, wgmma ? "kw must be 2, 4 or a multiple of 8" : "kw must be 2");

@@ -130,7 +130,8 @@ __global__ void __launch_bounds__(kThreads) implicit_weight_grad_kernel(Problem 
       const int64_t b = (valid ? token : t_begin) / p.tokens;
       const T* src = dy + b * p.E * p.tokens + ((valid ? token : t_begin) - b * p.tokens);
 #pragma unroll
-      for (int i = 0; i < kLoadsB; ++i) cp_async<16>(b_dst[i] + slot * kSlotB, src + b_row_offset[i], valid && b_valid[i]);
+      for (int i = 0; i < kLoadsB; ++i)
+        cp_async<16>(b_dst[i] + slot * kSlotB, src + b_row_offset[i], valid && b_valid[i]);
     }
   };
 
@@ -191,7 +192,8 @@ __global__ void __launch_bounds__(kThreads) implicit_weight_grad_kernel(Problem 
 template <typename T, int kTileN, bool kTokensDy>
 void launch(const Problem& p, const at::Tensor& x5, const at::Tensor& dy, int64_t splits, int64_t chunk,
             const at::Tensor& partial) {
-  constexpr int64_t smem = kStages * (kPairs * kPairPitch * 4 + (kTokensDy ? kTileK * (kTileN + 8) : kTileN * kPitch) * 2);
+  constexpr int64_t smem =
+      kStages * (kPairs * kPairPitch * 4 + (kTokensDy ? kTileK * (kTileN + 8) : kTileN * kPitch) * 2);
   auto kernel = implicit_weight_grad_kernel<T, kTileN, kTokensDy>;
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
   const int64_t blocks = splits * ((p.K + kTileM - 1) / kTileM) * ((p.E + kTileN - 1) / kTileN);
@@ -239,7 +241,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(Implicit 
   if (!wgmma && !pairs) return decline_grads(why, "needs kw = 2, gw a multiple of 4 and 16-byte aligned rows of x");
   const int dy_piece = tokens ? 0 : N % 8 == 0 ? 8 : N % 4 == 0 && wgmma ? 4 : -1;
   if (tokens && E % 8) return decline_grads(why, "E must be a multiple of 8");
-  if (dy_piece < 0) return decline_grads(why, wgmma ? "patches per sample must be a multiple of 4" : "patches per sample must be a multiple of 8");
+  if (dy_piece < 0)
+    return decline_grads(
+        why, wgmma ? "patches per sample must be a multiple of 4" : "patches per sample must be a multiple of 8");
   const c10::cuda::CUDAGuard guard(x5.device());
   if (kernel == Implicit::kRowsSm90) {
     // Tokens grad_y with patch rows of 32-128 bytes: the patches by TMA, the bias gradient included.
@@ -261,9 +265,11 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad(Implicit 
     // where E % 4 == 0), which sum_token_ranges adds.
     const auto fp32 = x5.options().dtype(at::kFloat);
     const bool fused_bias = with_bias && E % 4 == 0;
-    const at::Tensor dw = at::empty({E, K}, x5.options()), db = fused_bias ? at::empty({E}, x5.options()) : at::Tensor();
+    const at::Tensor dw = at::empty({E, K}, x5.options()),
+                     db = fused_bias ? at::empty({E}, x5.options()) : at::Tensor();
     const at::Tensor dw_partial = splits > 1 ? at::empty({splits, E, K}, fp32) : at::Tensor();
-    const at::Tensor db_partial = fused_bias ? at::empty({splits * ((K + kTileM - 1) / kTileM), E}, fp32) : at::Tensor();
+    const at::Tensor db_partial =
+        fused_bias ? at::empty({splits * ((K + kTileM - 1) / kTileM), E}, fp32) : at::Tensor();
     if (!implicit_weight_grad_sm90(p, run, dy_piece, x5, dy, splits, chunk, splits > 1 ? dw_partial : dw, db_partial)) {
       return decline_grads(why, "its tiles do not fit in shared memory");
     }

@@ -31,7 +31,8 @@ __global__ void sum_token_ranges_kernel(const float4* __restrict__ dw_partial, i
     dw[v] = {pack2<T>(sum.x, sum.y), pack2<T>(sum.z, sum.w)};
     return;
   }
-  const int v = static_cast<int>((blockIdx.x - dw_blocks) * (blockDim.x / 32) + threadIdx.x / 32), lane = threadIdx.x % 32;
+  const int v = static_cast<int>((blockIdx.x - dw_blocks) * (blockDim.x / 32) + threadIdx.x / 32),
+            lane = threadIdx.x % 32;
   if (v >= db_vectors) return;
   for (int r = lane; r < db_ranges; r += 32) add(db_partial[int64_t{r} * db_vectors + v]);
 #pragma unroll

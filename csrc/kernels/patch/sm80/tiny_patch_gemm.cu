@@ -242,7 +242,8 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
   if (dtype != at::kHalf && dtype != at::kBFloat16 && !f32) return decline(why, "16-bit and fp32 only");
   if (g.levels.size() != 1) return decline(why, "row-major token order only (no levels)");
   if (K == 0 || K > kMaxPatch) return decline(why, "patches of 1 to 64 elements only");
-  if (E % (f32 ? kF32Rows : 16) || E > 512) return decline(why, f32 ? "E must be a multiple of 8, at most 512" : "E must be a multiple of 16, at most 512");
+  if (E % (f32 ? kF32Rows : 16) || E > 512)
+    return decline(why, f32 ? "E must be a multiple of 8, at most 512" : "E must be a multiple of 16, at most 512");
   if (N % 8 || N > INT_MAX) return decline(why, "patches per sample must be a multiple of 8");
   if (g.batch * E * N == 0) return decline(why, "empty problem");
   if (at::cuda::getDeviceProperties(x5.get_device())->major < 8) return decline(why, "needs sm_80 or newer");

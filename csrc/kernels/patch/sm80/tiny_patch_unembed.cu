@@ -187,17 +187,18 @@ template <typename T, bool kTokensX, int kPiece>
 void launch(int tiles_n, const Output& o, const Layout& s, int slices, const at::Tensor& x, const at::Tensor& w,
             const at::Tensor* bias, const at::Tensor& y, const PatchGeometry& g) {
   // (Two tile shapes: K <= 32 and K <= 64.)
-  auto kernel = tiles_n == 2 ? tiny_unembed_kernel<T, kTokensX, 2, kPiece> : tiny_unembed_kernel<T, kTokensX, 4, kPiece>;
+  auto kernel =
+      tiles_n == 2 ? tiny_unembed_kernel<T, kTokensX, 2, kPiece> : tiny_unembed_kernel<T, kTokensX, 4, kPiece>;
   const int smem = s.w_bytes + kStages * s.slot_bytes;
   const LaunchShape shape = prepare_launch(reinterpret_cast<const void*>(kernel), kThreads, static_cast<int>(smem));
   // Two blocks per SM where they fit: three ran slower on U2.
   const int64_t blocks = std::min<int64_t>(
       slices, int64_t{std::clamp(shape.blocks_per_sm, 1, 2)} * shape.sms);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      o, s, FastDiv(static_cast<uint32_t>((g.tokens() + kSlice - 1) / kSlice)), FastDiv(static_cast<uint32_t>(g.grid[2])),
-      FastDiv(static_cast<uint32_t>(g.grid[1])), slices, static_cast<const T*>(x.const_data_ptr()),
-      static_cast<const T*>(w.const_data_ptr()), bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr,
-      static_cast<T*>(y.data_ptr()));
+      o, s, FastDiv(static_cast<uint32_t>((g.tokens() + kSlice - 1) / kSlice)),
+      FastDiv(static_cast<uint32_t>(g.grid[2])), FastDiv(static_cast<uint32_t>(g.grid[1])), slices,
+      static_cast<const T*>(x.const_data_ptr()), static_cast<const T*>(w.const_data_ptr()),
+      bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -214,7 +215,8 @@ bool tiny_unembed_fits(const at::Tensor& x, bool tokens, int64_t C_in, bool with
   if (g.kernel[2] % 2) return decline(why, "kw must be even");
   // (A column pair shares its channel's bias, which interleaved channels do not.)
   if (with_bias && g.interleaved_channels > 1) return decline(why, "a bias over channels-last patches");
-  if (tokens ? C_in % 8 : N % 4) return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 4");
+  if (tokens ? C_in % 8 : N % 4)
+    return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 4");
   const cudaDeviceProp* device = at::cuda::getDeviceProperties(x.get_device());
   if (device->major < 8) return decline(why, "needs sm_80 or newer");
   if (g.batch * ((N + kSlice - 1) / kSlice) >= INT_MAX || N >= INT_MAX) {

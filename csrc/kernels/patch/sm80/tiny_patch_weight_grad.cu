@@ -9,13 +9,12 @@
 // reduces per sample where grad_y is channels-first).
 //
 // Every block walks its share of the 64-token slices (SliceWalk, implicit_patch.cuh; a slice never
-// straddles two samples) and owns the whole [E, K] output: 8 warps of mma.sync m16n8k16 over a kStages-deep cp.async pipeline
-// (pipelined_main_loop, mma.cuh), each warp the n-tiles w, w + 8, ... of E (balanced across the
-// four schedulers) against every m-tile of K. Operand A = P^T, pair-major as in
-// implicit_patch_weight_grad.cu: with kw = 2 a patch row (c, i, j) of a token is one 32-bit word of
-// x, and 4 consecutive tokens' words are 16 contiguous bytes. Operand B = grad_y, [e][token] in
-// shared memory (channels-first, ldmatrix) or [token][e] (tokens, ldmatrix.trans). The embedding's
-// bias gradient is one more m-tile whose A is all ones (every row of the product is then grad_y's
+// straddles two samples) and owns the whole [E, K] output: 8 warps of mma.sync m16n8k16 over a kStages-deep cp.async
+// pipeline (pipelined_main_loop, mma.cuh), each warp the n-tiles w, w + 8, ... of E (balanced across the four
+// schedulers) against every m-tile of K. Operand A = P^T, pair-major as in implicit_patch_weight_grad.cu: with kw = 2 a
+// patch row (c, i, j) of a token is one 32-bit word of x, and 4 consecutive tokens' words are 16 contiguous bytes.
+// Operand B = grad_y, [e][token] in shared memory (channels-first, ldmatrix) or [token][e] (tokens, ldmatrix.trans).
+// The embedding's bias gradient is one more m-tile whose A is all ones (every row of the product is then grad_y's
 // column sum); the unembedding's (else a separate pass over its whole grad_y) one
 // more n-tile whose B is all ones, taken by warps 0 .. kTilesM - 1 (rows of P^T's sums, added per
 // channel at the end). Each block writes fp32 partial sums; sum_token_ranges.cu adds them over the
@@ -118,7 +117,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < S::kRowsE / 32; ++i) {
         const int e = threadIdx.x / 8 + 32 * i;
-        if (e < p.E) cp_async<16>(b_dst + (e * kRowPitch + dy_t) * 2, valid ? row + int64_t{32 * i} * p.tokens : dy, valid);
+        if (e < p.E)
+          cp_async<16>(b_dst + (e * kRowPitch + dy_t) * 2, valid ? row + int64_t{32 * i} * p.tokens : dy, valid);
       }
     }
     slice.next();
@@ -187,7 +187,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       *reinterpret_cast<float2*>(out + int64_t{e} * p.K + column) = {acc[mi][j][0], acc[mi][j][2]};
       *reinterpret_cast<float2*>(out + int64_t{e + 1} * p.K + column) = {acc[mi][j][1], acc[mi][j][3]};
     }
-    if (kBias == BiasGrad::kEmbed && g == 0) *reinterpret_cast<float2*>(bias_out + e) = {acc_bias[j][0], acc_bias[j][1]};
+    if (kBias == BiasGrad::kEmbed && g == 0)
+      *reinterpret_cast<float2*>(bias_out + e) = {acc_bias[j][0], acc_bias[j][1]};
   }
   if constexpr (kBias == BiasGrad::kUnembed) {
     // acc_sums of warp mi: P^T's row sums, patch columns 2 (mi*8 + g) (c0) and + 1 (c2), through
@@ -263,13 +264,16 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Ten
   // kw = 2 with 4 tokens of a grid row in one 16-byte copy; 16-byte pieces of grad_y.
   if (dtype != at::kHalf && dtype != at::kBFloat16) return decline_grads(why, "16-bit dtypes only");
   if (g.levels.size() != 1) return decline_grads(why, "row-major token order only (no levels)");
-  if (K > kMaxK || E > kMaxE || E % 2) return decline_grads(why, "patches of at most 64 elements, E even and at most 256");
-  if (tokens ? E % 8 : N % 8) return decline_grads(why, tokens ? "E must be a multiple of 8" : "patches per sample must be a multiple of 8");
+  if (K > kMaxK || E > kMaxE || E % 2)
+    return decline_grads(why, "patches of at most 64 elements, E even and at most 256");
+  if (tokens ? E % 8 : N % 8)
+    return decline_grads(why, tokens ? "E must be a multiple of 8" : "patches per sample must be a multiple of 8");
   if (g.kernel[2] != 2 || g.grid[2] % 4) return decline_grads(why, "kw must be 2 and gw a multiple of 4");
   if (bias == BiasGrad::kUnembed && g.interleaved_channels > 1) {
     return decline_grads(why, "the transposed op's bias gradient over channels-last patches");
   }
-  if (x5.stride(4) != 1 || !runs_aligned(x5, 8)) return decline_grads(why, "x's rows must be contiguous and 16-byte aligned");
+  if (x5.stride(4) != 1 || !runs_aligned(x5, 8))
+    return decline_grads(why, "x's rows must be contiguous and 16-byte aligned");
   if (at::cuda::getDeviceProperties(x5.get_device())->major < 8) return decline_grads(why, "needs sm_80 or newer");
   if (!make_problem(x5, g, E, p)) return decline_grads(why, "sizes past the kernel's 32-bit indices");
   const c10::cuda::CUDAGuard guard(x5.device());
@@ -287,11 +291,19 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> tiny_weight_grad(const at::Ten
   const int64_t db_pitch = (bias_size + 3) / 4 * 4;
   const auto f32 = x5.options().dtype(at::kFloat);
   const at::Tensor dw_partial = at::empty({blocks, E * K}, f32);
-  const at::Tensor db_partial = db_pitch > bias_size ? at::zeros({blocks, db_pitch}, f32) : at::empty({blocks, db_pitch}, f32);
+  const at::Tensor db_partial =
+      db_pitch > bias_size ? at::zeros({blocks, db_pitch}, f32) : at::empty({blocks, db_pitch}, f32);
   const int tiles_m = K <= 32 ? 2 : 4, tiles_n = E <= 128 ? 2 : E <= 192 ? 3 : 4;
-  const Launch a{p, FastDiv(static_cast<uint32_t>((N + kSlice - 1) / kSlice)), FastDiv(static_cast<uint32_t>(g.grid[2])),
-                 FastDiv(static_cast<uint32_t>(g.grid[1])), static_cast<int>(slices), blocks, x5.const_data_ptr(),
-                 dy.const_data_ptr(), dw_partial.data_ptr<float>(), static_cast<int>(db_pitch),
+  const Launch a{p,
+                 FastDiv(static_cast<uint32_t>((N + kSlice - 1) / kSlice)),
+                 FastDiv(static_cast<uint32_t>(g.grid[2])),
+                 FastDiv(static_cast<uint32_t>(g.grid[1])),
+                 static_cast<int>(slices),
+                 blocks,
+                 x5.const_data_ptr(),
+                 dy.const_data_ptr(),
+                 dw_partial.data_ptr<float>(),
+                 static_cast<int>(db_pitch),
                  db_partial.data_ptr<float>()};
   if (dtype == at::kHalf) {
     tokens ? launch_for_bias<__half, true>(bias, tiles_m, tiles_n, a)

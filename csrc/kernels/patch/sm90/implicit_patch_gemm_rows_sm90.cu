@@ -23,8 +23,8 @@
 // each) multiply with wgmma m64n256k16; each stages its 64 rows (bias added) in shared memory, a
 // 64-embedding block at a time, and one of its threads stores them to y [B*N, E] by TMA, while the
 // producer already copies the next tile's slices. Where shared memory allows, each warpgroup has two
-// stage blocks, so staging a block waits only for the store of the one before the last. The tile's bias values are copied to shared memory when its MMAs start, so the epilogue
-// does not wait on global loads.
+// stage blocks, so staging a block waits only for the store of the one before the last. The tile's bias values are
+// copied to shared memory when its MMAs start, so the epilogue does not wait on global loads.
 #include <ATen/ATen.h>
 
 #include "kernels/patch/patchify.h"
@@ -208,7 +208,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       float bias_lo[8] = {}, bias_hi[8] = {};
       if (bias) {
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj) unpack2<T>(ld_shared(my_bias + (64 * b + 8 * jj + 2 * q) * 2), bias_lo[jj], bias_hi[jj]);
+        for (int jj = 0; jj < 8; ++jj)
+          unpack2<T>(ld_shared(my_bias + (64 * b + 8 * jj + 2 * q) * 2), bias_lo[jj], bias_hi[jj]);
       }
       // Four 8 x 8 matrices per stmatrix: rows +0 and +8 of embeddings 8 jj and 8 (jj + 1); lane l
       // gives row l % 8 of matrix l / 8.

@@ -80,8 +80,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Tokens past the end read the last real ones and embeddings past E read zeros (without loads):
   // their results are never stored.
-  for (int r = threadIdx.x; r < k_tiles * kRuns; r += kThreads) run_offset[r] = r * V < p.K ? patch_offset(p, r * V) : -1;
-  if (!kPairMajor && threadIdx.x < kTileM) token_origin[threadIdx.x] = patch_origin(p, min(m0 + threadIdx.x, p.rows - 1));
+  for (int r = threadIdx.x; r < k_tiles * kRuns; r += kThreads)
+    run_offset[r] = r * V < p.K ? patch_offset(p, r * V) : -1;
+  if (!kPairMajor && threadIdx.x < kTileM)
+    token_origin[threadIdx.x] = patch_origin(p, min(m0 + threadIdx.x, p.rows - 1));
   w_landed.init();
   if (threadIdx.x == 0) prefetch_tensor_map(w_map);
   __syncthreads();
@@ -189,8 +191,8 @@ bool launch(const Problem& p, const at::Tensor& x5, const at::Tensor& w, const s
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
   const int64_t blocks = (p.rows + kTileM - 1) / kTileM * ((p.E + kTileN - 1) / kTileN);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      p, static_cast<const T*>(x5.const_data_ptr()), w_map, bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr,
-      tokens_out, static_cast<T*>(y.data_ptr()));
+      p, static_cast<const T*>(x5.const_data_ptr()), w_map,
+      bias ? static_cast<const T*>(bias->const_data_ptr()) : nullptr, tokens_out, static_cast<T*>(y.data_ptr()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }

@@ -145,7 +145,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // rows of kd * kh, if shorter), and a thread's pieces are kStorers apart.
         auto write_origins = [&](int tile, int64_t* table) {
           const int64_t m0 = static_cast<int64_t>(tile / tiles_n) * kTileM;
-          for (int t = threadIdx.x - 32; t < kTileM; t += kStorers) table[t] = m0 + t < p.rows ? patch_origin(p, m0 + t) : -1;
+          for (int t = threadIdx.x - 32; t < kTileM; t += kStorers)
+            table[t] = m0 + t < p.rows ? patch_origin(p, m0 + t) : -1;
         };
         write_table(blockIdx.x, run_offset);
         write_origins(blockIdx.x, token_origin);

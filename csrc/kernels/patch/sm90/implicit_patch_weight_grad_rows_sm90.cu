@@ -72,7 +72,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef PATCHGEMM_HAS_WGMMA
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_address(smem_raw), base = (raw + 1023) & ~1023u;
-  const int tile_n = static_cast<int>(blockIdx.x) % g.tiles_n, tile_m = static_cast<int>(blockIdx.x) / g.tiles_n % g.tiles_m;
+  const int tile_n = static_cast<int>(blockIdx.x) % g.tiles_n,
+            tile_m = static_cast<int>(blockIdx.x) / g.tiles_n % g.tiles_m;
   const int split = static_cast<int>(blockIdx.x) / g.tiles_n / g.tiles_m;
   const int e0 = tile_n * kTileN, col0 = tile_m * kTileM;
   const int t_begin = split * g.chunk, t_end = min(t_begin + g.chunk, g.tokens);
@@ -228,7 +229,8 @@ void launch(const Geometry& g, const at::Tensor& x5, const at::Tensor& dy, int s
 
 template <typename T>
 void launch_for_stages(int stages, const Geometry& g, const at::Tensor& x5, const at::Tensor& dy, int splits,
-                       const CUtensorMap& x_map, const CUtensorMap& dy_map, const at::Tensor& dw, const at::Tensor& db) {
+                       const CUtensorMap& x_map, const CUtensorMap& dy_map, const at::Tensor& dw,
+                       const at::Tensor& db) {
   switch (stages) {
     case 5: return launch<T, 5>(g, x5, dy, splits, x_map, dy_map, dw, db);
     case 4: return launch<T, 4>(g, x5, dy, splits, x_map, dy_map, dw, db);
@@ -255,7 +257,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> implicit_weight_grad_rows_sm90
   }
   if (p.rows == 0) return decline_grads(why, "no patches");
   // Image rows and the past-the-end grid row's origin as ints.
-  if (x5.numel() / x5.size(4) >= INT_MAX / 2 || p.rows >= INT_MAX / 2) return decline_grads(why, "sizes past 32-bit indices");
+  if (x5.numel() / x5.size(4) >= INT_MAX / 2 || p.rows >= INT_MAX / 2)
+    return decline_grads(why, "sizes past 32-bit indices");
   g.kh_box = kTileM / g.kw;
   g.C = static_cast<int>(x5.size(1)), g.D = static_cast<int>(x5.size(2)), g.H = static_cast<int>(x5.size(3));
   g.gw = p.gw, g.gh = p.gh, g.gd = p.tokens / (p.gh * p.gw);

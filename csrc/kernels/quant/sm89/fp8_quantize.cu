@@ -109,11 +109,10 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
 constexpr int kTile = 64;
 
 template <typename T, __nv_fp8_interpretation_t kFormat, int kVec>
-__global__ void __launch_bounds__(kThreads) cast_transpose_kernel(const T* __restrict__ x, int64_t P, int64_t R,
-                                                                    int64_t C, const unsigned int* __restrict__ amax_bits,
-                                                                    __nv_fp8_storage_t* __restrict__ data,
-                                                                    __nv_fp8_storage_t* __restrict__ data_t,
-                                                                    float* __restrict__ scale_out) {
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_kernel(const T* __restrict__ x, int64_t P, int64_t R, int64_t C,
+                          const unsigned int* __restrict__ amax_bits, __nv_fp8_storage_t* __restrict__ data,
+                          __nv_fp8_storage_t* __restrict__ data_t, float* __restrict__ scale_out) {
   constexpr int kLanes = kTile / kVec, kRowsPerPass = kThreads / kLanes;
   // Rows of 68 bytes: 4-byte aligned, and the column reads of the transposed store spread over banks.
   __shared__ __align__(4) __nv_fp8_storage_t tile[kTile][kTile + 4];
@@ -200,11 +199,15 @@ void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
       // 4 values per thread where every 4-value group starts 4-aligned in x, data and data_t.
       const bool by4 = R % 4 == 0 && C % 4 == 0 && reinterpret_cast<uintptr_t>(out_t) % 4 == 0 &&
                        (out == nullptr || reinterpret_cast<uintptr_t>(out) % 4 == 0);
-      const auto launch = [&](auto kernel) { kernel<<<grid, kThreads, 0, stream>>>(in, P, R, C, bits, out, out_t, scale_out); };
+      const auto launch = [&](auto kernel) {
+        kernel<<<grid, kThreads, 0, stream>>>(in, P, R, C, bits, out, out_t, scale_out);
+      };
       if (e4m3) {
-        by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 4>) : launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 1>);
+        by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 4>)
+            : launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 1>);
       } else {
-        by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 4>) : launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 1>);
+        by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 4>)
+            : launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 1>);
       }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -4,8 +4,8 @@
 
 #include <sstream>
 
-#include "kernels/activation/swiglu.h"
-#include "selection/activation_tables.h"
+#include "kernels/swiglu/swiglu.h"
+#include "selection/swiglu_tables.h"
 #include "selection/registry.h"
 
 namespace patchgemm {

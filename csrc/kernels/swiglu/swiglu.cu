@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <initializer_list>
 
-#include "kernels/activation/swiglu.h"
+#include "kernels/swiglu/swiglu.h"
 
 namespace patchgemm {
 namespace cuda {

@@ -1,5 +1,5 @@
 // Grouped pointwise convolution's problems (ops/grouped_pointwise_conv.cpp builds them after
-// validation; selection/pointwise_tables.cpp runs them). The channels of x are G groups; each op
+// validation; selection/grouped_pointwise_conv_tables.cpp runs them). The channels of x are G groups; each op
 // applies one small matrix per group to every position:
 //   channels-first x [B, G, c_in, L] (a contiguous [B, C, *spatial] viewed so), or
 //   tokens x [N, G, c_in] (a channels_last(_3d) x, N = B * spatial, viewed so).
@@ -13,7 +13,7 @@
 
 namespace patchgemm {
 
-struct PointwiseProblem {
+struct GroupedPointwiseConvProblem {
   const char* op = "";
   bool tokens = false;
   at::Tensor x;                    // [B, G, c_in, L] or [N, G, c_in]
@@ -28,7 +28,7 @@ struct PointwiseProblem {
 
 // grad_weight [G, c_out, c_in] = sum over positions of grad_y_g x_g^T; with_bias: also the bias
 // gradient [G, c_out], grad_y summed over the positions.
-struct PointwiseWeightGradProblem {
+struct GroupedPointwiseConvWeightGradProblem {
   bool tokens = false;
   at::Tensor grad_y, x;  // [B, G, c_out, L] / [N, G, c_out], and x likewise with c_in
   bool with_bias = false;

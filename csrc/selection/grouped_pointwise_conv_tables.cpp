@@ -15,7 +15,7 @@
 #include <sstream>
 
 #include "kernels/gemm/gemm.h"
-#include "selection/pointwise_tables.h"
+#include "selection/grouped_pointwise_conv_tables.h"
 #include "selection/registry.h"
 
 #ifdef PATCHGEMM_PTX_KERNELS
@@ -33,10 +33,10 @@ using selection::WhyNot;
 // A conv's GEMMs follow a conv's numerics, as the conv they replace.
 constexpr GemmConvention kConv = GemmConvention::kConv;
 
-std::string signature(const PointwiseProblem& p) {
+std::string signature(const GroupedPointwiseConvProblem& p) {
   std::ostringstream out;
-  out << "(" << describe("x", p.x) << (p.tokens ? ", tokens" : ", channels-first") << ", " << describe("matrix", p.matrix)
-      << (p.bias ? ", bias" : "") << ")";
+  out << "(" << describe("x", p.x) << (p.tokens ? ", tokens" : ", channels-first") << ", "
+      << describe("matrix", p.matrix) << (p.bias ? ", bias" : "") << ")";
   return out.str();
 }
 
@@ -49,13 +49,13 @@ selection::ProblemFeatures features(bool tokens, const at::Tensor& x, int64_t c_
                                     {"bias", bias ? 1.0 : 0.0}});
 }
 
-selection::ProblemFeatures apply_features(const PointwiseProblem& p) {
+selection::ProblemFeatures apply_features(const GroupedPointwiseConvProblem& p) {
   return features(p.tokens, p.x, p.matrix.size(1), p.bias.has_value());
 }
 
 // Where the default choice passes over strided_batched: 16-bit channels-first x, whose per-sample
 // GEMMs lose to torch.matmul's one batched GEMM (H100, BENCHMARKS.md G2; fp32 and tokens x win).
-WhyNot per_sample_rule(const PointwiseProblem& p) {
+WhyNot per_sample_rule(const GroupedPointwiseConvProblem& p) {
   if (!p.tokens && p.x.element_size() == 2) return "16-bit channels-first x: torch.matmul's one batched GEMM is faster";
   return "";
 }
@@ -77,26 +77,26 @@ WhyNot small_groups_apply(const at::Tensor& x, bool tokens, int64_t c_out, int64
   return c_out > 128 || c_in > 128 ? "groups of at most 128 channels in and out only" : WhyNot();
 }
 
-Candidate<PointwiseProblem, at::Tensor> small_groups() {
+Candidate<GroupedPointwiseConvProblem, at::Tensor> small_groups() {
   return {"small_groups", "cuda sm_80+",
           "channels-first x on sm_80+, 16-bit or fp32 with TF32 allowed (torch.backends.cudnn.allow_tf32), groups "
           "of at most 128 channels in and out, positions per sample % 8 == 0",
-          [](const PointwiseProblem& p) {
+          [](const GroupedPointwiseConvProblem& p) {
             return small_groups_apply(p.x, p.tokens, p.matrix.size(1), p.matrix.size(2), /*takes_fp32=*/true);
           },
           nullptr,
-          [](const PointwiseProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
+          [](const GroupedPointwiseConvProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
             if (!cuda::small_group_apply(p.matrix, p.x, p.bias, p.out, why)) return std::nullopt;
             return p.out;
           }};
 }
 #endif
 
-Candidate<PointwiseProblem, at::Tensor> strided_batched() {
+Candidate<GroupedPointwiseConvProblem, at::Tensor> strided_batched() {
   return {"strided_batched", "cpu cuda rocm",
           "our strided-batched GEMM: one for tokens (channels_last) x, one per sample for channels-first x",
-          [](const PointwiseProblem&) { return WhyNot(); }, per_sample_rule,
-          [](const PointwiseProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+          [](const GroupedPointwiseConvProblem&) { return WhyNot(); }, per_sample_rule,
+          [](const GroupedPointwiseConvProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
             if (p.tokens) {  // [G, N, c_in] @ [G, c_in, c_out] -> [G, N, c_out]
               run_gemm(p.x.transpose(0, 1), p.matrix.transpose(1, 2), p.out.transpose(0, 1), p.bias, false, kConv);
               return p.out;
@@ -109,15 +109,15 @@ Candidate<PointwiseProblem, at::Tensor> strided_batched() {
           }};
 }
 
-Candidate<PointwiseProblem, at::Tensor> aten_matmul() {
+Candidate<GroupedPointwiseConvProblem, at::Tensor> aten_matmul() {
   return {"aten_matmul", "cpu cuda rocm", "any problem: torch.matmul broadcasting the per-group matrix",
-          [](const PointwiseProblem& p) {  // [G, c_out, c_in] @ [B, G, c_in, L], or one row per token
+          [](const GroupedPointwiseConvProblem& p) {  // [G, c_out, c_in] @ [B, G, c_in, L], or one row per token
             const int64_t c_out = p.matrix.size(1), c_in = p.matrix.size(2), groups = p.x.size(1);
             return p.tokens ? aten_matmul_sums_unlike_a_conv(p.x, 1, c_out, c_in, p.x.size(0) * groups)
                             : aten_matmul_sums_unlike_a_conv(p.x, c_out, p.x.size(3), c_in, p.x.size(0) * groups);
           },
           nullptr,
-          [](const PointwiseProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+          [](const GroupedPointwiseConvProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
             if (p.tokens) {  // [N, G, 1, c_in] @ [G, c_in, c_out] -> [N, G, 1, c_out]
               at::Tensor y = at::matmul(p.x.unsqueeze(2), p.matrix.transpose(1, 2)).squeeze(2);
               p.out.copy_(p.bias ? y + *p.bias : y);
@@ -130,8 +130,8 @@ Candidate<PointwiseProblem, at::Tensor> aten_matmul() {
 }
 
 // The forward's candidates (with aten_conv), or the input gradient's.
-std::vector<Candidate<PointwiseProblem, at::Tensor>> apply_candidates(bool forward) {
-  std::vector<Candidate<PointwiseProblem, at::Tensor>> candidates;
+std::vector<Candidate<GroupedPointwiseConvProblem, at::Tensor>> apply_candidates(bool forward) {
+  std::vector<Candidate<GroupedPointwiseConvProblem, at::Tensor>> candidates;
 #ifdef PATCHGEMM_PTX_KERNELS
   candidates.push_back(small_groups());
 #endif
@@ -140,8 +140,8 @@ std::vector<Candidate<PointwiseProblem, at::Tensor>> apply_candidates(bool forwa
   if (!forward) return candidates;
   candidates.push_back(
       {"aten_conv", "cpu cuda rocm", "any problem: F.conv*d with groups (cuDNN / MIOpen / ATen)",
-       [](const PointwiseProblem&) { return WhyNot(); }, nullptr,
-       [](const PointwiseProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+       [](const GroupedPointwiseConvProblem&) { return WhyNot(); }, nullptr,
+       [](const GroupedPointwiseConvProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
          const std::optional<at::Tensor> bias = p.bias ? std::optional<at::Tensor>(p.bias->reshape(-1)) : std::nullopt;
          const int64_t rank = p.conv_x.dim() - 2;
          const std::vector<int64_t> ones(rank, 1), zeros(rank, 0);
@@ -150,29 +150,31 @@ std::vector<Candidate<PointwiseProblem, at::Tensor>> apply_candidates(bool forwa
   return candidates;
 }
 
-const Table<PointwiseProblem, at::Tensor> kForward("grouped_pointwise_conv", apply_candidates(true), signature, apply_features);
-const Table<PointwiseProblem, at::Tensor> kGradInput("grouped_pointwise_conv_grad_input", apply_candidates(false), signature, apply_features);
+const Table<GroupedPointwiseConvProblem, at::Tensor> kForward("grouped_pointwise_conv", apply_candidates(true),
+                                                              signature, apply_features);
+const Table<GroupedPointwiseConvProblem, at::Tensor> kGradInput("grouped_pointwise_conv_grad_input",
+                                                                apply_candidates(false), signature, apply_features);
 
 using Grads = std::tuple<at::Tensor, at::Tensor>;  // (grad_w, grad_b or undefined)
 
 // The bias gradient where the weight-gradient GEMM does not sum it: grad_y summed over positions.
-at::Tensor bias_grad(const PointwiseWeightGradProblem& p) {
+at::Tensor bias_grad(const GroupedPointwiseConvWeightGradProblem& p) {
   if (!p.with_bias) return at::Tensor();
   if (p.tokens) return sum_for_bias_grad(p.grad_y, {0});
   const at::Tensor rows = p.grad_y.view({p.grad_y.size(0), -1, p.grad_y.size(3)});  // [B, C_out, L]
   return sum_for_bias_grad(rows, {0, 2}).view({p.grad_y.size(1), p.grad_y.size(2)});
 }
 
-const Table<PointwiseWeightGradProblem, Grads> kGradWeight(
+const Table<GroupedPointwiseConvWeightGradProblem, Grads> kGradWeight(
     "grouped_pointwise_conv_grad_weight",
     {
 #ifdef PATCHGEMM_PTX_KERNELS
         {"small_groups", "cuda sm_80+", kSmallGroupConditions,
-         [](const PointwiseWeightGradProblem& p) {
+         [](const GroupedPointwiseConvWeightGradProblem& p) {
            return small_groups_apply(p.x, p.tokens, p.grad_y.size(2), p.x.size(2), /*takes_fp32=*/false);
          },
          nullptr,
-         [](const PointwiseWeightGradProblem& p, bool, WhyNot& why) -> std::optional<Grads> {
+         [](const GroupedPointwiseConvWeightGradProblem& p, bool, WhyNot& why) -> std::optional<Grads> {
            const int64_t groups = p.x.size(1), c_out = p.grad_y.size(2), c_in = p.x.size(2);
            at::Tensor grad_w = at::empty({groups, c_out, c_in}, p.x.options());
            // The bias gradient in the same pass where a spare column allows (c_in < 128).
@@ -184,16 +186,18 @@ const Table<PointwiseWeightGradProblem, Grads> kGradWeight(
 #endif
         {"strided_batched", "cpu cuda rocm",
          "our strided-batched GEMM: one for tokens x; per sample for channels-first x, summed in fp32",
-         [](const PointwiseWeightGradProblem&) { return WhyNot(); }, nullptr,
-         [](const PointwiseWeightGradProblem& p, bool, WhyNot&) -> std::optional<Grads> {
+         [](const GroupedPointwiseConvWeightGradProblem&) { return WhyNot(); }, nullptr,
+         [](const GroupedPointwiseConvWeightGradProblem& p, bool, WhyNot&) -> std::optional<Grads> {
            const int64_t groups = p.x.size(1), c_out = p.grad_y.size(2), c_in = p.x.size(2);
            at::Tensor grad_w = at::empty({groups, c_out, c_in}, p.x.options());
            if (p.tokens) {  // [G, c_out, N] @ [G, N, c_in]
-             run_gemm(p.grad_y.transpose(0, 1).transpose(1, 2), p.x.transpose(0, 1), grad_w, std::nullopt, false, kConv);
+             run_gemm(p.grad_y.transpose(0, 1).transpose(1, 2), p.x.transpose(0, 1), grad_w, std::nullopt, false,
+                      kConv);
              return Grads{grad_w, bias_grad(p)};
            }
            // Per sample [G, c_out, L] @ [G, L, c_in], summed into an fp32 scratch for 16-bit data.
-           at::Tensor sum = p.x.element_size() == 2 ? at::empty_like(grad_w, grad_w.options().dtype(at::kFloat)) : grad_w;
+           at::Tensor sum =
+               p.x.element_size() == 2 ? at::empty_like(grad_w, grad_w.options().dtype(at::kFloat)) : grad_w;
            if (p.x.size(0) == 0) sum.zero_();
            for (int64_t b = 0; b < p.x.size(0); ++b) {
              run_gemm(p.grad_y[b], p.x[b].transpose(1, 2), sum, std::nullopt, b > 0, kConv);
@@ -202,34 +206,38 @@ const Table<PointwiseWeightGradProblem, Grads> kGradWeight(
            return Grads{grad_w, bias_grad(p)};
          }},
         {"aten_einsum", "cpu cuda rocm", "any problem: ATen's einsum over the positions",
-         [](const PointwiseWeightGradProblem& p) {  // per group [c_out, positions] @ [positions, c_in]
+         [](const GroupedPointwiseConvWeightGradProblem& p) {  // per group [c_out, positions] @ [positions, c_in]
            const int64_t positions = p.tokens ? p.x.size(0) : p.x.size(0) * p.x.size(3);
            return aten_matmul_sums_unlike_a_conv(p.x, p.grad_y.size(2), p.x.size(2), positions, p.x.size(1));
          },
          nullptr,
-         [](const PointwiseWeightGradProblem& p, bool, WhyNot&) -> std::optional<Grads> {
-           return Grads{p.tokens ? at::einsum("ngo,ngi->goi", {p.grad_y, p.x}) : at::einsum("bgol,bgil->goi", {p.grad_y, p.x}),
-                        bias_grad(p)};
+         [](const GroupedPointwiseConvWeightGradProblem& p, bool, WhyNot&) -> std::optional<Grads> {
+           return Grads{
+               p.tokens ? at::einsum("ngo,ngi->goi", {p.grad_y, p.x}) : at::einsum("bgol,bgil->goi", {p.grad_y, p.x}),
+               bias_grad(p)};
          }},
     },
-    [](const PointwiseWeightGradProblem& p) {
+    [](const GroupedPointwiseConvWeightGradProblem& p) {
       std::ostringstream out;
       out << "(" << describe("grad_y", p.grad_y) << ", " << describe("x", p.x) << (p.tokens ? ", tokens" : "")
           << (p.with_bias ? ", with bias" : "") << ")";
       return out.str();
     },
-    [](const PointwiseWeightGradProblem& p) { return features(p.tokens, p.x, p.grad_y.size(2), p.with_bias); });
+    [](const GroupedPointwiseConvWeightGradProblem& p) {
+      return features(p.tokens, p.x, p.grad_y.size(2), p.with_bias);
+    });
 
 }  // namespace
 
-at::Tensor select_pointwise(const PointwiseProblem& p) {
+at::Tensor select_grouped_pointwise_conv(const GroupedPointwiseConvProblem& p) {
   const std::string op = p.op;
   if (op == "grouped_pointwise_conv") return kForward.run(p);
   TORCH_INTERNAL_ASSERT(op == "grouped_pointwise_conv_grad_input", "no pointwise table for ", op);
   return kGradInput.run(p);
 }
 
-std::tuple<at::Tensor, at::Tensor> select_pointwise_weight_grad(const PointwiseWeightGradProblem& p) {
+std::tuple<at::Tensor, at::Tensor> select_grouped_pointwise_conv_weight_grad(
+    const GroupedPointwiseConvWeightGradProblem& p) {
   return kGradWeight.run(p);
 }
 

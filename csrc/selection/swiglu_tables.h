@@ -1,10 +1,10 @@
-// The SwiGLU selection table's entry points (activation_tables.cpp):
+// The SwiGLU selection table's entry points (swiglu_tables.cpp):
 // the implementation each call runs.
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include "problems/activation.h"
+#include "problems/swiglu.h"
 
 namespace patchgemm {
 

@@ -1,5 +1,5 @@
-// The activation ops' problems, as the ops (ops/swiglu.cpp) build them after validation and the
-// tables (selection/activation_tables.cpp) run them: contiguous tensors of one dtype and device.
+// SwiGLU's problems, as the ops (ops/swiglu.cpp) build them after validation and the
+// tables (selection/swiglu_tables.cpp) run them: contiguous tensors of one dtype and device.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "kernels/activation/swiglu.h"
+#include "kernels/swiglu/swiglu.h"
 
 namespace patchgemm {
 namespace {
