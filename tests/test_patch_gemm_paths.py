@@ -1,0 +1,212 @@
+"""The GPU's gather / scatter + GEMM paths of the patch ops: tilings, copies, tiles."""
+
+import math
+
+import pytest
+import torch
+
+import patchgemm
+from conftest import (assert_close_to_ref, fused_mode, needs_gpu,
+                      poison_allocator, randn)
+from patch_cases import CONV, CONV_T, conv_tokens, cropped, cuda_kernels_run, layout, make
+
+ops = torch.ops.patchgemm
+
+
+# ---- GPU specifics -------------------------------------------------------------------------------
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,kernel", [((2, 300, 4, 6, 70), (2, 2, 2)),   # several channel tiles
+                                          ((2, 7, 3, 9, 27), (3, 3, 3)),     # odd kernel: 2-byte units
+                                          ((3, 64, 2, 40, 200), (1, 4, 4)),  # partial w tiles
+                                          ((2, 2, 224, 224), (16, 16))])
+@pytest.mark.parametrize("memory", ["contiguous", "channels_last"])
+def test_gpu_gather_scatter_tilings(dtype, shape, kernel, memory):
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=24)
+    xs = layout(x, memory)
+    ref = CONV[len(kernel)](x.double(), w.double(), b.double(), stride=kernel)
+    for out_format in ("channels_first", "tokens"):
+        y = patchgemm.patch_embed(xs, w, b, out_format=out_format)
+        assert_close_to_ref(y, conv_tokens(ref) if out_format == "tokens" else ref, dtype)
+    w_t = randn(24, shape[1], *kernel, dtype=dtype, device="cuda") / math.sqrt(24)
+    b_t = randn(shape[1], dtype=dtype, device="cuda")
+    z = randn(*ref.shape, dtype=dtype, device="cuda")
+    for in_format in ("channels_first", "tokens"):
+        u = patchgemm.patch_unembed(conv_tokens(z) if in_format == "tokens" else z, w_t, b_t,
+                                    in_format=in_format, grid=ref.shape[2:])
+        assert_close_to_ref(u, CONV_T[len(kernel)](z.double(), w_t.double(), b_t.double(), stride=kernel), dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,kernel,offset", [((2, 3, 14, 29), (7, 7), 1),      # kw = 7, rows start mid-vector
+                                                 ((3, 5, 9, 33), (3, 5), 3),       # runs of several tokens
+                                                 ((2, 2, 4, 6, 23), (2, 3, 3), 2),  # 3-D
+                                                 ((2, 40, 8, 9), (2, 2), 1)])      # kw even, odd starts
+def test_gpu_gather_reads_rows_that_start_anywhere(dtype, shape, kernel, offset):
+    """Rows of x that are not whole aligned 16-byte vectors gather through the aligned vectors that
+    cover them (csrc/kernels/patch/patchify_kernels.cu, volume_to_tile_any_alignment): the forward
+    and the weight gradient through gather + GEMM, on a view whose rows start mid-vector."""
+    base, w, b = make(shape, kernel, dtype, "cuda", embed=24)
+    x = base[..., offset:]
+    w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
+    ref = CONV[len(kernel)](x.double(), w64, b64, stride=kernel)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    ref_w, ref_b = torch.autograd.grad(ref, [w64, b64], dy.double())
+    w.requires_grad_(), b.requires_grad_()
+    poison_allocator(2 * max(ref.numel(), w.numel()) * x.element_size(), "cuda")
+    with patchgemm.force(patch_embed="gather_gemm", patch_weight_grad="gather_gemm"), patchgemm.explain() as e:
+        y = patchgemm.patch_embed(x, w, b)
+        grad_w, grad_b = torch.autograd.grad(y, [w, b], dy)
+    assert {c.chosen for c in e} == {"gather_gemm"} and len(e) == 2, str(e)
+    assert_close_to_ref(y, ref, dtype)
+    assert_close_to_ref(grad_w, ref_w, dtype, "weight gradient")
+    assert_close_to_ref(grad_b, ref_b, dtype, "bias gradient")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,kernel", [((3, 512, 8, 12), (4, 4)),     # K = 8192, 6 tokens per sample
+                                          ((1, 128, 24, 40), (8, 8)),    # one sample of 15 (unaligned) tokens
+                                          ((2, 32, 4, 16, 16), (4, 8, 8)),  # 3-D, K = 8192, 2 tokens
+                                          ((4, 8, 32, 32), (32, 32)),    # one patch per sample
+                                          ((24, 64, 28, 28), (4, 4)),    # K = 1024 into 7 x 7 rows
+                                          ((2, 64, 30, 30), (2, 2)),     # K = 256 into 225 (odd) tokens
+                                          ((3, 16, 40, 40), (4, 4))])    # 100 tokens: pairs, not 16 bytes
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_gather_gemm_through_tokens(dtype, shape, kernel, has_bias):
+    """Channels-first output of long patches on few tokens, or into unaligned rows: one GEMM over
+    every token, then the tiled transpose into y (csrc/kernels/patch/patch_gemm.cpp,
+    embed_gemm_through_tokens; patchify_kernels.cu, transposing_copy)."""
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=64, bias=has_bias)
+    ref = CONV[len(kernel)](x.double(), w.double(), b.double() if has_bias else None, stride=kernel)
+    poison_allocator(2 * ref.numel() * x.element_size(), "cuda")
+    with patchgemm.force(patch_embed="gather_gemm"), patchgemm.explain() as e:
+        y = patchgemm.patch_embed(x, w, b)
+    assert [c.chosen for c in e] == ["gather_gemm"]
+    assert y.is_contiguous() and y.shape == ref.shape
+    assert_close_to_ref(y, ref, dtype)
+
+
+# (x shape, x's channel offset into a larger tensor, weight shape) of channels-first unembeddings
+# whose GEMM copies x into tokens order: the transpose's loads as 16 bytes, pairs or single
+# elements, its stores the same, and views that start mid-vector.
+UNEMBED_COPIES = [((2, 64, 8, 16), 0, (64, 8, 4, 4)),     # 128 tokens of 64 channels: 16-byte both sides
+                  ((3, 40, 7, 9), 0, (40, 5, 4, 4)),      # 63 tokens: single-element loads
+                  ((2, 48, 14, 14), 1, (48, 2, 8, 8)),    # starts 392 bytes in: pairs
+                  ((2, 37, 10, 10), 0, (37, 2, 8, 8)),    # 37 channels: single-element stores
+                  ((1, 24, 70, 70), 0, (24, 5, 4, 4))]    # 4900 tokens (unaligned), several tiles
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,offset,wshape", UNEMBED_COPIES)
+def test_gpu_unembed_copies_x_by_transpose(dtype, shape, offset, wshape):
+    """gemm_scatter's copy of channels-first x into tokens order (patch_gemm.cpp,
+    unembed_gemm_copies_x) through the tiled transpose."""
+    b, c, h, w_ = shape
+    base = randn(b, c + offset, h, w_, dtype=dtype, device="cuda")
+    x = base[:, offset:]
+    w = randn(*wshape, dtype=dtype, device="cuda") / math.sqrt(c)
+    kernel = wshape[2:]
+    ref = CONV_T[2](x.double(), w.double(), stride=kernel)
+    poison_allocator(2 * ref.numel() * x.element_size(), "cuda")
+    with patchgemm.force(patch_unembed="gemm_scatter"), patchgemm.explain() as e:
+        y = patchgemm.patch_unembed(x, w)
+    assert [c.chosen for c in e] == ["gemm_scatter"]
+    assert_close_to_ref(y, ref, dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,embed", [((2, 3, 64, 64), 24),    # 16 tokens: 16-byte loads
+                                         ((3, 3, 48, 80), 20),    # 15 tokens: single-element loads
+                                         ((2, 3, 96, 160), 70)])  # 60 tokens, E = 70: pairs (16-bit)
+def test_gpu_weight_grad_copies_grad_y_by_transpose(dtype, shape, embed):
+    """The weight gradient's copy of channels-first grad_y into tokens order (weight_grad_by_gemm,
+    long patches on few tokens) through the tiled transpose."""
+    x, w, b = make(shape, (16, 16), dtype, "cuda", embed=embed)
+    w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
+    ref = CONV[2](x.double(), w64, b64, stride=16)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    ref_w, ref_b = torch.autograd.grad(ref, [w64, b64], dy.double())
+    w.requires_grad_(), b.requires_grad_()
+    with patchgemm.force(patch_weight_grad="gather_gemm"):
+        grad_w, grad_b = torch.autograd.grad(patchgemm.patch_embed(x, w, b), [w, b], dy)
+    assert_close_to_ref(grad_w, ref_w, dtype, "weight gradient")
+    assert_close_to_ref(grad_b, ref_b, dtype, "bias gradient")
+
+
+# Tiles resized to the GPU (patchify_kernels.cu, plan_tiles): small problems split into patch rows
+# and then channel ranges; long thin (1-D) ones grown along w. x's shape, the ConvTranspose weight's.
+RESIZED_TILES = [((4, 64, 7, 14), (64, 3, 7, 7)),     # 7 x 7 rows of 3 channels: rows split
+                 ((1, 32, 7, 7), (32, 256, 7, 7)),    # 256 channels of 7 x 7: channel ranges split
+                 ((2, 16, 4, 5), (16, 40, 2, 3)),     # odd kw, 40 channels
+                 ((40, 64, 256), (64, 1, 16)),        # 1-D, one channel: runs grown along w
+                 ((140, 32, 100), (32, 3, 4))]        # 1-D, grown runs that end mid-grid
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("xshape,wshape", RESIZED_TILES)
+def test_gpu_resized_tiles(dtype, xshape, wshape):
+    """The tiled scatter (gemm_scatter, with its bias) and the tiled gather (gather_gemm's embedding
+    and weight gradient, the ConvTranspose weight read as a Conv weight of the output's channels)
+    on tiles split or grown for the GPU's SMs."""
+    rank = len(wshape) - 2
+    kernel = wshape[2:]
+    x = randn(*xshape, dtype=dtype, device="cuda")
+    w = randn(*wshape, dtype=dtype, device="cuda") / math.sqrt(xshape[1])
+    b = randn(wshape[1], dtype=dtype, device="cuda")
+    ref = CONV_T[rank](x.double(), w.double(), b.double(), stride=kernel)
+    poison_allocator(2 * ref.numel() * x.element_size(), "cuda")
+    with patchgemm.force(patch_unembed="gemm_scatter"), patchgemm.explain() as e:
+        y = patchgemm.patch_unembed(x, w, b)
+    assert [c.chosen for c in e] == ["gemm_scatter"]
+    assert_close_to_ref(y, ref, dtype)
+    # The embedding of the unembedding's output back into x's channels: the gather of its patches.
+    v = randn(*ref.shape, dtype=dtype, device="cuda")
+    w64, b64 = w.double().requires_grad_(), randn(xshape[1], dtype=torch.float64, device="cuda").requires_grad_()
+    ref_e = CONV[rank](v.double(), w64, b64, stride=kernel)
+    dy = randn(*ref_e.shape, dtype=dtype, device="cuda")
+    ref_w, ref_b = torch.autograd.grad(ref_e, [w64, b64], dy.double())
+    we, be = w.clone().requires_grad_(), b64.to(dtype).detach().requires_grad_()
+    with patchgemm.force(patch_embed="gather_gemm", patch_weight_grad="gather_gemm"):
+        out = patchgemm.patch_embed(v, we, be)
+        grad_w, grad_b = torch.autograd.grad(out, [we, be], dy)
+    assert_close_to_ref(out, ref_e, dtype)
+    assert_close_to_ref(grad_w, ref_w, dtype, "weight gradient")
+    assert_close_to_ref(grad_b, ref_b, dtype, "bias gradient")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype,shape,kernel", [(torch.bfloat16, (3, 3, 64, 96), (16, 16)),   # ViT-like, K = 768
+                                                (torch.float16, (2, 5, 4, 8, 24), (2, 2, 8)),  # 3-D, 16-byte rows
+                                                (torch.float32, (2, 3, 8, 24), (2, 8)),        # 32-byte rows
+                                                (torch.float64, (2, 3, 6, 10), (3, 2))])       # K = 18: padded rows
+@pytest.mark.parametrize("memory", ["contiguous", "cropped"])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_gather_wide_rows(dtype, shape, kernel, memory, has_bias):
+    """Patch rows of whole 16-byte vectors gather without a tile (csrc/kernels/patch/patchify_kernels.cu,
+    gather_wide_rows), the ones column for the bias gradient included."""
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=24, bias=has_bias)
+    xs = (cropped(x) if memory == "cropped" else x.clone()).requires_grad_()
+    w.requires_grad_()
+    params = [xs, w] + ([b.requires_grad_()] if has_bias else [])
+    x64, w64 = x.double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_() if has_bias else None
+    ref = CONV[len(kernel)](x64, w64, b64, stride=kernel)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    want = torch.autograd.grad(ref, [x64, w64] + ([b64] if has_bias else []), dy.double())
+    with fused_mode("never"):
+        out = {}
+
+        def step():
+            out["y"] = patchgemm.patch_embed(xs, w, b)
+            out["g"] = torch.autograd.grad(out["y"], params, dy)
+
+        assert "gather_wide_rows" in cuda_kernels_run(step)
+    assert_close_to_ref(out["y"], ref, dtype)
+    for g, r, name in zip(out["g"], want, ["grad_x", "grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
