@@ -21,7 +21,7 @@ from typing import List
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from patchgemm.tools.bench import Row, format_table  # noqa: E402
+from patchgemm.tools.bench import Row  # noqa: E402
 from patchgemm.tools.host_bench import HostRow  # noqa: E402
 from patchgemm.tools.host_bench import format_rows as format_host_rows  # noqa: E402
 from patchgemm.tools.model_bench import COMPILE_FORMS, ModelRow, format_rows, paired_wall_ratio  # noqa: E402
@@ -48,25 +48,45 @@ def _where(env: dict) -> str:
            f"CUDA {env.get('cuda', '-')}{commit}"
 
 
-def _ours_and_fastest_baseline(rows: List[Row]) -> List[Row]:
-    """Per case and pass, patchgemm's row and the fastest other implementation's (the JSON has all)."""
-    fastest = {}
+def _ours_against_fastest_baseline(rows: List[Row]) -> str:
+    """One line per case and pass: patchgemm's row beside the fastest other implementation's (the JSON
+    has all); `faster by` = that baseline's time / patchgemm's."""
+    ours, fastest = {}, {}
     for r in rows:
         key = (r.case, r.pass_)
-        if r.impl != "patchgemm" and r.ms is not None and (key not in fastest or r.ms < fastest[key].ms):
+        if r.impl == "patchgemm":
+            ours[key] = r
+        elif r.ms is not None and (key not in fastest or r.ms < fastest[key].ms):
             fastest[key] = r
-    return [r for r in rows if r.impl == "patchgemm" or fastest.get((r.case, r.pass_)) is r]
+
+    def pair(a, b, fmt):
+        return "/".join("-" if v is None else format(v, fmt) for v in (a, b))
+
+    head = (f"{'case':<16} {'pass':<8} {'ours ms':>9} {'TFLOP/s':>8} {'x floor':>7}  {'fastest PyTorch':<24} "
+            f"{'its ms':>9} {'faster by':>9} {'peak MB':>11} {'host ms':>15}")
+    lines = [head, "-" * len(head)]
+    for key, o in ours.items():
+        b = fastest.get(key)
+        if o.ms is None or b is None:
+            lines.append(f"{key[0]:<16} {key[1]:<8} {'n/a':>9}   ({o.error or 'no baseline ran'})")
+            continue
+        lines.append(f"{key[0]:<16} {key[1]:<8} {o.ms:>9.4f} {o.tflops:>8.3g} {o.ms / o.floor_ms:>7.2f}  "
+                     f"{b.impl:<24} {b.ms:>9.4f} {b.ms / o.ms:>8.2f}x {pair(o.peak_mb, b.peak_mb, '.0f'):>11} "
+                     f"{pair(o.host_ms, b.host_ms, '.4f'):>15}")
+    return "\n".join(lines)
 
 
 def suite_section(saved: dict, name: str) -> str:
     env = saved.get("environment", {})
     c = saved.get("ceilings", {})
+    matmul = ", ".join(f"{k} {v:.0f}" for k, v in c.get("matmul_tflops", {}).items())
     return "\n".join([
         f"## Suite: {_where(env)}", "",
-        f"`python -m patchgemm bench --json {name}`. Measured ceilings: matmul {c.get('matmul_tflops')} TFLOP/s, "
-        f"copy {c.get('copy_tbs', 0):.2f} TB/s. Per case and pass, patchgemm and the fastest PyTorch baseline "
-        "(every baseline in the JSON); `ours faster by` = its time / patchgemm's.", "",
-        "```", format_table(_ours_and_fastest_baseline([Row(**r) for r in saved["rows"]])), "```", ""])
+        f"`python -m patchgemm bench --json {name}`. Measured ceilings: matmul TFLOP/s {matmul}, "
+        f"copy {c.get('copy_tbs', 0):.2f} TB/s. Per case and pass, patchgemm beside the fastest PyTorch baseline "
+        "(every baseline in the JSON): GPU ms, `faster by` = the baseline's time / patchgemm's, peak memory "
+        "above the inputs and host time per call as patchgemm / the baseline.", "",
+        "```", _ours_against_fastest_baseline([Row(**r) for r in saved["rows"]]), "```", ""])
 
 
 def heldout_section(saved: dict, name: str) -> str:
