@@ -53,10 +53,17 @@ selection::ProblemFeatures apply_features(const GroupedPointwiseConvProblem& p) 
   return features(p.tokens, p.x, p.matrix.size(1), p.bias.has_value());
 }
 
-// Where the default choice passes over strided_batched: 16-bit channels-first x, whose per-sample
-// GEMMs lose to torch.matmul's one batched GEMM (H100, BENCHMARKS.md G2; fp32 and tokens x win).
+// Where the default choice passes over strided_batched for channels-first x, whose GEMMs run one
+// per sample, for torch.matmul's one batched GEMM: 16-bit x on the GPU (H100, BENCHMARKS.md G2; fp32
+// and tokens x win there), and the reverse on the CPU, where bfloat16 per-sample GEMMs take ATen's
+// fast bf16 loop (kernels/gemm/gemm_cpu.cpp; 4x matmul on G2) and fp32 ones lose to matmul's.
 WhyNot per_sample_rule(const GroupedPointwiseConvProblem& p) {
-  if (!p.tokens && p.x.element_size() == 2) return "16-bit channels-first x: torch.matmul's one batched GEMM is faster";
+  if (p.tokens) return "";
+  if (p.x.is_cpu()) {
+    if (p.x.scalar_type() == at::kBFloat16) return "";
+    return "rule: on the CPU, torch.matmul's one batched GEMM runs channels-first x faster except in bfloat16";
+  }
+  if (p.x.element_size() == 2) return "16-bit channels-first x: torch.matmul's one batched GEMM is faster";
   return "";
 }
 
