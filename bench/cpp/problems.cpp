@@ -77,13 +77,14 @@ const Set& pick(const std::shared_ptr<std::vector<Set>>& sets, int64_t i) {
   return (*sets)[static_cast<size_t>(i) % sets->size()];
 }
 
+// patch_embed / patch_unembed; levels (int[]?) std::nullopt: row-major tokens.
 c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                    const std::optional<at::Tensor>&, bool, c10::IntArrayRef)>
+                                    const std::optional<at::Tensor>&, bool, at::OptionalIntArrayRef)>
 patch_op(const char* name) {
   return c10::Dispatcher::singleton()
       .findSchemaOrThrow(name, "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                        bool, c10::IntArrayRef)>();
+                        bool, at::OptionalIntArrayRef)>();
 }
 
 // ---- gemm ------------------------------------------------------------------------------------
@@ -267,7 +268,7 @@ std::vector<Problem> patch_problems(const PatchSpec& s, at::ScalarType dtype, at
         bytes, device);
     const auto op = patch_op("patchgemm::patch_embed");
     return {
-        [=](int64_t i) { const Layer& l = pick(sets, i); op.call(l.x, l.w, l.b, false, {}); },
+        [=](int64_t i) { const Layer& l = pick(sets, i); op.call(l.x, l.w, l.b, false, std::nullopt); },
         [=](int64_t i) { const Layer& l = pick(sets, i); conv(l.x, l.w, l.b, s, false); },
         [=](int64_t i) {  // patches copied out, F.linear, a permuted view back to channels-first
           const Layer& l = pick(sets, i);
@@ -294,10 +295,13 @@ std::vector<Problem> patch_problems(const PatchSpec& s, at::ScalarType dtype, at
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("patchgemm::patch_weight_grad", "")
             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, bool,
-                                                      c10::IntArrayRef, bool, bool)>();
+                                                      at::OptionalIntArrayRef, bool, bool)>();
     const std::vector<int64_t> zeros(s.kernel.size(), 0), ones(s.kernel.size(), 1);
     return {
-        [=](int64_t i) { const Layer& l = pick(sets, i); op.call(l.x, l.w, s.kernel, false, {}, true, false); },
+        [=](int64_t i) {
+          const Layer& l = pick(sets, i);
+          op.call(l.x, l.w, s.kernel, false, std::nullopt, true, false);
+        },
         [=](int64_t i) {  // l.x = grad_y, l.w = x, l.b = the weight (for its shape)
           const Layer& l = pick(sets, i);
           at::convolution_backward(l.x, l.w, l.b, std::vector<int64_t>{s.embed}, s.kernel, zeros, ones, false,
@@ -325,7 +329,7 @@ std::vector<Problem> patch_problems(const PatchSpec& s, at::ScalarType dtype, at
         bytes, device);
     const auto op = patch_op("patchgemm::patch_unembed");
     return {
-        [=](int64_t i) { const Layer& l = pick(sets, i); op.call(l.x, l.w, l.b, false, {}); },
+        [=](int64_t i) { const Layer& l = pick(sets, i); op.call(l.x, l.w, l.b, false, std::nullopt); },
         [=](int64_t i) { const Layer& l = pick(sets, i); conv(l.x, l.w, l.b, s, true); },
         [=](int64_t i) {  // tokens @ W, the patches permuted out, then the bias
           const Layer& l = pick(sets, i);
