@@ -1,4 +1,5 @@
-"""FP8 grouped linears: each GEMM's operands quantized on the fly, one FP8 strided-batched GEMM per pass.
+"""FP8 grouped linears and patch embeddings: each GEMM's operands quantized on the fly, one FP8
+strided-batched GEMM per pass.
 
 The recipe is the usual "current scaling" one (TransformerEngine's ``Float8CurrentScaling``,
 torchao's tensorwise ``Float8LinearConfig``): every call computes one scale per tensor from the
@@ -8,17 +9,21 @@ reuses the saved FP8 ``x`` and weight, and writes ``grad_x`` and ``grad_weight``
 dtypes (fp32 master weights get fp32 gradients). The output and the bias stay in the compute dtype.
 
 Turn it on per module (``GroupedLinear(..., fp8=True)``), per call (``grouped_linear(..., fp8=True)``),
-or for a region (``with patchgemm.fp8_autocast(): ...``), which reaches every grouped linear and
-grouped MLP inside that was not told otherwise. Ragged (mixture-of-experts) groups run in their
+or for a region (``with patchgemm.fp8_autocast(): ...``), which reaches every grouped linear, grouped
+MLP, patch embedding and unembedding (and hierarchical stem) inside that was not told otherwise. A
+patch embedding is the grouped linear of one group over its patch matrix: x's patches gathered once
+(as the GEMM paths of patch_embed gather them), quantized, one FP8 GEMM. Ragged (mixture-of-experts) groups run in their
 usual precision there; asking them for FP8 directly is an error.
 """
 
 import contextlib
 import dataclasses
+import math
 from typing import Optional, Union
 
 import torch
 
+from ._args import unsafe_view
 from .ops import ops
 
 __all__ = ["Float8Recipe", "fp8_autocast"]
@@ -146,3 +151,91 @@ def grouped_linear(x3: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     grad = torch.is_grad_enabled()
     return _GroupedLinearFp8.apply(x3, weight, bias, group_major, out_dtype, recipe, grad and x3.requires_grad,
                                    grad and weight.requires_grad)
+
+
+# ---- kernel == stride convolutions: one GEMM of the patch matrix, in FP8 -------------------------
+
+def _check_operands(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], channels: int):
+    """What the FP8 path needs beyond the shapes its caller checked: floating operands on one device
+    and a bias of `channels` values."""
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in _COMPUTE_DTYPES:
+            raise TypeError(f"{op}: FP8 needs float32, float16 or bfloat16 {name}, got {t.dtype} "
+                            f"(shape {tuple(t.shape)})")
+    if x.device != weight.device:
+        raise RuntimeError(f"{op}: x is on {x.device} but weight is on {weight.device}")
+    if bias is not None and (bias.shape != (channels,) or bias.device != weight.device):
+        raise RuntimeError(f"{op}: bias must be [{channels}] on {weight.device} to match weight "
+                           f"{tuple(weight.shape)}, got shape {tuple(bias.shape)} on {bias.device}")
+
+
+def _gemm(patches: torch.Tensor, weight2: torch.Tensor, bias: Optional[torch.Tensor], recipe: Float8Recipe,
+          out_dtype: torch.dtype) -> torch.Tensor:
+    """patches [T, K] @ weight2 [N, K]^T (+ bias [N]) as the FP8 grouped linear of one group: [T, N]."""
+    y = grouped_linear(patches.unsqueeze(1), weight2.unsqueeze(0), None if bias is None else bias.unsqueeze(0),
+                       False, recipe, out_dtype)
+    return y.squeeze(1)
+
+
+def patch_embed(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_format: str,
+                recipe: Float8Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+    """patch_embed of a batched x [B, C, *S] in FP8: the patch matrix [B * N, C * prod(k)] (one
+    copy of x, which autograd scatters back), one FP8 GEMM with the weight [E, C * prod(k)], the
+    tokens reshaped to out_format. Spatial positions that fill no whole patch are left out, as the
+    conv leaves them."""
+    op = "patch_embed"
+    rank, (batch, channels), kernel = weight.dim() - 2, x.shape[:2], weight.shape[2:]
+    if channels != weight.shape[1]:
+        raise RuntimeError(f"{op}: x has {channels} channels (shape {tuple(x.shape)}) but weight [E, C, *kernel] "
+                           f"expects {weight.shape[1]} (shape {tuple(weight.shape)})")
+    if any(s < k for s, k in zip(x.shape[2:], kernel)):
+        raise RuntimeError(f"{op}: x {tuple(x.shape)} is smaller than one patch {tuple(kernel)} (weight "
+                           f"{tuple(weight.shape)})")
+    _check_operands(op, x, weight, bias, weight.shape[0])
+    grid = [s // k for s, k in zip(x.shape[2:], kernel)]
+    whole = x[(slice(None), slice(None), *(slice(0, g * k) for g, k in zip(grid, kernel)))]
+    split = whole.reshape(batch, channels, *(n for g, k in zip(grid, kernel) for n in (g, k)))
+    # [B, C, g1, k1, g2, k2, ...] -> [B, g1, g2, ..., C, k1, k2, ...]: rows are tokens, columns the conv's (c, k...) order.
+    order = (0, *range(2, 2 + 2 * rank, 2), 1, *range(3, 3 + 2 * rank, 2))
+    patches = split.permute(order).reshape(batch * math.prod(grid), -1)
+    tokens = _gemm(patches, weight.reshape(weight.shape[0], -1), bias, recipe, out_dtype).view(batch, -1, weight.shape[0])
+    if out_format == "tokens":
+        return tokens
+    # Channels-last strides over the tokens' memory (not a view of them, as the op returns it).
+    channels_first = unsafe_view(tokens.transpose(1, 2), (batch, weight.shape[0], *grid))
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if out_format == "channels_last" or (channels_last is not None and not x.is_contiguous()
+                                         and x.is_contiguous(memory_format=channels_last)):
+        return channels_first  # (the conv's output follows x's memory format)
+    return channels_first.contiguous()
+
+
+def patch_unembed(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grid: Optional[list],
+                  recipe: Float8Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+    """patch_unembed of a batched x (tokens [B, N, C_in] where `grid` is given, else channels-first
+    [B, C_in, *grid]) in FP8: one FP8 GEMM of the tokens [B * N, C_in] with the weight as
+    [C_out * prod(k), C_in] (the bias repeated per kernel position), then the patches scattered into
+    [B, C_out, *(grid * k)], contiguous."""
+    op = "patch_unembed"
+    rank, (in_channels, out_channels), kernel = weight.dim() - 2, weight.shape[:2], list(weight.shape[2:])
+    if grid is not None:
+        if x.dim() != 3 or x.shape[2] != in_channels or x.shape[1] != math.prod(grid):
+            raise RuntimeError(f"{op}: x must be tokens [B, N, {in_channels}] with N = {math.prod(grid)} (grid "
+                               f"{tuple(grid)}) for weight {tuple(weight.shape)}, got shape {tuple(x.shape)}")
+        tokens = x.reshape(-1, in_channels)
+    else:
+        if x.dim() != rank + 2 or x.shape[1] != in_channels:
+            raise RuntimeError(f"{op}: x must be [B, {in_channels}, *grid] ({rank} grid dims) for weight "
+                               f"{tuple(weight.shape)}, got shape {tuple(x.shape)}")
+        grid = list(x.shape[2:])
+        tokens = x.flatten(2).transpose(1, 2).reshape(-1, in_channels)
+    _check_operands(op, x, weight, bias, out_channels)
+    per_patch = math.prod(kernel)
+    weight2 = weight.reshape(in_channels, out_channels * per_patch).t()  # [C_out * prod(k), C_in]
+    bias2 = None if bias is None else bias.repeat_interleave(per_patch)
+    patches = _gemm(tokens, weight2, bias2, recipe, out_dtype)  # [B * N, C_out * prod(k)]
+    batch = x.shape[0]
+    split = patches.view(batch, *grid, out_channels, *kernel)
+    # [B, g1, g2, ..., C, k1, k2, ...] -> [B, C, g1, k1, g2, k2, ...]
+    order = (0, rank + 1, *(d for i in range(rank) for d in (1 + i, rank + 2 + i)))
+    return split.permute(order).reshape(batch, out_channels, *(g * k for g, k in zip(grid, kernel)))

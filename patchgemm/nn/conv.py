@@ -2,7 +2,7 @@
 ConvTranspose*d) and GroupedPointwiseConv (grouped 1 x 1 Conv*d)."""
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -10,6 +10,8 @@ from torch import Tensor, nn
 from .. import functional as F
 from .._args import EMBED_FORMATS, as_grid, check_format, check_pad, check_sizes
 from ..conv_rules import patch_problem, pointwise_problem
+from ..fp8 import Float8Recipe
+from ..fp8 import resolve as resolve_fp8
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 CONV_TRANSPOSES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -85,13 +87,16 @@ class PatchEmbed(_ConvAttributes, nn.Module):
     ``conv(x).flatten(2).transpose(1, 2)`` gives), ``"channels_last"`` the conv's shape over
     those tokens' memory (see :func:`patchgemm.functional.patch_embed`); the last positions of a
     spatial size the patch does not divide are left out, as the conv leaves them (``pad="dynamic"``
-    zero-pads them to a whole patch instead).
+    zero-pads them to a whole patch instead). ``fp8``: the GEMM in FP8 (``True``, a
+    ``Float8Recipe``), never (``False``), or as the enclosing ``fp8_autocast`` says (None).
     """
 
     def __init__(self, in_channels: int, embed_dim: int, patch_size, bias: bool = True, *,
                  dims: Optional[int] = None, out_format: str = "channels_first",
-                 pad: Optional[str] = None, device=None, dtype=None):
+                 pad: Optional[str] = None, device=None, dtype=None, fp8: Union[None, bool, Float8Recipe] = None):
         super().__init__()
+        resolve_fp8("PatchEmbed", fp8)  # checks its type
+        self.fp8 = fp8
         self.kernel_size = _patch_size(patch_size, dims, "PatchEmbed")
         in_channels, embed_dim = check_sizes("PatchEmbed", 0, in_channels=in_channels, embed_dim=embed_dim)
         self.in_channels, self.embed_dim = in_channels, embed_dim
@@ -125,11 +130,13 @@ class PatchEmbed(_ConvAttributes, nn.Module):
         self._pad = value
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.patch_embed_unchecked(x, self.weight, self.bias, self._out_format, self._pad)
+        return F.patch_embed_unchecked(x, self.weight, self.bias, self._out_format, self._pad,
+                                       resolve_fp8("PatchEmbed", self.fp8))
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.embed_dim}, patch_size={self.kernel_size}, "
-                f"bias={self.bias is not None}, out_format={self.out_format!r}")
+                f"bias={self.bias is not None}, out_format={self.out_format!r}"
+                + (f", fp8={self.fp8!r}" if self.fp8 is not None else ""))
 
     @classmethod
     def from_conv(cls, conv: nn.Module, out_format: str = "channels_first") -> "PatchEmbed":
@@ -193,12 +200,16 @@ class PatchUnembed(_ConvAttributes, nn.Module):
 
     Parameters ``weight[C_in, C_out, *k]`` and ``bias[C_out]`` as in the ConvTranspose.
     ``in_format="tokens"`` takes ``[B, N, C_in]``; pass ``grid`` to the constructor or to forward.
+    ``fp8`` as for :class:`PatchEmbed`.
     """
 
     def __init__(self, in_channels: int, out_channels: int, patch_size, bias: bool = True, *,
                  dims: Optional[int] = None, in_format: str = "channels_first",
-                 grid: Optional[Sequence[int]] = None, device=None, dtype=None):
+                 grid: Optional[Sequence[int]] = None, device=None, dtype=None,
+                 fp8: Union[None, bool, Float8Recipe] = None):
         super().__init__()
+        resolve_fp8("PatchUnembed", fp8)  # checks its type
+        self.fp8 = fp8
         check_format("PatchUnembed: in_format", in_format)
         self.kernel_size = _patch_size(patch_size, dims, "PatchUnembed")
         in_channels, out_channels = check_sizes("PatchUnembed", 0, in_channels=in_channels, out_channels=out_channels)
@@ -214,11 +225,12 @@ class PatchUnembed(_ConvAttributes, nn.Module):
 
     def forward(self, x: Tensor, grid: Optional[Sequence[int]] = None) -> Tensor:
         return F.patch_unembed(x, self.weight, self.bias, in_format=self.in_format,
-                               grid=grid if grid is not None else self.grid)
+                               grid=grid if grid is not None else self.grid, fp8=self.fp8)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, patch_size={self.kernel_size}, "
-                f"bias={self.bias is not None}, in_format={self.in_format!r}")
+                f"bias={self.bias is not None}, in_format={self.in_format!r}"
+                + (f", fp8={self.fp8!r}" if self.fp8 is not None else ""))
 
     @classmethod
     def from_conv_transpose(cls, conv: nn.Module, in_format: str = "channels_first",

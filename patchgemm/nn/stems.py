@@ -4,7 +4,7 @@ after the first a GEMM on a view of the one before."""
 import copy
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from .. import functional as F
 from .._args import as_grid, autocast, check_format, unsafe_view
 from .._functorch import call as _call
+from ..fp8 import Float8Recipe
+from ..fp8 import resolve as resolve_fp8
 from .conv import CONV_TRANSPOSES, CONVS, PatchEmbed, PatchUnembed, as_sizes, patch_conv_problem
 
 _ACTS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu, "silu": nn.functional.silu, None: None}
@@ -233,16 +235,22 @@ class HierarchicalPatchEmbed(nn.Module):
     of stage-s patches forming a stage-(s+1) patch is a run of contiguous rows), so stages 2..L are
     plain GEMMs on *views* of the previous stage's output, with no gather at all. The channels-first
     result shares those tokens' memory (strided like channels_last), so ``flatten(2).transpose(1, 2)``
-    after it is free.
+    after it is free. ``fp8`` (``True``, a ``Float8Recipe``; None: as the enclosing ``fp8_autocast``
+    says): every stage's GEMM in FP8, the stages one after the other, the norms in the compute dtype.
     """
+
+    fp8 = None  # (stems built by from_convs / from_sequential: as the enclosing region says)
 
     def __init__(self, in_chans: int, embed_dim: int, stages: Sequence = (4, 2, 2), *,
                  hidden_dim: Optional[int] = None, norm: Optional[str] = "instance",
                  act: Optional[str] = "gelu", bias: bool = True, dims: int = 3,
-                 out_format: str = "channels_first", device=None, dtype=None):
+                 out_format: str = "channels_first", device=None, dtype=None,
+                 fp8: Union[None, bool, Float8Recipe] = None):
         super().__init__()
         if not stages:
             raise ValueError("HierarchicalPatchEmbed: stages must not be empty")
+        resolve_fp8("HierarchicalPatchEmbed", fp8)  # checks its type
+        self.fp8 = fp8
         if act not in _ACTS:
             raise ValueError(f"HierarchicalPatchEmbed: act must be one of {list(_ACTS)}, got {act!r}")
         if dims not in (1, 2, 3):
@@ -290,8 +298,9 @@ class HierarchicalPatchEmbed(nn.Module):
         # Stage by stage where each conv leaves out what fills no patch, and on the CPU, where every
         # path is ATen's: there the token-ordered gather and the norms over tokens cost more than the
         # channels-first GEMMs and ATen's own norms one stage after the other (bench H1).
-        if x.device.type == "cpu" or any(s % t for s, t in zip(x.shape[2:], total)):
-            return self._stage_by_stage(x, stages, norms, acts)
+        recipe = resolve_fp8("HierarchicalPatchEmbed", self.fp8)
+        if recipe is not None or x.device.type == "cpu" or any(s % t for s, t in zip(x.shape[2:], total)):
+            return self._stage_by_stage(x, stages, norms, acts, recipe)
         grid = [s // t for s, t in zip(x.shape[2:], total)]
         # Stage-1 tokens ordered (final grid, k_L, ..., k_2): coarse first.
         levels = grid + [v for k in reversed(kernels[1:]) for v in k]
@@ -312,11 +321,13 @@ class HierarchicalPatchEmbed(nn.Module):
         # (an _unsafe_view: the same strides as the view, but not a view for FSDP2 to warn about)
         return unsafe_view(y.transpose(1, 2), (y.shape[0], y.shape[2], *grid))
 
-    def _stage_by_stage(self, x: Tensor, stages, norms, acts) -> Tensor:
+    def _stage_by_stage(self, x: Tensor, stages, norms, acts, recipe) -> Tensor:
         """The stem as its convs compute it, one after the other: for sizes that the total patch does
-        not divide, where a stage's grid is not the next stage's patches exactly, and on the CPU."""
+        not divide, where a stage's grid is not the next stage's patches exactly, on the CPU, and in
+        FP8 (`recipe`)."""
         for stage, norm, act in zip(stages, norms, acts):
-            x = _norm_act(F.patch_embed_unchecked(x, stage.weight, stage.bias, "channels_first", None), norm, act, None)
+            y = F.patch_embed_unchecked(x, stage.weight, stage.bias, "channels_first", None, recipe)
+            x = _norm_act(y, norm, act, None)
         return x.flatten(2).transpose(1, 2) if self.out_format == "tokens" else x
 
 
@@ -324,15 +335,21 @@ class HierarchicalPatchUnembed(nn.Module):
     """The inverse stack: ``ConvTranspose(kL) -> norm -> act -> ... -> ConvTranspose(k1)`` (``stages``
     listed finest first, as for :class:`HierarchicalPatchEmbed`), optionally with a norm and an
     activation after the last. Stages L..2 are GEMMs producing rows in patch-major order; the last
-    is one GEMM + one scatter."""
+    is one GEMM + one scatter. ``fp8`` as for :class:`HierarchicalPatchEmbed` (in FP8 each stage
+    is one FP8 GEMM + one scatter)."""
+
+    fp8 = None
 
     def __init__(self, embed_dim: int, out_chans: int, stages: Sequence = (4, 2, 2), *,
                  hidden_dim: Optional[int] = None, norm: Optional[str] = "instance",
                  act: Optional[str] = "gelu", bias: bool = True, dims: int = 3,
-                 in_format: str = "channels_first", device=None, dtype=None):
+                 in_format: str = "channels_first", device=None, dtype=None,
+                 fp8: Union[None, bool, Float8Recipe] = None):
         super().__init__()
         if not stages:
             raise ValueError("HierarchicalPatchUnembed: stages must not be empty")
+        resolve_fp8("HierarchicalPatchUnembed", fp8)  # checks its type
+        self.fp8 = fp8
         if act not in _ACTS:
             raise ValueError(f"HierarchicalPatchUnembed: act must be one of {list(_ACTS)}, got {act!r}")
         if dims not in (1, 2, 3):
@@ -388,6 +405,14 @@ class HierarchicalPatchUnembed(nn.Module):
                     f"HierarchicalPatchUnembed: x must be [B, {math.prod(grid)}, {first.in_channels}] for grid "
                     f"{tuple(grid)}, got {tuple(x.shape)}")
             y = x
+        recipe = resolve_fp8("HierarchicalPatchUnembed", self.fp8)
+        if recipe is not None:  # stage by stage, each channels-first output the next stage's input
+            for i, stage in enumerate(stages):
+                tokens = i == 0 and self.in_format == "tokens"
+                y = F.patch_unembed(y if i else x, stage.weight, stage.bias, in_format="tokens" if tokens else
+                                    "channels_first", grid=grid if tokens else None, fp8=recipe)
+                y = _norm_act(y, norms[i], acts[i], None)
+            return y
         y, = autocast(y)
         for i, stage in enumerate(stages[:-1]):
             patch = math.prod(stage.kernel_size)

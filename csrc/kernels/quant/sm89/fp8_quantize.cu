@@ -63,7 +63,20 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x,
   unsigned int local = 0;
   const int64_t packs = n / kSize, stride = int64_t(gridDim.x) * kThreads;
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  for (int64_t i = first; i < packs; i += stride) {
+  // kLoads packs in flight per thread: one 16-byte load at a time leaves HBM underused.
+  constexpr int kLoads = 4;
+  int64_t i = first;
+  for (; i + (kLoads - 1) * stride < packs; i += kLoads * stride) {
+    P p[kLoads];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) p[k] = reinterpret_cast<const P*>(x)[i + k * stride];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+#pragma unroll
+      for (int j = 0; j < kSize; ++j) local = max(local, abs_bits(static_cast<float>(p[k].v[j])));
+    }
+  }
+  for (; i < packs; i += stride) {
     const P p = reinterpret_cast<const P*>(x)[i];
 #pragma unroll
     for (int j = 0; j < kSize; ++j) local = max(local, abs_bits(static_cast<float>(p.v[j])));
@@ -104,8 +117,9 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
 
 // The same cast for x viewed as [P, R, C], writing data [P, R, C] (if given) and data_t [P, C, R]:
 // a block quantizes a 64 x 64 tile, reading x and writing data along C, and writes data_t from the
-// tile in shared memory along R. kVec consecutive values per thread (4 where R and C are multiples
-// of 4: 8- or 16-byte loads, 4-byte stores both ways; else 1).
+// tile in shared memory along R. kVec consecutive values per thread (8 where R and C are multiples
+// of 8: 16-byte loads of 16-bit x, 8-byte stores both ways; 4 where they are multiples of 4; else 1),
+// every load of a tile issued before the first store.
 constexpr int kTile = 64;
 
 template <typename T, __nv_fp8_interpretation_t kFormat, int kVec>
@@ -113,9 +127,9 @@ __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const T* __restrict__ x, int64_t P, int64_t R, int64_t C,
                           const unsigned int* __restrict__ amax_bits, __nv_fp8_storage_t* __restrict__ data,
                           __nv_fp8_storage_t* __restrict__ data_t, float* __restrict__ scale_out) {
-  constexpr int kLanes = kTile / kVec, kRowsPerPass = kThreads / kLanes;
+  constexpr int kLanes = kTile / kVec, kRowsPerPass = kThreads / kLanes, kPasses = kTile / kRowsPerPass;
   // Rows of 68 bytes: 4-byte aligned, and the column reads of the transposed store spread over banks.
-  __shared__ __align__(4) __nv_fp8_storage_t tile[kTile][kTile + 4];
+  __shared__ __align__(8) __nv_fp8_storage_t tile[kTile][kTile + 4];
   const Scaling<kFormat> quantize(amax_bits);
   if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *scale_out = quantize.scale;
   const int lane = threadIdx.x % kLanes, first_row = threadIdx.x / kLanes;
@@ -124,26 +138,43 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t p = blockIdx.z; p < P; p += gridDim.z) {
     const T* in = x + p * R * C;
     for (int64_t rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
-      const int64_t r0 = rt * kTile;
-      for (int i = first_row; i < kTile; i += kRowsPerPass) {
-        const int64_t r = r0 + i, c = c0 + int64_t(lane) * kVec;  // C % kVec == 0: all kVec or none
+      const int64_t r0 = rt * kTile, c = c0 + int64_t(lane) * kVec;  // C % kVec == 0: all kVec or none
+      Vec<T, kVec> v[kPasses];
+#pragma unroll
+      for (int k = 0; k < kPasses; ++k) {
+        const int64_t r = r0 + first_row + k * kRowsPerPass;
+        if (r < R && c < C) v[k] = *reinterpret_cast<const Vec<T, kVec>*>(in + r * C + c);
+      }
+#pragma unroll
+      for (int k = 0; k < kPasses; ++k) {
+        const int i = first_row + k * kRowsPerPass;
+        const int64_t r = r0 + i;
         Bytes<kVec> q{};
         if (r < R && c < C) {
-          const Vec<T, kVec> v = *reinterpret_cast<const Vec<T, kVec>*>(in + r * C + c);
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) q.v[j] = quantize(v.v[j]);
+          for (int j = 0; j < kVec; ++j) q.v[j] = quantize(v[k].v[j]);
           if (data != nullptr) *reinterpret_cast<Bytes<kVec>*>(data + p * R * C + r * C + c) = q;
         }
-        *reinterpret_cast<Bytes<kVec>*>(&tile[i][lane * kVec]) = q;
+        // 4-byte pieces: a row of the tile is 68 bytes, so 8-byte pieces are not all 8-aligned.
+#pragma unroll
+        for (int j = 0; j < kVec; j += 4) {
+          if constexpr (kVec >= 4) {
+            *reinterpret_cast<Bytes<4>*>(&tile[i][lane * kVec + j]) = *reinterpret_cast<const Bytes<4>*>(&q.v[j]);
+          } else {
+            tile[i][lane * kVec + j] = q.v[j];
+          }
+        }
       }
       __syncthreads();
-      for (int i = first_row; i < kTile; i += kRowsPerPass) {  // row c0 + i of data_t[p], from column r0 + lane * kVec
-        const int64_t c = c0 + i, r = r0 + int64_t(lane) * kVec;
-        if (c < C && r < R) {
+#pragma unroll
+      for (int k = 0; k < kPasses; ++k) {  // row c0 + i of data_t[p], from column r0 + lane * kVec
+        const int i = first_row + k * kRowsPerPass;
+        const int64_t ct = c0 + i, r = r0 + int64_t(lane) * kVec;
+        if (ct < C && r < R) {
           Bytes<kVec> q;
 #pragma unroll
           for (int j = 0; j < kVec; ++j) q.v[j] = tile[lane * kVec + j][i];
-          *reinterpret_cast<Bytes<kVec>*>(data_t + p * R * C + c * R + r) = q;
+          *reinterpret_cast<Bytes<kVec>*>(data_t + p * R * C + ct * R + r) = q;
         }
       }
       __syncthreads();
@@ -196,18 +227,23 @@ void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
       const dim3 grid(static_cast<unsigned>(std::max<int64_t>(col_tiles, 1)),
                       static_cast<unsigned>(std::clamp<int64_t>(row_tiles, 1, 65535)),
                       static_cast<unsigned>(std::clamp<int64_t>(P, 1, 65535)));
-      // 4 values per thread where every 4-value group starts 4-aligned in x, data and data_t.
-      const bool by4 = R % 4 == 0 && C % 4 == 0 && reinterpret_cast<uintptr_t>(out_t) % 4 == 0 &&
-                       (out == nullptr || reinterpret_cast<uintptr_t>(out) % 4 == 0);
+      // kVec values per thread where every kVec-value group starts kVec-aligned in x, data and data_t.
+      const auto fits = [&](int64_t vec) {
+        return R % vec == 0 && C % vec == 0 && reinterpret_cast<uintptr_t>(out_t) % vec == 0 &&
+               (out == nullptr || reinterpret_cast<uintptr_t>(out) % vec == 0);
+      };
+      const bool by8 = fits(8), by4 = fits(4);
       const auto launch = [&](auto kernel) {
         kernel<<<grid, kThreads, 0, stream>>>(in, P, R, C, bits, out, out_t, scale_out);
       };
       if (e4m3) {
-        by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 4>)
-            : launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 1>);
+        by8   ? launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 8>)
+        : by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 4>)
+              : launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 1>);
       } else {
-        by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 4>)
-            : launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 1>);
+        by8   ? launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 8>)
+        : by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 4>)
+              : launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 1>);
       }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
