@@ -1,9 +1,9 @@
 """FP8 grouped linear against bf16 and against the FP8 a user can write with PyTorch, same run.
 
-    python bench/fp8.py [--json out.json] [--shapes G1,...]
+    python bench/fp8.py [--json out.json] [--shapes G1,...,P1,H1,R1]
 
-Per shape ([B, G, Din] -> Dout per group, bias): forward and forward+backward, GPU time (median of
-CUDA events, the host's issue time apart) for
+Per grouped-linear shape ([B, G, Din] -> Dout per group, bias): forward and forward+backward, GPU
+time (median of CUDA events, the host's issue time apart) for
   patchgemm bf16              GroupedLinear in bfloat16;
   patchgemm fp8               GroupedLinear(fp8=True) on the same bfloat16 tensors (quantization of x
                               and the weight included in every call, as current scaling does);
@@ -11,6 +11,11 @@ CUDA events, the host's issue time apart) for
                               (broadcast) row-wise scales, then the [G, B, N] -> [B, G, N] copy;
   torch._scaled_mm per group  the same quantization, G FP8 GEMMs, stacked.
 PyTorch's FP8 GEMMs have no backward: forward+backward compares with bf16 only.
+The layer cases (P1: ViT-B/16's stem at batch 128, tokens out; H1: a MATEY-style 3-D hMLP stem,
+x [8, 4, 128^3], kernels 2, 2, 4 to 768; R1: a mixture of experts' layer, 8 experts of 1024 -> 2048
+over 16k routed rows, group sizes uneven) compare patchgemm bf16 with patchgemm fp8 only (no
+PyTorch FP8 path exists for them); forward+backward computes the weights' gradients (and the
+input's for R1).
 Needs an sm_89+ GPU.
 """
 
@@ -96,15 +101,77 @@ def measure(shape_id, device):
     return rows
 
 
+def layer_case(case_id, device):
+    """(module in bf16, the same in fp8, x, needs x's gradient, GEMM flops of the forward)."""
+    torch.manual_seed(0)
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    if case_id == "P1":
+        make = lambda fp8: patchgemm.PatchEmbed(3, 768, 16, out_format="tokens", fp8=fp8, **bf16)  # noqa: E731
+        x, flops = torch.randn(128, 3, 224, 224, **bf16), 2.0 * 128 * 196 * 768 * 768
+        return make(False), make(True), (x,), False, flops
+    if case_id == "H1":
+        make = lambda fp8: patchgemm.HierarchicalPatchEmbed(  # noqa: E731
+            4, 768, (2, 2, 4), hidden_dim=192, fp8=fp8, **bf16)
+        x = torch.randn(8, 4, 128, 128, 128, **bf16)
+        tokens = 8 * 64**3
+        flops = 2.0 * (tokens * 4 * 8 * 192 + tokens / 8 * 192 * 8 * 192 + tokens / 512 * 192 * 64 * 768)
+        return make(False), make(True), (x,), False, flops
+    if case_id == "R1":
+        sizes = torch.tensor([3000, 100, 2500, 1999, 2001, 4100, 1084, 1600], device=device)
+        make = lambda fp8: _Ragged(8, 1024, 2048, sizes, fp8, bf16)  # noqa: E731
+        x = torch.randn(int(sizes.sum()), 1024, **bf16, requires_grad=True)
+        return make(False), make(True), (x,), True, 2.0 * x.shape[0] * 1024 * 2048
+    raise ValueError(f"unknown case {case_id}")
+
+
+class _Ragged(torch.nn.Module):
+    def __init__(self, groups, din, dout, sizes, fp8, factory):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(groups, dout, din, **factory) / din**0.5)
+        self.sizes, self.fp8 = sizes, fp8
+
+    def forward(self, x):
+        return patchgemm.grouped_linear(x, self.weight, group_sizes=self.sizes, fp8=self.fp8)
+
+
+def measure_layer(case_id, device):
+    plain, fp8, inputs, needs_dx, flops = layer_case(case_id, device)
+    fp8.load_state_dict(plain.state_dict())
+    rows = []
+    with torch.no_grad():
+        reference = plain(*inputs).double()
+    for name, module in (("patchgemm bf16", plain), ("patchgemm fp8", fp8)):
+        with torch.no_grad():
+            error = ((module(*inputs).double() - reference).norm() / reference.norm()).item()
+            t = time_ms(lambda i, module=module: module(*inputs), device)
+        rows.append({"shape": case_id, "pass": "fwd", "impl": name, "gpu_ms": t.ms, "host_ms": t.host_ms,
+                     "rel_err_vs_bf16": error, "tflops": flops / t.ms / 1e9})
+        grad = torch.randn_like(reference, dtype=torch.bfloat16)
+
+        def step(i, module=module, grad=grad):
+            for x in inputs:
+                x.grad = None
+            module.zero_grad(set_to_none=True)
+            module(*inputs).backward(grad)
+        t = time_ms(step, device)
+        rows.append({"shape": case_id, "pass": "fwd+bwd", "impl": name, "gpu_ms": t.ms, "host_ms": t.host_ms,
+                     "tflops": flops * (3 if needs_dx else 2) / t.ms / 1e9})
+    return rows
+
+
+LAYERS = ("P1", "H1", "R1")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows and the environment here")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated ids of " + ", ".join(SHAPES))
+    every = (*SHAPES, *LAYERS)
+    parser.add_argument("--shapes", default=",".join(every), help="comma-separated ids of " + ", ".join(every))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         sys.exit("bench/fp8.py: needs an sm_89+ NVIDIA GPU")
     device = torch.device("cuda")
-    rows = [r for s in args.shapes.split(",") for r in measure(s, device)]
+    rows = [r for s in args.shapes.split(",") for r in (measure_layer if s in LAYERS else measure)(s, device)]
     print(format_rows(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -82,13 +82,17 @@ class RaggedGroupedLinear(_Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = call("ragged_grouped_linear", grad_y, weight.transpose(1, 2), None, offsets) if need_x else None
         grad_w = ops.ragged_grouped_linear_grad_weight(grad_y.detach(), x.detach(), offsets) if need_w else None
-        grad_b = None
-        if need_b and ctx.has_bias:
-            ends = offsets.to(device=grad_y.device, dtype=torch.int64)
-            sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-            wide = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
-            grad_b = torch.segment_reduce(grad_y.to(wide), "sum", lengths=sizes).to(grad_y.dtype)
+        grad_b = ragged_bias_grad(grad_y, offsets) if need_b and ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
+
+
+def ragged_bias_grad(grad_y, offsets):
+    """Each group's sum of its rows of grad_y [N, Dout] (offsets: the groups' end rows), summed in
+    fp32 (float64 for float64), without a host sync: [G, Dout] of grad_y's dtype."""
+    ends = offsets.to(device=grad_y.device, dtype=torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    wide = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
+    return torch.segment_reduce(grad_y.to(wide), "sum", lengths=sizes).to(grad_y.dtype)
 
 
 class GroupedPointwiseConv(_Function):

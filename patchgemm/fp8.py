@@ -12,8 +12,11 @@ Turn it on per module (``GroupedLinear(..., fp8=True)``), per call (``grouped_li
 or for a region (``with patchgemm.fp8_autocast(): ...``), which reaches every grouped linear, grouped
 MLP, patch embedding and unembedding (and hierarchical stem) inside that was not told otherwise. A
 patch embedding is the grouped linear of one group over its patch matrix: x's patches gathered once
-(as the GEMM paths of patch_embed gather them), quantized, one FP8 GEMM. Ragged (mixture-of-experts) groups run in their
-usual precision there; asking them for FP8 directly is an error.
+(as the GEMM paths of patch_embed gather them), quantized, one FP8 GEMM. Ragged groups (grouped_linear
+with group_sizes / offsets, moe_experts) run their forward and input gradient in FP8 and their weight
+gradient in the compute dtype (see _RaggedLinearFp8); on sm_90 torch._scaled_grouped_mm runs them
+without a host sync where the recipe's formats are e4m3 (its only format): a recipe with
+``backward_format=torch.float8_e4m3fn`` keeps the backward sync-free too.
 """
 
 import contextlib
@@ -24,6 +27,7 @@ from typing import Optional, Union
 import torch
 
 from ._args import unsafe_view
+from ._functorch import ragged_bias_grad
 from .ops import ops
 
 __all__ = ["Float8Recipe", "fp8_autocast"]
@@ -151,6 +155,62 @@ def grouped_linear(x3: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     grad = torch.is_grad_enabled()
     return _GroupedLinearFp8.apply(x3, weight, bias, group_major, out_dtype, recipe, grad and x3.requires_grad,
                                    grad and weight.requires_grad)
+
+
+# ---- ragged groups (mixture-of-experts layers) ------------------------------------------------------
+
+class _RaggedLinearFp8(torch.autograd.Function):
+    """y_g = x_g @ weight[g]^T + bias[g] over ragged row groups with x and the weight in e4m3; the
+    input gradient's GEMM in FP8 as well (grad_y in the recipe's backward format), the weight's in
+    the compute dtype, as torchao's rowwise MoE recipe with a high-precision weight gradient: its
+    reduction runs over each group's rows, which no FP8 grouped GEMM takes at arbitrary group sizes
+    (their K-major operands need every group a multiple of 16 rows). The forward saves x in the
+    compute dtype and the weight's transposed FP8 copy."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, offsets, out_dtype: torch.dtype, recipe: Float8Recipe, need_grad_x: bool,
+                need_grad_w: bool):
+        fmt = recipe.forward_format
+        x8, _, x_scale = ops.quantize_fp8(x, fmt, True, False)
+        w8, w8_t, w_scale = ops.quantize_fp8(weight, fmt, True, need_grad_x)
+        ctx.save_for_backward(x.to(out_dtype) if need_grad_w else None, w8_t if need_grad_x else None, w_scale,
+                              offsets)
+        ctx.recipe, ctx.x_dtype, ctx.w_dtype, ctx.out_dtype = recipe, x.dtype, weight.dtype, out_dtype
+        return ops.scaled_ragged_mm(x8, w8, x_scale, w_scale, bias, offsets, out_dtype, recipe.fast_accumulation)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        x, w8_t, w_scale, offsets = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        if need_x:  # grad_x_g [rows, Din] = grad_y_g [rows, Dout] @ weight[g] [Dout, Din]
+            g8, _, g_scale = ops.quantize_fp8(grad_y, ctx.recipe.backward_format, True, False)
+            grad_x = ops.scaled_ragged_mm(g8, w8_t, g_scale, w_scale, None, offsets, ctx.x_dtype, False)
+        if need_w:
+            grad_w = ops.ragged_grouped_linear_grad_weight(grad_y.to(ctx.out_dtype), x, offsets).to(ctx.w_dtype)
+        if need_b:
+            grad_b = ragged_bias_grad(grad_y, offsets)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def ragged_grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], offsets: torch.Tensor,
+                          recipe: Float8Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 ragged grouped linear of x [N, Din] sorted by group (offsets: the groups' end rows, as
+    ragged_grouped_linear takes them); out_dtype the compute dtype, the bias cast to it."""
+    op = "grouped_linear"
+    if x.dim() != 2 or x.shape[1] != weight.shape[2]:
+        raise RuntimeError(f"{op}: with ragged groups, x must be [N, Din] with Din = {weight.shape[2]} (weight "
+                           f"{tuple(weight.shape)}), got shape {tuple(x.shape)}")
+    _check_operands(op, x, weight, None, 0)
+    if bias is not None:
+        if bias.shape != weight.shape[:2] or bias.device != weight.device:
+            raise RuntimeError(f"{op}: bias must be [G, Dout] = {list(weight.shape[:2])} on {weight.device}, got "
+                               f"shape {tuple(bias.shape)} on {bias.device}")
+        bias = bias.to(out_dtype)
+    grad = torch.is_grad_enabled()
+    return _RaggedLinearFp8.apply(x, weight, bias, offsets, out_dtype, recipe, grad and x.requires_grad,
+                                  grad and weight.requires_grad)
 
 
 # ---- kernel == stride convolutions: one GEMM of the patch matrix, in FP8 -------------------------

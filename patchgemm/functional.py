@@ -35,7 +35,8 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         offsets: instead of ``group_sizes``, their cumulative sums (``torch._grouped_mm``'s
             ``offs``): group g is rows ``offsets[g-1]:offsets[g]``.
         fp8: run in FP8 (patchgemm.fp8): ``True`` (the default recipe), a ``Float8Recipe``, ``False``
-            (never), or None (the enclosing ``fp8_autocast`` region's choice). Not for ragged groups.
+            (never), or None (the enclosing ``fp8_autocast`` region's choice). Ragged groups compute
+            their weight gradient in the compute dtype.
 
     Returns:
         ``y`` in the layout of ``x`` with Din replaced by Dout:
@@ -55,9 +56,7 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         raise TypeError("grouped_linear: bias must be a tensor or None")
     recipe = _fp8.resolve("grouped_linear", fp8)
     if group_sizes is not None or offsets is not None:
-        if fp8:
-            raise ValueError("grouped_linear: fp8 is not supported for ragged groups (group_sizes / offsets)")
-        return _ragged_grouped_linear(*autocast(x, weight, bias), group_sizes, offsets)
+        return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe)
     if x.dim() == 3:  # the op's own form, in either layout
         return _grouped_linear_3d(x, weight, bias, layout == "gbd", recipe)
 
@@ -94,9 +93,20 @@ def _grouped_linear_3d(x3, weight, bias, group_major, recipe):
     return _call("grouped_linear", *autocast(x3, weight, bias), group_major)
 
 
-def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):
+def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe):
+    """The ragged op with the group bounds as offsets (a tensor), in autocast's dtype or in FP8."""
+    if recipe is not None:
+        ends = _ragged_ends(x, weight, group_sizes, offsets)
+        return _fp8.ragged_grouped_linear(x, weight, bias, ends, recipe, autocast_dtype(x) or x.dtype)
+    x, weight, bias = autocast(x, weight, bias)
+    return _call("ragged_grouped_linear", x, weight, bias, _ragged_ends(x, weight, group_sizes, offsets))
+
+
+def _ragged_ends(x, weight, group_sizes, offsets):
+    """group_sizes or offsets as the offsets tensor the ragged ops take (checked here where given as a
+    sequence; the ops check a tensor's values)."""
     if group_sizes is None and isinstance(offsets, Tensor):  # the op checks x and them
-        return _call("ragged_grouped_linear", x, weight, bias, offsets)
+        return offsets
     if group_sizes is not None and offsets is not None:
         raise ValueError("grouped_linear: give group_sizes or offsets, not both")
     if x.dim() != 2:
@@ -123,7 +133,7 @@ def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets):
     if ends.shape[0] != weight.shape[0]:
         raise RuntimeError(f"grouped_linear: {name} has {ends.shape[0]} entries but weight {tuple(weight.shape)} "
                          f"has {weight.shape[0]} groups")
-    return _call("ragged_grouped_linear", x, weight, bias, ends)
+    return ends
 
 
 def grouped_pointwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, groups: int = 1) -> Tensor:
@@ -197,7 +207,8 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
     return grouped_linear(swiglu(gate_up), w_down, bias_down, layout, fp8=fp8)
 
 
-def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
+def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, *,
+                fp8: Union[None, bool, Float8Recipe] = None) -> Tensor:
     """The routed experts of a mixture of experts: for each token, the SwiGLU MLPs of the experts
     its router picked, weighted and summed.
 
@@ -208,6 +219,7 @@ def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_u
         expert_weight: ``[T, k]``, the router's weight of each.
         w_gate_up: ``[E, 2H, D]``, per expert the gate weight (rows ``:H``) then the up weight.
         w_down: ``[E, D, H]``.
+        fp8: both ragged GEMMs in FP8, as grouped_linear's ``fp8`` (the SwiGLU in the compute dtype).
 
     Returns ``[T, D]`` in x's dtype: ``sum_j expert_weight[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
     with ``e = expert_index[t, j]``, as transformers' Mixtral, Qwen-MoE, OLMoE and DeepSeek experts
@@ -252,8 +264,9 @@ def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_u
     offsets = torch.searchsorted(sorted_index, bounds, out_int32=True)  # pairs of experts <= e
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.shape[0], device=order.device)
-    gate_up = grouped_linear(_rows_by_expert(x, order, unsort, top_k), w_gate_up, offsets=offsets)
-    y = grouped_linear(swiglu(gate_up), w_down, offsets=offsets) * weight[order].unsqueeze(-1)
+    recipe = _fp8.resolve("moe_experts", fp8)
+    gate_up = grouped_linear(_rows_by_expert(x, order, unsort, top_k), w_gate_up, offsets=offsets, fp8=recipe or False)
+    y = grouped_linear(swiglu(gate_up), w_down, offsets=offsets, fp8=recipe or False) * weight[order].unsqueeze(-1)
     return _rows_by_slot(y, order, unsort).view(tokens, top_k, dim).sum(1).to(x.dtype)
 
 

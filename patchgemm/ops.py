@@ -193,3 +193,10 @@ def _(a, b, scale_a, scale_b, bias, group_major, out_dtype, fast_accum=False):
     torch._check(a.shape[group_dim(group_major)] == b.shape[0] and a.shape[2] == b.shape[2],
                  lambda: "scaled_grouped_mm: a and b must agree in G and K")
     return a.new_empty((a.shape[0], a.shape[1], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.register_fake("patchgemm::scaled_ragged_mm")
+def _(a, b, scale_a, scale_b, bias, offsets, out_dtype, fast_accum=False):
+    torch._check(a.dim() == 2 and b.dim() == 3, lambda: "scaled_ragged_mm: a must be 2-D, b 3-D")
+    torch._check(a.shape[1] == b.shape[2], lambda: "scaled_ragged_mm: a and b must agree in K")
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)

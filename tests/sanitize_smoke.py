@@ -38,10 +38,28 @@ def main():
                 assert torch.isfinite(scale) and torch.isfinite(data.float()).all()
                 data, data_t, scale = ops.quantize_fp8(x.view(1, -1, 1 if n % 7 else 7), torch.float8_e4m3fn, True, True)
                 assert torch.isfinite(data_t.float()).all()
+        # the transposing cast at 8, 4 and 1 values per thread, over several waves of tiles
+        for shape in ((4, 2048, 2056), (2, 2048, 2052), (2, 1000, 1027)):
+            data, data_t, scale = ops.quantize_fp8(torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+                                                   torch.float8_e4m3fn, True, True)
+            assert torch.isfinite(data.float()).all() and torch.isfinite(data_t.float()).all()
         x = torch.randn(64, 3, 32, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         layer = patchgemm.GroupedLinear(3, 32, 48, device="cuda", dtype=torch.bfloat16, fp8=True)
         y = layer(x)
         grads = torch.autograd.grad(y, [x, layer.weight, layer.bias], torch.randn_like(y))
+        assert all(torch.isfinite(t).all() for t in (y, *grads))
+        # ragged groups and a patch embedding in FP8
+        x = torch.randn(100, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        w = torch.randn(3, 32, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        sizes = torch.tensor([40, 0, 60], device="cuda")
+        for recipe in (patchgemm.Float8Recipe(), patchgemm.Float8Recipe(backward_format=torch.float8_e4m3fn)):
+            y = patchgemm.grouped_linear(x, w, group_sizes=sizes, fp8=recipe)
+            grads = torch.autograd.grad(y, [x, w], torch.randn_like(y))
+            assert all(torch.isfinite(t).all() for t in (y, *grads))
+        x = torch.randn(2, 3, 32, 32, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        w = torch.randn(64, 3, 8, 8, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        y = patchgemm.patch_embed(x, w, out_format="tokens", fp8=True)
+        grads = torch.autograd.grad(y, [x, w], torch.randn_like(y))
         assert all(torch.isfinite(t).all() for t in (y, *grads))
     # splitting at a lowered BLAS integer limit
     old = ops._set_blas_int_limit(6)

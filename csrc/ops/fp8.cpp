@@ -1,13 +1,16 @@
-// FP8 ops: quantization with current scaling, and the grouped GEMM of FP8 operands that writes its
-// output in the grouped-linear layout. Autograd lives in Python (patchgemm/fp8.py), which quantizes
+// FP8 ops: quantization with current scaling, the grouped GEMM of FP8 operands that writes its
+// output in the grouped-linear layout, and the ragged one. Autograd lives in Python (patchgemm/fp8.py), which quantizes
 // each GEMM's operands in the layout that GEMM reads.
 #include <ATen/ATen.h>
 #include <torch/library.h>
+
+#include <string>
 
 #include "kernels/quant/fp8.h"
 #include "ops/checks.h"
 #include "problems/fp8.h"
 #include "selection/fp8_tables.h"
+#include "selection/ragged_tables.h"
 
 namespace patchgemm {
 namespace {
@@ -26,6 +29,23 @@ void check_scale(const char* op, const char* name, const at::Tensor& scale, cons
               scale.sizes());
   TORCH_CHECK(scale.device() == like.device(), op, ": ", name, " is on ", scale.device(), " but the operands are on ",
               like.device());
+}
+
+// The scales, out_dtype and bias [G, <n>] (of out_dtype) of an FP8 GEMM of a and b [G, <n>, K].
+void check_scales_out_bias(const char* op, const at::Tensor& scale_a, const at::Tensor& scale_b,
+                           const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, const at::Tensor& a,
+                           const at::Tensor& b, const char* n) {
+  check_scale(op, "scale_a", scale_a, a);
+  check_scale(op, "scale_b", scale_b, a);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16, op,
+              ": out_dtype must be float32, float16 or bfloat16, got ", out_dtype);
+  if (!bias) return;
+  const std::string layout = std::string("[G, ") + n + "]";
+  check_dim(op, "bias", *bias, 2, layout.c_str());
+  TORCH_CHECK(bias->size(0) == b.size(0) && bias->size(1) == b.size(1), op, ": bias must be ", layout, " = [",
+              b.size(0), ", ", b.size(1), "], got ", bias->sizes());
+  TORCH_CHECK(bias->scalar_type() == out_dtype && bias->device() == a.device(), op, ": bias must be ", out_dtype,
+              " on ", a.device(), " (the output's dtype), got ", bias->scalar_type(), " on ", bias->device());
 }
 
 }  // namespace
@@ -52,32 +72,46 @@ at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at:
   TORCH_CHECK(a.size(group_dim) == b.size(0) && a.size(2) == b.size(2), op, ": a ", a.sizes(), " (layout ", layout,
               ") and b ", b.sizes(), " ([G, N, K]) must agree in G and K");
   TORCH_CHECK(a.device() == b.device(), op, ": a is on ", a.device(), " but b is on ", b.device());
-  check_scale(op, "scale_a", scale_a, a);
-  check_scale(op, "scale_b", scale_b, a);
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16, op,
-              ": out_dtype must be float32, float16 or bfloat16, got ", out_dtype);
-  if (bias) {
-    check_dim(op, "bias", *bias, 2, "[G, N]");
-    TORCH_CHECK(bias->size(0) == b.size(0) && bias->size(1) == b.size(1), op, ": bias must be [G, N] = [", b.size(0),
-                ", ", b.size(1), "], got ", bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == out_dtype && bias->device() == a.device(), op, ": bias must be ", out_dtype,
-                " on ", a.device(), " (the output's dtype), got ", bias->scalar_type(), " on ", bias->device());
-  }
+  check_scales_out_bias(op, scale_a, scale_b, bias, out_dtype, a, b, "N");
   at::Tensor out = at::empty({a.size(0), a.size(1), b.size(1)}, a.options().dtype(out_dtype));
   const at::Tensor a_by_group = group_major ? a : a.transpose(0, 1);
   const at::Tensor c = group_major ? out : out.transpose(0, 1);
   return select_scaled_grouped_mm({a_by_group, b, scale_a.reshape({}), scale_b.reshape({}), bias, fast_accum, out, c});
 }
 
+at::Tensor scaled_ragged_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                            const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, const at::Tensor& offsets,
+                            at::ScalarType out_dtype, bool fast_accum) {
+  constexpr const char* op = "scaled_ragged_mm";
+  check_fp8(op, "a", a, 2, "[N, K] (rows sorted by group)");
+  check_fp8(op, "b", b, 3, "[G, Nc, K]");
+  TORCH_CHECK(a.size(1) == b.size(2), op, ": a ", a.sizes(), " ([N, K]) and b ", b.sizes(),
+              " ([G, Nc, K]) must agree in K");
+  TORCH_CHECK(a.device() == b.device(), op, ": a is on ", a.device(), " but b is on ", b.device());
+  check_scales_out_bias(op, scale_a, scale_b, bias, out_dtype, a, b, "Nc");
+  check_dim(op, "offsets", offsets, 1, "[G] (cumulative group sizes)");
+  TORCH_CHECK(offsets.scalar_type() == at::kInt || offsets.scalar_type() == at::kLong, op,
+              ": offsets must be int32 or int64, got ", offsets.scalar_type());
+  TORCH_CHECK(offsets.size(0) == b.size(0), op, ": offsets has ", offsets.size(0), " entries but b has ", b.size(0),
+              " groups");
+  TORCH_CHECK(offsets.is_cpu() || offsets.device() == a.device(), op, ": offsets must be on the CPU or on a's device (",
+              a.device(), "), got ", offsets.device());
+  if (offsets.is_cpu()) ragged_bounds(op, offsets, a.size(0));  // free here; GPU offsets: where read
+  return select_scaled_ragged_mm(
+      {a.contiguous(), b.contiguous(), scale_a.reshape({}), scale_b.reshape({}), bias, offsets, out_dtype, fast_accum});
+}
+
 TORCH_LIBRARY_IMPL(patchgemm, CPU, m) {
   m.impl("quantize_fp8", &quantize_fp8);
   m.impl("scaled_grouped_mm", &scaled_grouped_mm);
+  m.impl("scaled_ragged_mm", &scaled_ragged_mm);
 }
 
 #ifdef PATCHGEMM_WITH_CUDA
 TORCH_LIBRARY_IMPL(patchgemm, CUDA, m) {
   m.impl("quantize_fp8", &quantize_fp8);
   m.impl("scaled_grouped_mm", &scaled_grouped_mm);
+  m.impl("scaled_ragged_mm", &scaled_ragged_mm);
 }
 #endif
 

@@ -98,6 +98,13 @@ TORCH_LIBRARY(patchgemm, m) {
   m.def(
       "scaled_grouped_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias, bool group_major, "
       "ScalarType out_dtype, bool fast_accum=False) -> Tensor");
+  // The ragged grouped linear of FP8 operands: a [N, K] sorted by group (group g its rows
+  // offsets[g-1] .. offsets[g], as ragged_grouped_linear's offsets), b [G, Nc, K], per-tensor scales;
+  // y_g = scale_a * scale_b * a_g @ b[g].T + bias[g], [N, Nc] contiguous of out_dtype (bias [G, Nc] of
+  // out_dtype). The forward and input-gradient GEMMs of an FP8 ragged grouped linear.
+  m.def(
+      "scaled_ragged_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias, Tensor offsets, "
+      "ScalarType out_dtype, bool fast_accum=False) -> Tensor");
 
   // "cpu" | "cuda" | "rocm", the arch list it was built for, and the BLAS library version.
   m.def("build_info() -> str[]", []() -> std::vector<std::string> {

@@ -27,4 +27,14 @@ struct ScaledGroupedProblem {
   at::Tensor out, c;
 };
 
+// scaled_ragged_mm: out_g [rows of group g, Nc] = scale_a * scale_b * a_g @ b[g]^T (+ bias[g]).
+struct ScaledRaggedProblem {
+  at::Tensor a, b;                 // FP8, [N, K] (rows sorted by group) and [G, Nc, K], K contiguous
+  at::Tensor scale_a, scale_b;     // float32 scalars
+  std::optional<at::Tensor> bias;  // [G, Nc], of out_dtype
+  at::Tensor offsets;              // [G] cumulative sizes, int32 or int64, on the CPU or a's device
+  at::ScalarType out_dtype;
+  bool fast_accum = false;
+};
+
 }  // namespace patchgemm

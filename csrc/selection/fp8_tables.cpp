@@ -1,7 +1,8 @@
 // The FP8 tables. quantize_fp8: two fused kernels (amax, then the cast) on NVIDIA GPUs, else ATen's
 // ops. scaled_grouped_mm: one cuBLASLt FP8 strided-batched matmul that writes the output in its final
 // layout; torch._scaled_mm once per group (a copy into the layout each); the operands dequantized to
-// float64 and ATen's bmm -- the CPU's path, and the GPU's where no FP8 GEMM applies.
+// float64 and ATen's bmm -- the CPU's path, and the GPU's where no FP8 GEMM applies. scaled_ragged_mm:
+// torch._scaled_grouped_mm (no host sync), cuBLASLt per group, or dequantized per group.
 #include <ATen/ATen.h>
 
 #include <sstream>
@@ -18,6 +19,7 @@
 #include "kernels/quant/fp8.h"
 #include "problems/fp8.h"
 #include "selection/fp8_tables.h"
+#include "selection/ragged_tables.h"
 #include "selection/registry.h"
 
 namespace patchgemm {
@@ -101,12 +103,13 @@ selection::ProblemFeatures gemm_features(const ScaledGroupedProblem& p) {
 #ifdef PATCHGEMM_WITH_CUDA
 #ifndef USE_ROCM
 // FP8 tensor cores: Ada and Hopper (sm_89, sm_90) and newer.
-WhyNot needs_fp8_gpu(const ScaledGroupedProblem& p) {
-  if (!p.a.is_cuda()) return "CUDA tensors only";
-  const cudaDeviceProp* props = at::cuda::getDeviceProperties(p.a.get_device());
+WhyNot needs_fp8_gpu(const at::Tensor& a) {
+  if (!a.is_cuda()) return "CUDA tensors only";
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(a.get_device());
   if (props->major * 10 + props->minor < 89) return "FP8 matmuls need sm_89 or newer";
   return {};
 }
+WhyNot grouped_needs_fp8_gpu(const ScaledGroupedProblem& p) { return needs_fp8_gpu(p.a); }
 #endif  // USE_ROCM
 #endif
 
@@ -118,14 +121,14 @@ const Table<ScaledGroupedProblem, at::Tensor> kScaledGroupedMm(
         {"cublaslt_fp8", "cuda sm_89+",
          "one cuBLASLt FP8 strided-batched matmul writing the final layout; K, leading dimensions and batch "
          "strides multiples of 16 bytes",
-         needs_fp8_gpu, nullptr,
+         grouped_needs_fp8_gpu, nullptr,
          [](const ScaledGroupedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            why = cuda::run_scaled_gemm_lt(p.a, p.b, p.scale_a, p.scale_b, p.c, p.bias, p.fast_accum);
            if (!why.empty()) return std::nullopt;
            return p.out;
          }},
         {"aten_scaled_mm", "cuda sm_89+", "torch._scaled_mm once per group, each result copied into the layout",
-         needs_fp8_gpu, nullptr,
+         grouped_needs_fp8_gpu, nullptr,
          [](const ScaledGroupedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            const int64_t k = p.a.size(2), n = p.b.size(1);
            if (k % 16 != 0 || n % 16 != 0 || p.a.stride(2) != 1 || p.b.stride(2) != 1) {
@@ -154,11 +157,108 @@ const Table<ScaledGroupedProblem, at::Tensor> kScaledGroupedMm(
     },
     gemm_signature, gemm_features);
 
+std::string ragged_signature(const ScaledRaggedProblem& p) {
+  std::ostringstream out;
+  out << "(" << describe("a", p.a) << ", " << describe("b", p.b) << (p.bias ? ", bias" : "") << ", " << p.b.size(0)
+      << " ragged groups -> " << c10::toString(p.out_dtype) << (p.fast_accum ? ", fast_accum" : "") << ")";
+  return out.str();
+}
+
+selection::ProblemFeatures ragged_features(const ScaledRaggedProblem& p) {
+  return selection::features_on(p.a, {{"groups", double(p.b.size(0))},
+                                      {"rows", double(p.a.size(0))},
+                                      {"k", double(p.a.size(1))},
+                                      {"n", double(p.b.size(1))},
+                                      {"bias", p.bias ? 1.0 : 0.0}});
+}
+
+at::Tensor empty_rows(const ScaledRaggedProblem& p) {
+  return at::empty({p.a.size(0), p.b.size(1)}, p.a.options().dtype(p.out_dtype));
+}
+
+const Table<ScaledRaggedProblem, at::Tensor> kScaledRaggedMm(
+    "scaled_ragged_mm",
+    {
+#ifdef PATCHGEMM_WITH_CUDA
+#ifndef USE_ROCM
+        {"aten_scaled_grouped_mm", "cuda sm_90",
+         "torch._scaled_grouped_mm: e4m3 operands, bfloat16 output, K and Nc multiples of 16; offsets read on the "
+         "device (no host sync)",
+         [](const ScaledRaggedProblem& p) -> WhyNot {
+           if (!p.a.is_cuda()) return "CUDA tensors only";
+           if (at::cuda::getDeviceProperties(p.a.get_device())->major < 9) return "it needs sm_90 or newer";
+           if (p.a.scalar_type() != at::kFloat8_e4m3fn || p.b.scalar_type() != at::kFloat8_e4m3fn)
+             return "it takes e4m3 operands only";
+           if (p.out_dtype != at::kBFloat16) return "it writes bfloat16 only";
+           if (p.a.size(1) % 16 || p.b.size(1) % 16) return "K and Nc must be multiples of 16";
+           if (p.a.size(0) == 0) return "no rows";
+           if (p.offsets.is_cpu() && selection::detail::capturing_graph(p.a.device()))
+             return "the sizes are on the host: their copy to the GPU cannot be captured in a CUDA graph";
+           return {};
+         },
+         nullptr,
+         [](const ScaledRaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+           at::Tensor offsets = p.offsets.to(at::kInt);
+           // (from pinned host memory the copy does not wait for the GPU)
+           if (offsets.is_cpu()) offsets = offsets.pin_memory().to(p.a.device(), /*non_blocking=*/true);
+           const int64_t rows = p.a.size(0), groups = p.b.size(0), n = p.b.size(1);
+           // Its scales are row-wise: the per-tensor ones repeated over a's rows and b's [G, Nc].
+           at::Tensor out = at::_scaled_grouped_mm(p.a, p.b.transpose(1, 2), p.scale_a.expand({rows}).contiguous(),
+                                                   p.scale_b.expand({groups, n}).contiguous(), offsets, std::nullopt,
+                                                   std::nullopt, at::kBFloat16, p.fast_accum);
+           if (p.bias) out.add_(p.bias->repeat_interleave(ragged_sizes(p.offsets, p.a.device()), 0, rows));
+           return out;
+         }},
+        {"cublaslt_fp8_loop", "cuda sm_89+",
+         "one cuBLASLt FP8 matmul per non-empty group (scaled_grouped_mm's); sizes read on the host",
+         [](const ScaledRaggedProblem& p) -> WhyNot {
+           WhyNot why = needs_fp8_gpu(p.a);
+           if (why.empty() && selection::detail::capturing_graph(p.a.device()))
+             why = "it reads the group sizes on the host, which a CUDA graph cannot capture";
+           return why;
+         },
+         nullptr,
+         [](const ScaledRaggedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
+           const std::vector<int64_t> bounds = ragged_bounds("scaled_ragged_mm", p.offsets, p.a.size(0));
+           at::Tensor out = empty_rows(p);
+           for (int64_t g = 0; g + 1 < static_cast<int64_t>(bounds.size()); ++g) {
+             if (bounds[g + 1] == bounds[g]) continue;
+             std::optional<at::Tensor> bias;
+             if (p.bias) bias = (*p.bias)[g].unsqueeze(0);
+             why = cuda::run_scaled_gemm_lt(p.a.slice(0, bounds[g], bounds[g + 1]).unsqueeze(0), p.b[g].unsqueeze(0),
+                                            p.scale_a, p.scale_b, out.slice(0, bounds[g], bounds[g + 1]).unsqueeze(0),
+                                            bias, p.fast_accum);
+             if (!why.empty()) return std::nullopt;
+           }
+           return out;
+         }},
+#endif  // USE_ROCM
+#endif
+        {"dequantized_loop", "cpu cuda rocm",
+         "any problem: the operands dequantized to float64 (exactly), one ATen matmul per group, one rounding "
+         "into the output; sizes read on the host",
+         [](const ScaledRaggedProblem&) { return WhyNot(); }, nullptr,
+         [](const ScaledRaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+           const std::vector<int64_t> bounds = ragged_bounds("scaled_ragged_mm", p.offsets, p.a.size(0));
+           const at::Tensor a = p.a.to(at::kDouble) * p.scale_a.to(at::kDouble);
+           const at::Tensor b = p.b.to(at::kDouble) * p.scale_b.to(at::kDouble);
+           at::Tensor out = empty_rows(p);
+           for (int64_t g = 0; g + 1 < static_cast<int64_t>(bounds.size()); ++g) {
+             at::Tensor y = at::mm(a.slice(0, bounds[g], bounds[g + 1]), b[g].t());
+             if (p.bias) y.add_((*p.bias)[g].to(at::kDouble));
+             out.slice(0, bounds[g], bounds[g + 1]).copy_(y);
+           }
+           return out;
+         }},
+    },
+    ragged_signature, ragged_features);
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> select_quantize_fp8(const QuantizeProblem& p) {
   return kQuantize.run(p);
 }
 at::Tensor select_scaled_grouped_mm(const ScaledGroupedProblem& p) { return kScaledGroupedMm.run(p); }
+at::Tensor select_scaled_ragged_mm(const ScaledRaggedProblem& p) { return kScaledRaggedMm.run(p); }
 
 }  // namespace patchgemm

@@ -151,11 +151,18 @@ class MoEExperts(nn.Module):
     Parameters as transformers' experts modules name and lay them out, so their ``state_dict`` keys
     load: ``gate_up_proj[E, 2*hidden, dim]`` (gate rows first, then up) and
     ``down_proj[E, dim, hidden]``. ``convert`` swaps transformers' SwiGLU experts (Mixtral, Qwen-MoE,
-    OLMoE, DeepSeek and the others of that layout) for one sharing their parameters.
+    OLMoE, DeepSeek and the others of that layout) for one sharing their parameters. ``fp8``: both
+    ragged GEMMs in FP8 (``True``, a ``Float8Recipe``), never (``False``), or as the enclosing
+    ``fp8_autocast`` says (None).
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, *, device=None, dtype=None):
+    fp8 = None  # (modules made by from_experts: as the enclosing region says)
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, *, device=None, dtype=None,
+                 fp8: Union[None, bool, Float8Recipe] = None):
         super().__init__()
+        resolve_fp8("MoEExperts", fp8)  # checks its type
+        self.fp8 = fp8
         num_experts, dim, hidden = check_sizes("MoEExperts", 1, num_experts=num_experts, dim=dim, hidden=hidden)
         factory = {"device": device, "dtype": dtype}
         # (transformers' attribute names, which code around the experts may read)
@@ -182,10 +189,12 @@ class MoEExperts(nn.Module):
         return new
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return F.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+        return F.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                             fp8=self.fp8)
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, dim={self.hidden_dim}, hidden={self.intermediate_dim}"
+        return (f"num_experts={self.num_experts}, dim={self.hidden_dim}, hidden={self.intermediate_dim}"
+                + (f", fp8={self.fp8!r}" if self.fp8 is not None else ""))
 
 
 def _acts_as_silu(act) -> bool:
