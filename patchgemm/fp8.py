@@ -10,9 +10,12 @@ dtypes (fp32 master weights get fp32 gradients). The output and the bias stay in
 
 Turn it on per module (``GroupedLinear(..., fp8=True)``), per call (``grouped_linear(..., fp8=True)``),
 or for a region (``with patchgemm.fp8_autocast(): ...``), which reaches every grouped linear, grouped
-MLP, patch embedding and unembedding (and hierarchical stem) inside that was not told otherwise. A
-patch embedding is the grouped linear of one group over its patch matrix: x's patches gathered once
-(as the GEMM paths of patch_embed gather them), quantized, one FP8 GEMM. Ragged groups (grouped_linear
+MLP and ragged group (mixture-of-experts layer) inside that was not told otherwise. Patch
+embeddings, unembeddings and hierarchical stems run in FP8 only when asked (``fp8=True`` or a
+recipe on the module or call), not by a region: their GEMMs are small beside the patch gather, which
+FP8 adds passes to, and they measure slower in FP8 than in bf16 (bench/fp8.py). A patch embedding
+is the grouped linear of one group over its patch matrix: x's patches gathered once (as the GEMM
+paths of patch_embed gather them), quantized, one FP8 GEMM. Ragged groups (grouped_linear
 with group_sizes / offsets, moe_experts) run their forward and input gradient in FP8 and their weight
 gradient in the compute dtype (see _RaggedLinearFp8); on sm_90 torch._scaled_grouped_mm runs them
 without a host sync where the recipe's formats are e4m3 (its only format): a recipe with
@@ -83,11 +86,11 @@ def fp8_autocast(enabled: bool = True, recipe: Optional[Float8Recipe] = None):
         _regions.pop()
 
 
-def resolve(where: str, fp8: Union[None, bool, Float8Recipe]) -> Optional[Float8Recipe]:
+def resolve(where: str, fp8: Union[None, bool, Float8Recipe], region: bool = True) -> Optional[Float8Recipe]:
     """The recipe a call runs with: its own choice (False: none, True: the default recipe), else the
-    innermost fp8_autocast region's, else none."""
+    innermost fp8_autocast region's (where `region`: the ops a region reaches), else none."""
     if fp8 is None:
-        return _regions[-1] if _regions else None
+        return _regions[-1] if _regions and region else None
     if isinstance(fp8, Float8Recipe):
         return fp8
     if isinstance(fp8, bool):

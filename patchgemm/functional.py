@@ -338,7 +338,7 @@ def _check_weight(op, weight, layout):
 
 def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
                 out_format: str = "channels_first", pad: Optional[str] = None,
-                fp8: Union[None, bool, Float8Recipe] = None) -> Tensor:
+                fp8: Union[bool, Float8Recipe] = False) -> Tensor:
     """``F.conv{1,2,3}d(x, weight, bias, stride=weight.shape[2:])`` as one gather + one GEMM.
 
     Args:
@@ -355,8 +355,9 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
         pad: None: as the conv, the last positions of a spatial dim that fill no whole patch are
             left out (x is read through a view of the rest). ``"dynamic"``: zero-pad at the end of
             each spatial dim up to a multiple instead, like timm's ``dynamic_img_pad`` (one copy of x).
-        fp8: run the GEMM in FP8 (patchgemm.fp8, as grouped_linear's ``fp8``): the patch matrix and
-            the weight quantized to e4m3, the gradient to the recipe's backward format.
+        fp8: ``True`` or a ``Float8Recipe``: the GEMM in FP8 (patchgemm.fp8), the patch matrix and
+            the weight quantized to e4m3, the gradient to the recipe's backward format. Only when
+            asked: an ``fp8_autocast`` region does not reach patch embeddings.
 
     Backward computes dW and dbias always and dx only when x requires grad, recomputing the patch
     matrix from x instead of saving it (in FP8 it saves the quantized patch matrix instead).
@@ -366,7 +367,7 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     check_pad("patch_embed", pad)
     if not isinstance(x, Tensor):
         raise TypeError("patch_embed: x must be a tensor")
-    return patch_embed_unchecked(x, weight, bias, out_format, pad, _fp8.resolve("patch_embed", fp8))
+    return patch_embed_unchecked(x, weight, bias, out_format, pad, _fp8.resolve("patch_embed", fp8, region=False))
 
 
 def patch_embed_unchecked(x: Tensor, weight: Tensor, bias: Optional[Tensor], out_format: str, pad: Optional[str],
@@ -398,7 +399,7 @@ def patch_embed_unchecked(x: Tensor, weight: Tensor, bias: Optional[Tensor], out
 
 def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
                   in_format: str = "channels_first", grid: Optional[Sequence[int]] = None,
-                  fp8: Union[None, bool, Float8Recipe] = None) -> Tensor:
+                  fp8: Union[bool, Float8Recipe] = False) -> Tensor:
     """``F.conv_transpose{1,2,3}d(x, weight, bias, stride=weight.shape[2:])`` as one GEMM + one
     scatter (the bias is added by the scatter).
 
@@ -408,7 +409,7 @@ def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
         weight: ``[C_in, C_out, *k]``, the ConvTranspose layout.
         bias: ``[C_out]`` or None.
         grid: the patch grid ``(n_d, n_h, n_w)`` (one entry per kernel dim); required for tokens.
-        fp8: run the GEMM in FP8 (patchgemm.fp8, as grouped_linear's ``fp8``).
+        fp8: ``True`` or a ``Float8Recipe``: the GEMM in FP8, as patch_embed's ``fp8``.
 
     Returns ``[B, C_out, *(grid * k)]``, contiguous.
     """
@@ -429,7 +430,7 @@ def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
             raise RuntimeError(f"patch_unembed: grid {tuple(grid)} must have {rank} entries for weight {tuple(weight.shape)}")
     elif grid is not None and tuple(as_grid(grid, "patch_unembed")) != tuple(x.shape[2:]):
         raise RuntimeError(f"patch_unembed: grid {tuple(grid)} does not match x {tuple(x.shape)}")
-    recipe = _fp8.resolve("patch_unembed", fp8)
+    recipe = _fp8.resolve("patch_unembed", fp8, region=False)
     if recipe is not None:
         y = _fp8.patch_unembed(x, weight, bias, grid if tokens else None, recipe, autocast_dtype(x) or x.dtype)
         return y.squeeze(0) if unbatched else y

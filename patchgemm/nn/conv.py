@@ -88,12 +88,13 @@ class PatchEmbed(_ConvAttributes, nn.Module):
     those tokens' memory (see :func:`patchgemm.functional.patch_embed`); the last positions of a
     spatial size the patch does not divide are left out, as the conv leaves them (``pad="dynamic"``
     zero-pads them to a whole patch instead). ``fp8``: the GEMM in FP8 (``True``, a
-    ``Float8Recipe``), never (``False``), or as the enclosing ``fp8_autocast`` says (None).
+    ``Float8Recipe``) or not (``False``); only when asked: an ``fp8_autocast`` region does not
+    reach patch embeddings (see :mod:`patchgemm.fp8`).
     """
 
     def __init__(self, in_channels: int, embed_dim: int, patch_size, bias: bool = True, *,
                  dims: Optional[int] = None, out_format: str = "channels_first",
-                 pad: Optional[str] = None, device=None, dtype=None, fp8: Union[None, bool, Float8Recipe] = None):
+                 pad: Optional[str] = None, device=None, dtype=None, fp8: Union[bool, Float8Recipe] = False):
         super().__init__()
         resolve_fp8("PatchEmbed", fp8)  # checks its type
         self.fp8 = fp8
@@ -131,12 +132,12 @@ class PatchEmbed(_ConvAttributes, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.patch_embed_unchecked(x, self.weight, self.bias, self._out_format, self._pad,
-                                       resolve_fp8("PatchEmbed", self.fp8))
+                                       resolve_fp8("PatchEmbed", self.fp8, region=False))
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.embed_dim}, patch_size={self.kernel_size}, "
                 f"bias={self.bias is not None}, out_format={self.out_format!r}"
-                + (f", fp8={self.fp8!r}" if self.fp8 is not None else ""))
+                + (f", fp8={self.fp8!r}" if self.fp8 else ""))
 
     @classmethod
     def from_conv(cls, conv: nn.Module, out_format: str = "channels_first") -> "PatchEmbed":
@@ -206,7 +207,7 @@ class PatchUnembed(_ConvAttributes, nn.Module):
     def __init__(self, in_channels: int, out_channels: int, patch_size, bias: bool = True, *,
                  dims: Optional[int] = None, in_format: str = "channels_first",
                  grid: Optional[Sequence[int]] = None, device=None, dtype=None,
-                 fp8: Union[None, bool, Float8Recipe] = None):
+                 fp8: Union[bool, Float8Recipe] = False):
         super().__init__()
         resolve_fp8("PatchUnembed", fp8)  # checks its type
         self.fp8 = fp8
@@ -230,7 +231,7 @@ class PatchUnembed(_ConvAttributes, nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, patch_size={self.kernel_size}, "
                 f"bias={self.bias is not None}, in_format={self.in_format!r}"
-                + (f", fp8={self.fp8!r}" if self.fp8 is not None else ""))
+                + (f", fp8={self.fp8!r}" if self.fp8 else ""))
 
     @classmethod
     def from_conv_transpose(cls, conv: nn.Module, in_format: str = "channels_first",

@@ -235,17 +235,17 @@ class HierarchicalPatchEmbed(nn.Module):
     of stage-s patches forming a stage-(s+1) patch is a run of contiguous rows), so stages 2..L are
     plain GEMMs on *views* of the previous stage's output, with no gather at all. The channels-first
     result shares those tokens' memory (strided like channels_last), so ``flatten(2).transpose(1, 2)``
-    after it is free. ``fp8`` (``True``, a ``Float8Recipe``; None: as the enclosing ``fp8_autocast``
-    says): every stage's GEMM in FP8, the stages one after the other, the norms in the compute dtype.
+    after it is free. ``fp8`` (``True``, a ``Float8Recipe``): every stage's GEMM in FP8, the stages
+    one after the other, the norms in the compute dtype; only when asked, as for PatchEmbed.
     """
 
-    fp8 = None  # (stems built by from_convs / from_sequential: as the enclosing region says)
+    fp8 = False  # (stems built by from_convs / from_sequential: set it to run them in FP8)
 
     def __init__(self, in_chans: int, embed_dim: int, stages: Sequence = (4, 2, 2), *,
                  hidden_dim: Optional[int] = None, norm: Optional[str] = "instance",
                  act: Optional[str] = "gelu", bias: bool = True, dims: int = 3,
                  out_format: str = "channels_first", device=None, dtype=None,
-                 fp8: Union[None, bool, Float8Recipe] = None):
+                 fp8: Union[bool, Float8Recipe] = False):
         super().__init__()
         if not stages:
             raise ValueError("HierarchicalPatchEmbed: stages must not be empty")
@@ -298,7 +298,7 @@ class HierarchicalPatchEmbed(nn.Module):
         # Stage by stage where each conv leaves out what fills no patch, and on the CPU, where every
         # path is ATen's: there the token-ordered gather and the norms over tokens cost more than the
         # channels-first GEMMs and ATen's own norms one stage after the other (bench H1).
-        recipe = resolve_fp8("HierarchicalPatchEmbed", self.fp8)
+        recipe = resolve_fp8("HierarchicalPatchEmbed", self.fp8, region=False)
         if recipe is not None or x.device.type == "cpu" or any(s % t for s, t in zip(x.shape[2:], total)):
             return self._stage_by_stage(x, stages, norms, acts, recipe)
         grid = [s // t for s, t in zip(x.shape[2:], total)]
@@ -338,13 +338,13 @@ class HierarchicalPatchUnembed(nn.Module):
     is one GEMM + one scatter. ``fp8`` as for :class:`HierarchicalPatchEmbed` (in FP8 each stage
     is one FP8 GEMM + one scatter)."""
 
-    fp8 = None
+    fp8 = False
 
     def __init__(self, embed_dim: int, out_chans: int, stages: Sequence = (4, 2, 2), *,
                  hidden_dim: Optional[int] = None, norm: Optional[str] = "instance",
                  act: Optional[str] = "gelu", bias: bool = True, dims: int = 3,
                  in_format: str = "channels_first", device=None, dtype=None,
-                 fp8: Union[None, bool, Float8Recipe] = None):
+                 fp8: Union[bool, Float8Recipe] = False):
         super().__init__()
         if not stages:
             raise ValueError("HierarchicalPatchUnembed: stages must not be empty")
@@ -405,7 +405,7 @@ class HierarchicalPatchUnembed(nn.Module):
                     f"HierarchicalPatchUnembed: x must be [B, {math.prod(grid)}, {first.in_channels}] for grid "
                     f"{tuple(grid)}, got {tuple(x.shape)}")
             y = x
-        recipe = resolve_fp8("HierarchicalPatchUnembed", self.fp8)
+        recipe = resolve_fp8("HierarchicalPatchUnembed", self.fp8, region=False)
         if recipe is not None:  # stage by stage, each channels-first output the next stage's input
             for i, stage in enumerate(stages):
                 tokens = i == 0 and self.in_format == "tokens"
