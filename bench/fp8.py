@@ -13,9 +13,9 @@ time (median of CUDA events, the host's issue time apart) for
 PyTorch's FP8 GEMMs have no backward: forward+backward compares with bf16 only.
 The layer cases (P1: ViT-B/16's stem at batch 128, tokens out; H1: a MATEY-style 3-D hMLP stem,
 x [8, 4, 128^3], kernels 2, 2, 4 to 768; R1: a mixture of experts' layer, 8 experts of 1024 -> 2048
-over 16k routed rows, group sizes uneven) compare patchgemm bf16 with patchgemm fp8 only (no
-PyTorch FP8 path exists for them); forward+backward computes the weights' gradients (and the
-input's for R1).
+over 16k routed rows, group sizes uneven, e4m3 gradients) compare patchgemm bf16 with patchgemm
+fp8 only (no PyTorch FP8 path exists for them); forward+backward computes the weights' gradients
+(and the input's for R1).
 Needs an sm_89+ GPU.
 """
 
@@ -118,7 +118,10 @@ def layer_case(case_id, device):
         return make(False), make(True), (x,), False, flops
     if case_id == "R1":
         sizes = torch.tensor([3000, 100, 2500, 1999, 2001, 4100, 1084, 1600], device=device)
-        make = lambda fp8: _Ragged(8, 1024, 2048, sizes, fp8, bf16)  # noqa: E731
+        # e4m3 gradients: torch._scaled_grouped_mm's only format, so no pass reads the sizes on the host
+        # (a host sync in the timed call would time the GPU's idling too)
+        recipe = patchgemm.Float8Recipe(backward_format=torch.float8_e4m3fn)
+        make = lambda fp8: _Ragged(8, 1024, 2048, sizes, recipe if fp8 else False, bf16)  # noqa: E731
         x = torch.randn(int(sizes.sum()), 1024, **bf16, requires_grad=True)
         return make(False), make(True), (x,), True, 2.0 * x.shape[0] * 1024 * 2048
     raise ValueError(f"unknown case {case_id}")

@@ -7,7 +7,7 @@ Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m
 `python bench/heldout.py --json` (held-out shapes) or `torchrun ... bench/distributed.py --json`
 (several GPUs) or `python bench/zoo.py --json` (convert across timm's and transformers' models) or
 `python -m patchgemm tune --json` (autotune records; with --hold-out-families, the families report)
-or `python bench/fp8.py --json` (FP8 grouped linear) wrote; bench/results/ keeps the current ones per
+or `python bench/fp8.py --json` (FP8) wrote; bench/results/ keeps the current ones per
 GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-fp8.json /
 <gpu>-host.json / <gpu>-heldout.json / <gpu>-x<world>-distributed.json / <gpu>-zoo.json /
 tune-<gpu>.json.gz / <gpu>-families.json.gz. Every section says the
@@ -157,11 +157,13 @@ def zoo_section(saved: dict, name: str) -> str:
 
 def fp8_section(saved: dict, name: str) -> str:
     return _table_section(
-        saved, "FP8 grouped linear", f"python bench/fp8.py --json {name}",
-        "bf16 tensors, `[B, G, Din] -> Dout` per group with bias; `patchgemm fp8` quantizes x and the weight (and, "
-        "backward, the output gradient) on every call (current scaling); PyTorch's FP8 rows quantize with torch "
-        "ops and have no backward. GPU ms: CUDA-event medians; `vs bf16` = patchgemm bf16's GPU time over the "
-        "row's; `rel err` against patchgemm bf16's output.",
+        saved, "FP8", f"python bench/fp8.py --json {name}",
+        "bf16 tensors. G*: `[B, G, Din] -> Dout` per group with bias; P1: ViT-B/16's stem, batch 128, tokens; "
+        "H1: an hMLP stem, x [8, 4, 128^3], kernels 2, 2, 4 to 768; R1: a MoE layer, 8 experts of 1024 -> 2048 "
+        "over 16k rows, e4m3 gradients. `patchgemm fp8` quantizes its operands (and, backward, the output "
+        "gradient) on every call (current scaling); PyTorch's FP8 rows quantize with torch ops and have no "
+        "backward. GPU ms: CUDA-event medians; `vs bf16` = patchgemm bf16's GPU time over the row's; `rel err` "
+        "against patchgemm bf16's output.",
         fp8.format_rows(saved["rows"]))
 
 
