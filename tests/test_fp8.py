@@ -572,9 +572,9 @@ def test_patch_unembed_fp8_matches_float64_of_its_quantized_operands(device, cas
     assert_close_to_ref(y, ref, torch.bfloat16, "y")
     assert_close_to_ref(x.grad, x64.grad, torch.float32, "grad_x", tol=2e-4)
     assert_close_to_ref(w.grad, w64.grad, torch.float32, "grad_weight", tol=2e-4)
-    # (the bias gradient sums the output gradient itself, not its FP8 copy)
+    # (the bias gradient sums the output gradient itself, not its FP8 copy, in fp32)
     assert_close_to_ref(b.grad, grad_y.double().sum((0, *range(2, grad_y.dim()))), torch.float32, "grad_bias",
-                        tol=1e-6)
+                        tol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
