@@ -182,3 +182,17 @@ def test_bad_input():
         patchgemm.instance_norm_act(x, act="relu")
     with pytest.raises(ValueError, match="layout must be"):
         patchgemm.instance_norm_act(x, layout="nchw")
+
+
+def test_cpu_runs_atens_batch_norm_except_on_few_positions():
+    """The CPU's path is ATen's own batch norm (as F.instance_norm runs), forward and backward; a
+    channel of under 16 positions goes to the float64 composite (batch norm's folded affine loses
+    digits on near-constant channels)."""
+    for spatial, chosen in ((64, "aten_batch_norm"), (3, "aten_composite")):
+        x = randn(2, 8, spatial, requires_grad=True)
+        w, b = randn(8, requires_grad=True), randn(8, requires_grad=True)
+        with patchgemm.explain() as report:
+            y = patchgemm.instance_norm_act(x, w, b)
+            y.backward(torch.ones_like(y))
+        lines = [line for line in str(report).splitlines() if line.startswith("instance_norm_act")]
+        assert len(lines) == 2 and all(line.split(" -> ")[1].startswith(chosen) for line in lines), lines

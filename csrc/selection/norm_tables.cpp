@@ -39,6 +39,15 @@ WhyNot fused_supports(const at::Tensor& x, const NormShape& s) {
 }
 #endif
 
+// ATen's CPU batch norm folds the norm into y = x * a + c (a = rstd * weight), which loses digits
+// where a channel barely varies (a huge rstd): few positions per channel go to the composite, whose
+// float64 costs nothing there.
+WhyNot batch_norm_supports(const at::Tensor& x, const NormShape& s) {
+  if (!x.is_cpu()) return "CPU tensors only";
+  if (s.spatial < 16) return "under 16 positions per channel";
+  return {};
+}
+
 const Table<NormProblem, Result> kForward(
     "instance_norm_act",
     {
@@ -54,6 +63,12 @@ const Table<NormProblem, Result> kForward(
            return Result{y, mean, rstd};
          }},
 #endif
+        {"aten_batch_norm", "cpu", "ATen's batch norm over [1, B * C, S] (as its instance_norm runs), then its gelu",
+         [](const NormProblem& p) { return batch_norm_supports(p.x, p.s); },
+         nullptr,
+         [](const NormProblem& p, bool, WhyNot&) -> std::optional<Result> {
+           return instance_norm_act_batch_norm(p.x, p.weight, p.bias, p.eps, p.gelu, p.s);
+         }},
         {"aten_composite", "cpu cuda rocm", "any problem: ATen's mean / var / affine / gelu",
          [](const NormProblem&) { return WhyNot(); },
          nullptr,
@@ -82,6 +97,13 @@ const Table<NormBackwardProblem, Result> kBackward(
            return Result{grad_x, grad_w, grad_b};
          }},
 #endif
+        {"aten_batch_norm", "cpu", "ATen's batch norm backward over [1, B * C, S], GELU's gradient before it",
+         [](const NormBackwardProblem& p) { return batch_norm_supports(p.x, p.s); },
+         nullptr,
+         [](const NormBackwardProblem& p, bool, WhyNot&) -> std::optional<Result> {
+           return instance_norm_act_backward_batch_norm(p.grad_y, p.x, p.weight, p.bias, p.mean, p.rstd, p.gelu,
+                                                        p.s);
+         }},
         {"aten_composite", "cpu cuda rocm", "any problem: ATen's composite backward",
          [](const NormBackwardProblem&) { return WhyNot(); },
          nullptr,

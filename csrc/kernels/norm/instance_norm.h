@@ -28,6 +28,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward_aten(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
     const at::Tensor& mean, const at::Tensor& rstd, bool gelu, const NormShape& s);
 
+// The same through ATen's batch norm over x as [1, B * C, S] (how ATen's instance_norm runs it) and
+// ATen's GELU: PyTorch's own kernels and accumulation, one pass each; the CPU's path. The backward
+// recomputes the norm's output for GELU's gradient from the statistics.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_batch_norm(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps, bool gelu,
+    const NormShape& s);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward_batch_norm(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    const at::Tensor& mean, const at::Tensor& rstd, bool gelu, const NormShape& s);
+
 #ifdef PATCHGEMM_WITH_CUDA
 namespace cuda {
 // y = act((x - mean) * rstd * weight + bias) with mean, rstd [B, C] (accumulation dtype) computed

@@ -1,6 +1,6 @@
-// instance_norm_act's ATen implementation (see instance_norm.h): any device, the CPU's only one and
-// the reference the tests compare the CUDA kernels with. Composite, so it makes the passes and
-// temporaries the fused kernels avoid.
+// instance_norm_act's ATen implementations (see instance_norm.h): the composite one, any device, the
+// reference the tests compare the others with (it makes the passes and temporaries the fused kernels
+// avoid), and the one through ATen's batch norm, the CPU's path.
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -46,7 +46,60 @@ at::Tensor gelu_grad(const at::Tensor& z) {
   return cdf + z * at::exp(-0.5 * z * z) * (0.5 * M_2_SQRTPI * M_SQRT1_2);
 }
 
+// x (or a gradient in x's layout) as batch norm's input [1, B * C, S] (a copy of tokens input).
+at::Tensor as_batch_norm_input(const at::Tensor& x, const NormShape& s) {
+  const at::Tensor bcs = s.tokens ? x.reshape({s.batch, s.spatial, s.channels}).transpose(1, 2)
+                                  : x.reshape({s.batch, s.channels, s.spatial});
+  return bcs.reshape({1, s.batch * s.channels, s.spatial});
+}
+
+// An affine parameter [C] repeated per sample, [B * C] (undefined stays undefined).
+at::Tensor per_sample(const at::Tensor& param, const NormShape& s) {
+  return param.defined() ? param.repeat({s.batch}) : at::Tensor();
+}
+
+// [1, B * C, S] back to x's layout and shape, contiguous.
+at::Tensor from_batch_norm(const at::Tensor& t, const at::Tensor& like, const NormShape& s) {
+  const at::Tensor bcs = t.view({s.batch, s.channels, s.spatial});
+  return (s.tokens ? bcs.transpose(1, 2) : bcs).contiguous().view(like.sizes());
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_batch_norm(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps, bool gelu,
+    const NormShape& s) {
+  const auto [z, mean, invstd] = at::native_batch_norm(as_batch_norm_input(x, s), per_sample(weight, s),
+                                                       per_sample(bias, s), {}, {}, true, 0.0, eps);
+  const at::ScalarType acc = norm_acc_dtype(x);
+  return {from_batch_norm(gelu ? at::gelu(z) : z, x, s), mean.view({s.batch, s.channels}).to(acc),
+          invstd.view({s.batch, s.channels}).to(acc)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward_batch_norm(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    const at::Tensor& mean, const at::Tensor& rstd, bool gelu, const NormShape& s) {
+  const at::Tensor input = as_batch_norm_input(x, s);
+  const at::Tensor w = per_sample(weight, s), b = per_sample(bias, s);
+  at::Tensor dz = as_batch_norm_input(grad_y, s);
+  if (gelu) {  // the norm's output from the saved statistics, in x's dtype as batch norm writes it
+    const at::Tensor stat_shape = mean.reshape({1, -1, 1});
+    at::Tensor z = (input.to(mean.scalar_type()) - stat_shape) * rstd.reshape({1, -1, 1});
+    if (w.defined()) z = z * w.to(z.scalar_type()).view({1, -1, 1});
+    if (b.defined()) z = z + b.to(z.scalar_type()).view({1, -1, 1});
+    dz = at::gelu_backward(dz, z.to(x.scalar_type()));
+  }
+  // The dtype batch norm saves its statistics in: x's, or float32 for 16-bit x with fp32 parameters.
+  const bool mixed = weight.defined() && weight.scalar_type() != x.scalar_type();
+  const at::ScalarType stats = mixed ? at::kFloat : x.scalar_type();
+  const auto [gx, gw, gb] = at::native_batch_norm_backward(
+      dz, input, w, {}, {}, mean.reshape({-1}).to(stats), rstd.reshape({-1}).to(stats), true, /*eps, unused*/ 0.0,
+      {true, weight.defined(), bias.defined()});
+  const auto affine_grad = [&](const at::Tensor& param, const at::Tensor& per_sample_grad) {
+    return param.defined() ? per_sample_grad.view({s.batch, s.channels}).sum(0).to(x.scalar_type()) : at::Tensor();
+  };
+  return {from_batch_norm(gx, x, s), affine_grad(weight, gw), affine_grad(bias, gb)};
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_aten(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps, bool gelu,
