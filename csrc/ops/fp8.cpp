@@ -1,6 +1,6 @@
 // FP8 ops: quantization with current scaling, the grouped GEMM of FP8 operands that writes its
-// output in the grouped-linear layout, and the ragged one. Autograd lives in Python (patchgemm/fp8.py), which quantizes
-// each GEMM's operands in the layout that GEMM reads.
+// output in the grouped-linear layout, and the ragged one. Autograd lives in Python
+// (patchgemm/fp8.py), which quantizes each GEMM's operands in the layout that GEMM reads.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -8,9 +8,9 @@
 
 #include "kernels/quant/fp8.h"
 #include "ops/checks.h"
+#include "ops/ragged_grouped_linear.h"
 #include "problems/fp8.h"
 #include "selection/fp8_tables.h"
-#include "selection/ragged_tables.h"
 
 namespace patchgemm {
 namespace {
@@ -89,14 +89,7 @@ at::Tensor scaled_ragged_mm(const at::Tensor& a, const at::Tensor& b, const at::
               " ([G, Nc, K]) must agree in K");
   TORCH_CHECK(a.device() == b.device(), op, ": a is on ", a.device(), " but b is on ", b.device());
   check_scales_out_bias(op, scale_a, scale_b, bias, out_dtype, a, b, "Nc");
-  check_dim(op, "offsets", offsets, 1, "[G] (cumulative group sizes)");
-  TORCH_CHECK(offsets.scalar_type() == at::kInt || offsets.scalar_type() == at::kLong, op,
-              ": offsets must be int32 or int64, got ", offsets.scalar_type());
-  TORCH_CHECK(offsets.size(0) == b.size(0), op, ": offsets has ", offsets.size(0), " entries but b has ", b.size(0),
-              " groups");
-  TORCH_CHECK(offsets.is_cpu() || offsets.device() == a.device(), op, ": offsets must be on the CPU or on a's device (",
-              a.device(), "), got ", offsets.device());
-  if (offsets.is_cpu()) ragged_bounds(op, offsets, a.size(0));  // free here; GPU offsets: where read
+  check_offsets(op, offsets, a, "a", b.size(0), "b");
   return select_scaled_ragged_mm(
       {a.contiguous(), b.contiguous(), scale_a.reshape({}), scale_b.reshape({}), bias, offsets, out_dtype, fast_accum});
 }

@@ -12,17 +12,6 @@
 namespace patchgemm {
 namespace {
 
-void check_offsets(const char* op, const at::Tensor& offsets, const at::Tensor& x, int64_t groups) {
-  check_dim(op, "offsets", offsets, 1, "[G] (cumulative group sizes)");
-  TORCH_CHECK(offsets.scalar_type() == at::kInt || offsets.scalar_type() == at::kLong, op,
-              ": offsets must be int32 or int64, got ", offsets.scalar_type());
-  TORCH_CHECK(offsets.size(0) == groups, op, ": offsets has ", offsets.size(0), " entries but weight has ", groups,
-              " groups");
-  TORCH_CHECK(offsets.is_cpu() || offsets.device() == x.device(), op, ": offsets must be on the CPU or on x's device (",
-              x.device(), "), got ", offsets.device());
-  if (offsets.is_cpu()) ragged_bounds(op, offsets, x.size(0));  // free here; GPU offsets: where read
-}
-
 void check_weight(const char* op, const at::Tensor& weight) {
   check_dim(op, "weight", weight, 3, "[G, Dout, Din]");
   check_floating(op, "weight", weight);
@@ -38,12 +27,24 @@ void check_rows(const char* op, const char* name, const at::Tensor& t, const at:
 
 }  // namespace
 
+void check_offsets(const char* op, const at::Tensor& offsets, const at::Tensor& rows, const char* rows_name,
+                   int64_t groups, const char* groups_name) {
+  check_dim(op, "offsets", offsets, 1, "[G] (cumulative group sizes)");
+  TORCH_CHECK(offsets.scalar_type() == at::kInt || offsets.scalar_type() == at::kLong, op,
+              ": offsets must be int32 or int64, got ", offsets.scalar_type());
+  TORCH_CHECK(offsets.size(0) == groups, op, ": offsets has ", offsets.size(0), " entries but ", groups_name, " has ",
+              groups, " groups");
+  TORCH_CHECK(offsets.is_cpu() || offsets.device() == rows.device(), op, ": offsets must be on the CPU or on ",
+              rows_name, "'s device (", rows.device(), "), got ", offsets.device());
+  if (offsets.is_cpu()) ragged_bounds(op, offsets, rows.size(0));  // free here; GPU offsets: where read
+}
+
 at::Tensor ragged_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                  const at::Tensor& offsets) {
   constexpr const char* op = "ragged_grouped_linear";
   check_weight(op, weight);
   check_rows(op, "x", x, weight, 2);
-  check_offsets(op, offsets, x, weight.size(0));
+  check_offsets(op, offsets, x, "x", weight.size(0), "weight");
   if (bias) {
     check_dim(op, "bias", *bias, 2, "[G, Dout]");
     TORCH_CHECK(bias->size(0) == weight.size(0) && bias->size(1) == weight.size(1), op, ": bias must be [G, Dout] = [",
@@ -59,7 +60,7 @@ at::Tensor ragged_grouped_linear_grad_input(const at::Tensor& grad_y, const at::
   constexpr const char* op = "ragged_grouped_linear_grad_input";
   check_weight(op, weight);
   check_rows(op, "grad_y", grad_y, weight, 1);
-  check_offsets(op, offsets, grad_y, weight.size(0));
+  check_offsets(op, offsets, grad_y, "grad_y", weight.size(0), "weight");
   // grad_x_g = grad_y_g @ weight[g]
   return select_ragged_gemm({op, false, grad_y.contiguous(), weight, std::nullopt, offsets, weight.size(0)});
 }
@@ -72,7 +73,7 @@ at::Tensor ragged_grouped_linear_grad_weight(const at::Tensor& grad_y, const at:
   check_like(op, "grad_y", grad_y, "x", x);
   TORCH_CHECK(grad_y.size(0) == x.size(0), op, ": grad_y ", grad_y.sizes(), " and x ", x.sizes(),
               " must have the same rows");
-  check_offsets(op, offsets, x, offsets.dim() == 1 ? offsets.size(0) : 0);
+  check_offsets(op, offsets, x, "x", offsets.dim() == 1 ? offsets.size(0) : 0, "weight");
   // grad_w[g] = grad_y_g^T @ x_g: the reduction runs over the group's rows.
   return select_ragged_gemm(
       {op, true, grad_y.contiguous().t(), x.contiguous(), std::nullopt, offsets, offsets.size(0)});

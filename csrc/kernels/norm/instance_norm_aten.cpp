@@ -83,8 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward_batch_
   const at::Tensor w = per_sample(weight, s), b = per_sample(bias, s);
   at::Tensor dz = as_batch_norm_input(grad_y, s);
   if (gelu) {  // the norm's output from the saved statistics, in x's dtype as batch norm writes it
-    const at::Tensor stat_shape = mean.reshape({1, -1, 1});
-    at::Tensor z = (input.to(mean.scalar_type()) - stat_shape) * rstd.reshape({1, -1, 1});
+    at::Tensor z = (input.to(mean.scalar_type()) - mean.reshape({1, -1, 1})) * rstd.reshape({1, -1, 1});
     if (w.defined()) z = z * w.to(z.scalar_type()).view({1, -1, 1});
     if (b.defined()) z = z + b.to(z.scalar_type()).view({1, -1, 1});
     dz = at::gelu_backward(dz, z.to(x.scalar_type()));
