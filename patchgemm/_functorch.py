@@ -27,7 +27,10 @@ def _below(op, *args):
 
 
 def _opmath_sum(t, dims):
-    """A bias gradient: a sum in the op-math dtype, rounded once."""
+    """A bias gradient: a sum in the op-math dtype, rounded once (t's values where every summed dim
+    has size 1, as the C++ autograd's sum_for_bias_grad)."""
+    if all(t.shape[d] == 1 for d in dims):
+        return t.squeeze(dims).contiguous()
     wide = torch.float64 if t.dtype == torch.float64 else torch.float32
     return t.sum(dims, dtype=wide).to(t.dtype)
 

@@ -95,6 +95,23 @@ def test_backward_skips_unneeded_gradients():
                         torch.float64)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bgd", "gbd"])
+def test_bias_gradient_of_a_batch_of_one_is_grad_y(device, dtype, layout):
+    """A batch of one sums nothing: the bias gradient is grad_y's values (as ATen's sum_to returns
+    them for bmm + bias), exactly, through the op's autograd and through functorch's."""
+    x = randn(*((1, 3, 4) if layout == "bgd" else (3, 1, 4)), dtype=dtype, device=device)
+    weight = randn(3, 5, 4, dtype=dtype, device=device, requires_grad=True)
+    bias = randn(3, 5, dtype=dtype, device=device, requires_grad=True)
+    gy = randn(*((1, 3, 5) if layout == "bgd" else (3, 1, 5)), dtype=dtype, device=device)
+    expected = gy.squeeze(0 if layout == "bgd" else 1)
+    (gb,) = torch.autograd.grad(patchgemm.grouped_linear(x, weight, bias, layout=layout), [bias], gy)
+    assert gb.shape == bias.shape and gb.is_contiguous() and torch.equal(gb, expected)
+    vjp = torch.func.vjp(lambda b: patchgemm.grouped_linear(x, weight, b, layout=layout), bias)[1]
+    assert torch.equal(vjp(gy)[0], expected)
+
+
 @pytest.mark.parametrize("layout", ["bgd", "gbd"])
 @pytest.mark.parametrize("has_bias", [True, False])
 def test_gradcheck_float64(layout, has_bias):

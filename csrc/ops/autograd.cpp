@@ -159,7 +159,7 @@ struct GroupedLinear : Function<GroupedLinear> {
       static const auto op = find_op<GradInput>("patchgemm::grouped_linear_grad_weight");
       grad_w = op.call(grad_y, x, group_major);
     }
-    if (needs_bias_grad(ctx)) grad_b = grad_y.sum(group_major ? 1 : 0);
+    if (needs_bias_grad(ctx)) grad_b = sum_for_bias_grad(grad_y, {group_major ? 1 : 0});
     return {grad_x, grad_w, grad_b, at::Tensor()};
   }
 };

@@ -4,8 +4,10 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kernels/gemm/strided_gemm.h"
 
@@ -62,8 +64,17 @@ std::string run_gemm_lt(const at::Tensor& a, const at::Tensor& b, const at::Tens
 // channels-first t [B, C, *S] summed over all but C (a transpose's bias) sums its contiguous rows,
 // then over B: ATen's one reduction over dims {0, 2, ...} runs well below the memory bandwidth,
 // contiguous rows at it. Few long rows (a transpose's 32 of 2M elements) leave most SMs idle, so
-// they are cut into f pieces each first, for 2048 rows or more.
+// they are cut into f pieces each first, for 2048 rows or more. Where every summed dim has size 1
+// (a batch of one) there is nothing to add: t's values are the gradient, as ATen's sum_to returns
+// them, with no kernel.
 inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
+  if (std::all_of(dims.begin(), dims.end(), [&](int64_t d) { return t.size(d) == 1; })) {
+    at::Tensor values = t;
+    std::vector<int64_t> sorted(dims.begin(), dims.end());
+    std::sort(sorted.rbegin(), sorted.rend());
+    for (int64_t d : sorted) values = values.squeeze(d);
+    return values.contiguous();
+  }
   const at::ScalarType acc = at::toOpMathType(t.scalar_type());
   bool all_but_channels = t.dim() >= 3 && t.is_contiguous() && static_cast<int64_t>(dims.size()) == t.dim() - 1;
   for (size_t i = 0; i < dims.size() && all_but_channels; ++i) {
