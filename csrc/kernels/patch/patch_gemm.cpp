@@ -259,7 +259,13 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
   const PatchGeometry& g = p.g;
   const int64_t N = g.tokens(), K = g.patch_size(), embed = p.embed;
   const auto view = patch_matrix_as_view(p.x5, g);
-  const bool ones_column = p.with_bias && !p.transposed && !view;  // the bias gradient comes out of the GEMM
+  // The bias gradient comes out of the GEMM (a ones column in P) where that column fits in P's
+  // alignment padding, or where dW is at most a few times grad_y's size. Otherwise the column would
+  // grow P by a whole alignment and leave dW a strided slice of [dW | dbias | 0] that the weight's
+  // gradient copies once more, a pass over dW (12.6M values for a 16^3 stem on 4 channels, 33 times
+  // grad_y) that costs far more than summing grad_y apart (three small kernels).
+  const bool ones_column = p.with_bias && !p.transposed && !view &&
+                           (patch_row_width(K + 1, p.x) == patch_row_width(K, p.x) || K <= 4 * g.batch * N);
   const at::Tensor pm = view ? *view : patchify(p.x5, g, ones_column);
   const int64_t ld = pm.size(2);
   at::Tensor dw;  // [1, E, ld]: [dW | dbias | (padding)]
