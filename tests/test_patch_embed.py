@@ -353,18 +353,25 @@ def _rel_err(out, ref):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("op", ["patch_embed", "patch_unembed"])
-def test_long_16bit_reductions_sum_in_fp32_like_the_conv(op, dtype):
+@pytest.mark.parametrize("case", ["patch_embed", "patch_embed_wide", "patch_unembed"])
+def test_long_16bit_reductions_sum_in_fp32_like_the_conv(case, dtype):
     """A long reduction into few output tiles, where cuBLAS splits K: torch's matmul flag (on by
     default) lets a matmul round the partial sums to 16 bits, 4-5x the error; the conv's cuDNN sums in
-    fp32. Every candidate standing in for the conv that runs must be as accurate (within 2x)."""
+    fp32. Every candidate standing in for the conv that runs must be as accurate (within 2x). The
+    wide case fills a wave of small tiles, which cuBLASLt writes directly (kernels/gemm/gemm.cpp)."""
     flags = torch.backends.cuda.matmul
     old = flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction
     flags.allow_bf16_reduced_precision_reduction = flags.allow_fp16_reduced_precision_reduction = True
+    op = "patch_unembed" if case == "patch_unembed" else "patch_embed"
     try:
-        if op == "patch_embed":  # 6144 values per patch into 8 tokens x 33 features
+        if case == "patch_embed":  # 6144 values per patch into 8 tokens x 33 features
             x, w, b, k = randn(1, 96, 64, 8), randn(33, 96, 16, 4) / 80, randn(33), (16, 4)
             conv = lambda x, w, b: F.conv2d(x, w, b, stride=k)  # noqa: E731
+            ours = lambda x, w, b: patchgemm.patch_embed(x, w, b, out_format="tokens")  # noqa: E731
+            to_ours = lambda y: y.flatten(2).transpose(1, 2)  # noqa: E731
+        elif case == "patch_embed_wide":  # a UNETR stem: 4096 values per patch into 432 tokens x 768
+            x, w, b, k = randn(2, 1, 96, 96, 96), randn(768, 1, 16, 16, 16) / 64, randn(768), (16, 16, 16)
+            conv = lambda x, w, b: F.conv3d(x, w, b, stride=k)  # noqa: E731
             ours = lambda x, w, b: patchgemm.patch_embed(x, w, b, out_format="tokens")  # noqa: E731
             to_ours = lambda y: y.flatten(2).transpose(1, 2)  # noqa: E731
         else:  # 4096 channels into 8 tokens x 3 * 4 * 4 values

@@ -126,10 +126,29 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
   const bool k_pieces = std::any_of(plan.calls.begin(), plan.calls.end(),
                                     [](const BlasCall& call) { return call.accumulate; });
   if (c.element_size() == 2 && (k_pieces || fp32_sums_want_fp32_output(a, c, convention))) {
+#ifdef PATCHGEMM_WITH_CUDA
+    // cuBLASLt, its split-K reductions held to fp32 (run_lt_call), writes c directly with the bias in
+    // its epilogue, where the output fills a wave of small tiles: unsplit there, or split in fp32, it
+    // runs as fast as the scratch's GEMM without the scratch's passes (a 16^3 stem's 432 x 768 tokens:
+    // 17 us against 22). On fewer tiles it may pick an unsplit kernel over a long K (224 x 3 outputs
+    // over K = 131072: 200 times slower than the scratch), so those keep the scratch.
+    if (!k_pieces && !accumulate && plan.calls.size() == 1 &&
+        cuda::split_k_guard(a).fills_small_tiles(c.size(1), c.size(2), c.size(0)) &&
+        cuda::run_lt_call(plan.calls[0], a, b, c, bias, gemm_math(convention, a.scalar_type()), 0)) {
+      return;
+    }
+#endif
     at::Tensor sum = at::empty(c.sizes(), c.options().dtype(at::kFloat));
     if (accumulate) sum.copy_(c);
-    run_gemm(a, b, sum, bias, accumulate, convention);
-    c.copy_(sum);
+    // The bias is added where the sums are rounded, in one pass (c = sum + bias), not copied into
+    // the scratch first.
+    run_gemm(a, b, sum, std::nullopt, accumulate, convention);
+    if (bias) {
+      at::Tensor out = c;  // (a handle to c's storage: add_out writes through it)
+      at::add_out(out, sum, bias_rows());
+    } else {
+      c.copy_(sum);
+    }
     return;
   }
 

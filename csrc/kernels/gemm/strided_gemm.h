@@ -80,6 +80,11 @@ struct SplitKGuard {
   bool under_half_a_wave(int64_t m, int64_t n, int64_t batch) const {
     return 4 * output_tiles(m, n, batch) < max_tiles;
   }
+  // Whether such outputs fill a wave of 32 x 32 tiles (half a wave of the 64 x 32 tiles of
+  // cuBLASLt's smallest unsplit kernels), which keeps most SMs busy without splitting K.
+  bool fills_small_tiles(int64_t m, int64_t n, int64_t batch) const {
+    return 2 * ((m + 31) / 32) * ((n + 31) / 32) * batch >= max_tiles;
+  }
 };
 
 // Plans `p` as column-major BLAS calls whose every size, leading dimension and batch count fits
