@@ -173,6 +173,21 @@ def test_small_group_kernels_are_the_default_and_decline_clearly():
         assert choice.chosen != "small_groups", str(choice)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_channels_first_rule_follows_the_bf16_gemm(dtype):
+    """On the CPU, channels-first x takes torch.matmul's one batched GEMM, except bfloat16 where
+    ATen's own bf16 loop runs the GEMMs (no oneDNN: below AVX-512), which per-sample GEMMs lay out
+    for (kernels/gemm/gemm_cpu.cpp)."""
+    x = randn(2, 32, 16, dtype=dtype)
+    w = randn(32, 8, 1, dtype=dtype)
+    with patchgemm.explain() as e:
+        patchgemm.grouped_pointwise_conv(x, w, None, 4)
+    (call,) = [c for c in e if c.op == "grouped_pointwise_conv"]
+    onednn = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    per_sample = dtype == torch.bfloat16 and not onednn
+    assert call.chosen == ("strided_batched" if per_sample else "aten_matmul"), str(e)
+
+
 def test_gradcheck_opcheck_and_compile():
     x = randn(2, 6, 5, dtype=torch.float64, requires_grad=True)
     weight = randn(4, 3, 1, dtype=torch.float64, requires_grad=True)

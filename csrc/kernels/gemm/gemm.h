@@ -94,6 +94,10 @@ inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
 MatrixView matrix_view(const at::Tensor& t3);
 
 namespace cpu {
+// Whether ATen runs this CPU's bfloat16 GEMMs on oneDNN (AVX-512 machines, ATen's CPU capability
+// "AVX512"), which reads either BLAS layout at full speed; elsewhere (AVX2) ATen's own bf16 loop runs
+// several times faster with its left operand column-major and its right one row-major.
+bool bf16_gemms_on_onednn();
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
                     const at::Tensor& c);
 }

@@ -2,6 +2,8 @@
 // strided views, so the planner (layouts, splitting) is exercised on every machine.
 #include "kernels/gemm/gemm.h"
 
+#include <ATen/Version.h>
+
 namespace patchgemm {
 
 #ifndef PATCHGEMM_WITH_CUDA
@@ -20,16 +22,22 @@ at::Tensor op_view(const at::Tensor& base, int64_t offset, int64_t batch, int64_
                          base.storage_offset() + offset);
 }
 
-// ATen's CPU bfloat16 GEMM (where oneDNN has no bf16 kernel: CPUs without AVX512-BF16 or AMX) runs
-// several times faster with its left operand column-major and its right one row-major than in any
-// other layout (2-10x on AVX2, mm and bmm alike, at the shapes of the bench suite); a copy into
-// that layout costs one pass over the operand, a few percent of the product it speeds up.
+// ATen's own CPU bfloat16 GEMM (without oneDNN: bf16_gemms_on_onednn) runs several times faster
+// with its left operand column-major and its right one row-major than in any other layout (2-10x on
+// AVX2, mm and bmm alike, at the shapes of the bench suite); a copy into that layout costs one pass
+// over the operand, a few percent of the product it speeds up. On oneDNN the copies are pure cost
+// (a grouped linear's forward: 5x).
 at::Tensor column_major(const at::Tensor& t) {
   return t.stride(1) == 1 || t.size(1) == 1 ? t : t.transpose(1, 2).contiguous().transpose(1, 2);
 }
 at::Tensor row_major(const at::Tensor& t) { return t.stride(2) == 1 || t.size(2) == 1 ? t : t.contiguous(); }
 
 }  // namespace
+
+bool bf16_gemms_on_onednn() {
+  static const bool onednn = at::get_cpu_capability() == "AVX512";
+  return onednn;
+}
 
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
                     const at::Tensor& c) {
@@ -48,7 +56,7 @@ void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, con
     // (c in fp32 for 16-bit a and b: the product is formed in fp32 too.)
     const bool widen = c.scalar_type() != a.scalar_type();
     at::Tensor l = widen ? lhs.to(c.scalar_type()) : lhs, r = widen ? rhs.to(c.scalar_type()) : rhs;
-    if (l.scalar_type() == at::kBFloat16) {
+    if (l.scalar_type() == at::kBFloat16 && !bf16_gemms_on_onednn()) {
       l = column_major(l);
       r = row_major(r);
     }
