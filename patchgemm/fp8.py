@@ -20,6 +20,14 @@ with group_sizes / offsets, moe_experts) run their forward and input gradient in
 gradient in the compute dtype (see _RaggedLinearFp8); on sm_90 torch._scaled_grouped_mm runs them
 without a host sync where the recipe's formats are e4m3 (its only format): a recipe with
 ``backward_format=torch.float8_e4m3fn`` keeps the backward sync-free too.
+
+Weights reused across microbatches: between two optimizer steps a weight does not change, so its
+FP8 copy can be made once per step instead of once per call (TransformerEngine's
+``is_first_microbatch``). ``GroupedLinear(...)(x, is_first_microbatch=True)`` quantizes the weight
+and keeps the copy, ``False`` reuses it, None (the default) quantizes every call;
+``grouped_linear(..., fp8_weight=quantize_weight(w))`` is the same for the functional form. The
+contract is the caller's: a copy made before the weight changed (an optimizer step, a
+``load_state_dict``, ``weight.data`` written) is stale, and nothing checks the weight's values.
 """
 
 import contextlib
@@ -33,7 +41,7 @@ from ._args import unsafe_view
 from ._functorch import ragged_bias_grad
 from .ops import ops
 
-__all__ = ["Float8Recipe", "fp8_autocast"]
+__all__ = ["Float8Recipe", "Float8Weight", "fp8_autocast", "quantize_weight"]
 
 _FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 _COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -109,19 +117,64 @@ def _quantize(t: torch.Tensor, fmt: torch.dtype, group_major: bool, rowwise: boo
     return (data.view(B, G, D) if rowwise else None), (data_t.view(G, D, B) if batch_major else None), scale
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Float8Weight:
+    """A grouped weight's FP8 copy, made by ``quantize_weight`` and reused by the calls given it
+    (``fp8_weight=``): ``data`` [G, Dout, Din] and ``data_t`` [G, Din, Dout] (what the input
+    gradient's GEMM reads) in e4m3, one float32 dequantization ``scale``, and the shape, dtype and
+    device of the weight it was made from (a call checks them against its weight)."""
+
+    data: torch.Tensor
+    data_t: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+    def check(self, where: str, weight: torch.Tensor) -> None:
+        if (tuple(weight.shape), weight.dtype, weight.device) != (self.shape, self.dtype, self.device):
+            raise ValueError(f"{where}: fp8_weight was made from a {self.dtype} weight {list(self.shape)} on "
+                             f"{self.device}; this call's weight is {weight.dtype} {list(weight.shape)} on "
+                             f"{weight.device}")
+
+
+def quantize_weight(weight: torch.Tensor, recipe: Optional[Float8Recipe] = None) -> Float8Weight:
+    """The FP8 copy of a grouped weight [G, Dout, Din] (float32, float16 or bfloat16) under ``recipe``
+    (default ``Float8Recipe()``), for ``grouped_linear(..., fp8_weight=)``: made once, reused by every
+    call until the weight changes (then make it again)."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.dtype not in _COMPUTE_DTYPES:
+        raise TypeError(f"quantize_weight: weight must be a float32, float16 or bfloat16 tensor [G, Dout, Din], "
+                        f"got {_describe(weight)}")
+    if recipe is not None and not isinstance(recipe, Float8Recipe):
+        raise TypeError(f"quantize_weight: recipe must be a patchgemm.Float8Recipe or None, got "
+                        f"{type(recipe).__name__}")
+    recipe = recipe or Float8Recipe()
+    with torch.no_grad():
+        data, data_t, scale = ops.quantize_fp8(weight.detach(), recipe.forward_format, True, True)
+    return Float8Weight(data, data_t, scale, tuple(weight.shape), weight.dtype, weight.device)
+
+
+def _describe(t) -> str:
+    return f"{t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
 class _GroupedLinearFp8(torch.autograd.Function):
     """y = x_g @ weight_g^T + bias_g with x and the weight quantized to e4m3 (one scale each); the
     backward quantizes grad_y and runs both gradients' GEMMs in FP8. Hopper's FP8 GEMMs read both
     operands K-major, so each quantization also writes the transposed copy a gradient's GEMM needs
     (in the same pass): the weight's for grad_x, x's and grad_y's (batch-major) for grad_weight; the
-    forward saves those copies, in FP8, and nothing else."""
+    forward saves those copies, in FP8, and nothing else. A given `weight8` (Float8Weight) stands in
+    for the weight's quantization."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group_major: bool, out_dtype: torch.dtype, recipe: Float8Recipe,
-                need_grad_x: bool, need_grad_w: bool):
+                need_grad_x: bool, need_grad_w: bool, weight8: Optional[Float8Weight]):
         fmt = recipe.forward_format
         x8, x8_t, x_scale = _quantize(x, fmt, group_major, True, need_grad_w)
-        w8, w8_t, w_scale = ops.quantize_fp8(weight, fmt, True, need_grad_x)
+        if weight8 is None:
+            w8, w8_t, w_scale = ops.quantize_fp8(weight, fmt, True, need_grad_x)
+        else:
+            w8, w8_t, w_scale = weight8.data, weight8.data_t, weight8.scale
         ctx.save_for_backward(x8_t, x_scale, w8_t if need_grad_x else None, w_scale)
         ctx.group_major, ctx.recipe, ctx.x_dtype, ctx.w_dtype = group_major, recipe, x.dtype, weight.dtype
         return ops.scaled_grouped_mm(x8, w8, x_scale, w_scale, bias, group_major, out_dtype,
@@ -142,22 +195,25 @@ class _GroupedLinearFp8(torch.autograd.Function):
             grad_w = ops.scaled_grouped_mm(g8_t, x8_t, g_scale, x_scale, None, True, ctx.w_dtype, False)
         if need_b:
             grad_b = grad_y.sum(1 if group_major else 0, dtype=torch.float32).to(grad_y.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def grouped_linear(x3: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_major: bool,
-                   recipe: Float8Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+                   recipe: Float8Recipe, out_dtype: torch.dtype, weight8: Optional[Float8Weight] = None) -> torch.Tensor:
     """The FP8 grouped linear of a 3-D x ([B, G, Din], or [G, B, Din] when group_major); out_dtype is
-    the compute dtype (autocast's, else x's), the bias cast to it."""
+    the compute dtype (autocast's, else x's), the bias cast to it; `weight8`: the weight's FP8 copy
+    to use (made from `weight`), else the weight is quantized now."""
     for name, t in (("x", x3), ("weight", weight)):
         if t.dtype not in _COMPUTE_DTYPES:
             raise TypeError(f"grouped_linear: FP8 needs float32, float16 or bfloat16 {name}, got {t.dtype} "
                             f"(shape {tuple(t.shape)})")
+    if weight8 is not None:
+        weight8.check("grouped_linear", weight)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
     grad = torch.is_grad_enabled()
     return _GroupedLinearFp8.apply(x3, weight, bias, group_major, out_dtype, recipe, grad and x3.requires_grad,
-                                   grad and weight.requires_grad)
+                                   grad and weight.requires_grad, weight8)
 
 
 # ---- ragged groups (mixture-of-experts layers) ------------------------------------------------------

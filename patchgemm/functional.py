@@ -11,13 +11,14 @@ from . import fp8 as _fp8
 from ._args import (EMBED_FORMATS, as_grid, as_int, autocast, autocast_dtype, check_format, check_pad,
                     unsafe_view)
 from ._functorch import call as _call
-from .fp8 import Float8Recipe
+from .fp8 import Float8Recipe, Float8Weight
 
 LAYOUTS = ("bgd", "gbd")
 
 
 def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, layout: str = "bgd", *,
-                   group_sizes=None, offsets=None, fp8: Union[None, bool, Float8Recipe] = None) -> Tensor:
+                   group_sizes=None, offsets=None, fp8: Union[None, bool, Float8Recipe] = None,
+                   fp8_weight: Optional[Float8Weight] = None) -> Tensor:
     """G independent linears over the groups of ``x``, as one strided-batched GEMM.
 
     Args:
@@ -37,6 +38,9 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         fp8: run in FP8 (patchgemm.fp8): ``True`` (the default recipe), a ``Float8Recipe``, ``False``
             (never), or None (the enclosing ``fp8_autocast`` region's choice). Ragged groups compute
             their weight gradient in the compute dtype.
+        fp8_weight: ``quantize_weight(weight)``, made earlier: the FP8 copy of ``weight`` this call
+            uses instead of quantizing it (reused across the microbatches of one optimizer step;
+            stale once the weight changes). Needs FP8 on; not with ragged groups.
 
     Returns:
         ``y`` in the layout of ``x`` with Din replaced by Dout:
@@ -55,10 +59,20 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
     if bias is not None and not isinstance(bias, Tensor):
         raise TypeError("grouped_linear: bias must be a tensor or None")
     recipe = _fp8.resolve("grouped_linear", fp8)
+    if fp8_weight is not None:
+        if not isinstance(fp8_weight, Float8Weight):
+            raise TypeError(f"grouped_linear: fp8_weight must be a patchgemm.Float8Weight (quantize_weight) or "
+                            f"None, got {type(fp8_weight).__name__}")
+        if recipe is None:
+            raise ValueError("grouped_linear: fp8_weight is given but this call does not run in FP8 (fp8=False, "
+                             "or None outside an fp8_autocast region)")
+        if group_sizes is not None or offsets is not None:
+            raise ValueError("grouped_linear: fp8_weight applies to dense groups; ragged groups quantize their "
+                             "weight per call")
     if group_sizes is not None or offsets is not None:
         return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe)
     if x.dim() == 3:  # the op's own form, in either layout
-        return _grouped_linear_3d(x, weight, bias, layout == "gbd", recipe)
+        return _grouped_linear_3d(x, weight, bias, layout == "gbd", recipe, fp8_weight)
 
     groups, out_features, _ = weight.shape
     if layout == "bgd":
@@ -79,17 +93,18 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
                 f"grouped_linear: x must be [G, ..., Din] for layout 'gbd', got shape {tuple(x.shape)}")
         x3 = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
-    y = _grouped_linear_3d(x3, weight, bias, layout == "gbd", recipe)
+    y = _grouped_linear_3d(x3, weight, bias, layout == "gbd", recipe, fp8_weight)
     # As nn.Linear on N-D x: the result is y's memory but not a view of it, so a module returning it
     # returns no view (FSDP2 warns about those: an in-place op on one would skip its hooks).
     return unsafe_view(y, (*x.shape[:-1], out_features))
 
 
-def _grouped_linear_3d(x3, weight, bias, group_major, recipe):
+def _grouped_linear_3d(x3, weight, bias, group_major, recipe, fp8_weight=None):
     """The op on a 3-D x: in autocast's dtype (its casts), or in FP8 with `recipe`, which quantizes x
-    and the weight from their own dtypes and writes autocast's (else x's)."""
+    and the weight (unless `fp8_weight` is its copy) from their own dtypes and writes autocast's
+    (else x's)."""
     if recipe is not None:
-        return _fp8.grouped_linear(x3, weight, bias, group_major, recipe, autocast_dtype(x3) or x3.dtype)
+        return _fp8.grouped_linear(x3, weight, bias, group_major, recipe, autocast_dtype(x3) or x3.dtype, fp8_weight)
     return _call("grouped_linear", *autocast(x3, weight, bias), group_major)
 
 

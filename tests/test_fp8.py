@@ -335,6 +335,55 @@ def test_fp8_switch_errors():
         patchgemm.grouped_linear(randn(6, 16), randn(2, 8, 16), group_sizes=[2, 3], fp8=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_weight_reused_across_microbatches(device):
+    """is_first_microbatch=True keeps the weight's FP8 copy; False reuses it: the same values and
+    gradients as quantizing every call while the weight is unchanged, and the old copy (stale, by
+    the contract) after the weight changes, until the next True."""
+    torch.manual_seed(0)
+    layer = patchgemm.GroupedLinear(3, 32, 16, device=device, fp8=True)
+    xs = [randn(8, 3, 32, device=device, requires_grad=True) for _ in range(3)]
+    per_call = [layer(x) for x in xs]
+    grads = [torch.autograd.grad(y.sum(), [x, layer.weight, layer.bias]) for x, y in zip(xs, per_call)]
+    for i, x in enumerate(xs):
+        y = layer(x, is_first_microbatch=(i == 0))
+        assert torch.equal(y, per_call[i])
+        for got, expected in zip(torch.autograd.grad(y.sum(), [x, layer.weight, layer.bias]), grads[i]):
+            assert torch.equal(got, expected)
+    fresh = layer(xs[0]).detach()
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    assert torch.equal(layer(xs[0], is_first_microbatch=False), fresh)  # the copy made before the change
+    assert not torch.equal(layer(xs[0], is_first_microbatch=True), fresh)
+    assert torch.equal(layer(xs[0], is_first_microbatch=False), layer(xs[0]))
+    # The functional form: a copy made once, passed to each call.
+    w8 = patchgemm.quantize_weight(layer.weight)
+    assert torch.equal(patchgemm.grouped_linear(xs[1], layer.weight, layer.bias, fp8=True, fp8_weight=w8),
+                       layer(xs[1]))
+    plain = patchgemm.GroupedLinear(3, 32, 16, device=device)  # not in FP8: the argument is ignored
+    assert torch.equal(plain(xs[2], is_first_microbatch=True), plain(xs[2]))
+
+
+def test_fp8_weight_reuse_errors():
+    layer = patchgemm.GroupedLinear(2, 16, 8, fp8=True)
+    x = randn(4, 2, 16)
+    with pytest.raises(RuntimeError, match="is_first_microbatch=False reuses the FP8 weight .* none was made"):
+        layer(x, is_first_microbatch=False)
+    with pytest.raises(TypeError, match="is_first_microbatch must be True, False or None, got 1"):
+        layer(x, is_first_microbatch=1)
+    w8 = patchgemm.quantize_weight(layer.weight)
+    with pytest.raises(ValueError, match="does not run in FP8"):
+        patchgemm.grouped_linear(x, layer.weight, fp8=False, fp8_weight=w8)
+    with pytest.raises(ValueError, match="ragged groups quantize their weight per call"):
+        patchgemm.grouped_linear(randn(6, 16), layer.weight, group_sizes=[2, 4], fp8=True, fp8_weight=w8)
+    with pytest.raises(ValueError, match=r"fp8_weight was made from a torch.float32 weight \[2, 8, 16\]"):
+        patchgemm.grouped_linear(randn(4, 3, 16), randn(3, 8, 16), fp8=True, fp8_weight=w8)
+    with pytest.raises(TypeError, match="fp8_weight must be a patchgemm.Float8Weight"):
+        patchgemm.grouped_linear(x, layer.weight, fp8=True, fp8_weight=layer.weight)
+    with pytest.raises(TypeError, match=r"weight must be a float32, float16 or bfloat16 tensor \[G, Dout, Din\]"):
+        patchgemm.quantize_weight(randn(8, 16))
+
+
 def test_fp8_compiles_without_graph_breaks():
     layer = patchgemm.GroupedLinear(2, 32, 16, fp8=True)
     x = randn(16, 2, 32, requires_grad=True)

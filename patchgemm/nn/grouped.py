@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .. import functional as F
 from .._args import check_sizes
-from ..fp8 import Float8Recipe
+from ..fp8 import Float8Recipe, Float8Weight, quantize_weight
 from ..fp8 import resolve as resolve_fp8
 
 
@@ -20,6 +20,10 @@ class GroupedLinear(nn.Module):
     parameters are ``weight[G, out_features, in_features]`` and ``bias[G, out_features]``, each group
     initialised like ``nn.Linear``. ``fp8``: run in FP8 (``True``, a ``Float8Recipe``), never
     (``False``), or as the enclosing ``fp8_autocast`` says (None).
+
+    ``forward(x, is_first_microbatch=None)``, TransformerEngine's contract for gradient accumulation:
+    in FP8, ``True`` quantizes the weight and keeps its FP8 copy, ``False`` reuses the copy kept (the
+    weight must not have changed since), None quantizes it every call. Ignored outside FP8.
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
@@ -36,6 +40,7 @@ class GroupedLinear(nn.Module):
         self.layout = layout
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
+        self._fp8_weight: Optional[Float8Weight] = None  # kept by is_first_microbatch=True
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -46,8 +51,20 @@ class GroupedLinear(nn.Module):
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.grouped_linear(x, self.weight, self.bias, self.layout, fp8=self.fp8)
+    def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"GroupedLinear: is_first_microbatch must be True, False or None, got "
+                            f"{is_first_microbatch!r}")
+        recipe = resolve_fp8("GroupedLinear", self.fp8)
+        fp8_weight = None
+        if recipe is not None and is_first_microbatch is not None:
+            if is_first_microbatch:
+                self._fp8_weight = quantize_weight(self.weight, recipe)
+            elif self._fp8_weight is None:
+                raise RuntimeError("GroupedLinear: is_first_microbatch=False reuses the FP8 weight kept by an "
+                                   "earlier call with is_first_microbatch=True, and none was made")
+            fp8_weight = self._fp8_weight
+        return F.grouped_linear(x, self.weight, self.bias, self.layout, fp8=self.fp8, fp8_weight=fp8_weight)
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
