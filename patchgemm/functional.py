@@ -191,7 +191,8 @@ ACTIVATIONS = ("swiglu",)
 
 def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd", *,
                 bias_gate_up: Optional[Tensor] = None, bias_down: Optional[Tensor] = None,
-                activation: str = "swiglu", fp8: Union[None, bool, Float8Recipe] = None) -> Tensor:
+                activation: str = "swiglu", fp8: Union[None, bool, Float8Recipe] = None,
+                fp8_weights: Optional[Sequence[Float8Weight]] = None) -> Tensor:
     """A gated MLP per group: ``down_g(silu(gate_g(x_g)) * up_g(x_g))`` for the G groups of ``x``.
 
     Args:
@@ -202,6 +203,8 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
         bias_gate_up, bias_down: ``[G, 2H]`` and ``[G, D_out]``, or None.
         activation: ``"swiglu"``.
         fp8: both GEMMs in FP8, as grouped_linear's ``fp8`` (the activation in the compute dtype).
+        fp8_weights: ``(quantize_weight(w_gate_up), quantize_weight(w_down))``, as grouped_linear's
+            ``fp8_weight``.
 
     Three GEMMs and one fused activation: gate and up are one strided-batched GEMM, the activation
     reads its output in place and writes h, the down GEMM reads h; backward likewise (one fused
@@ -218,8 +221,11 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
         raise RuntimeError(
             f"grouped_mlp: w_gate_up must be [G, 2H, D] and w_down [G, D_out, H] with the same G and H, got "
             f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
-    gate_up = grouped_linear(x, w_gate_up, bias_gate_up, layout, fp8=fp8)
-    return grouped_linear(swiglu(gate_up), w_down, bias_down, layout, fp8=fp8)
+    if fp8_weights is not None and (isinstance(fp8_weights, Float8Weight) or len(fp8_weights) != 2):
+        raise TypeError("grouped_mlp: fp8_weights must be two patchgemm.Float8Weight, of w_gate_up and w_down")
+    w8_gate_up, w8_down = (None, None) if fp8_weights is None else fp8_weights
+    gate_up = grouped_linear(x, w_gate_up, bias_gate_up, layout, fp8=fp8, fp8_weight=w8_gate_up)
+    return grouped_linear(swiglu(gate_up), w_down, bias_down, layout, fp8=fp8, fp8_weight=w8_down)
 
 
 def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, *,

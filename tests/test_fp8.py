@@ -364,11 +364,26 @@ def test_fp8_weight_reused_across_microbatches(device):
     assert torch.equal(plain(xs[2], is_first_microbatch=True), plain(xs[2]))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_mlp_fp8_weights_reused_across_microbatches(device):
+    mlp = patchgemm.GroupedMLP(2, 32, 48, bias=True, device=device, fp8=True)
+    xs = [randn(8, 2, 32, device=device) for _ in range(2)]
+    per_call = [mlp(x) for x in xs]
+    assert [torch.equal(mlp(x, is_first_microbatch=(i == 0)), y) for i, (x, y) in enumerate(zip(xs, per_call))] == \
+        [True, True]
+    kept = patchgemm.quantize_weight(mlp.w_gate_up), patchgemm.quantize_weight(mlp.w_down)
+    y = patchgemm.grouped_mlp(xs[1], mlp.w_gate_up, mlp.w_down, bias_gate_up=mlp.bias_gate_up,
+                              bias_down=mlp.bias_down, fp8=True, fp8_weights=kept)
+    assert torch.equal(y, per_call[1])
+
+
 def test_fp8_weight_reuse_errors():
     layer = patchgemm.GroupedLinear(2, 16, 8, fp8=True)
     x = randn(4, 2, 16)
-    with pytest.raises(RuntimeError, match="is_first_microbatch=False reuses the FP8 weight .* none was made"):
+    with pytest.raises(RuntimeError, match="is_first_microbatch=False reuses the FP8 weights .* none were made"):
         layer(x, is_first_microbatch=False)
+    with pytest.raises(TypeError, match="fp8_weights must be two patchgemm.Float8Weight"):
+        patchgemm.grouped_mlp(x, randn(2, 8, 16), randn(2, 16, 4), fp8=True, fp8_weights=[None])
     with pytest.raises(TypeError, match="is_first_microbatch must be True, False or None, got 1"):
         layer(x, is_first_microbatch=1)
     w8 = patchgemm.quantize_weight(layer.weight)

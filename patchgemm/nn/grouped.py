@@ -9,8 +9,26 @@ from torch import Tensor, nn
 
 from .. import functional as F
 from .._args import check_sizes
-from ..fp8 import Float8Recipe, Float8Weight, quantize_weight
+from ..fp8 import Float8Recipe, quantize_weight
 from ..fp8 import resolve as resolve_fp8
+
+
+def _reused_fp8_weights(module: nn.Module, where: str, fp8, weights: Sequence[Tensor],
+                       is_first_microbatch: Optional[bool]) -> Optional[tuple]:
+    """TransformerEngine's ``is_first_microbatch`` contract for a module's grouped weights: in FP8,
+    True quantizes them and keeps the copies on the module, False returns the copies kept, None
+    (and outside FP8) returns None (the call quantizes)."""
+    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+        raise TypeError(f"{where}: is_first_microbatch must be True, False or None, got {is_first_microbatch!r}")
+    recipe = resolve_fp8(where, fp8)
+    if recipe is None or is_first_microbatch is None:
+        return None
+    if is_first_microbatch:
+        module._fp8_weights = tuple(quantize_weight(w, recipe) for w in weights)
+    elif module._fp8_weights is None:
+        raise RuntimeError(f"{where}: is_first_microbatch=False reuses the FP8 weights kept by an earlier call with "
+                           f"is_first_microbatch=True, and none were made")
+    return module._fp8_weights
 
 
 class GroupedLinear(nn.Module):
@@ -40,7 +58,7 @@ class GroupedLinear(nn.Module):
         self.layout = layout
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
-        self._fp8_weight: Optional[Float8Weight] = None  # kept by is_first_microbatch=True
+        self._fp8_weights: Optional[tuple] = None  # kept by is_first_microbatch=True
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -52,19 +70,9 @@ class GroupedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
-        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
-            raise TypeError(f"GroupedLinear: is_first_microbatch must be True, False or None, got "
-                            f"{is_first_microbatch!r}")
-        recipe = resolve_fp8("GroupedLinear", self.fp8)
-        fp8_weight = None
-        if recipe is not None and is_first_microbatch is not None:
-            if is_first_microbatch:
-                self._fp8_weight = quantize_weight(self.weight, recipe)
-            elif self._fp8_weight is None:
-                raise RuntimeError("GroupedLinear: is_first_microbatch=False reuses the FP8 weight kept by an "
-                                   "earlier call with is_first_microbatch=True, and none was made")
-            fp8_weight = self._fp8_weight
-        return F.grouped_linear(x, self.weight, self.bias, self.layout, fp8=self.fp8, fp8_weight=fp8_weight)
+        kept = _reused_fp8_weights(self, "GroupedLinear", self.fp8, [self.weight], is_first_microbatch)
+        return F.grouped_linear(x, self.weight, self.bias, self.layout, fp8=self.fp8,
+                                fp8_weight=kept[0] if kept else None)
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
@@ -118,7 +126,7 @@ class GroupedMLP(nn.Module):
     Parameters: ``w_gate_up[G, 2*hidden, dim]`` (gate rows first, then up) and
     ``w_down[G, out_dim, hidden]``, plus ``bias_gate_up[G, 2*hidden]`` / ``bias_down[G, out_dim]``
     when ``bias``; each projection initialised like ``nn.Linear``. ``fp8``: both GEMMs in FP8, as
-    GroupedLinear's.
+    GroupedLinear's; ``forward(x, is_first_microbatch=None)`` as GroupedLinear's, for both weights.
     """
 
     def __init__(self, num_groups: int, dim: int, hidden: int, activation: str = "swiglu", *,
@@ -141,6 +149,7 @@ class GroupedMLP(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_groups, out_dim, hidden, **factory))
         self.bias_gate_up = nn.Parameter(torch.empty(num_groups, 2 * hidden, **factory)) if bias else None
         self.bias_down = nn.Parameter(torch.empty(num_groups, out_dim, **factory)) if bias else None
+        self._fp8_weights: Optional[tuple] = None  # kept by is_first_microbatch=True
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -151,9 +160,10 @@ class GroupedMLP(nn.Module):
             if bias is not None:
                 nn.init.uniform_(bias, -bound, bound)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
+        kept = _reused_fp8_weights(self, "GroupedMLP", self.fp8, [self.w_gate_up, self.w_down], is_first_microbatch)
         return F.grouped_mlp(x, self.w_gate_up, self.w_down, self.layout, bias_gate_up=self.bias_gate_up,
-                             bias_down=self.bias_down, activation=self.activation, fp8=self.fp8)
+                             bias_down=self.bias_down, activation=self.activation, fp8=self.fp8, fp8_weights=kept)
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, dim={self.dim}, hidden={self.hidden}, out_dim={self.out_dim}, "
