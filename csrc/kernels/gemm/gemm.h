@@ -68,7 +68,7 @@ std::string run_gemm_lt(const at::Tensor& a, const at::Tensor& b, const at::Tens
 // (a batch of one) there is nothing to add: t's values are the gradient, as ATen's sum_to returns
 // them, with no kernel.
 inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
-  if (std::all_of(dims.begin(), dims.end(), [&](int64_t d) { return t.size(d) == 1; })) {
+  if (!dims.empty() && std::all_of(dims.begin(), dims.end(), [&](int64_t d) { return t.size(d) == 1; })) {
     at::Tensor values = t;
     std::vector<int64_t> sorted(dims.begin(), dims.end());
     std::sort(sorted.rbegin(), sorted.rend());
