@@ -1,0 +1,148 @@
+"""FP8 ragged groups (mixture-of-experts layers): scaled_ragged_mm against float64 of the
+dequantized operands, its candidates, grouped_linear with group sizes and moe_experts in FP8."""
+
+import pytest
+import torch
+
+import patchgemm
+from patchgemm import fp8_autocast
+from conftest import DEVICES, assert_close_to_ref, randn, rel_error
+from fp8_cases import E4M3, E5M2, HAS_FP8_GPU, dequantized, needs_fp8_gpu, quantize, quantized, ops
+
+
+# ---- ragged groups in FP8: scaled_ragged_mm, grouped_linear with group sizes, moe_experts ---------
+
+def ragged_ref(a8, sa, b8, sb, bias, sizes):
+    a, b = dequantized(a8, sa), dequantized(b8, sb)
+    rows = torch.split(a, list(sizes))
+    y = torch.cat([r @ b[g].T + (bias[g].double() if bias is not None else 0) for g, r in enumerate(rows)])
+    return y
+
+
+# (sizes, K, N): empty groups, sizes no multiple of 16, and odd K / N that no FP8 GEMM takes.
+RAGGED_CASES = [([5, 0, 40, 19], 64, 48), ([0, 0, 33], 32, 16), ([7, 3], 20, 9)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", RAGGED_CASES, ids=lambda c: f"{len(c[0])}groups-k{c[1]}")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("offsets_on", ["cpu", "device"])
+def test_scaled_ragged_mm_matches_float64(device, case, out_dtype, with_bias, offsets_on):
+    sizes, K, N = case
+    a8, sa = quantized((sum(sizes), K), device)
+    b8, sb = quantized((len(sizes), N, K), device, scale=0.1)
+    bias = randn(len(sizes), N, dtype=out_dtype, device=device) if with_bias else None
+    offsets = torch.tensor(sizes).cumsum(0).to(device=device if offsets_on == "device" else "cpu", dtype=torch.int32)
+    y = ops.scaled_ragged_mm(a8, b8, sa, sb, bias, offsets, out_dtype)
+    assert y.dtype == out_dtype and y.shape == (sum(sizes), N) and y.is_contiguous()
+    tol = {torch.bfloat16: 1e-2, torch.float32: 2e-4}[out_dtype]
+    assert_close_to_ref(y, ragged_ref(a8, sa, b8, sb, bias, sizes), out_dtype, tol=tol)
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("candidate", ["aten_scaled_grouped_mm", "cublaslt_fp8_loop", "dequantized_loop"])
+def test_scaled_ragged_mm_candidates_agree_and_repeat_bitwise_at_scale(candidate):
+    """A mixture of experts' layer at training size: 8 experts over 16k rows, sizes no multiple of 16."""
+    if candidate == "aten_scaled_grouped_mm" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._scaled_grouped_mm needs sm_90")
+    sizes = [3000, 0, 2500, 1999, 2001, 4100, 1184, 1600]
+    a8, sa = quantized((sum(sizes), 1024), "cuda")
+    b8, sb = quantized((8, 2048, 1024), "cuda", scale=0.03)
+    bias = randn(8, 2048, dtype=torch.bfloat16, device="cuda")
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    with patchgemm.force(scaled_ragged_mm=candidate):
+        y = ops.scaled_ragged_mm(a8, b8, sa, sb, bias, offsets, torch.bfloat16, True)
+        again = ops.scaled_ragged_mm(a8, b8, sa, sb, bias, offsets, torch.bfloat16, True)
+    assert torch.equal(y, again)
+    assert rel_error(y, ragged_ref(a8, sa, b8, sb, bias, sizes)) < 6e-3  # bf16 rounding, fast accumulation
+
+
+def test_scaled_ragged_mm_takes_e5m2_where_torch_does_not():
+    """An e5m2 gradient: torch._scaled_grouped_mm declines (e4m3 only), another candidate runs."""
+    a8, sa = quantized((40, 32), "cuda" if HAS_FP8_GPU else "cpu", fmt=E5M2)
+    b8, sb = quantized((2, 16, 32), a8.device)
+    offsets = torch.tensor([10, 40], dtype=torch.int32)
+    with patchgemm.explain() as report:
+        y = ops.scaled_ragged_mm(a8, b8, sa, sb, None, offsets, torch.bfloat16)
+    assert_close_to_ref(y, ragged_ref(a8, sa, b8, sb, None, [10, 30]), torch.bfloat16)
+    if HAS_FP8_GPU and torch.cuda.get_device_capability() >= (9, 0):
+        assert "e4m3 operands only" in str(report)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scaled_ragged_mm_bad_input(device):
+    a8, sa = quantized((12, 32), device)
+    b8, sb = quantized((2, 16, 32), device)
+    ends = torch.tensor([4, 12])
+    with pytest.raises(RuntimeError, match="a must be float8"):
+        ops.scaled_ragged_mm(a8.float(), b8, sa, sb, None, ends, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="must agree in K"):
+        ops.scaled_ragged_mm(a8, b8[:, :, :16], sa, sb, None, ends, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="offsets has 3 entries but b has 2 groups"):
+        ops.scaled_ragged_mm(a8, b8, sa, sb, None, torch.tensor([4, 8, 12]), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="add up to 11 but x has 12 rows"):
+        ops.scaled_ragged_mm(a8, b8, sa, sb, None, torch.tensor([4, 11]), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="offsets must be int32 or int64"):
+        ops.scaled_ragged_mm(a8, b8, sa, sb, None, ends.float(), torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"bias must be \[G, Nc\]"):
+        ops.scaled_ragged_mm(a8, b8, sa, sb, torch.zeros(2, 15, dtype=torch.bfloat16, device=device), ends,
+                             torch.bfloat16)
+
+
+def test_scaled_ragged_mm_opcheck():
+    a8, sa = quantized((12, 32), "cpu")
+    b8, sb = quantized((2, 16, 32), "cpu")
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(ops.scaled_ragged_mm, (a8, b8, sa, sb, torch.ones(2, 16), torch.tensor([4, 12]),
+                                                 torch.float32, False), test_utils=utils)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sizes_as", ["list", "tensor"])
+def test_ragged_grouped_linear_fp8_forward_and_backward(device, dtype, sizes_as):
+    """Forward and input gradient against float64 of the quantized operands; the weight gradient
+    against float64 of the unquantized ones (it runs in the compute dtype)."""
+    sizes, D, O = [9, 0, 33, 22], 64, 48
+    x = randn(sum(sizes), D, dtype=dtype, device=device, requires_grad=True)
+    w = randn(len(sizes), O, D, dtype=dtype, device=device, requires_grad=True)
+    b = randn(len(sizes), O, dtype=dtype, device=device, requires_grad=True)
+    group_sizes = sizes if sizes_as == "list" else torch.tensor(sizes, device=device)
+    y = patchgemm.grouped_linear(x, w, b, group_sizes=group_sizes, fp8=True)
+    assert y.dtype == dtype and y.shape == (sum(sizes), O)
+    grad_y = randn(*y.shape, dtype=dtype, device=device)
+    y.backward(grad_y)
+    x8, sx = quantize(x.detach(), E4M3)
+    w8, sw = quantize(w.detach(), E4M3)
+    g8, sg = quantize(grad_y, E5M2)
+    assert_close_to_ref(y, ragged_ref(x8, sx, w8, sw, b.detach(), sizes), torch.bfloat16, "y")
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-4
+    ref_gx = ragged_ref(g8, sg, w8.transpose(1, 2).contiguous(), sw, None, sizes)
+    assert_close_to_ref(x.grad, ref_gx, dtype, "grad_x", tol=tol)
+    rows, grads = torch.split(x.detach().double(), sizes), torch.split(grad_y.double(), sizes)
+    assert_close_to_ref(w.grad, torch.stack([gy.T @ r for gy, r in zip(grads, rows)]), dtype, "grad_weight")
+    assert_close_to_ref(b.grad, torch.stack([gy.sum(0) for gy in grads]), dtype, "grad_bias")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_experts_in_fp8(device):
+    E, D, H, T, k = 4, 64, 32, 40, 2
+    experts = patchgemm.MoEExperts(E, D, H, device=device)
+    experts8 = patchgemm.MoEExperts(E, D, H, device=device, fp8=True)
+    experts8.load_state_dict(experts.state_dict())
+    x = randn(T, D, device=device, requires_grad=True)
+    index = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(0)).to(device)
+    weight = torch.rand(T, k, device=device)
+    exact = experts(x, index, weight)
+    with fp8_autocast():
+        in_region = experts(x, index, weight)
+    assert torch.equal(experts8(x, index, weight), in_region)
+    assert 0 < rel_error(in_region, exact) < 0.1
+    in_region.square().sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(experts.gate_up_proj.grad).all()
+    assert "fp8=True" in repr(experts8)
+    with patchgemm.explain() as report:
+        patchgemm.moe_experts(x.detach(), index, weight, experts.gate_up_proj.detach(), experts.down_proj.detach(),
+                              fp8=True)
+    assert "scaled_ragged_mm" in str(report)
