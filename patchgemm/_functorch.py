@@ -26,7 +26,7 @@ def _below(op, *args):
         return op(*args)
 
 
-def _opmath_sum(t, dims):
+def bias_grad_sum(t, dims):
     """A bias gradient: a sum in the op-math dtype, rounded once (t's values where every summed dim
     has size 1, as the C++ autograd's sum_for_bias_grad)."""
     if all(t.shape[d] == 1 for d in dims):
@@ -52,7 +52,7 @@ def grouped_linear_grads(grad_y, x, weight, group_major: bool, need_x: bool, nee
     """grouped_linear's gradients (x, weight, bias), each None where not needed; all contiguous."""
     grad_x = ops.grouped_linear_grad_input.default(grad_y, weight, group_major) if need_x else None
     grad_w = ops.grouped_linear_grad_weight.default(grad_y, x, group_major) if need_w else None
-    grad_b = _opmath_sum(grad_y, (1 if group_major else 0,)) if need_b else None
+    grad_b = bias_grad_sum(grad_y, (1 if group_major else 0,)) if need_b else None
     return grad_x, grad_w, grad_b
 
 
@@ -70,7 +70,7 @@ class GroupedLinear(_Function):
         # detached: the backend op refuses inputs that still require grad).
         grad_x = call("grouped_linear", grad_y, weight.transpose(1, 2), None, group_major) if need_x else None
         _, grad_w, _ = grouped_linear_grads(grad_y.detach(), x.detach(), weight, group_major, False, need_w, False)
-        grad_b = _opmath_sum(grad_y, (1 if group_major else 0,)) if need_b and ctx.has_bias else None
+        grad_b = bias_grad_sum(grad_y, (1 if group_major else 0,)) if need_b and ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
 
 
@@ -119,7 +119,7 @@ class GroupedPointwiseConv(_Function):
         if need_w:
             grad_w, grad_b = ops.grouped_pointwise_conv_grad_weight(grad_y.detach(), x.detach(), groups, need_b)
         elif need_b:
-            grad_b = _opmath_sum(grad_y, (0, *range(2, grad_y.dim())))
+            grad_b = bias_grad_sum(grad_y, (0, *range(2, grad_y.dim())))
         return grad_x, grad_w, grad_b if need_b else None, None
 
 
@@ -162,7 +162,7 @@ class PatchUnembed(_Function):
             grad_w, grad_b = ops.patch_weight_grad(x, grad_y, list(weight.shape[2:]), tokens, levels,
                                     need_b, True)
         elif need_b:
-            grad_b = _opmath_sum(grad_y, (0, *range(2, grad_y.dim())))
+            grad_b = bias_grad_sum(grad_y, (0, *range(2, grad_y.dim())))
         return grad_x, grad_w, grad_b if need_b else None, None, None
 
 

@@ -38,7 +38,7 @@ from typing import Optional, Union
 import torch
 
 from ._args import unsafe_view
-from ._functorch import ragged_bias_grad
+from ._functorch import bias_grad_sum, ragged_bias_grad
 from .ops import ops
 
 __all__ = ["Float8Recipe", "Float8Weight", "fp8_autocast", "quantize_weight"]
@@ -143,8 +143,9 @@ def quantize_weight(weight: torch.Tensor, recipe: Optional[Float8Recipe] = None)
     (default ``Float8Recipe()``), for ``grouped_linear(..., fp8_weight=)``: made once, reused by every
     call until the weight changes (then make it again)."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.dtype not in _COMPUTE_DTYPES:
+        got = f"{weight.dtype} {list(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise TypeError(f"quantize_weight: weight must be a float32, float16 or bfloat16 tensor [G, Dout, Din], "
-                        f"got {_describe(weight)}")
+                        f"got {got}")
     if recipe is not None and not isinstance(recipe, Float8Recipe):
         raise TypeError(f"quantize_weight: recipe must be a patchgemm.Float8Recipe or None, got "
                         f"{type(recipe).__name__}")
@@ -152,10 +153,6 @@ def quantize_weight(weight: torch.Tensor, recipe: Optional[Float8Recipe] = None)
     with torch.no_grad():
         data, data_t, scale = ops.quantize_fp8(weight.detach(), recipe.forward_format, True, True)
     return Float8Weight(data, data_t, scale, tuple(weight.shape), weight.dtype, weight.device)
-
-
-def _describe(t) -> str:
-    return f"{t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 class _GroupedLinearFp8(torch.autograd.Function):
@@ -194,7 +191,7 @@ class _GroupedLinearFp8(torch.autograd.Function):
         if need_w:  # grad_w_g [Dout, Din] = grad_y_g^T [Dout, B] @ x_g [B, Din]
             grad_w = ops.scaled_grouped_mm(g8_t, x8_t, g_scale, x_scale, None, True, ctx.w_dtype, False)
         if need_b:
-            grad_b = grad_y.sum(1 if group_major else 0, dtype=torch.float32).to(grad_y.dtype)
+            grad_b = bias_grad_sum(grad_y, (1 if group_major else 0,))
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
