@@ -1,4 +1,5 @@
-"""The GPU's gather / scatter + GEMM paths of the patch ops: tilings, copies, tiles."""
+"""The gather / scatter + GEMM paths of the patch ops: the GPU's tilings, copies and tiles, and the
+CPU's copies of contiguous runs."""
 
 import math
 
@@ -11,6 +12,63 @@ from conftest import (assert_close_to_ref, fused_mode, needs_gpu,
 from patch_cases import CONV, CONV_T, conv_tokens, cropped, cuda_kernels_run, layout, make
 
 ops = torch.ops.patchgemm
+
+
+# ---- CPU: the gather and scatter as copies of runs ----------------------------------------------
+
+def _patch_matrix(x, kernel):
+    """x's patch matrix [B, N, K] in the weight's column order (c, k...), by ATen's reshape."""
+    rank, (batch, channels) = len(kernel), x.shape[:2]
+    grid = [s // k for s, k in zip(x.shape[2:], kernel)]
+    x = x[(slice(None), slice(None)) + tuple(slice(0, g * k) for g, k in zip(grid, kernel))]
+    split = [batch, channels] + [v for g, k in zip(grid, kernel) for v in (g, k)]
+    order = [0] + [2 + 2 * i for i in range(rank)] + [1] + [3 + 2 * i for i in range(rank)]
+    return x.reshape(split).permute(order).reshape(batch, math.prod(grid), -1)
+
+
+def _one_hot_weight(rows, cols, dtype):
+    """[rows, cols] with one 1 per row at a random column: a GEMM against it moves values exactly."""
+    w = torch.zeros(rows, cols, dtype=dtype)
+    w[torch.arange(rows), torch.randperm(cols)[:rows] if rows <= cols else torch.randint(cols, (rows,))] = 1
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,kernel", [((2, 192, 16, 16, 16), (2, 2, 2)),  # many rows: every thread's share
+                                          ((3, 5, 7, 9), (7, 3)),             # odd runs
+                                          ((2, 3, 11), (1,)),                 # runs of one value
+                                          ((1, 4, 2, 14, 28), (2, 7, 14))])
+@pytest.mark.parametrize("memory", ["contiguous", "channels_last", "cropped", "every_other"])
+def test_cpu_gather_and_scatter_move_values_exactly(dtype, shape, kernel, memory):
+    """The CPU's gather (csrc/kernels/patch/patchify_cpu.cpp) copies every patch value to its place:
+    against a one-hot weight the GEMM paths return x's patch matrix bitwise, in both output formats,
+    and the unembedding's scatter puts each token's values back where ATen's permute does, bias
+    added once. Views with runs (cropped, channels-last) and without (every other value) alike."""
+    x = layout(randn(*shape, dtype=dtype), memory) if memory != "cropped" else cropped(randn(*shape, dtype=dtype))
+    K = shape[1] * math.prod(kernel)
+    pick = _one_hot_weight(K, K, dtype)  # row e picks column pick[e].argmax() of the patch matrix
+    ref = _patch_matrix(x, kernel) @ pick.double().t().to(dtype) if dtype == torch.float64 else \
+        (_patch_matrix(x, kernel).double() @ pick.double().t()).to(dtype)
+    w = pick.view(K, shape[1], *kernel)
+    with patchgemm.force(patch_embed="gather_gemm"):
+        tokens = patchgemm.patch_embed(x, w, None, out_format="tokens")
+        first = patchgemm.patch_embed(x, w, None)
+    assert torch.equal(tokens, ref)
+    assert torch.equal(first.flatten(2).transpose(1, 2), ref)
+    # The scatter: tokens [B, N, C_in] through a one-hot [C_in, C_out * k...] back to a volume.
+    grid = [s // k for s, k in zip(shape[2:], kernel)]
+    c_out, c_in = shape[1], 6
+    t = randn(shape[0], math.prod(grid), c_in, dtype=dtype)
+    w_t = _one_hot_weight(c_out * math.prod(kernel), c_in, dtype).t().contiguous().view(c_in, c_out, *kernel)
+    bias = randn(c_out, dtype=dtype)
+    q = (t.double() @ w_t.double().view(c_in, -1)).to(dtype).view(shape[0], *grid, c_out, *kernel)
+    rank = len(kernel)
+    order = [0, 1 + rank] + [v for i in range(rank) for v in (1 + i, 2 + rank + i)]
+    expect = q.permute(order).reshape(shape[0], c_out, *[g * k for g, k in zip(grid, kernel)])
+    expect = expect + bias.view(1, -1, *[1] * rank)
+    with patchgemm.force(patch_unembed="gemm_scatter"):
+        out = patchgemm.patch_unembed(t, w_t, bias, in_format="tokens", grid=grid)
+    assert torch.equal(out, expect)
 
 
 # ---- GPU specifics -------------------------------------------------------------------------------

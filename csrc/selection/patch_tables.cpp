@@ -146,14 +146,13 @@ WhyNot cudnn_wins_channels_last(const at::Tensor& x, const PatchGeometry& g) {
   return {};
 }
 
-// On the CPU every path is ATen's, and the gather + GEMM moves x's patches (and, for a
-// channels-first output, the product's transpose) as strided element copies. For windows of at most
-// 16 (k = 2 in 3-D, k = 4 in 2-D) those copies move short runs and cost up to several times the
-// GEMM, while oneDNN's convolution reads x once; larger windows copy longer runs, and the GEMM wins
-// (python -m patchgemm bench --device cpu: P3, P4 against P5). fp32 and fp64, contiguous operands
-// only: torch 2.11's oneDNN bf16 convolution returns wrong values for some problems (contiguous
-// x [2, 4, 976] with k = 16, relative error 1.0; channels-last x [3, 24, 28, 176] with k = (14, 16);
-// tests/test_fuzz.py), where the gather + GEMM is right.
+// On the CPU, fp32 windows of at most 16 (k = 2 in 3-D, k = 4 in 2-D) into channels-first outputs:
+// ATen's convolution reads x once, where the gather + GEMM copies it as runs of kw values into a
+// GEMM over a short K; the convolution's backward is faster there too, its forward about even
+// (python -m patchgemm bench --device cpu: P3 fp32). Contiguous operands only, and not 16-bit:
+// torch's oneDNN bf16 convolution (2.11 and 2.13) returns wrong values for some problems
+// (contiguous x [2, 4, 976] with k = 16, relative error 1.0; channels-last x [3, 24, 28, 176] with
+// k = (14, 16); tests/test_fuzz.py), where the gather + GEMM is right.
 WhyNot onednn_wins_small_windows(std::initializer_list<at::Tensor> operands, const PatchGeometry& g, bool tokens_out) {
   const at::Tensor& x = *operands.begin();
   if (!x.device().is_cpu() || tokens_out || g.levels.size() != 1 || g.channels == 0) return {};

@@ -153,12 +153,28 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
   // which BLAS epilogues do not offer).
   at::Tensor y = at::empty(p.out_shape, p.x.options());
   if (on_cpu) {
-    // CPU: tokens [B*N, E] = P @ W^T + bias by ATen's linear (whose CPU GEMM runs this orientation
-    // fastest, and adds the bias), then one transposing copy into the channels-first output, where
-    // [W' | bias | 0] would cost two passes over W each call.
-    const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/false).narrow(2, 0, g.patch_size());
-    const at::Tensor tokens = at::linear(pm, p.w2(), p.bias);
-    y.view({g.batch, embed, N}).copy_(tokens.transpose(1, 2));
+    if (p.x.element_size() == 2 && !(p.x.scalar_type() == at::kBFloat16 && cpu::bf16_gemms_on_onednn())) {
+      // ATen's own 16-bit loop: tokens [B*N, E] = P @ W^T + bias by linear (the orientation that
+      // loop runs fastest), then one transposing copy into the channels-first output.
+      const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/false).narrow(2, 0, g.patch_size());
+      y.view({g.batch, embed, N}).copy_(at::linear(pm, p.w2(), p.bias).transpose(1, 2));
+      return y;
+    }
+    // MKL and oneDNN read either layout: y[b] [E, N] = W' @ P[b]^T written in place (no transpose
+    // of the product; W' shared by an expanded view). The bias runs along y's rows: as [W | bias]
+    // against P's ones column where copying W costs less than a pass over y (N > K), else added.
+    const bool bias_in_gemm = p.bias.has_value() && N > g.patch_size();
+    const at::Tensor pm = patchify(p.x5, g, bias_in_gemm);
+    const at::Tensor w = bias_in_gemm ? padded_weight(p.w2(), p.bias, pm.size(2)) : p.w2();
+    const at::Tensor pt = pm.narrow(2, 0, w.size(1)).transpose(1, 2);
+    at::Tensor out = y.view({g.batch, embed, N});
+    if (g.batch == 1) {
+      at::Tensor out2 = out[0];
+      at::mm_out(out2, w, pt[0]);
+    } else {
+      at::bmm_out(out, w.expand({g.batch, embed, w.size(1)}), pt);
+    }
+    if (p.bias && !bias_in_gemm) out.add_(p.bias->view({1, embed, 1}));
     return y;
   }
   const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/p.bias.has_value());

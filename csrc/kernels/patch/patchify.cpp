@@ -51,7 +51,8 @@ at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_colu
 #ifdef PATCHGEMM_WITH_CUDA
   if (x5.is_cuda() && !g.channels_last && cuda::patchify(x5, g, ones_column, p)) return p;
 #endif
-  patch_matrix_view(p, g).copy_(patch_order_view(x5, g));
+  const at::Tensor patches = patch_matrix_view(p, g), source = patch_order_view(x5, g);
+  if (!cpu::copy_runs(patches, source)) patches.copy_(source);
   p.narrow(2, g.patch_size(), ld - g.patch_size()).zero_();
   if (ones_column) p.select(2, g.patch_size()).fill_(1);
   return p;
@@ -65,7 +66,10 @@ void unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional
 #endif
   at::Tensor out = patch_order_view(y5, g);
   const at::Tensor patches = patch_matrix_view(q, g);
-  if (bias) {
+  if (cpu::copy_runs(out, patches)) {
+    // (the same rounding as one add: the patches' values are copied exactly)
+    if (bias) y5.add_(bias->view({1, g.channels, 1, 1, 1}));
+  } else if (bias) {
     at::add_out(out, patches, bias_in_patch_order(*bias, g, out.dim()));
   } else {
     out.copy_(patches);

@@ -27,6 +27,13 @@ at::Tensor patchify(const at::Tensor& x5, const PatchGeometry& g, bool ones_colu
 void unpatchify(const at::Tensor& q, const PatchGeometry& g, const std::optional<at::Tensor>& bias,
                 const at::Tensor& y5);
 
+namespace cpu {
+// dst = src (same sizes and dtype, CPU) as copies of the runs where both have unit stride innermost
+// (patchify_cpu.cpp); false where there is no such run or either is not on the CPU (the caller then
+// runs ATen's copy).
+bool copy_runs(const at::Tensor& dst, const at::Tensor& src);
+}  // namespace cpu
+
 #ifdef PATCHGEMM_WITH_CUDA
 namespace cuda {
 // The fused kernels' entry points. Each runs its kernel and returns true (or the gradients), or, where
