@@ -603,10 +603,11 @@ def run_case(case: Case, device: torch.device, ceilings: Ceilings, progress=None
 
             runs[name] = fwd if pass_ == "fwd" else fwd_bwd
         # The implementations take turns, ROUNDS times, each keeping its best median: a drift of the
-        # GPU's clock or of the machine's load then cannot favour whichever ran first.
+        # GPU's clock or of the machine's load (a CPU's shared cores most of all) then cannot favour
+        # whichever ran first.
         best: Dict[str, Timing] = {}
         errors: Dict[str, str] = {}
-        for _ in range(ROUNDS if device.type == "cuda" else 1):
+        for _ in range(ROUNDS):
             for name, run in runs.items():
                 if name in errors:
                     continue
@@ -616,7 +617,8 @@ def run_case(case: Case, device: torch.device, ceilings: Ceilings, progress=None
                     errors[name] = str(e).split("\n")[0][:80]
                     continue
                 old = best.get(name)
-                best[name] = Timing(min(t.ms, old.ms), min(t.host_ms, old.host_ms)) if old else t
+                host = None if t.host_ms is None else min(t.host_ms, old.host_ms) if old else t.host_ms
+                best[name] = Timing(min(t.ms, old.ms), host) if old else t
         for name, run in runs.items():
             if name in errors:
                 rows.append(Row(case.id, pass_, name, None, None, floors[pass_], error=errors[name]))
