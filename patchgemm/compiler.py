@@ -20,6 +20,13 @@ Rewritten (the rules are :func:`convert`'s, applied to calls instead of modules)
 
 Every other call is left to the backend; 1 x 1 convs with one group, and depthwise ones, stay
 (cuDNN computes them as well), as in :func:`convert`.
+
+A mixture of experts' routed experts run a data-dependent loop that no trace holds whole. For
+transformers models, :func:`compile` selects the experts implementation transformers lets libraries
+register (``ExpertsInterface``; ``patchgemm.nn.use_transformers_experts``): "patchgemm", which
+computes each experts module of the SwiGLU layout through ``moe_experts`` with the module's own
+parameters. That switch is the model's (``config._experts_implementation``), so the model runs
+it uncompiled too.
 """
 
 import logging
@@ -32,6 +39,7 @@ from torch import fx
 
 from . import functional
 from .conv_rules import left_to_pytorch, patch_problem, pointwise_problem
+from .nn.grouped import EXPERTS_IMPLEMENTATION, use_transformers_experts
 
 __all__ = ["compile", "backend", "CompileReport"]
 _log = logging.getLogger(__name__)
@@ -382,6 +390,11 @@ def compile(model: Callable, *, backend: Union[str, Callable] = "inductor", mode
     if not callable(model):
         raise TypeError(f"patchgemm.compile: expected a module or function, got {type(model).__name__}")
     rewriting = _Backend(backend, mode, options)
+    if isinstance(model, torch.nn.Module):  # experts run as a module, not as calls a trace can see
+        for where, why in use_transformers_experts(model):
+            entry = (where, "experts -> moe_experts (transformers' experts implementation "
+                            f"{EXPERTS_IMPLEMENTATION!r})") if why is None else (where, f"experts: {why}")
+            rewriting.report._add(rewriting.report.rewritten if why is None else rewriting.report.left, entry)
     compiled = torch.compile(model, backend=rewriting, **kwargs)
     # (on the compiled wrapper itself: an nn.Module's OptimizedModule forwards attribute writes to it)
     object.__setattr__(compiled, "patchgemm_report", rewriting.report)

@@ -306,6 +306,48 @@ def test_convert_leaves_experts_of_another_layout():
     assert isinstance(model.layers[1].mlp.experts, patchgemm.MoEExperts)
 
 
+@pytest.mark.parametrize("family", ["Mixtral", "Olmoe", "Qwen3Moe"])
+def test_compile_selects_the_patchgemm_experts_implementation(family):
+    """patchgemm.compile routes transformers' experts through moe_experts by transformers' own
+    switch (ExpertsInterface): the module tree, the parameters and the state_dict stay; the report
+    names each experts module; forward and gradients match the eager loop in float64."""
+    model = _moe_model(family, **MOE_MODELS[family])
+    reference = _moe_model(family, **MOE_MODELS[family])  # same seed: the same weights
+    keys = list(model.state_dict())
+    compiled = patchgemm.compile(model, backend="aot_eager")
+    experts = ["layers.0.mlp.experts", "layers.1.mlp.experts"]
+    assert [where for where, what in compiled.patchgemm_report.rewritten if "experts" in what] == experts
+    assert model.config._experts_implementation == "patchgemm"
+    assert not any(isinstance(m, patchgemm.MoEExperts) for m in model.modules()) and list(model.state_dict()) == keys
+    ids = torch.randint(0, 64, (2, 7))
+    with patchgemm.explain() as calls:
+        got = compiled(input_ids=ids).last_hidden_state
+    want = reference(input_ids=ids).last_hidden_state
+    assert_close_to_ref(got, want, torch.float64, "output")
+    assert any(call.startswith("moe_experts") or "ragged_grouped_linear" in call for call in map(str, calls))
+    got.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    original = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        if original[name].grad is not None:
+            assert_close_to_ref(p.grad, original[name].grad, torch.float64, f"grad {name}")
+    model.set_experts_implementation("eager")  # the model's own switch takes it back
+    assert model.config._experts_implementation == "eager"
+
+
+def test_patchgemm_experts_implementation_refuses_another_layout():
+    """Selected by hand on experts moe_experts does not compute, the implementation raises, naming
+    why; compile leaves such a model's switch alone and reports each module it left."""
+    model = _moe_model("Mixtral", **dict(MOE_MODELS["Mixtral"], hidden_act="gelu"))
+    compiled = patchgemm.compile(model, backend="aot_eager")
+    assert model.config._experts_implementation == "eager"
+    assert ("layers.0.mlp.experts", "experts: its activation is not SiLU") in compiled.patchgemm_report.left
+    assert patchgemm.nn.register_transformers_experts()
+    model.set_experts_implementation("patchgemm")
+    with pytest.raises(ValueError, match="experts_implementation='patchgemm' cannot compute MixtralExperts: its activation is not SiLU"):
+        model(input_ids=torch.randint(0, 64, (1, 3)))
+
+
 def test_model_bench_runs_a_moe_language_model_on_the_cpu(tmp_path):
     """`python -m patchgemm bench --models` on a tiny OLMoE: token ids in, both forms, the experts
     swapped, and the JSON written."""

@@ -2,7 +2,7 @@
 
 import math
 import sys
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -222,6 +222,65 @@ class MoEExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, dim={self.hidden_dim}, hidden={self.intermediate_dim}"
                 + (f", fp8={self.fp8!r}" if self.fp8 is not None else ""))
+
+
+EXPERTS_IMPLEMENTATION = "patchgemm"  # the name under which transformers' ExpertsInterface knows moe_experts
+
+
+def _experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """transformers' experts implementation "patchgemm": the module's own parameters through
+    moe_experts. Its verdict (moe_experts_problem) is made once per module, before any trace
+    (use_transformers_experts), as the check probes the activation."""
+    why = module.__dict__.get("_patchgemm_experts_problem", moe_experts_problem)
+    if why is moe_experts_problem:  # (selected by hand: checked at the first call)
+        why = module.__dict__["_patchgemm_experts_problem"] = moe_experts_problem(module)
+    if why is not None:
+        raise ValueError(f"experts_implementation={EXPERTS_IMPLEMENTATION!r} cannot compute {type(module).__name__}: {why}")
+    return F.moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
+
+
+def register_transformers_experts() -> bool:
+    """Registers moe_experts as an experts implementation of transformers (``ExpertsInterface``),
+    named "patchgemm": ``model.set_experts_implementation("patchgemm")`` then computes every experts
+    module of the SwiGLU layout (moe_experts_problem) through moe_experts, with the model's own
+    parameters and modules. False where transformers is not imported (nothing to register with)."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is None or not hasattr(moe, "ALL_EXPERTS_FUNCTIONS"):
+        return False
+    moe.ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, _experts_forward)
+    return True
+
+
+def use_transformers_experts(model: nn.Module) -> List[Tuple[str, Optional[str]]]:
+    """Selects the "patchgemm" experts implementation (register_transformers_experts) on each
+    transformers model in ``model`` whose experts modules all compute moe_experts' layout; models
+    with one that does not are left as they are. Returns (module name, why not or None) per experts
+    module found. The choice is the model's own switch (``config._experts_implementation``): the
+    model runs it eager and compiled alike; ``model.set_experts_implementation(...)`` changes it back."""
+    transformers = sys.modules.get("transformers")
+    moe = sys.modules.get("transformers.integrations.moe")
+    if transformers is None or not hasattr(moe, "ALL_EXPERTS_FUNCTIONS"):
+        return []
+    found: List[Tuple[str, Optional[str]]] = []
+    done = set()
+    for name, sub in model.named_modules():
+        if not isinstance(sub, transformers.PreTrainedModel) or any(name.startswith(d) for d in done):
+            continue
+        verdicts = [(f"{name}.{n}" if name else n, m) for n, m in sub.named_modules()
+                    if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter) and hasattr(m, "is_transposed")]
+        if not verdicts:
+            continue
+        done.add(name + "." if name else "")
+        checked = [(where, m, moe_experts_problem(m)) for where, m in verdicts]
+        if any(why is not None for _, _, why in checked):  # one switch per model: all or none
+            found += [(where, why or "its model has experts moe_experts does not compute") for where, _, why in checked]
+            continue
+        register_transformers_experts()
+        for where, m, _ in checked:
+            m.__dict__["_patchgemm_experts_problem"] = None
+            found.append((where, None))
+        sub.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    return found
 
 
 def _acts_as_silu(act) -> bool:

@@ -13,6 +13,7 @@ are built from their libraries' configs with random weights (nothing is download
 whose library is missing is skipped with a line saying so.
 """
 
+import copy
 import gc
 import math
 import statistics
@@ -182,7 +183,9 @@ def _compiled(form: str, original: nn.Module) -> Tuple[nn.Module, str]:
     if name == "convert+compile":
         report = convert(original, inplace=False)
         return torch.compile(report.model, mode=mode), f"{len(report.swapped)} swapped"
-    return patchgemm_compile(original, mode=mode), ""
+    # (a copy: the integration may switch a transformers model's experts implementation, the model's
+    # own setting, which the other forms of the original must not see)
+    return patchgemm_compile(copy.deepcopy(original), mode=mode), ""
 
 
 def _make(form: str, original: nn.Module) -> nn.Module:
