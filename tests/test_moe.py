@@ -264,6 +264,18 @@ MOE_MODELS = {
 }
 
 
+def _assert_same_model_function(got, model, want, reference):
+    """`got` (from `model`) against `want` (from `reference`, whose parameters have the same names),
+    then every parameter's gradient of the sum of squares, in float64."""
+    assert_close_to_ref(got, want, torch.float64, "output")
+    want.pow(2).sum().backward()
+    got.pow(2).sum().backward()
+    original = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        if original[name].grad is not None:
+            assert_close_to_ref(p.grad, original[name].grad, torch.float64, f"grad {name}")
+
+
 @pytest.mark.parametrize("family", sorted(MOE_MODELS))
 def test_convert_transformers_moe_models(family):
     model = _moe_model(family, **MOE_MODELS[family])
@@ -275,14 +287,8 @@ def test_convert_transformers_moe_models(family):
         f"{type(model.layers[0].mlp.experts).__name__} -> MoEExperts"] * 2
     assert list(converted.state_dict()) == list(model.state_dict())
     ids = torch.randint(0, 64, (2, 7))
-    want, got = model(input_ids=ids).last_hidden_state, converted(input_ids=ids).last_hidden_state
-    assert_close_to_ref(got, want, torch.float64, "output")
-    want.pow(2).sum().backward()
-    got.pow(2).sum().backward()
-    original = dict(model.named_parameters())
-    for name, p in converted.named_parameters():
-        if original[name].grad is not None:
-            assert_close_to_ref(p.grad, original[name].grad, torch.float64, f"grad {name}")
+    _assert_same_model_function(converted(input_ids=ids).last_hidden_state, converted,
+                                model(input_ids=ids).last_hidden_state, model)
     # The state_dict loads back into the original's class.
     model.load_state_dict(converted.state_dict())
 
@@ -322,15 +328,8 @@ def test_compile_selects_the_patchgemm_experts_implementation(family):
     ids = torch.randint(0, 64, (2, 7))
     with patchgemm.explain() as calls:
         got = compiled(input_ids=ids).last_hidden_state
-    want = reference(input_ids=ids).last_hidden_state
-    assert_close_to_ref(got, want, torch.float64, "output")
     assert any(call.startswith("moe_experts") or "ragged_grouped_linear" in call for call in map(str, calls))
-    got.pow(2).sum().backward()
-    want.pow(2).sum().backward()
-    original = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        if original[name].grad is not None:
-            assert_close_to_ref(p.grad, original[name].grad, torch.float64, f"grad {name}")
+    _assert_same_model_function(got, model, reference(input_ids=ids).last_hidden_state, reference)
     model.set_experts_implementation("eager")  # the model's own switch takes it back
     assert model.config._experts_implementation == "eager"
 
