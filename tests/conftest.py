@@ -115,6 +115,28 @@ def fused_mode(mode):
             "auto": selection}[mode]()
 
 
+@pytest.fixture
+def fused_always():
+    """The fused kernels wherever they apply (their rule would send these small shapes to cuBLAS)."""
+    with fused_mode("always"):
+        yield
+
+
+def wgmma_built():
+    """Whether the implicit forward's Hopper kernel (implicit_patch_gemm_sm90.cu) runs here: a 9.0 GPU
+    and a build with sm_90a code."""
+    return torch.cuda.get_device_capability() == (9, 0) and any(
+        a.startswith("9.0a") for a in torch.ops.patchgemm.build_info()[1].split(";"))
+
+
+@pytest.fixture(params=[True, False], ids=["wgmma", "mma_sync"])
+def implicit_wgmma(request):
+    """Whether the implicit kernels may take their Hopper (wgmma) candidates, rules off as
+    fused_always; returns whether they should run here."""
+    with selection(rules=False, exclude=() if request.param else WGMMA):
+        yield request.param and wgmma_built()
+
+
 # The references: F.conv{1,2,3}d (and the transpose) with stride = kernel, written as one float64
 # matmul between views, which runs at BLAS speed on the CPU (test_references_are_the_convs).
 def split_spatial(x, kernel):
