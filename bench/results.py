@@ -122,12 +122,9 @@ def models_section(saved: dict, name: str) -> str:
         saved, "Models compiled, a training step" if compiled else "Models, a training step",
         f"python -m patchgemm bench --models {models}{' --compile' if compiled else ''} --json {name}",
         ("each form compiled (`-cg`: with CUDA graphs, Inductor's reduce-overhead mode); " if compiled else "") +
-        "forward + backward under bf16 autocast, random weights, models built from their libraries' configs. GPU "
-        "ms is the profiler's sum of kernel times per step; wall ms the wall time per step with 10 steps back to "
-        "back, the fastest of 31 rounds in which a model's forms take turns with the garbage collector off (a "
-        "busy host's interruptions only add time; `wall_rounds` in the JSON holds every round); peak MB what a "
-        "step allocates above the weights; `GPU x` / `wall x` = the first form's GPU / wall time over this form's; "
-        "`paired` = the median over rounds of the first form's wall time over this form's in the same round.",
+        "a training step under bf16 autocast (method: docs/benchmarks.md, Models): GPU ms per step, wall ms the "
+        "fastest of 31 rounds, peak MB above the weights; `GPU x` / `wall x` / `paired`: the first form's time "
+        "over this form's.",
         format_rows(_with_paired_ratios([ModelRow(**r) for r in saved["models"]])))
 
 
@@ -146,12 +143,11 @@ def zoo_section(saved: dict, name: str) -> str:
     return _table_section(
         saved, "convert() across timm's and transformers' models",
         f"python bench/zoo.py --json {name}" + ("" if models == zoo.ZOO else f" {models}"),
-        "per model (random weights, batch 8 at its input size; videos and the Qwen2.5-VL tower 2) the modules "
-        "convert swaps; the converted model's fp32 (TF32 off) errors against the original in float64: output, "
-        "x's gradient, and the largest parameter-gradient error over the largest parameter gradient's norm; "
-        "`/ orig` = the largest of the three over the original fp32 model's own (errors under 1e-6 counted as "
-        "1e-6); `GPU x` = the original's GPU time per bf16 training step over the converted model's (profiler "
-        "kernel sums).",
+        "per model (random weights, batch 8; videos and the Qwen2.5-VL tower 2) the modules convert swaps; the "
+        "converted model's fp32 errors (TF32 off) against the original in float64: output, x's gradient, the "
+        "largest parameter-gradient error over the largest gradient's norm; `/ orig` = the largest over the "
+        "original fp32 model's own (floor 1e-6); `GPU x` = the original's GPU time per bf16 training step over "
+        "the converted model's.",
         zoo.format_rows(saved["rows"]))
 
 
@@ -191,9 +187,9 @@ def tune_section(saved: dict, name: str) -> str:
         f"`python -m patchgemm tune --from-json bench/results/{name} --json bench/results/{name}` "
         f"(the sweep: `python -m patchgemm tune --random {random_shapes} --model-like {model_shapes} --json ...`, "
         "in parts merged by `--from-json`; the heuristic's choices are the rules' of the commit above). "
-        "Regret = t(selected) / t(fastest candidate): geometric mean / worst / share over 1.2x (method: "
-        "docs/benchmarks.md); `single best` = per op the one candidate of least mean regret on the training "
-        "records. This GPU's model; the shipped one is trained on every GPU's records saved here.", "",
+        "Regret = t(selected) / t(fastest candidate): geomean / worst / share over 1.2x (docs/benchmarks.md); "
+        "`single best`: per op the candidate of least mean regret on the training records. This GPU's model "
+        "(the shipped one: every GPU's records).", "",
         *tables, ""])
 
 
@@ -207,10 +203,9 @@ def distributed_section(saved: dict, name: str) -> str:
                f"{env.get('backend', '?')})",
         f"torchrun --nproc-per-node {world} bench/distributed.py --json {name}",
         f"one training step of one {env.get('dtype', '')} GroupedLinear layer (global batch x groups x in x out: "
-        f"{layers}), the global batch fixed. The slowest rank's medians: `ms/step` wall time (CUDA events "
-        "around back-to-back steps), `GPU ms` the GPU's own (the GPU kept busy while the host queues), `host ms` "
-        "the time to issue a step; `speedup` = the 1-GPU form's time / the form's; peak MB the largest over the "
-        "ranks of what a step allocates. A world of one rank measures overhead only.",
+        f"{layers}), the global batch fixed. The slowest rank's medians: `ms/step` wall time (CUDA events), "
+        "`GPU ms` the GPU's own, `host ms` the time to issue a step; `speedup` = the 1-GPU form's time / the "
+        "form's; peak MB the largest over the ranks of what a step allocates.",
         distributed.format_rows(saved["rows"]))
 
 
@@ -226,7 +221,7 @@ def transfer_section(paths: List[pathlib.Path]) -> str:
              "`all` rows); the rows trained on all of them judge the shipped model (`patchgemm/data/selector.json`, "
              f"trained by `python -m patchgemm tune --from-json {names} --validate 5 --margin 0.5 --model "
              "patchgemm/data/selector.json`; "
-             "retraining gives slightly different models, as the CPU's float sums vary with its threads).", "",
+             "retraining varies slightly with the CPU's threads).", "",
              "| trained on | judged on | heuristic mean / worst / > 1.2x | learned mean / worst / > 1.2x | "
              "single best mean / worst / > 1.2x |",
              "|---|---|---|---|---|"]
