@@ -150,37 +150,24 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
   }
   // Channels-first: y[b] [E, N] = W' [E, K'] @ P[b]^T, batched over B with W' shared. The bias is
   // a column of W' against a ones column of P: no pass over y (whose bias would run along rows,
-  // which BLAS epilogues do not offer).
+  // which BLAS epilogues do not offer). On the CPU only where copying W into W' costs less than a
+  // pass over y (N > K); else the bias is added after, and W' is W itself over P's first K columns.
   at::Tensor y = at::empty(p.out_shape, p.x.options());
-  if (on_cpu) {
-    if (p.x.element_size() == 2 && !(p.x.scalar_type() == at::kBFloat16 && cpu::bf16_gemms_on_onednn())) {
-      // ATen's own 16-bit loop: tokens [B*N, E] = P @ W^T + bias by linear (the orientation that
-      // loop runs fastest), then one transposing copy into the channels-first output.
-      const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/false).narrow(2, 0, g.patch_size());
-      y.view({g.batch, embed, N}).copy_(at::linear(pm, p.w2(), p.bias).transpose(1, 2));
-      return y;
-    }
-    // MKL and oneDNN read either layout: y[b] [E, N] = W' @ P[b]^T written in place (no transpose
-    // of the product; W' shared by an expanded view). The bias runs along y's rows: as [W | bias]
-    // against P's ones column where copying W costs less than a pass over y (N > K), else added.
-    const bool bias_in_gemm = p.bias.has_value() && N > g.patch_size();
-    const at::Tensor pm = patchify(p.x5, g, bias_in_gemm);
-    const at::Tensor w = bias_in_gemm ? padded_weight(p.w2(), p.bias, pm.size(2)) : p.w2();
-    const at::Tensor pt = pm.narrow(2, 0, w.size(1)).transpose(1, 2);
-    at::Tensor out = y.view({g.batch, embed, N});
-    if (g.batch == 1) {
-      at::Tensor out2 = out[0];
-      at::mm_out(out2, w, pt[0]);
-    } else {
-      at::bmm_out(out, w.expand({g.batch, embed, w.size(1)}), pt);
-    }
-    if (p.bias && !bias_in_gemm) out.add_(p.bias->view({1, embed, 1}));
+  if (on_cpu && p.x.element_size() == 2 && !(p.x.scalar_type() == at::kBFloat16 && cpu::bf16_gemms_on_onednn())) {
+    // ATen's own 16-bit loop: tokens [B*N, E] = P @ W^T + bias by linear (the orientation that
+    // loop runs fastest), then one transposing copy into the channels-first output.
+    const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/false).narrow(2, 0, g.patch_size());
+    y.view({g.batch, embed, N}).copy_(at::linear(pm, p.w2(), p.bias).transpose(1, 2));
     return y;
   }
-  const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/p.bias.has_value());
-  const at::Tensor w = padded_weight(p.w2(), p.bias, pm.size(2));
-  run_gemm(w.unsqueeze(0).expand({g.batch, embed, w.size(1)}), pm.transpose(1, 2), y.view({g.batch, embed, N}),
+  const bool bias_in_gemm = p.bias.has_value() && (!on_cpu || N > g.patch_size());
+  const at::Tensor pm = patchify(p.x5, g, bias_in_gemm);
+  const at::Tensor w = padded_weight(p.w2(), bias_in_gemm ? p.bias : std::nullopt,
+                                     on_cpu && !bias_in_gemm ? g.patch_size() : pm.size(2));
+  const at::Tensor out = y.view({g.batch, embed, N});
+  run_gemm(w.unsqueeze(0).expand({g.batch, embed, w.size(1)}), pm.narrow(2, 0, w.size(1)).transpose(1, 2), out,
            std::nullopt, false, kConv);
+  if (p.bias && !bias_in_gemm) out.add_(p.bias->view({1, embed, 1}));
   return y;
 }
 
