@@ -27,12 +27,12 @@ def _below(op, *args):
 
 
 def bias_grad_sum(t, dims):
-    """A bias gradient: a sum in the op-math dtype, rounded once (t's values where every summed dim
-    has size 1, as the C++ autograd's sum_for_bias_grad)."""
+    """A bias gradient: a sum accumulated in fp32 (fp64 for fp64) and rounded once, as ATen and
+    Inductor sum 16-bit tensors by themselves (t's values where every summed dim has size 1, as the
+    C++ autograd's sum_for_bias_grad)."""
     if all(t.shape[d] == 1 for d in dims):
         return t.squeeze(dims).contiguous()
-    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
-    return t.sum(dims, dtype=wide).to(t.dtype)
+    return t.sum(dims)
 
 
 class _Function(torch.autograd.Function):

@@ -166,10 +166,18 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
 #endif
   TORCH_CHECK(on_gpu || c.device().is_cpu(), "patchgemm: no kernel for device ", c.device(),
               " in this build (built without CUDA/ROCm support?)");
-  // Otherwise the bias goes into c first and every call accumulates onto it (beta = 1).
   std::vector<BlasCall> calls = plan.calls;
-  if (bias) c.copy_(bias_rows());
-  if (bias || accumulate) {
+  if (accumulate) {
+    for (BlasCall& call : calls) call.accumulate = true;
+  }
+  // On the CPU one call adds the bias itself (ATen's baddbmm: c is written once).
+  if (!on_gpu && bias && calls.size() == 1) {
+    cpu::run_blas_call_with_bias(calls[0], a, b, c, *bias);
+    return;
+  }
+  // Otherwise the bias goes into c first and every call accumulates onto it (beta = 1).
+  if (bias) {
+    c.copy_(bias_rows());
     for (BlasCall& call : calls) call.accumulate = true;
   }
 #ifdef PATCHGEMM_WITH_CUDA

@@ -58,9 +58,9 @@ std::string run_gemm_lt(const at::Tensor& a, const at::Tensor& b, const at::Tens
                         GemmConvention convention = GemmConvention::kMatmul);
 #endif
 
-// t summed over dims into t's dtype, accumulated in fp32 (fp64 for fp64): a bias gradient. CUDA's
-// reductions accumulate 16-bit sums in fp32 by themselves, in one kernel; CPU half sums do not
-// (~5e-3 off), so there the sum runs in the op-math type and is cast after. A contiguous
+// t summed over dims into t's dtype, accumulated in fp32 (fp64 for fp64): a bias gradient. ATen's
+// reductions accumulate 16-bit sums in fp32 by themselves and round once, on the GPU and the CPU
+// (a sum asked for in fp32 and cast after gives the same bits, 4-7x slower on the CPU). A contiguous
 // channels-first t [B, C, *S] summed over all but C (a transpose's bias) sums its contiguous rows,
 // then over B: ATen's one reduction over dims {0, 2, ...} runs well below the memory bandwidth,
 // contiguous rows at it. Few long rows (a transpose's 32 of 2M elements) leave most SMs idle, so
@@ -86,8 +86,7 @@ inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
     while (rows * f < 2048 && n % (2 * f) == 0 && n / (2 * f) >= 8192) f *= 2;
     return t.view({t.size(0), t.size(1), f, n / f}).sum(3, false, acc).sum(at::IntArrayRef{0, 2}).to(t.scalar_type());
   }
-  if (t.is_cuda()) return t.sum(dims);
-  return t.sum(dims, false, acc).to(t.scalar_type());
+  return t.sum(dims);
 }
 
 // The strided view of a 3-D tensor, as the torch-free planner sees it.
@@ -100,6 +99,9 @@ namespace cpu {
 bool bf16_gemms_on_onednn();
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
                     const at::Tensor& c);
+// One call that covers all of c (a single plan), with c = bias + the product, bias [batch, N].
+void run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
+                             const at::Tensor& c, const at::Tensor& bias);
 }
 // (`math`: what the calls may do, gemm_math of the op's convention.)
 #ifdef PATCHGEMM_WITH_CUDA

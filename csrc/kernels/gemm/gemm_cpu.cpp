@@ -39,40 +39,73 @@ bool bf16_gemms_on_onednn() {
   return onednn;
 }
 
+namespace {
+
+// One call's operands as ATen sees them: c[batch, M, N] = lhs @ rhs, in c's dtype.
+struct CallOperands {
+  at::Tensor lhs, rhs, out;
+};
+
+CallOperands call_operands(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+  // Column-major C = op(A) @ op(B), with BLAS A the problem's b and BLAS B the problem's a, run
+  // row-major as C^T = op(B)^T @ op(A)^T: ATen then reads the problem's own a and b views and
+  // writes into c's rows, which are contiguous in this orientation. (In the column-major one c
+  // is transposed, and ATen's strided 16-bit loops for that are many times slower.)
+  const at::Tensor lhs =
+      op_view(a, call.offset_b, call.batch, call.k, call.n, call.ldb, call.stride_b, call.trans_b).transpose(1, 2);
+  const at::Tensor rhs =
+      op_view(b, call.offset_a, call.batch, call.m, call.k, call.lda, call.stride_a, call.trans_a).transpose(1, 2);
+  at::Tensor out =
+      op_view(c, call.offset_c, call.batch, call.m, call.n, call.ldc, call.stride_c, false).transpose(1, 2);
+  // (c in fp32 for 16-bit a and b: the product is formed in fp32 too.)
+  const bool widen = c.scalar_type() != a.scalar_type();
+  at::Tensor l = widen ? lhs.to(c.scalar_type()) : lhs, r = widen ? rhs.to(c.scalar_type()) : rhs;
+  if (l.scalar_type() == at::kBFloat16 && !bf16_gemms_on_onednn()) {
+    l = column_major(l);
+    r = row_major(r);
+  }
+  return {l, r, out};
+}
+
+// Batches apart in memory (a group's rows of a [B, G, N] output): ATen's fp32 bmm_out into the
+// strided view runs slower than its bmm into a fresh tensor plus one copy (fp32 forward and input
+// gradients: 1.05-2x); its bfloat16 GEMMs write the view as fast as a fresh tensor.
+bool writes_in_place(const at::Tensor& out) {
+  return out.is_contiguous() || out.scalar_type() == at::kBFloat16;
+}
+
+}  // namespace
+
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
                     const at::Tensor& c) {
   for (const BlasCall& call : calls) {
-    // Column-major C = op(A) @ op(B), with BLAS A the problem's b and BLAS B the problem's a, run
-    // row-major as C^T = op(B)^T @ op(A)^T: ATen then reads the problem's own a and b views and
-    // writes into c's rows, which are contiguous in this orientation. (In the column-major one c
-    // is transposed, and ATen's strided 16-bit loops for that are many times slower.) A single
-    // product goes through mm, whose CPU GEMM is faster than bmm's at batch 1.
-    const at::Tensor lhs =
-        op_view(a, call.offset_b, call.batch, call.k, call.n, call.ldb, call.stride_b, call.trans_b).transpose(1, 2);
-    const at::Tensor rhs =
-        op_view(b, call.offset_a, call.batch, call.m, call.k, call.lda, call.stride_a, call.trans_a).transpose(1, 2);
-    at::Tensor out =
-        op_view(c, call.offset_c, call.batch, call.m, call.n, call.ldc, call.stride_c, false).transpose(1, 2);
-    // (c in fp32 for 16-bit a and b: the product is formed in fp32 too.)
-    const bool widen = c.scalar_type() != a.scalar_type();
-    at::Tensor l = widen ? lhs.to(c.scalar_type()) : lhs, r = widen ? rhs.to(c.scalar_type()) : rhs;
-    if (l.scalar_type() == at::kBFloat16 && !bf16_gemms_on_onednn()) {
-      l = column_major(l);
-      r = row_major(r);
-    }
+    auto [l, r, out] = call_operands(call, a, b, c);
+    // A single product goes through mm, whose CPU GEMM is faster than bmm's at batch 1.
     if (call.batch == 1) {
       at::Tensor out2 = out.select(0, 0);
       call.accumulate ? out2.addmm_(l[0], r[0]) : at::mm_out(out2, l[0], r[0]);
     } else if (call.accumulate) {
       out.baddbmm_(l, r);
-    } else if (out.is_contiguous() || l.scalar_type() == at::kBFloat16) {
+    } else if (writes_in_place(out)) {
       at::bmm_out(out, l, r);
     } else {
-      // Batches apart in memory (a group's rows of a [B, G, N] output): ATen's bmm_out into the
-      // strided view runs slower than its bmm into a fresh tensor plus one copy (fp32 forward and
-      // input gradients: 1.05-2x).
       out.copy_(at::bmm(l, r));
     }
+  }
+}
+
+void run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
+                             const at::Tensor& c, const at::Tensor& bias) {
+  TORCH_INTERNAL_ASSERT(!call.accumulate && call.offset_c == 0 && call.batch == c.size(0));
+  auto [l, r, out] = call_operands(call, a, b, c);
+  const at::Tensor bias_row = bias.to(c.scalar_type()).unsqueeze(1);  // [batch, 1, N]
+  if (call.batch == 1) {
+    at::Tensor out2 = out.select(0, 0);
+    at::addmm_out(out2, bias_row[0], l[0], r[0]);
+  } else if (writes_in_place(out)) {
+    at::baddbmm_out(out, bias_row, l, r);
+  } else {
+    out.copy_(at::baddbmm(bias_row, l, r));
   }
 }
 
