@@ -106,15 +106,19 @@ def resolve(where: str, fp8: Union[None, bool, Float8Recipe], region: bool = Tru
     raise TypeError(f"{where}: fp8 must be None, a bool or a patchgemm.Float8Recipe, got {type(fp8).__name__}")
 
 
-def _quantize(t: torch.Tensor, fmt: torch.dtype, group_major: bool, rowwise: bool, batch_major: bool):
-    """(t in fmt in its layout or None, t's [G, D, B] copy or None, scale) for an activation or
-    gradient t [B, G, D] ([G, B, D] when group_major): the copy is what a GEMM summing over B reads."""
+def _quantize(t: torch.Tensor, fmt: torch.dtype, group_major: bool, rowwise: bool, batch_major: bool,
+              sums: bool = False):
+    """(t in fmt in its layout or None, t's [G, D, B] copy or None, scale, t summed over B [G, D] or
+    None) for an activation or gradient t [B, G, D] ([G, B, D] when group_major): the copy is what a
+    GEMM summing over B reads; the sums (a bias gradient) come from the same pass where it writes
+    that copy."""
     if group_major:
-        data, data_t, scale = ops.quantize_fp8(t, fmt, rowwise, batch_major)
-        return (data if rowwise else None), (data_t if batch_major else None), scale
+        data, data_t, scale, total = ops.quantize_fp8(t, fmt, rowwise, batch_major, sums)
+        return (data if rowwise else None), (data_t if batch_major else None), scale, (total if sums else None)
     B, G, D = t.shape
-    data, data_t, scale = ops.quantize_fp8(t.reshape(B, G * D), fmt, rowwise, batch_major)
-    return (data.view(B, G, D) if rowwise else None), (data_t.view(G, D, B) if batch_major else None), scale
+    data, data_t, scale, total = ops.quantize_fp8(t.reshape(B, G * D), fmt, rowwise, batch_major, sums)
+    return ((data.view(B, G, D) if rowwise else None), (data_t.view(G, D, B) if batch_major else None), scale,
+            (total.view(G, D) if sums else None))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -151,7 +155,7 @@ def quantize_weight(weight: torch.Tensor, recipe: Optional[Float8Recipe] = None)
                         f"{type(recipe).__name__}")
     recipe = recipe or Float8Recipe()
     with torch.no_grad():
-        data, data_t, scale = ops.quantize_fp8(weight.detach(), recipe.forward_format, True, True)
+        data, data_t, scale, _ = ops.quantize_fp8(weight.detach(), recipe.forward_format, True, True)
     return Float8Weight(data, data_t, scale, tuple(weight.shape), weight.dtype, weight.device)
 
 
@@ -167,9 +171,9 @@ class _GroupedLinearFp8(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group_major: bool, out_dtype: torch.dtype, recipe: Float8Recipe,
                 need_grad_x: bool, need_grad_w: bool, weight8: Optional[Float8Weight]):
         fmt = recipe.forward_format
-        x8, x8_t, x_scale = _quantize(x, fmt, group_major, True, need_grad_w)
+        x8, x8_t, x_scale, _ = _quantize(x, fmt, group_major, True, need_grad_w)
         if weight8 is None:
-            w8, w8_t, w_scale = ops.quantize_fp8(weight, fmt, True, need_grad_x)
+            w8, w8_t, w_scale, _ = ops.quantize_fp8(weight, fmt, True, need_grad_x)
         else:
             w8, w8_t, w_scale = weight8.data, weight8.data_t, weight8.scale
         ctx.save_for_backward(x8_t, x_scale, w8_t if need_grad_x else None, w_scale)
@@ -184,13 +188,14 @@ class _GroupedLinearFp8(torch.autograd.Function):
         group_major = ctx.group_major
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
-        if need_x or need_w:
-            g8, g8_t, g_scale = _quantize(grad_y, ctx.recipe.backward_format, group_major, need_x, need_w)
+        if need_x or need_w:  # the bias gradient in the same pass where grad_y's batch-major copy is written
+            g8, g8_t, g_scale, grad_b = _quantize(grad_y, ctx.recipe.backward_format, group_major, need_x, need_w,
+                                                  need_b and need_w)
         if need_x:  # grad_x_g [B, Din] = grad_y_g [B, Dout] @ weight_g [Dout, Din]
             grad_x = ops.scaled_grouped_mm(g8, w8_t, g_scale, w_scale, None, group_major, ctx.x_dtype, False)
         if need_w:  # grad_w_g [Dout, Din] = grad_y_g^T [Dout, B] @ x_g [B, Din]
             grad_w = ops.scaled_grouped_mm(g8_t, x8_t, g_scale, x_scale, None, True, ctx.w_dtype, False)
-        if need_b:
+        if need_b and grad_b is None:
             grad_b = bias_grad_sum(grad_y, (1 if group_major else 0,))
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
@@ -227,8 +232,8 @@ class _RaggedLinearFp8(torch.autograd.Function):
     def forward(ctx, x, weight, bias, offsets, out_dtype: torch.dtype, recipe: Float8Recipe, need_grad_x: bool,
                 need_grad_w: bool):
         fmt = recipe.forward_format
-        x8, _, x_scale = ops.quantize_fp8(x, fmt, True, False)
-        w8, w8_t, w_scale = ops.quantize_fp8(weight, fmt, True, need_grad_x)
+        x8, _, x_scale, _ = ops.quantize_fp8(x, fmt, True, False)
+        w8, w8_t, w_scale, _ = ops.quantize_fp8(weight, fmt, True, need_grad_x)
         ctx.save_for_backward(x.to(out_dtype) if need_grad_w else None, w8_t if need_grad_x else None, w_scale,
                               offsets)
         ctx.recipe, ctx.x_dtype, ctx.w_dtype, ctx.out_dtype = recipe, x.dtype, weight.dtype, out_dtype
@@ -241,7 +246,7 @@ class _RaggedLinearFp8(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if need_x:  # grad_x_g [rows, Din] = grad_y_g [rows, Dout] @ weight[g] [Dout, Din]
-            g8, _, g_scale = ops.quantize_fp8(grad_y, ctx.recipe.backward_format, True, False)
+            g8, _, g_scale, _ = ops.quantize_fp8(grad_y, ctx.recipe.backward_format, True, False)
             grad_x = ops.scaled_ragged_mm(g8, w8_t, g_scale, w_scale, None, offsets, ctx.x_dtype, False)
         if need_w:
             grad_w = ops.ragged_grouped_linear_grad_weight(grad_y.to(ctx.out_dtype), x, offsets).to(ctx.w_dtype)

@@ -21,7 +21,7 @@ def dequantized(data, scale):
 
 def quantize(x, fmt):
     """(data, scale) of quantize_fp8 without the transposed copy."""
-    data, _, scale = ops.quantize_fp8(x, fmt)
+    data, _, scale, _ = ops.quantize_fp8(x, fmt)
     return data, scale
 
 

@@ -34,15 +34,16 @@ def main():
         for n in (1, 13, 3 * 2**20 + 7):
             for dtype in (torch.bfloat16, torch.float32):
                 x = torch.randn(n, dtype=dtype, device="cuda")
-                data, _, scale = ops.quantize_fp8(x, torch.float8_e5m2)
+                data, _, scale, _ = ops.quantize_fp8(x, torch.float8_e5m2)
                 assert torch.isfinite(scale) and torch.isfinite(data.float()).all()
-                data, data_t, scale = ops.quantize_fp8(x.view(1, -1, 1 if n % 7 else 7), torch.float8_e4m3fn, True, True)
+                data, data_t, scale, _ = ops.quantize_fp8(x.view(1, -1, 1 if n % 7 else 7), torch.float8_e4m3fn, True, True)
                 assert torch.isfinite(data_t.float()).all()
-        # the transposing cast at 8, 4 and 1 values per thread, over several waves of tiles
+        # the transposing cast at 8, 4 and 1 values per thread, over several waves of tiles, summing columns
         for shape in ((4, 2048, 2056), (2, 2048, 2052), (2, 1000, 1027)):
-            data, data_t, scale = ops.quantize_fp8(torch.randn(shape, device="cuda", dtype=torch.bfloat16),
-                                                   torch.float8_e4m3fn, True, True)
+            data, data_t, scale, sums = ops.quantize_fp8(torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+                                                      torch.float8_e4m3fn, True, True, True)
             assert torch.isfinite(data.float()).all() and torch.isfinite(data_t.float()).all()
+            assert torch.isfinite(sums).all()
         x = torch.randn(64, 3, 32, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         layer = patchgemm.GroupedLinear(3, 32, 48, device="cuda", dtype=torch.bfloat16, fp8=True)
         y = layer(x)

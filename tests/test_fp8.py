@@ -52,10 +52,10 @@ def test_quantize_edge_values(device):
 @pytest.mark.parametrize("shape", [(70, 130), (3, 65, 64), (2, 1, 1), (1, 4096 + 3, 5)])
 def test_transposed_copy_is_the_data_transposed(device, shape):
     x = randn(*shape, dtype=torch.bfloat16, device=device)
-    data, data_t, scale = ops.quantize_fp8(x, E5M2, True, True)
+    data, data_t, scale, _ = ops.quantize_fp8(x, E5M2, True, True)
     assert data_t.shape == (*shape[:-2], shape[-1], shape[-2]) and data_t.is_contiguous()
     assert torch.equal(data_t.view(torch.uint8), data.transpose(-2, -1).contiguous().view(torch.uint8))
-    none, only_t, again = ops.quantize_fp8(x, E5M2, False, True)
+    none, only_t, again, _ = ops.quantize_fp8(x, E5M2, False, True)
     assert none.numel() == 0 and torch.equal(again, scale)
     assert torch.equal(only_t.view(torch.uint8), data_t.view(torch.uint8))
 
@@ -82,6 +82,40 @@ def test_fused_quantize_is_bitwise_aten(dtype, fmt, transposed, shape):
             f"ATen's {want[tuple(differ[0])].float().item()} (x / scale there: "
             f"{(x.float().reshape(got.shape) / ref[2])[tuple(differ[0])].item() if got.shape == x.shape else '?'})")
         assert torch.equal(got.view(torch.uint8), rerun.view(torch.uint8))
+
+
+def quantizers(device):
+    """The quantize_fp8 candidates that run on `device`."""
+    return ["fused", "aten"] if device == "cuda" and torch.cuda.get_device_capability() >= (8, 9) else ["aten"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(70, 130), (3, 65, 64), (2, 1000, 1024 + 8), (2, 1000, 1027), (2, 3000, 516),
+                                   (5, 0, 8), (1, 1, 4)])
+def test_column_sums_are_the_bias_gradient(device, dtype, transposed, shape):
+    """x summed over its second-to-last dim, within one rounding of the float64 sum; the data and the
+    scale the same bits as without the sums, and every run the same bits (the transposing kernel's
+    widths, edges in rows and columns, no rows)."""
+    x = randn(*shape, dtype=dtype, device=device) * 3
+    want = x.double().sum(-2)
+    bound = (2.0**-8 if dtype == torch.bfloat16 else 2.0**-23) * want.abs() + 1e-5 * x.double().abs().sum(-2) + 1e-30
+    for impl in quantizers(device):
+        with patchgemm.force(quantize_fp8=impl):
+            data, data_t, scale, sums = ops.quantize_fp8(x, E4M3, True, transposed, True)
+            again = ops.quantize_fp8(x, E4M3, True, transposed, True)
+            plain = ops.quantize_fp8(x, E4M3, True, transposed)
+        assert sums.shape == want.shape and sums.dtype == dtype and sums.is_contiguous()
+        assert ((sums.double() - want).abs() <= bound).all(), (impl, (sums.double() - want).abs().max().item())
+        assert torch.equal(sums, again[3]) and torch.equal(scale, plain[2]) and plain[3].numel() == 0
+        for got, ref in ((data, plain[0]), (data_t, plain[1])):
+            assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_column_sums_need_two_dims():
+    with pytest.raises(RuntimeError, match="column sums need x of 2 dims"):
+        ops.quantize_fp8(randn(8), E4M3, True, False, True)
 
 
 # ---- scaled_grouped_mm: the FP8 grouped GEMM ------------------------------------------------------
@@ -169,6 +203,7 @@ def test_opcheck():
     b8, sb = quantized((2, 16, 32), "cpu")
     torch.library.opcheck(ops.quantize_fp8, (randn(4, 8), E4M3))
     torch.library.opcheck(ops.quantize_fp8, (randn(2, 4, 8), E5M2, False, True))
+    torch.library.opcheck(ops.quantize_fp8, (randn(2, 4, 8), E5M2, False, True, True))
     # (Not test_schema for FP8 inputs: its mutation check multiplies them, which ATen cannot in FP8.)
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     torch.library.opcheck(ops.scaled_grouped_mm, (a8, b8, sa, sb, None, False, torch.bfloat16, False), test_utils=utils)

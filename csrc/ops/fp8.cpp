@@ -50,15 +50,16 @@ void check_scales_out_bias(const char* op, const at::Tensor& scale_a, const at::
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x, at::ScalarType format, bool rowwise,
-                                                            bool transposed) {
+QuantizeOutputs quantize_fp8(const at::Tensor& x, at::ScalarType format, bool rowwise, bool transposed,
+                             bool column_sums) {
   constexpr const char* op = "quantize_fp8";
   TORCH_CHECK(format == at::kFloat8_e4m3fn || format == at::kFloat8_e5m2, op,
               ": format must be torch.float8_e4m3fn or torch.float8_e5m2, got ", format);
   check_floating(op, "x", x);
   TORCH_CHECK(!transposed || x.dim() >= 2, op, ": a transposed copy needs x of 2 dims or more, got shape ", x.sizes());
+  TORCH_CHECK(!column_sums || x.dim() >= 2, op, ": column sums need x of 2 dims or more, got shape ", x.sizes());
   TORCH_CHECK(rowwise || transposed, op, ": asked for neither data (rowwise) nor its transposed copy");
-  return select_quantize_fp8({x.contiguous(), format, rowwise, transposed});
+  return select_quantize_fp8({x.contiguous(), format, rowwise, transposed, column_sums});
 }
 
 at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,

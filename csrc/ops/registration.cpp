@@ -87,10 +87,12 @@ TORCH_LIBRARY(patchgemm, m) {
   // FP8 with current scaling: (data, data_t, scale) with data = saturate(x * (1 / scale)) in `format`
   // (float8_e4m3fn or float8_e5m2), contiguous in x's shape where `rowwise` (else empty), data_t the
   // same values with x's last two dims swapped, contiguous, where `transposed` (else empty), and
-  // scale = amax(|x|) / max(format) (1 for an all-zero x), a float32 scalar: x ~ scale * data.
+  // scale = amax(|x|) / max(format) (1 for an all-zero x), a float32 scalar: x ~ scale * data; and
+  // where `column_sums`, x summed over its second-to-last dim in x's dtype (accumulated in fp32;
+  // else empty): the bias gradient of an output gradient quantized for the weight gradient's GEMM.
   m.def(
-      "quantize_fp8(Tensor x, ScalarType format, bool rowwise=True, bool transposed=False) -> (Tensor, Tensor, "
-      "Tensor)");
+      "quantize_fp8(Tensor x, ScalarType format, bool rowwise=True, bool transposed=False, bool column_sums=False) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   // The grouped linear of FP8 operands: a [B, G, K] or (group_major) [G, B, K], b [G, N, K], per-tensor
   // scales (float32 scalars); y[.., g, :] = scale_a * scale_b * a[.., g, :] @ b[g].T + bias[g] in a's
   // layout, contiguous, of out_dtype (bias [G, N] of out_dtype). `fast_accum`: Hopper's faster FP8

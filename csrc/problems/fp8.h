@@ -10,12 +10,15 @@
 namespace patchgemm {
 
 // quantize_fp8: x contiguous, to `format` (e4m3fn or e5m2) with one scale for the tensor; data in
-// x's layout where `rowwise`, the copy with the last two dims swapped where `transposed`.
+// x's layout where `rowwise`, the copy with the last two dims swapped where `transposed`, and x
+// summed over its second-to-last dim where `column_sums` (a bias gradient, read in the same pass).
 struct QuantizeProblem {
   at::Tensor x;
   at::ScalarType format;
-  bool rowwise = true, transposed = false;
+  bool rowwise = true, transposed = false, column_sums = false;
 };
+// quantize_fp8's outputs: data, data_t, scale, sums (an empty tensor for each not asked for).
+using QuantizeOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // scaled_grouped_mm over [G, ...] views: c_g [M, N] = scale_a * scale_b * a_g [M, K] @ b_g [N, K]^T
 // (+ bias_g), written into `out` (contiguous, in the op's layout; `c` is its [G, M, N] view).

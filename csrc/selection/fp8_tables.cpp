@@ -33,7 +33,7 @@ using selection::WhyNot;
 std::string quantize_signature(const QuantizeProblem& p) {
   std::ostringstream out;
   out << "(" << describe("x", p.x) << " -> " << c10::toString(p.format) << (p.rowwise ? "" : ", no rowwise")
-      << (p.transposed ? ", transposed" : "") << ")";
+      << (p.transposed ? ", transposed" : "") << (p.column_sums ? ", column sums" : "") << ")";
   return out.str();
 }
 
@@ -41,12 +41,12 @@ selection::ProblemFeatures quantize_features(const QuantizeProblem& p) {
   return selection::features_on(p.x, {{"numel", double(p.x.numel())}, {"transposed", p.transposed ? 1.0 : 0.0}});
 }
 
-const Table<QuantizeProblem, std::tuple<at::Tensor, at::Tensor, at::Tensor>> kQuantize(
+const Table<QuantizeProblem, QuantizeOutputs> kQuantize(
     "quantize_fp8",
     {
         {"fused", "cuda",
          "x float32, float16 or bfloat16 on an NVIDIA GPU: amax, then one pass that casts (and transposes "
-         "through shared memory)",
+         "through shared memory, summing the columns)",
          [](const QuantizeProblem& p) -> WhyNot {
 #if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
            if (!p.x.is_cuda()) return "CUDA tensors only";
@@ -58,7 +58,7 @@ const Table<QuantizeProblem, std::tuple<at::Tensor, at::Tensor, at::Tensor>> kQu
          },
          nullptr,
          [](const QuantizeProblem& p, bool,
-            WhyNot& why) -> std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> {
+            WhyNot& why) -> std::optional<QuantizeOutputs> {
 #if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
            if (reinterpret_cast<uintptr_t>(p.x.const_data_ptr()) % 16 != 0) {
              why = "x not 16-byte aligned";
@@ -70,19 +70,23 @@ const Table<QuantizeProblem, std::tuple<at::Tensor, at::Tensor, at::Tensor>> kQu
            at::Tensor data = p.rowwise ? at::empty(p.x.sizes(), fp8) : at::Tensor();
            at::Tensor data_t = p.transposed ? at::empty(swapped, fp8) : at::Tensor();
            at::Tensor scale = at::empty({}, p.x.options().dtype(at::kFloat));
-           cuda::quantize_fp8(p.x, data, data_t, scale);
+           std::vector<int64_t> summed = p.x.sizes().vec();
+           if (p.column_sums) summed.erase(summed.end() - 2);
+           at::Tensor sums = p.column_sums ? at::empty(summed, p.x.options()) : at::Tensor();
+           cuda::quantize_fp8(p.x, data, data_t, scale, sums);
            const at::Tensor none = at::empty({0}, fp8);
-           return std::make_tuple(p.rowwise ? data : none, p.transposed ? data_t : none, scale);
+           return std::make_tuple(p.rowwise ? data : none, p.transposed ? data_t : none, scale,
+                                  p.column_sums ? sums : at::empty({0}, p.x.options()));
 #else
            why = "this build has no CUDA kernels";
            return std::nullopt;
 #endif
          }},
-        {"aten", "cpu cuda rocm", "any x: ATen's abs, max, division, clamp and cast; a copy transposes",
+        {"aten", "cpu cuda rocm", "any x: ATen's abs, max, division, clamp and cast; a copy transposes, a sum sums",
          [](const QuantizeProblem&) { return WhyNot(); }, nullptr,
-         [](const QuantizeProblem& p, bool, WhyNot&) -> std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> {
-           Quantized q = quantize_fp8_aten(p.x, p.format, p.rowwise, p.transposed);
-           return std::make_tuple(q.data, q.data_t, q.scale);
+         [](const QuantizeProblem& p, bool, WhyNot&) -> std::optional<QuantizeOutputs> {
+           Quantized q = quantize_fp8_aten(p.x, p.format, p.rowwise, p.transposed, p.column_sums);
+           return std::make_tuple(q.data, q.data_t, q.scale, q.sums);
          }},
     },
     quantize_signature, quantize_features);
@@ -255,7 +259,7 @@ const Table<ScaledRaggedProblem, at::Tensor> kScaledRaggedMm(
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> select_quantize_fp8(const QuantizeProblem& p) {
+QuantizeOutputs select_quantize_fp8(const QuantizeProblem& p) {
   return kQuantize.run(p);
 }
 at::Tensor select_scaled_grouped_mm(const ScaledGroupedProblem& p) { return kScaledGroupedMm.run(p); }

@@ -10,7 +10,7 @@
 
 namespace patchgemm {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> select_quantize_fp8(const QuantizeProblem& p);
+QuantizeOutputs select_quantize_fp8(const QuantizeProblem& p);
 at::Tensor select_scaled_grouped_mm(const ScaledGroupedProblem& p);
 at::Tensor select_scaled_ragged_mm(const ScaledRaggedProblem& p);
 

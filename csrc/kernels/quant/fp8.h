@@ -16,20 +16,26 @@ double fp8_max(at::ScalarType format);
 
 // What quantize_fp8 returns: data (x's shape, contiguous) where `rowwise`, data_t (x with its last
 // two dims swapped, contiguous: the K-major copy a GEMM over the other dim reads) where
-// `transposed`, each else an empty tensor; and the scale.
+// `transposed`, sums (x summed over its second-to-last dim, in x's dtype, accumulated in fp32) where
+// `column_sums`, each else an empty tensor; and the scale.
 struct Quantized {
-  at::Tensor data, data_t, scale;
+  at::Tensor data, data_t, scale, sums;
 };
 
 // ATen's reduction and elementwise ops (four passes over x, a copy for data_t): any device, the reference.
-Quantized quantize_fp8_aten(const at::Tensor& x, at::ScalarType format, bool rowwise, bool transposed);
+Quantized quantize_fp8_aten(const at::Tensor& x, at::ScalarType format, bool rowwise, bool transposed,
+                            bool column_sums);
 
 #if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
 namespace cuda {
 // Two kernels, no host sync (graph-safe): amax(|x|), then one pass that reads x, writes data and/or
 // data_t (either may be undefined, not both) and the scale. x contiguous float32/float16/bfloat16
 // and 16-byte aligned, data / data_t contiguous in e4m3fn or e5m2, scale a float32 scalar; one GPU.
-void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& data_t, const at::Tensor& scale);
+// `sums` (undefined: not asked), contiguous in x's dtype: x summed over its second-to-last dim, in
+// the transposing pass (each block's rows summed in fp32, then the blocks' sums; deterministic), or
+// by ATen where no transposed copy is asked.
+void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& data_t, const at::Tensor& scale,
+                  const at::Tensor& sums);
 }  // namespace cuda
 #endif
 

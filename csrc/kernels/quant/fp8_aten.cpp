@@ -9,7 +9,8 @@ double fp8_max(at::ScalarType format) {
   return format == at::kFloat8_e4m3fn ? 448.0 : 57344.0;
 }
 
-Quantized quantize_fp8_aten(const at::Tensor& x, at::ScalarType format, bool rowwise, bool transposed) {
+Quantized quantize_fp8_aten(const at::Tensor& x, at::ScalarType format, bool rowwise, bool transposed,
+                            bool column_sums) {
   const double max = fp8_max(format);
   const at::Tensor xf = x.to(at::kFloat);
   // amax propagates NaN (max does; abs keeps it): an all-zero x gets scale 1.
@@ -19,7 +20,8 @@ Quantized quantize_fp8_aten(const at::Tensor& x, at::ScalarType format, bool row
   // x * (1 / scale), each step rounded (as the fused kernels compute it).
   const at::Tensor data = (xf * scale.reciprocal()).clamp(-max, max).to(format).contiguous();
   const at::Tensor none = at::empty({0}, data.options());
-  return {rowwise ? data : none, transposed ? data.transpose(-2, -1).contiguous() : none, scale};
+  return {rowwise ? data : none, transposed ? data.transpose(-2, -1).contiguous() : none, scale,
+          column_sums ? x.sum(-2) : at::empty({0}, x.options())};
 }
 
 }  // namespace patchgemm

@@ -1,5 +1,6 @@
 // Current-scaling FP8 quantization in two kernels: amax(|x|), then the cast that reads it -- a flat
-// one (each thread moves 16 bytes of x at a time) or one that also writes the transposed copy. Every
+// one (each thread moves 16 bytes of x at a time) or one that also writes the transposed copy (and
+// may sum x's columns on the way: an output gradient's bias gradient, without a pass of its own). Every
 // step rounds to nearest (explicit intrinsics: --use_fast_math would approximate and contract them),
 // as ATen's reciprocal and multiplication do, so the result is bitwise quantize_fp8_aten's.
 #include <ATen/Dispatch.h>
@@ -119,17 +120,22 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
 // a block quantizes a 64 x 64 tile, reading x and writing data along C, and writes data_t from the
 // tile in shared memory along R. kVec consecutive values per thread (8 where R and C are multiples
 // of 8: 16-byte loads of 16-bit x, 8-byte stores both ways; 4 where they are multiples of 4; else 1),
-// every load of a tile issued before the first store.
+// every load of a tile issued before the first store. With `sum_parts` [P, gridDim.y, C] (float32),
+// a block also sums the columns of its tiles of each x[p], in registers in row order, then across its
+// threads in a fixed order, and writes its partial sums there (the caller adds them up: no atomics,
+// the same bits every run).
 constexpr int kTile = 64;
 
 template <typename T, __nv_fp8_interpretation_t kFormat, int kVec>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const T* __restrict__ x, int64_t P, int64_t R, int64_t C,
                           const unsigned int* __restrict__ amax_bits, __nv_fp8_storage_t* __restrict__ data,
-                          __nv_fp8_storage_t* __restrict__ data_t, float* __restrict__ scale_out) {
+                          __nv_fp8_storage_t* __restrict__ data_t, float* __restrict__ scale_out,
+                          float* __restrict__ sum_parts) {
   constexpr int kLanes = kTile / kVec, kRowsPerPass = kThreads / kLanes, kPasses = kTile / kRowsPerPass;
   // Rows of 68 bytes: 4-byte aligned, and the column reads of the transposed store spread over banks.
   __shared__ __align__(8) __nv_fp8_storage_t tile[kTile][kTile + 4];
+  __shared__ float column_sums[kRowsPerPass][kTile];
   const Scaling<kFormat> quantize(amax_bits);
   if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *scale_out = quantize.scale;
   const int lane = threadIdx.x % kLanes, first_row = threadIdx.x / kLanes;
@@ -137,6 +143,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t c0 = int64_t(blockIdx.x) * kTile;
   for (int64_t p = blockIdx.z; p < P; p += gridDim.z) {
     const T* in = x + p * R * C;
+    float sums[kVec] = {};
     for (int64_t rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
       const int64_t r0 = rt * kTile, c = c0 + int64_t(lane) * kVec;  // C % kVec == 0: all kVec or none
       Vec<T, kVec> v[kPasses];
@@ -144,6 +151,15 @@ __global__ void __launch_bounds__(kThreads)
       for (int k = 0; k < kPasses; ++k) {
         const int64_t r = r0 + first_row + k * kRowsPerPass;
         if (r < R && c < C) v[k] = *reinterpret_cast<const Vec<T, kVec>*>(in + r * C + c);
+      }
+      if (sum_parts != nullptr) {
+#pragma unroll
+        for (int k = 0; k < kPasses; ++k) {
+          if (r0 + first_row + k * kRowsPerPass < R && c < C) {
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) sums[j] = __fadd_rn(sums[j], static_cast<float>(v[k].v[j]));
+          }
+        }
       }
 #pragma unroll
       for (int k = 0; k < kPasses; ++k) {
@@ -179,12 +195,25 @@ __global__ void __launch_bounds__(kThreads)
       }
       __syncthreads();
     }
+    if (sum_parts != nullptr) {  // (the same branch for the whole block)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) column_sums[first_row][lane * kVec + j] = sums[j];
+      __syncthreads();
+      const int64_t column = c0 + threadIdx.x;
+      if (threadIdx.x < kTile && column < C) {
+        float total = 0.f;
+        for (int i = 0; i < kRowsPerPass; ++i) total = __fadd_rn(total, column_sums[i][threadIdx.x]);
+        sum_parts[(p * gridDim.y + blockIdx.y) * C + column] = total;
+      }
+      __syncthreads();
+    }
   }
 }
 
 }  // namespace
 
-void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& data_t, const at::Tensor& scale) {
+void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& data_t, const at::Tensor& scale,
+                  const at::Tensor& sums) {
   TORCH_INTERNAL_ASSERT(x.is_contiguous() && scale.scalar_type() == at::kFloat && scale.numel() == 1);
   TORCH_INTERNAL_ASSERT(data.defined() || data_t.defined());
   const at::Tensor& some = data.defined() ? data : data_t;
@@ -212,6 +241,7 @@ void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
     if (!data_t.defined()) {  // the flat cast, 16 bytes of x per thread
       TORCH_INTERNAL_ASSERT(data.is_contiguous() && data.numel() == n &&
                             reinterpret_cast<uintptr_t>(data.const_data_ptr()) % 16 == 0);
+      if (sums.defined()) sums.copy_(x.sum(-2));  // (no pass of ours reads x by columns)
       if (e4m3) {
         cast_kernel<scalar_t, __NV_E4M3><<<blocks, kThreads, 0, stream>>>(in, n, bits, out, scale_out);
       } else {
@@ -224,9 +254,14 @@ void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
       auto* out_t = reinterpret_cast<__nv_fp8_storage_t*>(data_t.mutable_data_ptr());
       const int64_t col_tiles = (C + kTile - 1) / kTile, row_tiles = (R + kTile - 1) / kTile;
       TORCH_CHECK(col_tiles <= INT32_MAX, "quantize_fp8: x's last dim ", C, " is too long to transpose");
-      const dim3 grid(static_cast<unsigned>(std::max<int64_t>(col_tiles, 1)),
-                      static_cast<unsigned>(std::clamp<int64_t>(row_tiles, 1, 65535)),
+      const int64_t row_blocks = std::clamp<int64_t>(row_tiles, 1, 65535);
+      const dim3 grid(static_cast<unsigned>(std::max<int64_t>(col_tiles, 1)), static_cast<unsigned>(row_blocks),
                       static_cast<unsigned>(std::clamp<int64_t>(P, 1, 65535)));
+      // One partial sum per block and column: a 64th of x's rows in float32 (1/32 of a 16-bit x's
+      // bytes), whatever the grid; blocks that sum several row tiles (R past 65535 tiles) keep fewer.
+      const at::Tensor sum_parts =
+          sums.defined() ? at::empty({P, row_blocks, C}, x.options().dtype(at::kFloat)) : at::Tensor();
+      float* parts = sums.defined() ? sum_parts.mutable_data_ptr<float>() : nullptr;
       // kVec values per thread where every kVec-value group starts kVec-aligned in x, data and data_t.
       const auto fits = [&](int64_t vec) {
         return R % vec == 0 && C % vec == 0 && reinterpret_cast<uintptr_t>(out_t) % vec == 0 &&
@@ -234,7 +269,7 @@ void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
       };
       const bool by8 = fits(8), by4 = fits(4);
       const auto launch = [&](auto kernel) {
-        kernel<<<grid, kThreads, 0, stream>>>(in, P, R, C, bits, out, out_t, scale_out);
+        kernel<<<grid, kThreads, 0, stream>>>(in, P, R, C, bits, out, out_t, scale_out, parts);
       };
       if (e4m3) {
         by8   ? launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 8>)
@@ -244,6 +279,11 @@ void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
         by8   ? launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 8>)
         : by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 4>)
               : launch(cast_transpose_kernel<scalar_t, __NV_E5M2, 1>);
+      }
+      if (sums.defined()) {
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        // Rounded once into x's dtype; no rows (R = 0, so P = 0): zeros.
+        P > 0 ? sums.view({P, C}).copy_(sum_parts.sum(1)) : sums.zero_();
       }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
