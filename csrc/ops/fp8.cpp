@@ -6,7 +6,6 @@
 
 #include <string>
 
-#include "kernels/quant/fp8.h"
 #include "ops/checks.h"
 #include "ops/ragged_grouped_linear.h"
 #include "problems/fp8.h"
