@@ -387,6 +387,28 @@ def test_tune_sweep_gives_back_the_selection_in_force(tmp_path):
         ops._forget_selections()
 
 
+def test_learned_without_a_model_keeps_the_choices_autotune_remembered():
+    """Learned mode for an op its model does not cover runs the heuristic, except where a choice is
+    remembered for the signature (here timed by autotune in this process): that choice stands."""
+    x, w, b, ref = grouped_case("cpu", batch=6)
+    patchgemm.set_selection("autotune", cache_dir="")
+    try:
+        _, timed = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert [c.how for c in timed] == ["autotune: timed now"]
+        ops._set_learned_model("grouped_linear", [], [], 0, [], [])  # no model for the op
+        patchgemm.set_selection("learned", cache_dir="")
+        y, e = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert_close_to_ref(y, ref, torch.float32)
+        assert [(c.chosen, c.how) for c in e] == [(timed[0].chosen, "autotune: timed in this process")]
+        other = grouped_case("cpu", batch=7)[:3]  # a signature nothing remembers
+        _, e = run_explained(patchgemm.grouped_linear, *other)
+        assert e[0].how == "heuristic (learned: no usable model for grouped_linear)"
+    finally:
+        patchgemm.set_selection("heuristic")
+        selection.install_model(selection.load_model())
+        ops._forget_selections()
+
+
 def test_the_shipped_model_leaves_the_cpu_to_the_rules_and_predicts_where_allowed():
     model = selection.load_model()
     assert model["ops"] and model["description"] and model["backends"] == ["cuda"]

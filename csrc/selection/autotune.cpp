@@ -349,6 +349,12 @@ std::optional<Remembered> recall(const at::Device& device, const std::string& ke
   return it->second;
 }
 
+bool remembers_any(const at::Device& device) {
+  Memory& m = memory();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  return !device_memory(m, device).chosen.empty();
+}
+
 void remember_measured(const ProblemFeatures& f, const std::string& key,
                        const std::vector<std::pair<std::string, double>>& times, const std::string& chosen) {
   auto features = f.values;

@@ -80,6 +80,15 @@ void set_learned_model(const std::string& op, std::vector<std::string> candidate
 
 namespace detail {
 
+bool learned_model_covers(const std::string& op, const at::Device& device) {
+  Models& m = models();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  const auto it = m.by_op.find(op);
+  if (it == m.by_op.end()) return false;
+  const std::vector<std::string>& backends = it->second.backends;
+  return backends.empty() || std::find(backends.begin(), backends.end(), backend_of(device)) != backends.end();
+}
+
 std::vector<double> learned_scores(const std::string& op, const std::vector<std::string>& names,
                                    const ProblemFeatures& f) {
   Models& m = models();
@@ -89,7 +98,7 @@ std::vector<double> learned_scores(const std::string& op, const std::vector<std:
   const Model& model = it->second;
   if (!model.backends.empty() &&
       std::find(model.backends.begin(), model.backends.end(), backend_of(f.device)) == model.backends.end()) {
-    return {};
+    return {};  // (learned_model_covers)
   }
   std::map<std::string, double> values(f.values.begin(), f.values.end());
   for (const auto& [name, v] : device_features(f.device)) values[name] = v;

@@ -97,6 +97,8 @@ struct Remembered {
   std::string name, how;
 };
 std::optional<Remembered> recall(const at::Device& device, const std::string& key);
+// Whether any choice is remembered on `device` (a cheap check before building a problem's key).
+bool remembers_any(const at::Device& device);
 // Remembers a measured choice (and writes it to the device's cache file): every candidate's time
 // in ms, negative where it does not apply.
 void remember_measured(const ProblemFeatures& f, const std::string& key,
@@ -115,6 +117,8 @@ std::vector<std::pair<std::string, double>> device_features(const at::Device& de
 // for a name the model does not know), or empty without a model for `op`.
 std::vector<double> learned_scores(const std::string& op, const std::vector<std::string>& names,
                                    const ProblemFeatures& f);
+// Whether a learned model for `op` covers `device`'s backend (else learned_scores is empty).
+bool learned_model_covers(const std::string& op, const at::Device& device);
 }  // namespace detail
 
 template <typename Problem, typename Result>
@@ -268,6 +272,12 @@ class Table {
   // nullopt, with the reason in `fallback`, where the mode cannot choose.
   std::optional<Result> run_chosen_by_mode(const Problem& p, Mode mode, std::string& fallback) const {
     ProblemFeatures f = features_(p);
+    // Learned without a model for this op here, nor a remembered choice: the heuristic, without
+    // the signature and features a new choice needs (their cost recurs on every call).
+    if (mode == Mode::kLearned && !detail::learned_model_covers(op_, f.device) && !detail::remembers_any(f.device)) {
+      fallback = "learned: no usable model for " + op_;
+      return std::nullopt;
+    }
     const std::string signature = signature_(p);
     const std::string key = detail::memory_key(op_, signature);
     if (const auto remembered = detail::recall(f.device, key)) {
