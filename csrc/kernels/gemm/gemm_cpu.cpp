@@ -57,13 +57,9 @@ CallOperands call_operands(const BlasCall& call, const at::Tensor& a, const at::
       op_view(b, call.offset_a, call.batch, call.m, call.k, call.lda, call.stride_a, call.trans_a).transpose(1, 2);
   at::Tensor out =
       op_view(c, call.offset_c, call.batch, call.m, call.n, call.ldc, call.stride_c, false).transpose(1, 2);
-  // (c in fp32 for 16-bit a and b: the product is formed in fp32 too, from contiguous copies: a
-  // copy keeping a strided view's layout can leave ATen's fp32 bmm a layout its BLAS does not take.)
+  // (c in fp32 for 16-bit a and b: the product is formed in fp32 too.)
   const bool widen = c.scalar_type() != a.scalar_type();
-  const auto widened = [&](const at::Tensor& t) {
-    return t.to(c.scalar_type(), /*non_blocking=*/false, /*copy=*/false, at::MemoryFormat::Contiguous);
-  };
-  at::Tensor l = widen ? widened(lhs) : lhs, r = widen ? widened(rhs) : rhs;
+  at::Tensor l = widen ? lhs.to(c.scalar_type()) : lhs, r = widen ? rhs.to(c.scalar_type()) : rhs;
   if (l.scalar_type() == at::kBFloat16 && !bf16_gemms_on_onednn()) {
     l = column_major(l);
     r = row_major(r);
