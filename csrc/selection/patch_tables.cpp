@@ -146,26 +146,6 @@ WhyNot cudnn_wins_channels_last(const at::Tensor& x, const PatchGeometry& g) {
   return {};
 }
 
-// On the CPU, fp32 windows of at most 16 (k = 2 in 3-D, k = 4 in 2-D) into channels-first outputs:
-// ATen's convolution reads x once, where the gather + GEMM copies it as runs of kw values into a
-// GEMM over a short K; the convolution's backward is faster there too, its forward about even
-// (python -m patchgemm bench --device cpu: P3 fp32). Contiguous operands only, and not 16-bit:
-// torch's oneDNN bf16 convolution (2.11 and 2.13) returns wrong values for some problems
-// (contiguous x [2, 4, 976] with k = 16, relative error 1.0; channels-last x [3, 24, 28, 176] with
-// k = (14, 16); tests/test_fuzz.py), where the gather + GEMM is right.
-WhyNot onednn_wins_small_windows(std::initializer_list<at::Tensor> operands, const PatchGeometry& g, bool tokens_out) {
-  const at::Tensor& x = *operands.begin();
-  if (!x.device().is_cpu() || tokens_out || g.levels.size() != 1 || g.channels == 0) return {};
-  if (x.element_size() == 2) return {};
-  for (const at::Tensor& t : operands) {
-    if (!t.is_contiguous()) return {};
-  }
-  if (g.kernel[0] * g.kernel[1] * g.kernel[2] <= 16) {
-    return "rule: on the CPU, windows of at most 16 into channels-first outputs run faster on oneDNN's convolution";
-  }
-  return {};
-}
-
 // patch_embed's and patch_unembed's problems in the log and explain().
 template <typename Problem>
 std::string patch_signature(const Problem& p) {
@@ -266,7 +246,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
         {"gather_gemm", "cpu cuda rocm", "any problem: the patch matrix gathered, then one GEMM",
          [](const EmbedProblem&) { return WhyNot(); },
          [](const EmbedProblem& p) -> WhyNot {
-           if (!p.x.is_cuda()) return onednn_wins_small_windows({p.x, p.weight}, p.g, p.tokens_out);
+           if (!p.x.is_cuda()) return {};
            if (p.g.levels.size() != 1) return {};
            const bool fp32 = p.x.scalar_type() == at::kFloat;
            // fp32 k = 2 merges into channels-first outputs: memory-bound, where the gather of 4-byte
@@ -520,8 +500,7 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
                gemm_macs(p.g, p.embed) < kTinyWeightGradMacs) {
              return "rule: channels-first problems of under 2^21 multiply-adds run faster on cuDNN";
            }
-           WhyNot why = onednn_wins_small_windows({p.x, p.grad_y}, p.g, p.tokens);
-           return !why.empty() ? why : cudnn_wins_channels_last(p.x, p.g);
+           return cudnn_wins_channels_last(p.x, p.g);
          },
          [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> {
            return weight_grad_by_gemm(p);
