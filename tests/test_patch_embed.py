@@ -282,6 +282,8 @@ def test_channels_last_in_channels_last_out(device, dtype, shape, kernel, force)
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
     chosen = {"patch_embed": "aten_conv", "patch_unembed": "aten_conv_transpose",
               "patch_weight_grad": "aten_conv_backward"} if force else {}
+    if force and device == "cpu" and dtype in (torch.float16, torch.bfloat16):
+        del chosen["patch_embed"]  # never offered there (torch's 16-bit CPU convolution is wrong for some x)
     with patchgemm.force(**chosen), patchgemm.explain() as e:
         y = patchgemm.patch_embed(xs, ws, bs)
         ref = CONV[len(kernel)](x64, w64, b64, stride=kernel)
@@ -312,7 +314,7 @@ def test_channels_last_in_channels_last_out(device, dtype, shape, kernel, force)
         for g, r in zip(got, want):
             assert_close_to_ref(g, r, dtype)
     if force:
-        assert {c.chosen for c in e} <= set(chosen.values())
+        assert {c.chosen for c in e if c.op in chosen} <= set(chosen.values())
     for op, args in [("patch_embed", (xs.detach(), w, b, False, [])), ("patch_unembed", (xs.detach(), wt.detach(), None, False, [])),
                      ("patch_weight_grad", (dy, xs.detach(), list(kernel), False, [], True, False))]:
         torch.library.opcheck(getattr(torch.ops.patchgemm, op).default, args)

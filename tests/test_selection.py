@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import patchgemm
 from conftest import DEVICES, WGMMA, assert_close_to_ref, needs_gpu, poison_allocator, randn
+from patchgemm.ops import ops
 
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -236,6 +237,24 @@ def test_cpu_patch_embeddings_default_to_the_gather_and_gemm():
             y = patchgemm.patch_embed(x, w)
             y.backward(randn(*y.shape))
         assert {c.op: c.chosen for c in e} == {"patch_embed": "gather_gemm", "patch_weight_grad": "gather_gemm"}, str(e)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_16bit_convolution_is_never_a_patch_embedding(dtype):
+    """torch's 16-bit CPU convolution returns wrong values for some problems (this one: relative error
+    1.0): aten_conv does not apply there, so a forced call is an error and autotune keeps to the
+    candidates that are right."""
+    x, w = randn(2, 4, 976, dtype=dtype), randn(32, 4, 16, dtype=dtype)
+    with pytest.raises(RuntimeError, match="16-bit on the CPU"), patchgemm.force(patch_embed="aten_conv"):
+        patchgemm.patch_embed(x, w)
+    ref = F.conv1d(x.double(), w.double(), stride=16)
+    patchgemm.set_selection("autotune", cache_dir="")
+    try:
+        y = patchgemm.patch_embed(x, w)
+    finally:
+        patchgemm.set_selection("heuristic")
+        ops._forget_selections()
+    assert_close_to_ref(y, ref, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
