@@ -84,6 +84,9 @@ sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
 gpu_sources = sorted(s for s in glob.glob("csrc/**/*.cu", recursive=True)
                      if flavour == "cuda" or not s.startswith(NVIDIA_ONLY))
 cxx_flags = ["-O3", f"-DPATCHGEMM_FLAVOUR=\"{flavour}\""]
+# nvcc's flags, the list cmake/CMakeLists.txt reads too.
+with open("csrc/nvcc_flags.txt") as f:
+    NVCC_FLAGS = [flag for line in f if not line.startswith("#") for flag in line.split()]
 
 if flavour == "cpu":
     Extension = cpp_extension.CppExtension
@@ -93,16 +96,16 @@ else:
     Extension = cpp_extension.CUDAExtension
     sources += gpu_sources
     cxx_flags.append("-DPATCHGEMM_WITH_CUDA")
-    extra_compile_args = {"cxx": cxx_flags, "nvcc": ["-O3", "-DPATCHGEMM_WITH_CUDA",
-                                                     f"-DPATCHGEMM_FLAVOUR=\"{flavour}\""]}
+    extra_compile_args = {"cxx": cxx_flags, "nvcc": ["-DPATCHGEMM_WITH_CUDA", f"-DPATCHGEMM_FLAVOUR=\"{flavour}\""]}
     if flavour == "cuda":
-        extra_compile_args["nvcc"] += ["--use_fast_math", "-lineinfo"]
+        extra_compile_args["nvcc"] += NVCC_FLAGS
         libraries = ["cublas", "cublasLt"]
         os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
         if any(a.startswith("9.0a") for a in os.environ["TORCH_CUDA_ARCH_LIST"].split(";")):  # or 9.0a+PTX
             extra_compile_args["nvcc"].append("-DPATCHGEMM_SM90A")
             cxx_flags.append("-DPATCHGEMM_SM90A")
     else:
+        extra_compile_args["nvcc"].append("-O3")  # (hipcc)
         libraries = ["hipblas"]
     # Recorded in the binary so `python -m patchgemm info` can say what was built.
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or "native"
