@@ -172,7 +172,7 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
   }
   // On the CPU one call adds the bias itself (ATen's baddbmm: c is written once).
   if (!on_gpu && bias && calls.size() == 1) {
-    cpu::run_blas_call_with_bias(calls[0], a, b, c, *bias);
+    cpu::run_blas_calls(calls, a, b, c, bias);
     return;
   }
   // Otherwise the bias goes into c first and every call accumulates onto it (beta = 1).

@@ -97,11 +97,9 @@ namespace cpu {
 // "AVX512"), which reads either BLAS layout at full speed; elsewhere (AVX2) ATen's own bf16 loop runs
 // several times faster with its left operand column-major and its right one row-major.
 bool bf16_gemms_on_onednn();
+// `bias` [batch, N]: only with one call that covers c and does not accumulate; c = bias + product.
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c);
-// One call that covers all of c (a single plan), with c = bias + the product, bias [batch, N].
-void run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
-                             const at::Tensor& c, const at::Tensor& bias);
+                    const at::Tensor& c, const std::optional<at::Tensor>& bias = std::nullopt);
 }
 // (`math`: what the calls may do, gemm_math of the op's convention.)
 #ifdef PATCHGEMM_WITH_CUDA

@@ -77,35 +77,28 @@ bool writes_in_place(const at::Tensor& out) {
 }  // namespace
 
 void run_blas_calls(const std::vector<BlasCall>& calls, const at::Tensor& a, const at::Tensor& b,
-                    const at::Tensor& c) {
+                    const at::Tensor& c, const std::optional<at::Tensor>& bias) {
+  // A bias is ATen's `self` of the one call that covers c: c = bias + the product, written once.
+  TORCH_INTERNAL_ASSERT(!bias || (calls.size() == 1 && !calls[0].accumulate && calls[0].offset_c == 0 &&
+                                  calls[0].batch == c.size(0)));
+  const at::Tensor bias_row = bias ? bias->to(c.scalar_type()).unsqueeze(1) : at::Tensor();  // [batch, 1, N]
   for (const BlasCall& call : calls) {
     auto [l, r, out] = call_operands(call, a, b, c);
     // A single product goes through mm, whose CPU GEMM is faster than bmm's at batch 1.
     if (call.batch == 1) {
       at::Tensor out2 = out.select(0, 0);
-      call.accumulate ? out2.addmm_(l[0], r[0]) : at::mm_out(out2, l[0], r[0]);
+      if (bias) {
+        at::addmm_out(out2, bias_row[0], l[0], r[0]);
+      } else {
+        call.accumulate ? out2.addmm_(l[0], r[0]) : at::mm_out(out2, l[0], r[0]);
+      }
     } else if (call.accumulate) {
       out.baddbmm_(l, r);
     } else if (writes_in_place(out)) {
-      at::bmm_out(out, l, r);
+      bias ? at::baddbmm_out(out, bias_row, l, r) : at::bmm_out(out, l, r);
     } else {
-      out.copy_(at::bmm(l, r));
+      out.copy_(bias ? at::baddbmm(bias_row, l, r) : at::bmm(l, r));
     }
-  }
-}
-
-void run_blas_call_with_bias(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
-                             const at::Tensor& c, const at::Tensor& bias) {
-  TORCH_INTERNAL_ASSERT(!call.accumulate && call.offset_c == 0 && call.batch == c.size(0));
-  auto [l, r, out] = call_operands(call, a, b, c);
-  const at::Tensor bias_row = bias.to(c.scalar_type()).unsqueeze(1);  // [batch, 1, N]
-  if (call.batch == 1) {
-    at::Tensor out2 = out.select(0, 0);
-    at::addmm_out(out2, bias_row[0], l[0], r[0]);
-  } else if (writes_in_place(out)) {
-    at::baddbmm_out(out, bias_row, l, r);
-  } else {
-    out.copy_(at::baddbmm(bias_row, l, r));
   }
 }
 
