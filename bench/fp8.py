@@ -7,6 +7,11 @@ time (median of CUDA events, the host's issue time apart) for
   patchgemm bf16              GroupedLinear in bfloat16;
   patchgemm fp8               GroupedLinear(fp8=True) on the same bfloat16 tensors (quantization of x
                               and the weight included in every call, as current scaling does);
+  fp8 weight reused           the same with is_first_microbatch=False: the weight's FP8 copy made once
+                              (gradient accumulation's microbatches after the first);
+  fp8 delayed                 Float8Recipe(scaling="delayed"): each tensor scaled by its amax history,
+                              one pass over it (after a first call that seeds the history);
+  fp8 delayed, weight reused  both;
   torch._scaled_grouped_mm    x and the weight quantized with torch ops, one batched FP8 GEMM with
                               (broadcast) row-wise scales, then the [G, B, N] -> [B, G, N] copy;
   torch._scaled_mm per group  the same quantization, G FP8 GEMMs, stacked.
@@ -64,14 +69,24 @@ def measure(shape_id, device):
     B, G, D, N = SHAPES[shape_id]
     torch.manual_seed(0)
     x = torch.randn(B, G, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(B, G, N, device=device, dtype=torch.bfloat16)
     layer = patchgemm.GroupedLinear(G, D, N, device=device, dtype=torch.bfloat16)
     layer8 = patchgemm.GroupedLinear(G, D, N, device=device, dtype=torch.bfloat16, fp8=True)
-    layer8.load_state_dict(layer.state_dict())
-    grad = torch.randn(B, G, N, device=device, dtype=torch.bfloat16)
+    delayed = patchgemm.GroupedLinear(G, D, N, device=device, dtype=torch.bfloat16,
+                                      fp8=patchgemm.Float8Recipe(scaling="delayed"))
+    for fp8_layer in (layer8, delayed):
+        fp8_layer.load_state_dict(layer.state_dict())
+        fp8_layer(x, is_first_microbatch=True).backward(grad)  # the weight's copy kept, the histories seeded
     w, b = layer.weight.detach(), layer.bias.detach()
+    modules = {  # name: (module, its call's keyword arguments)
+        "patchgemm bf16": (layer, {}),
+        "patchgemm fp8": (layer8, {}),
+        "fp8 weight reused": (layer8, {"is_first_microbatch": False}),
+        "fp8 delayed": (delayed, {}),
+        "fp8 delayed, weight reused": (delayed, {"is_first_microbatch": False}),
+    }
     forward = {
-        "patchgemm bf16": lambda: layer(x),
-        "patchgemm fp8": lambda: layer8(x),
+        **{name: (lambda m=m, kw=kw: m(x, **kw)) for name, (m, kw) in modules.items()},
         "torch._scaled_grouped_mm": lambda: scaled_grouped_mm_forward(x.detach(), w, b),
         "torch._scaled_mm per group": lambda: scaled_mm_loop_forward(x.detach(), w, b),
     }
@@ -87,11 +102,11 @@ def measure(shape_id, device):
             continue
         rows.append({"shape": shape_id, "pass": "fwd", "impl": name, "gpu_ms": t.ms, "host_ms": t.host_ms,
                      "rel_err_vs_bf16": error})
-    for name, module in (("patchgemm bf16", layer), ("patchgemm fp8", layer8)):
-        def step(i, module=module):
+    for name, (module, kw) in modules.items():
+        def step(i, module=module, kw=kw):
             x.grad = None
             module.zero_grad(set_to_none=True)
-            module(x).backward(grad)
+            module(x, **kw).backward(grad)
         t = time_ms(step, device)
         rows.append({"shape": shape_id, "pass": "fwd+bwd", "impl": name, "gpu_ms": t.ms, "host_ms": t.host_ms})
     flops = 2.0 * B * G * D * N

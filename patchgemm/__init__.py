@@ -8,7 +8,7 @@ from .functional import (grouped_linear, grouped_mlp, grouped_pointwise_conv, in
 from .nn import (ConvertReport, GroupedLinear, GroupedMLP, GroupedPointwiseConv, HierarchicalPatchEmbed, HierarchicalPatchUnembed,
                  MoEExperts, PatchEmbed, PatchUnembed, convert)
 from .compiler import CompileReport, compile
-from .fp8 import Float8Recipe, Float8Weight, fp8_autocast, quantize_weight
+from .fp8 import Float8History, Float8Recipe, Float8Weight, fp8_autocast, quantize_weight
 from . import selection as _selection
 from .selection import explain, force, get_selection, kernels, set_selection
 
@@ -27,8 +27,8 @@ __all__ = [
     "grouped_linear", "grouped_mlp", "grouped_pointwise_conv", "swiglu", "moe_experts", "GroupedLinear", "GroupedMLP",
     "MoEExperts",
     "GroupedPointwiseConv", "patch_embed", "patch_unembed", "instance_norm_act", "PatchEmbed", "PatchUnembed",
-    "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "compile", "CompileReport", "Float8Recipe",
-    "Float8Weight", "fp8_autocast", "quantize_weight", "explain", "force", "kernels",
+    "HierarchicalPatchEmbed", "HierarchicalPatchUnembed", "convert", "ConvertReport", "compile", "CompileReport",
+    "Float8History", "Float8Recipe", "Float8Weight", "fp8_autocast", "quantize_weight", "explain", "force", "kernels",
     "set_selection", "get_selection", "__version__",
 ]
 

@@ -1,9 +1,17 @@
 """FP8 grouped linears and patch embeddings: each GEMM's operands quantized on the fly, one FP8
 strided-batched GEMM per pass.
 
-The recipe is the usual "current scaling" one (TransformerEngine's ``Float8CurrentScaling``,
+The default recipe is the usual "current scaling" one (TransformerEngine's ``Float8CurrentScaling``,
 torchao's tensorwise ``Float8LinearConfig``): every call computes one scale per tensor from the
-tensor's own amax, so no history is kept and nothing needs calibrating. The forward quantizes ``x``
+tensor's own amax, so no history is kept and nothing needs calibrating; finding that amax is a pass
+over the tensor of its own. ``Float8Recipe(scaling="delayed")`` is TransformerEngine's
+``DelayedScaling``: each tensor is scaled by the largest amax of its last ``amax_history_len`` calls
+and its own amax is recorded from the quantizing pass, so that pass is the only one. The history is
+kept per layer (``Float8History``: ``GroupedLinear`` and ``GroupedMLP`` keep their own; the
+functional ``grouped_linear`` takes one as ``fp8_history``); a layer's first call seeds it with
+current scaling. Values above the scale's range (an amax that grew past every recorded one)
+saturate to the format's largest value, as the recipe does everywhere; ragged groups and patch
+embeddings keep no history and scale currently under either recipe. The forward quantizes ``x``
 and the weight to e4m3; the backward quantizes the output gradient to e5m2 (the "hybrid" formats),
 reuses the saved FP8 ``x`` and weight, and writes ``grad_x`` and ``grad_weight`` in the inputs' own
 dtypes (fp32 master weights get fp32 gradients). The output and the bias stay in the compute dtype.
@@ -41,10 +49,12 @@ from ._args import unsafe_view
 from ._functorch import bias_grad_sum, ragged_bias_grad
 from .ops import ops
 
-__all__ = ["Float8Recipe", "Float8Weight", "fp8_autocast", "quantize_weight"]
+__all__ = ["Float8History", "Float8Recipe", "Float8Weight", "fp8_autocast", "quantize_weight"]
 
 _FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 _COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SCALINGS = ("current", "delayed")
+_MAX_HISTORY = 1024  # (kMaxAmaxHistory, csrc/problems/fp8.h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +67,17 @@ class Float8Recipe:
             recipe: gradients need range more than precision) or ``torch.float8_e4m3fn``.
         fast_accumulation: Hopper's faster FP8 accumulation in the forward GEMM, as torchao and
             TransformerEngine use there; the gradients' GEMMs always accumulate in full fp32.
+        scaling: ``"current"`` (each tensor's scale from its own amax, an extra pass over it) or
+            ``"delayed"`` (from the largest amax of its last ``amax_history_len`` calls, kept in a
+            ``Float8History``; one pass). Ragged groups and patch embeddings scale currently.
+        amax_history_len: how many calls' amaxes delayed scaling keeps (1 to 1024).
     """
 
     forward_format: torch.dtype = torch.float8_e4m3fn
     backward_format: torch.dtype = torch.float8_e5m2
     fast_accumulation: bool = True
+    scaling: str = "current"
+    amax_history_len: int = 16
 
     def __post_init__(self):
         if self.forward_format != torch.float8_e4m3fn:
@@ -71,6 +87,54 @@ class Float8Recipe:
                              f"got {self.backward_format}")
         if not isinstance(self.fast_accumulation, bool):
             raise TypeError(f"Float8Recipe: fast_accumulation must be a bool, got {self.fast_accumulation!r}")
+        if self.scaling not in _SCALINGS:
+            raise ValueError(f"Float8Recipe: scaling must be 'current' or 'delayed', got {self.scaling!r}")
+        if (not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len, bool)
+                or not 1 <= self.amax_history_len <= _MAX_HISTORY):
+            raise ValueError(f"Float8Recipe: amax_history_len must be an int from 1 to {_MAX_HISTORY}, got "
+                             f"{self.amax_history_len!r}")
+
+    @property
+    def delayed(self) -> bool:
+        return self.scaling == "delayed"
+
+
+class Float8History:
+    """The amax history delayed scaling keeps for one grouped linear: of its ``x``, its weight and
+    its output gradient, each a float32 tensor on the device the layer runs on, made by the layer's
+    first call there and updated in place by every call after, without a host sync (a CUDA graph
+    captured after the first call replays with it). While a history holds no nonzero amax, a call
+    scales by its tensor's own amax (current scaling). Not part of a ``state_dict``; ``reset()``
+    forgets it.
+
+    ``amax(which)`` (``"x"``, ``"weight"``, ``"grad"``): the recorded amaxes, newest first, or None.
+    """
+
+    _WHICH = ("x", "weight", "grad")
+
+    def __init__(self):
+        self._states: dict = {}  # which -> float32 [L + 2] (the layout csrc/problems/fp8.h states)
+
+    def reset(self) -> None:
+        self._states.clear()
+
+    def amax(self, which: str) -> Optional[torch.Tensor]:
+        if which not in self._WHICH:
+            raise ValueError(f"Float8History.amax: which must be one of {self._WHICH}, got {which!r}")
+        state = self._states.get(which)
+        return None if state is None else state[2:]
+
+    def state(self, which: str, device: torch.device, length: int) -> torch.Tensor:
+        """The state of `which` on `device` keeping `length` amaxes (made, all zeros, where it has none
+        of that length there)."""
+        state = self._states.get(which)
+        if state is None or state.device != device or state.numel() != length + 2:
+            state = self._states[which] = torch.zeros(length + 2, device=device, dtype=torch.float32)
+        return state
+
+    def __repr__(self) -> str:
+        kept = ", ".join(f"{w}: {self._states[w].numel() - 2}" for w in self._WHICH if w in self._states)
+        return f"Float8History({kept})"
 
 
 _regions: list = []  # the recipes of the enclosing fp8_autocast regions, innermost last (None: off)
@@ -107,16 +171,16 @@ def resolve(where: str, fp8: Union[None, bool, Float8Recipe], region: bool = Tru
 
 
 def _quantize(t: torch.Tensor, fmt: torch.dtype, group_major: bool, rowwise: bool, batch_major: bool,
-              sums: bool = False):
+              sums: bool = False, amax_state: Optional[torch.Tensor] = None):
     """(t in fmt in its layout or None, t's [G, D, B] copy or None, scale, t summed over B [G, D] or
     None) for an activation or gradient t [B, G, D] ([G, B, D] when group_major): the copy is what a
     GEMM summing over B reads; the sums (a bias gradient) come from the same pass where it writes
-    that copy."""
+    that copy. Scaled currently, or from `amax_state` (delayed)."""
     if group_major:
-        data, data_t, scale, total = ops.quantize_fp8(t, fmt, rowwise, batch_major, sums)
+        data, data_t, scale, total = ops.quantize_fp8(t, fmt, rowwise, batch_major, sums, amax_state)
         return (data if rowwise else None), (data_t if batch_major else None), scale, (total if sums else None)
     B, G, D = t.shape
-    data, data_t, scale, total = ops.quantize_fp8(t.reshape(B, G * D), fmt, rowwise, batch_major, sums)
+    data, data_t, scale, total = ops.quantize_fp8(t.reshape(B, G * D), fmt, rowwise, batch_major, sums, amax_state)
     return ((data.view(B, G, D) if rowwise else None), (data_t.view(G, D, B) if batch_major else None), scale,
             (total.view(G, D) if sums else None))
 
@@ -165,19 +229,24 @@ class _GroupedLinearFp8(torch.autograd.Function):
     operands K-major, so each quantization also writes the transposed copy a gradient's GEMM needs
     (in the same pass): the weight's for grad_x, x's and grad_y's (batch-major) for grad_weight; the
     forward saves those copies, in FP8, and nothing else. A given `weight8` (Float8Weight) stands in
-    for the weight's quantization."""
+    for the weight's quantization; `states` (x's, the weight's, grad_y's amax states, or None)
+    scale them as a delayed recipe does."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group_major: bool, out_dtype: torch.dtype, recipe: Float8Recipe,
-                need_grad_x: bool, need_grad_w: bool, weight8: Optional[Float8Weight]):
+                need_grad_x: bool, need_grad_w: bool, weight8: Optional[Float8Weight], states: Optional[tuple]):
         fmt = recipe.forward_format
-        x8, x8_t, x_scale, _ = _quantize(x, fmt, group_major, True, need_grad_w)
+        x_state, w_state, grad_state = states or (None, None, None)
+        x8, x8_t, x_scale, _ = _quantize(x, fmt, group_major, True, need_grad_w, amax_state=x_state)
         if weight8 is None:
-            w8, w8_t, w_scale, _ = ops.quantize_fp8(weight, fmt, True, need_grad_x)
+            w8, w8_t, w_scale, _ = ops.quantize_fp8(weight, fmt, True, need_grad_x, False, w_state)
         else:
             w8, w8_t, w_scale = weight8.data, weight8.data_t, weight8.scale
         ctx.save_for_backward(x8_t, x_scale, w8_t if need_grad_x else None, w_scale)
         ctx.group_major, ctx.recipe, ctx.x_dtype, ctx.w_dtype = group_major, recipe, x.dtype, weight.dtype
+        # Not saved for backward: the backward updates it in place, and another call's backward may
+        # have updated it since (microbatches), which saved tensors refuse.
+        ctx.grad_state = grad_state
         return ops.scaled_grouped_mm(x8, w8, x_scale, w_scale, bias, group_major, out_dtype,
                                      recipe.fast_accumulation)
 
@@ -190,21 +259,34 @@ class _GroupedLinearFp8(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if need_x or need_w:  # the bias gradient in the same pass where grad_y's batch-major copy is written
             g8, g8_t, g_scale, grad_b = _quantize(grad_y, ctx.recipe.backward_format, group_major, need_x, need_w,
-                                                  need_b and need_w)
+                                                  need_b and need_w, ctx.grad_state)
         if need_x:  # grad_x_g [B, Din] = grad_y_g [B, Dout] @ weight_g [Dout, Din]
             grad_x = ops.scaled_grouped_mm(g8, w8_t, g_scale, w_scale, None, group_major, ctx.x_dtype, False)
         if need_w:  # grad_w_g [Dout, Din] = grad_y_g^T [Dout, B] @ x_g [B, Din]
             grad_w = ops.scaled_grouped_mm(g8_t, x8_t, g_scale, x_scale, None, True, ctx.w_dtype, False)
         if need_b and grad_b is None:
             grad_b = bias_grad_sum(grad_y, (1 if group_major else 0,))
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def check_history(where: str, recipe: Optional[Float8Recipe], history) -> None:
+    """A delayed recipe needs the layer's history; a history needs a type it is."""
+    if history is not None and not isinstance(history, Float8History):
+        raise TypeError(f"{where}: fp8_history must be a patchgemm.Float8History or None, got "
+                        f"{type(history).__name__}")
+    if recipe is not None and recipe.delayed and history is None:
+        raise ValueError(f"{where}: a delayed-scaling recipe keeps an amax history per layer: pass "
+                         f"fp8_history=patchgemm.Float8History(), made once per layer and kept across steps (the "
+                         f"modules keep their own)")
 
 
 def grouped_linear(x3: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_major: bool,
-                   recipe: Float8Recipe, out_dtype: torch.dtype, weight8: Optional[Float8Weight] = None) -> torch.Tensor:
+                   recipe: Float8Recipe, out_dtype: torch.dtype, weight8: Optional[Float8Weight] = None,
+                   history: Optional[Float8History] = None) -> torch.Tensor:
     """The FP8 grouped linear of a 3-D x ([B, G, Din], or [G, B, Din] when group_major); out_dtype is
     the compute dtype (autocast's, else x's), the bias cast to it; `weight8`: the weight's FP8 copy
-    to use (made from `weight`), else the weight is quantized now."""
+    to use (made from `weight`), else the weight is quantized now; `history`: a delayed recipe's
+    (else current scaling)."""
     for name, t in (("x", x3), ("weight", weight)):
         if t.dtype not in _COMPUTE_DTYPES:
             raise TypeError(f"grouped_linear: FP8 needs float32, float16 or bfloat16 {name}, got {t.dtype} "
@@ -213,9 +295,14 @@ def grouped_linear(x3: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         weight8.check("grouped_linear", weight)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
+    states = None
+    if history is not None and recipe.delayed:
+        states = tuple(history.state(which, x3.device, recipe.amax_history_len) for which in Float8History._WHICH)
+        if torch.compiler.is_compiling():  # AOTAutograd takes no update of a forward input in the backward
+            states = (*states[:2], None)
     grad = torch.is_grad_enabled()
     return _GroupedLinearFp8.apply(x3, weight, bias, group_major, out_dtype, recipe, grad and x3.requires_grad,
-                                   grad and weight.requires_grad, weight8)
+                                   grad and weight.requires_grad, weight8, states)
 
 
 # ---- ragged groups (mixture-of-experts layers) ------------------------------------------------------

@@ -11,14 +11,14 @@ from . import fp8 as _fp8
 from ._args import (EMBED_FORMATS, as_grid, as_int, autocast, autocast_dtype, check_format, check_pad,
                     unsafe_view)
 from ._functorch import call as _call
-from .fp8 import Float8Recipe, Float8Weight
+from .fp8 import Float8History, Float8Recipe, Float8Weight
 
 LAYOUTS = ("bgd", "gbd")
 
 
 def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, layout: str = "bgd", *,
                    group_sizes=None, offsets=None, fp8: Union[None, bool, Float8Recipe] = None,
-                   fp8_weight: Optional[Float8Weight] = None) -> Tensor:
+                   fp8_weight: Optional[Float8Weight] = None, fp8_history: Optional[Float8History] = None) -> Tensor:
     """G independent linears over the groups of ``x``, as one strided-batched GEMM.
 
     Args:
@@ -41,6 +41,8 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         fp8_weight: ``quantize_weight(weight)``, made earlier: the FP8 copy of ``weight`` this call
             uses instead of quantizing it (reused across the microbatches of one optimizer step;
             stale once the weight changes). Needs FP8 on; not with ragged groups.
+        fp8_history: this layer's ``Float8History``, which a delayed-scaling recipe needs (made
+            once per layer, kept across steps); ragged groups scale currently and ignore it.
 
     Returns:
         ``y`` in the layout of ``x`` with Din replaced by Dout:
@@ -59,6 +61,8 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
     if bias is not None and not isinstance(bias, Tensor):
         raise TypeError("grouped_linear: bias must be a tensor or None")
     recipe = _fp8.resolve("grouped_linear", fp8)
+    ragged = group_sizes is not None or offsets is not None
+    _fp8.check_history("grouped_linear", None if ragged else recipe, fp8_history)
     if fp8_weight is not None:
         if not isinstance(fp8_weight, Float8Weight):
             raise TypeError(f"grouped_linear: fp8_weight must be a patchgemm.Float8Weight (quantize_weight) or "
@@ -72,7 +76,7 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
     if group_sizes is not None or offsets is not None:
         return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe)
     if x.dim() == 3:  # the op's own form, in either layout
-        return _grouped_linear_3d(x, weight, bias, layout == "gbd", recipe, fp8_weight)
+        return _grouped_linear_3d(x, weight, bias, layout == "gbd", recipe, fp8_weight, fp8_history)
 
     groups, out_features, _ = weight.shape
     if layout == "bgd":
@@ -93,18 +97,19 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
                 f"grouped_linear: x must be [G, ..., Din] for layout 'gbd', got shape {tuple(x.shape)}")
         x3 = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
-    y = _grouped_linear_3d(x3, weight, bias, layout == "gbd", recipe, fp8_weight)
+    y = _grouped_linear_3d(x3, weight, bias, layout == "gbd", recipe, fp8_weight, fp8_history)
     # As nn.Linear on N-D x: the result is y's memory but not a view of it, so a module returning it
     # returns no view (FSDP2 warns about those: an in-place op on one would skip its hooks).
     return unsafe_view(y, (*x.shape[:-1], out_features))
 
 
-def _grouped_linear_3d(x3, weight, bias, group_major, recipe, fp8_weight=None):
+def _grouped_linear_3d(x3, weight, bias, group_major, recipe, fp8_weight=None, fp8_history=None):
     """The op on a 3-D x: in autocast's dtype (its casts), or in FP8 with `recipe`, which quantizes x
     and the weight (unless `fp8_weight` is its copy) from their own dtypes and writes autocast's
     (else x's)."""
     if recipe is not None:
-        return _fp8.grouped_linear(x3, weight, bias, group_major, recipe, autocast_dtype(x3) or x3.dtype, fp8_weight)
+        return _fp8.grouped_linear(x3, weight, bias, group_major, recipe, autocast_dtype(x3) or x3.dtype, fp8_weight,
+                                   fp8_history)
     return _call("grouped_linear", *autocast(x3, weight, bias), group_major)
 
 
@@ -192,7 +197,8 @@ ACTIVATIONS = ("swiglu",)
 def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd", *,
                 bias_gate_up: Optional[Tensor] = None, bias_down: Optional[Tensor] = None,
                 activation: str = "swiglu", fp8: Union[None, bool, Float8Recipe] = None,
-                fp8_weights: Optional[Sequence[Float8Weight]] = None) -> Tensor:
+                fp8_weights: Optional[Sequence[Float8Weight]] = None,
+                fp8_histories: Optional[Sequence[Float8History]] = None) -> Tensor:
     """A gated MLP per group: ``down_g(silu(gate_g(x_g)) * up_g(x_g))`` for the G groups of ``x``.
 
     Args:
@@ -205,6 +211,8 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
         fp8: both GEMMs in FP8, as grouped_linear's ``fp8`` (the activation in the compute dtype).
         fp8_weights: ``(quantize_weight(w_gate_up), quantize_weight(w_down))``, as grouped_linear's
             ``fp8_weight``.
+        fp8_histories: two ``Float8History``, of the gate-up and the down GEMM, as grouped_linear's
+            ``fp8_history``.
 
     Three GEMMs and one fused activation: gate and up are one strided-batched GEMM, the activation
     reads its output in place and writes h, the down GEMM reads h; backward likewise (one fused
@@ -224,8 +232,14 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
     if fp8_weights is not None and (isinstance(fp8_weights, Float8Weight) or len(fp8_weights) != 2):
         raise TypeError("grouped_mlp: fp8_weights must be two patchgemm.Float8Weight, of w_gate_up and w_down")
     w8_gate_up, w8_down = (None, None) if fp8_weights is None else fp8_weights
-    gate_up = grouped_linear(x, w_gate_up, bias_gate_up, layout, fp8=fp8, fp8_weight=w8_gate_up)
-    return grouped_linear(swiglu(gate_up), w_down, bias_down, layout, fp8=fp8, fp8_weight=w8_down)
+    if fp8_histories is not None and (isinstance(fp8_histories, Float8History) or len(fp8_histories) != 2):
+        raise TypeError("grouped_mlp: fp8_histories must be two patchgemm.Float8History, of the gate-up and the "
+                        "down GEMM")
+    h_gate_up, h_down = (None, None) if fp8_histories is None else fp8_histories
+    gate_up = grouped_linear(x, w_gate_up, bias_gate_up, layout, fp8=fp8, fp8_weight=w8_gate_up,
+                             fp8_history=h_gate_up)
+    return grouped_linear(swiglu(gate_up), w_down, bias_down, layout, fp8=fp8, fp8_weight=w8_down,
+                          fp8_history=h_down)
 
 
 def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, *,

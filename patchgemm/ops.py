@@ -181,7 +181,7 @@ def _(grad_y, x, weight, bias, mean, rstd, gelu, tokens):
 # ---- FP8: fake kernels -----------------------------------------------------------------------------
 
 @torch.library.register_fake("patchgemm::quantize_fp8")
-def _(x, format, rowwise=True, transposed=False, column_sums=False):
+def _(x, format, rowwise=True, transposed=False, column_sums=False, amax_state=None):
     swapped = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transposed else (0,)
     return (x.new_empty(x.shape if rowwise else (0,), dtype=format), x.new_empty(swapped, dtype=format),
             x.new_empty((), dtype=torch.float32), x.new_empty((*x.shape[:-2], x.shape[-1]) if column_sums else (0,)))

@@ -44,6 +44,14 @@ def main():
                                                       torch.float8_e4m3fn, True, True, True)
             assert torch.isfinite(data.float()).all() and torch.isfinite(data_t.float()).all()
             assert torch.isfinite(sums).all()
+        # delayed scaling: both casts observing the amax, the record kernel at its longest history,
+        # and a history holding nothing yet (the amax kernel measures first) then one that does
+        for n, shape, length in ((3 * 2**20 + 7, None, 1024), (None, (4, 2048, 2056), 16), (None, (2, 1000, 1027), 1)):
+            state = torch.zeros(length + 2, device="cuda")
+            for _ in range(2):
+                x = torch.randn(n if shape is None else shape, device="cuda", dtype=torch.bfloat16)
+                data, data_t, scale, _ = ops.quantize_fp8(x, torch.float8_e4m3fn, True, shape is not None, False, state)
+                assert torch.isfinite(scale) and torch.isfinite(data.float()).all() and state[1].item() == 0
         x = torch.randn(64, 3, 32, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         layer = patchgemm.GroupedLinear(3, 32, 48, device="cuda", dtype=torch.bfloat16, fp8=True)
         y = layer(x)

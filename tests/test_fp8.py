@@ -118,6 +118,86 @@ def test_column_sums_need_two_dims():
         ops.quantize_fp8(randn(8), E4M3, True, False, True)
 
 
+# ---- delayed scaling: the amax state ---------------------------------------------------------------
+
+def scaled_by(x, fmt, amax):
+    """x quantized to fmt with the scale an amax (a float32 scalar) gives: (data, scale)."""
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX[fmt])
+    return (x.float() * scale.reciprocal()).clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(fmt), scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_delayed_scaling_scales_by_the_history_and_records_each_amax(device, transposed):
+    """The first call (nothing recorded) scales by x's own amax; each later one by the largest amax of
+    the last L calls, saturating what lies beyond; the state keeps them newest first."""
+    L = 3
+    xs = [randn(3, 70, 130, device=device) * s for s in (1, 4, 2, 0.5, 0.25, 0.125)]
+    for impl in quantizers(device):
+        state, recorded = torch.zeros(L + 2, device=device), []
+        for i, x in enumerate(xs):
+            with patchgemm.force(quantize_fp8=impl):
+                data, data_t, scale, _ = ops.quantize_fp8(x, E4M3, True, transposed, False, state)
+            amax = x.abs().max()
+            want, want_scale = scaled_by(x, E4M3, max(recorded[:L]) if recorded else amax)
+            assert torch.equal(scale, want_scale), (impl, i)
+            assert torch.equal(data.view(torch.uint8), want.view(torch.uint8)), (impl, i)
+            if transposed:
+                assert torch.equal(data_t.view(torch.uint8), data.transpose(-2, -1).contiguous().view(torch.uint8))
+            if i == 1:  # x grew 4x past the one amax recorded: its largest values saturate
+                assert (data.float().abs() == FP8_MAX[E4M3]).sum() > 1
+            recorded.insert(0, amax)
+            kept = torch.stack(recorded[:L] + [torch.zeros_like(amax)] * (L - len(recorded[:L])))
+            assert torch.equal(state[2:], kept) and state[1].item() == 0, (impl, i, state)
+            assert torch.equal(state[0], kept.max())
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(3, 1000, 1024 + 3), (2, 1000, 1024 + 8), (8, 2048, 2048)])
+def test_fused_delayed_quantize_is_bitwise_aten_and_repeats(transposed, shape):
+    """Over several waves of blocks: the fused kernels (one pass, observing the amax) give ATen's bits,
+    the same every run, and record the same amaxes."""
+    xs = [randn(*shape, dtype=torch.bfloat16, device="cuda") * s for s in (1, 3, 0.5)]
+    runs = []
+    for impl in ("fused", "aten", "fused"):
+        state, out = torch.zeros(16 + 2, device="cuda"), []
+        with patchgemm.force(quantize_fp8=impl):
+            for x in xs:
+                data, data_t, scale, _ = ops.quantize_fp8(x, E5M2, True, transposed, False, state)
+                out += [data.view(torch.uint8), data_t.view(torch.uint8), scale, state.clone()]
+        runs.append(out)
+    for got, want, again in zip(*runs):
+        assert torch.equal(got, want) and torch.equal(got, again)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_scaling_carries_a_nan_until_the_history_forgets_it(device):
+    state = torch.zeros(1 + 2, device=device)
+    bad = randn(64, device=device)
+    bad[3] = float("nan")
+    _, _, scale, _ = ops.quantize_fp8(bad, E4M3, True, False, False, state)
+    assert torch.isnan(state[0]) and not torch.isfinite(scale)  # (this call measured its own amax: NaN)
+    clean = randn(64, device=device)
+    _, _, scale, _ = ops.quantize_fp8(clean, E4M3, True, False, False, state)
+    assert torch.isnan(scale)  # scaled by the NaN recorded: never a finite answer from it
+    _, _, scale, _ = ops.quantize_fp8(clean, E4M3, True, False, False, state)
+    assert torch.isfinite(scale) and torch.equal(scale, clean.abs().max() / FP8_MAX[E4M3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_amax_state_bad_input(device):
+    x = randn(4, 8, device=device)
+    for bad in (torch.zeros(5, dtype=torch.float64, device=device), torch.zeros(2, device=device),
+                torch.zeros(1027, device=device), torch.zeros(2, 5, device=device),
+                torch.zeros(10, device=device)[::2]):
+        with pytest.raises(RuntimeError, match=r"amax_state must be a contiguous float32 tensor \[L \+ 2\]"):
+            ops.quantize_fp8(x, E4M3, True, False, False, bad)
+    if device == "cuda":
+        with pytest.raises(RuntimeError, match="amax_state is on cpu but x is on cuda"):
+            ops.quantize_fp8(x, E4M3, True, False, False, torch.zeros(5))
+
+
 # ---- scaled_grouped_mm: the FP8 grouped GEMM ------------------------------------------------------
 
 def scaled_ref(a8, sa, b8, sb, bias, group_major):
@@ -204,6 +284,7 @@ def test_opcheck():
     torch.library.opcheck(ops.quantize_fp8, (randn(4, 8), E4M3))
     torch.library.opcheck(ops.quantize_fp8, (randn(2, 4, 8), E5M2, False, True))
     torch.library.opcheck(ops.quantize_fp8, (randn(2, 4, 8), E5M2, False, True, True))
+    torch.library.opcheck(ops.quantize_fp8, (randn(2, 4, 8), E4M3, True, True, True, torch.zeros(6)))
     # (Not test_schema for FP8 inputs: its mutation check multiplies them, which ATen cannot in FP8.)
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     torch.library.opcheck(ops.scaled_grouped_mm, (a8, b8, sa, sb, None, False, torch.bfloat16, False), test_utils=utils)
@@ -414,6 +495,99 @@ def test_fp8_weight_reuse_errors():
         patchgemm.quantize_weight(randn(8, 16))
 
 
+DELAYED = Float8Recipe(scaling="delayed")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_grouped_linear_starts_as_current_scaling_and_keeps_its_history(device):
+    """A layer's first call has nothing recorded: it scales x, the weight and grad_y by their own
+    amaxes, the current recipe's values and gradients exactly. After it, each scales by its history:
+    an x grown 8x saturates where current scaling follows it."""
+    torch.manual_seed(0)
+    delayed = patchgemm.GroupedLinear(3, 32, 16, device=device, fp8=DELAYED)
+    current = patchgemm.GroupedLinear(3, 32, 16, device=device, fp8=True)
+    current.load_state_dict(delayed.state_dict())
+    x = randn(24, 3, 32, device=device, requires_grad=True)
+    grad_y = randn(24, 3, 16, device=device)
+    results = []
+    for layer in (delayed, current):
+        y = layer(x)
+        results.append((y, *torch.autograd.grad(y, [x, layer.weight, layer.bias], grad_y)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    history = delayed.fp8_history
+    for which, t in (("x", x), ("weight", delayed.weight), ("grad", grad_y)):
+        assert torch.equal(history.amax(which)[:2], torch.stack([t.detach().abs().max(), torch.zeros((), device=device)]))
+    big = x.detach() * 8
+    assert not torch.equal(delayed(big), current(big))
+    y = delayed(big)  # now the history holds 8x amax: the same scale as current scaling's
+    assert torch.equal(y, current(big)) and history.amax("x")[0] == big.abs().max()
+    assert "Float8History(x: 16, weight: 16, grad: 16)" == repr(history)
+    # The functional form with a history of its own: the same sequence, the same values.
+    fresh = patchgemm.Float8History()
+    outs = [patchgemm.grouped_linear(t, delayed.weight, delayed.bias, fp8=DELAYED, fp8_history=fresh)
+            for t in (x, big, big)]
+    delayed.fp8_history.reset()
+    assert all(torch.equal(o, delayed(t)) for o, t in zip(outs, (x, big, big)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_grouped_mlp_keeps_one_history_per_gemm(device):
+    mlp = patchgemm.GroupedMLP(2, 32, 48, bias=True, device=device, fp8=DELAYED)
+    x = randn(8, 2, 32, device=device, requires_grad=True)
+    mlp(x).sum().backward()
+    gate_up, down = mlp.fp8_histories
+    assert gate_up.amax("x")[0] == x.detach().abs().max() and down.amax("x")[0] > 0
+    assert gate_up.amax("grad")[0] > 0 and down.amax("grad")[0] > 0
+    with fp8_autocast(recipe=DELAYED):  # a region's delayed recipe: the module's own histories
+        patchgemm.GroupedMLP(2, 32, 48, device=device)(x)
+
+
+def test_delayed_scaling_errors():
+    with pytest.raises(ValueError, match="scaling must be 'current' or 'delayed', got 'late'"):
+        Float8Recipe(scaling="late")
+    for bad in (0, 1025, True, 2.0):
+        with pytest.raises(ValueError, match="amax_history_len must be an int from 1 to 1024"):
+            Float8Recipe(scaling="delayed", amax_history_len=bad)
+    x, w = randn(4, 2, 16), randn(2, 8, 16)
+    with pytest.raises(ValueError, match="a delayed-scaling recipe keeps an amax history per layer: pass fp8_history"):
+        patchgemm.grouped_linear(x, w, fp8=DELAYED)
+    with pytest.raises(ValueError, match="pass fp8_history"), fp8_autocast(recipe=DELAYED):
+        patchgemm.grouped_linear(x, w)
+    with pytest.raises(TypeError, match="fp8_history must be a patchgemm.Float8History or None, got dict"):
+        patchgemm.grouped_linear(x, w, fp8=DELAYED, fp8_history={})
+    with pytest.raises(TypeError, match="fp8_histories must be two patchgemm.Float8History"):
+        patchgemm.grouped_mlp(x, randn(2, 8, 16), randn(2, 16, 4), fp8=DELAYED,
+                              fp8_histories=patchgemm.Float8History())
+    with pytest.raises(ValueError, match="which must be one of"):
+        patchgemm.Float8History().amax("y")
+    # Ragged groups keep no history: they scale currently under a delayed recipe.
+    rows = randn(6, 16)
+    assert torch.equal(patchgemm.grouped_linear(rows, w, group_sizes=[2, 4], fp8=DELAYED),
+                       patchgemm.grouped_linear(rows, w, group_sizes=[2, 4], fp8=True))
+
+
+def test_delayed_scaling_compiles_without_graph_breaks():
+    """The forward's quantizations update their histories inside the compiled graph, as eager does;
+    the compiled backward scales grad_y currently (AOTAutograd takes no update of a forward input
+    in the backward), so grad_y's history stays empty."""
+    torch.manual_seed(0)
+    layer = patchgemm.GroupedLinear(2, 32, 16, fp8=DELAYED)
+    eager = patchgemm.GroupedLinear(2, 32, 16, fp8=DELAYED)
+    eager.load_state_dict(layer.state_dict())
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for scale in (1, 4, 2):
+        x = randn(16, 2, 32) * scale
+        y = compiled(x.requires_grad_())
+        y.sum().backward()
+        assert torch.equal(y, eager(x))
+        assert torch.isfinite(x.grad).all()
+        for which in ("x", "weight"):
+            assert torch.equal(layer.fp8_history.amax(which), eager.fp8_history.amax(which)), which
+    assert (layer.fp8_history.amax("grad") == 0).all()
+
+
 def test_fp8_compiles_without_graph_breaks():
     layer = patchgemm.GroupedLinear(2, 32, 16, fp8=True)
     x = randn(16, 2, 32, requires_grad=True)
@@ -462,8 +636,9 @@ def train(fp8, device, steps=500):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_toy_training_fp8_loss_within_2_percent_of_bf16(device):
-    bf16, fp8 = train(False, device), train(True, device)
-    first = train(True, device, steps=0)
+@pytest.mark.parametrize("recipe", [Float8Recipe(), DELAYED], ids=["current", "delayed"])
+def test_toy_training_fp8_loss_within_2_percent_of_bf16(device, recipe):
+    bf16, fp8 = train(False, device), train(recipe, device)
+    first = train(recipe, device, steps=0)
     assert fp8 < 0.5 * first  # it learned
     assert abs(fp8 - bf16) <= 0.02 * bf16, f"FP8 loss {fp8:.5g} vs bf16 {bf16:.5g}"

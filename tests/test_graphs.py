@@ -87,6 +87,7 @@ OPS = {
     "patch_unembed_tokens": (_unembed((4, 5), (4, 4), True),
                              lambda x, w, b: patchgemm.patch_unembed(x, w, b, in_format="tokens", grid=(4, 5))),
     "instance_norm_act": (_norm, patchgemm.instance_norm_act),
+    "grouped_linear_fp8": (_grouped_linear("bgd")[0], lambda x, w, b: patchgemm.grouped_linear(x, w, b, fp8=True)),
 }
 # Ragged groups with their sizes on the GPU (moe_experts computes them there): torch._grouped_mm
 # reads them there, in bfloat16 on sm_90+. The other dtypes' paths read them on the host.
@@ -167,3 +168,43 @@ def test_hierarchical_stem_captures_a_training_step():
     x = randn(2, 4, 32, 32, 32, dtype=torch.bfloat16, device=DEV)
     params = list(stem.parameters())
     _check_replay(lambda x, *ps: stem(x), [x.requires_grad_()] + params, [], torch.bfloat16)
+
+
+def test_delayed_fp8_layer_replays_its_history_updates():
+    """A captured training step of a delayed-scaling layer records each replay's amaxes and scales by
+    the history, as eager steps do: replayed over a sequence of inputs it gives the values, gradients
+    and histories of its twin run eagerly over the same sequence, bit for bit."""
+    torch.manual_seed(0)
+    recipe = patchgemm.Float8Recipe(scaling="delayed", amax_history_len=4)
+    captured = patchgemm.GroupedLinear(6, 64, 80, device=DEV, dtype=torch.bfloat16, fp8=recipe)
+    twin = patchgemm.GroupedLinear(6, 64, 80, device=DEV, dtype=torch.bfloat16, fp8=recipe)
+    twin.load_state_dict(captured.state_dict())
+    inputs = [(randn(96, 6, 64, dtype=torch.bfloat16, device=DEV) * s, randn(96, 6, 80, dtype=torch.bfloat16,
+                                                                             device=DEV) * s) for s in (1, 4, 0.5, 2, 1)]
+    x, grad_y = (t.clone() for t in inputs[0])
+    x.requires_grad_()
+
+    def step(layer, x, grad_y):
+        y = layer(x)
+        return (y, *torch.autograd.grad(y, [x, layer.weight, layer.bias], grad_y))
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(captured, x, grad_y)  # no host synchronization on the path (the histories made here)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # (the choices made; capture runs one more step on its side stream)
+    graph, out = capture_cuda_graph(lambda: step(captured, x, grad_y))
+    for _ in range(2):
+        step(twin, inputs[0][0].clone().requires_grad_(), inputs[0][1])
+    for new_x, new_grad in inputs[1:]:
+        with torch.no_grad():
+            x.copy_(new_x)
+            grad_y.copy_(new_grad)
+        graph.replay()
+        want = step(twin, new_x.clone().requires_grad_(), new_grad)
+        torch.cuda.synchronize()
+        for got, expected in zip(out, want):
+            assert torch.equal(got, expected)
+        for which in ("x", "weight", "grad"):
+            assert torch.equal(captured.fp8_history.amax(which), twin.fp8_history.amax(which)), which

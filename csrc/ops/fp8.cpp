@@ -50,7 +50,7 @@ void check_scales_out_bias(const char* op, const at::Tensor& scale_a, const at::
 }  // namespace
 
 QuantizeOutputs quantize_fp8(const at::Tensor& x, at::ScalarType format, bool rowwise, bool transposed,
-                             bool column_sums) {
+                             bool column_sums, const std::optional<at::Tensor>& amax_state) {
   constexpr const char* op = "quantize_fp8";
   TORCH_CHECK(format == at::kFloat8_e4m3fn || format == at::kFloat8_e5m2, op,
               ": format must be torch.float8_e4m3fn or torch.float8_e5m2, got ", format);
@@ -58,7 +58,16 @@ QuantizeOutputs quantize_fp8(const at::Tensor& x, at::ScalarType format, bool ro
   TORCH_CHECK(!transposed || x.dim() >= 2, op, ": a transposed copy needs x of 2 dims or more, got shape ", x.sizes());
   TORCH_CHECK(!column_sums || x.dim() >= 2, op, ": column sums need x of 2 dims or more, got shape ", x.sizes());
   TORCH_CHECK(rowwise || transposed, op, ": asked for neither data (rowwise) nor its transposed copy");
-  return select_quantize_fp8({x.contiguous(), format, rowwise, transposed, column_sums});
+  if (amax_state) {
+    const at::Tensor& state = *amax_state;
+    TORCH_CHECK(state.dim() == 1 && state.scalar_type() == at::kFloat && state.is_contiguous() &&
+                    state.numel() >= 3 && state.numel() <= kMaxAmaxHistory + 2,
+                op, ": amax_state must be a contiguous float32 tensor [L + 2] with 1 <= L <= ", kMaxAmaxHistory,
+                ", got ", state.scalar_type(), " of shape ", state.sizes());
+    TORCH_CHECK(state.device() == x.device(), op, ": amax_state is on ", state.device(), " but x is on ", x.device());
+  }
+  return select_quantize_fp8(
+      {x.contiguous(), format, rowwise, transposed, column_sums, amax_state.value_or(at::Tensor())});
 }
 
 at::Tensor scaled_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,

@@ -84,15 +84,18 @@ TORCH_LIBRARY(patchgemm, m) {
       "instance_norm_act_backward(Tensor grad_y, Tensor x, Tensor? weight, Tensor? bias, "
       "Tensor mean, Tensor rstd, bool gelu, bool tokens) -> (Tensor, Tensor, Tensor)");
 
-  // FP8 with current scaling: (data, data_t, scale) with data = saturate(x * (1 / scale)) in `format`
+  // FP8 with one scale per tensor: (data, data_t, scale) with data = saturate(x * (1 / scale)) in `format`
   // (float8_e4m3fn or float8_e5m2), contiguous in x's shape where `rowwise` (else empty), data_t the
   // same values with x's last two dims swapped, contiguous, where `transposed` (else empty), and
-  // scale = amax(|x|) / max(format) (1 for an all-zero x), a float32 scalar: x ~ scale * data; and
-  // where `column_sums`, x summed over its second-to-last dim in x's dtype (accumulated in fp32;
-  // else empty): the bias gradient of an output gradient quantized for the weight gradient's GEMM.
+  // scale = amax / max(format) (1 for amax 0), a float32 scalar: x ~ scale * data; and where
+  // `column_sums`, x summed over its second-to-last dim in x's dtype (accumulated in fp32; else
+  // empty): the bias gradient of an output gradient quantized for the weight gradient's GEMM.
+  // amax = amax(|x|) (current scaling), or with `amax_state` (float32 [L + 2], zeros before its
+  // first call) delayed scaling: the largest amax of the last L calls (x's own while none is
+  // recorded), and x's amax recorded in the state, in place (problems/fp8.h: its layout).
   m.def(
-      "quantize_fp8(Tensor x, ScalarType format, bool rowwise=True, bool transposed=False, bool column_sums=False) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "quantize_fp8(Tensor x, ScalarType format, bool rowwise=True, bool transposed=False, bool column_sums=False, "
+      "Tensor(a!)? amax_state=None) -> (Tensor, Tensor, Tensor, Tensor)");
   // The grouped linear of FP8 operands: a [B, G, K] or (group_major) [G, B, K], b [G, N, K], per-tensor
   // scales (float32 scalars); y[.., g, :] = scale_a * scale_b * a[.., g, :] @ b[g].T + bias[g] in a's
   // layout, contiguous, of out_dtype (bias [G, N] of out_dtype). `fast_accum`: Hopper's faster FP8

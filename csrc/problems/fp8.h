@@ -9,13 +9,22 @@
 
 namespace patchgemm {
 
+// A delayed-scaling state: float32 [L + 2] = [the amax to scale from, the amax being observed (0
+// between calls), the amaxes of the last L calls, newest first]; all zeros before the first call.
+// While the amax to scale from is 0 (no call recorded a nonzero amax), a call measures x's amax
+// first and scales by it, as current scaling does. 1 <= L <= kMaxAmaxHistory.
+constexpr int64_t kMaxAmaxHistory = 1024;
+
 // quantize_fp8: x contiguous, to `format` (e4m3fn or e5m2) with one scale for the tensor; data in
 // x's layout where `rowwise`, the copy with the last two dims swapped where `transposed`, and x
 // summed over its second-to-last dim where `column_sums` (a bias gradient, read in the same pass).
+// The scale from x's amax (current scaling), or from `amax_state` (delayed scaling, updated in
+// place).
 struct QuantizeProblem {
   at::Tensor x;
   at::ScalarType format;
   bool rowwise = true, transposed = false, column_sums = false;
+  at::Tensor amax_state;  // undefined: current scaling
 };
 // quantize_fp8's outputs: data, data_t, scale, sums (an empty tensor for each not asked for).
 using QuantizeOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

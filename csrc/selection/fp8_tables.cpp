@@ -1,8 +1,9 @@
-// The FP8 tables. quantize_fp8: two fused kernels (amax, then the cast) on NVIDIA GPUs, else ATen's
-// ops. scaled_grouped_mm: one cuBLASLt FP8 strided-batched matmul that writes the output in its final
-// layout; torch._scaled_mm once per group (a copy into the layout each); the operands dequantized to
-// float64 and ATen's bmm -- the CPU's path, and the GPU's where no FP8 GEMM applies. scaled_ragged_mm:
-// torch._scaled_grouped_mm (no host sync), cuBLASLt per group, or dequantized per group.
+// The FP8 tables. quantize_fp8: two fused kernels (amax, then the cast; delayed scaling: the cast
+// alone) on NVIDIA GPUs, else ATen's ops. scaled_grouped_mm: one cuBLASLt FP8 strided-batched matmul
+// that writes the output in its final layout; torch._scaled_mm once per group (a copy into the
+// layout each); the operands dequantized to float64 and ATen's bmm -- the CPU's path, and the GPU's
+// where no FP8 GEMM applies. scaled_ragged_mm: torch._scaled_grouped_mm (no host sync), cuBLASLt per
+// group, or dequantized per group.
 #include <ATen/ATen.h>
 
 #include <sstream>
@@ -33,7 +34,8 @@ using selection::WhyNot;
 std::string quantize_signature(const QuantizeProblem& p) {
   std::ostringstream out;
   out << "(" << describe("x", p.x) << " -> " << c10::toString(p.format) << (p.rowwise ? "" : ", no rowwise")
-      << (p.transposed ? ", transposed" : "") << (p.column_sums ? ", column sums" : "") << ")";
+      << (p.transposed ? ", transposed" : "") << (p.column_sums ? ", column sums" : "")
+      << (p.amax_state.defined() ? ", delayed" : "") << ")";
   return out.str();
 }
 
@@ -46,7 +48,7 @@ const Table<QuantizeProblem, QuantizeOutputs> kQuantize(
     {
         {"fused", "cuda",
          "x float32, float16 or bfloat16 on an NVIDIA GPU: amax, then one pass that casts (and transposes "
-         "through shared memory, summing the columns)",
+         "through shared memory, summing the columns); delayed scaling: that pass alone, observing the amax",
          [](const QuantizeProblem& p) -> WhyNot {
 #if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
            if (!p.x.is_cuda()) return "CUDA tensors only";
@@ -73,7 +75,7 @@ const Table<QuantizeProblem, QuantizeOutputs> kQuantize(
            std::vector<int64_t> summed = p.x.sizes().vec();
            if (p.column_sums) summed.erase(summed.end() - 2);
            at::Tensor sums = p.column_sums ? at::empty(summed, p.x.options()) : at::Tensor();
-           cuda::quantize_fp8(p.x, data, data_t, scale, sums);
+           cuda::quantize_fp8(p.x, data, data_t, scale, sums, p.amax_state);
            const at::Tensor none = at::empty({0}, fp8);
            return std::make_tuple(p.rowwise ? data : none, p.transposed ? data_t : none, scale,
                                   p.column_sums ? sums : at::empty({0}, p.x.options()));
@@ -85,7 +87,7 @@ const Table<QuantizeProblem, QuantizeOutputs> kQuantize(
         {"aten", "cpu cuda rocm", "any x: ATen's abs, max, division, clamp and cast; a copy transposes, a sum sums",
          [](const QuantizeProblem&) { return WhyNot(); }, nullptr,
          [](const QuantizeProblem& p, bool, WhyNot&) -> std::optional<QuantizeOutputs> {
-           Quantized q = quantize_fp8_aten(p.x, p.format, p.rowwise, p.transposed, p.column_sums);
+           Quantized q = quantize_fp8_aten(p.x, p.format, p.rowwise, p.transposed, p.column_sums, p.amax_state);
            return std::make_tuple(q.data, q.data_t, q.scale, q.sums);
          }},
     },

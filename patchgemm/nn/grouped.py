@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .. import functional as F
 from .._args import check_sizes
-from ..fp8 import Float8Recipe, quantize_weight
+from ..fp8 import Float8History, Float8Recipe, quantize_weight
 from ..fp8 import resolve as resolve_fp8
 
 
@@ -42,6 +42,7 @@ class GroupedLinear(nn.Module):
     ``forward(x, is_first_microbatch=None)``, TransformerEngine's contract for gradient accumulation:
     in FP8, ``True`` quantizes the weight and keeps its FP8 copy, ``False`` reuses the copy kept (the
     weight must not have changed since), None quantizes it every call. Ignored outside FP8.
+    ``fp8_history``: the amax history a delayed-scaling recipe keeps (``Float8History``).
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
@@ -59,6 +60,7 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
         self._fp8_weights: Optional[tuple] = None  # kept by is_first_microbatch=True
+        self.fp8_history = Float8History()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -72,7 +74,7 @@ class GroupedLinear(nn.Module):
     def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
         kept = _reused_fp8_weights(self, "GroupedLinear", self.fp8, [self.weight], is_first_microbatch)
         return F.grouped_linear(x, self.weight, self.bias, self.layout, fp8=self.fp8,
-                                fp8_weight=kept[0] if kept else None)
+                                fp8_weight=kept[0] if kept else None, fp8_history=self.fp8_history)
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
@@ -126,7 +128,8 @@ class GroupedMLP(nn.Module):
     Parameters: ``w_gate_up[G, 2*hidden, dim]`` (gate rows first, then up) and
     ``w_down[G, out_dim, hidden]``, plus ``bias_gate_up[G, 2*hidden]`` / ``bias_down[G, out_dim]``
     when ``bias``; each projection initialised like ``nn.Linear``. ``fp8``: both GEMMs in FP8, as
-    GroupedLinear's; ``forward(x, is_first_microbatch=None)`` as GroupedLinear's, for both weights.
+    GroupedLinear's; ``forward(x, is_first_microbatch=None)`` as GroupedLinear's, for both weights;
+    ``fp8_histories``: the two GEMMs' ``Float8History`` (gate-up, down).
     """
 
     def __init__(self, num_groups: int, dim: int, hidden: int, activation: str = "swiglu", *,
@@ -150,6 +153,7 @@ class GroupedMLP(nn.Module):
         self.bias_gate_up = nn.Parameter(torch.empty(num_groups, 2 * hidden, **factory)) if bias else None
         self.bias_down = nn.Parameter(torch.empty(num_groups, out_dim, **factory)) if bias else None
         self._fp8_weights: Optional[tuple] = None  # kept by is_first_microbatch=True
+        self.fp8_histories = (Float8History(), Float8History())
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -163,7 +167,8 @@ class GroupedMLP(nn.Module):
     def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
         kept = _reused_fp8_weights(self, "GroupedMLP", self.fp8, [self.w_gate_up, self.w_down], is_first_microbatch)
         return F.grouped_mlp(x, self.w_gate_up, self.w_down, self.layout, bias_gate_up=self.bias_gate_up,
-                             bias_down=self.bias_down, activation=self.activation, fp8=self.fp8, fp8_weights=kept)
+                             bias_down=self.bias_down, activation=self.activation, fp8=self.fp8, fp8_weights=kept,
+                             fp8_histories=self.fp8_histories)
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, dim={self.dim}, hidden={self.hidden}, out_dim={self.out_dim}, "

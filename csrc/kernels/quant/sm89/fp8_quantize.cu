@@ -1,6 +1,9 @@
-// Current-scaling FP8 quantization in two kernels: amax(|x|), then the cast that reads it -- a flat
+// FP8 quantization. Current scaling in two kernels: amax(|x|), then the cast that reads it -- a flat
 // one (each thread moves 16 bytes of x at a time) or one that also writes the transposed copy (and
-// may sum x's columns on the way: an output gradient's bias gradient, without a pass of its own). Every
+// may sum x's columns on the way: an output gradient's bias gradient, without a pass of its own).
+// Delayed scaling in one pass over x: the cast scales by the amax its history holds and observes x's
+// own amax on the way; a one-block kernel then records it in the history (the amax kernel returns
+// at once unless the history holds nothing yet, when it measures x as current scaling does). Every
 // step rounds to nearest (explicit intrinsics: --use_fast_math would approximate and contract them),
 // as ATen's reciprocal and multiplication do, so the result is bitwise quantize_fp8_aten's.
 #include <ATen/Dispatch.h>
@@ -34,14 +37,25 @@ constexpr int kPack = 16 / sizeof(T);
 template <typename T>
 using Pack = Vec<T, kPack<T>>;
 
+// Where a cast finds the amax it scales by, and where it records x's own. Current scaling: `amax`
+// is the word amax_kernel measured x's amax into. Delayed: `amax` is the state's amax to scale
+// from, and where that is 0 (nothing recorded yet) amax_kernel has measured x's amax into
+// `measured` -- the same word as `observed`, which the cast's atomicMax then leaves unchanged.
+struct AmaxWords {
+  const unsigned int* amax;
+  const unsigned int* measured;  // nullptr: none
+  unsigned int* observed;        // nullptr: not asked
+};
+
 // The scale from amax's bits (amax / max; 1 for amax 0; NaN and inf carried) and its reciprocal,
 // which every value is multiplied by before the saturating cast.
 template <__nv_fp8_interpretation_t kFormat>
 struct Scaling {
   float scale, inverse;
-  __device__ __forceinline__ explicit Scaling(const unsigned int* amax_bits) {
+  __device__ __forceinline__ explicit Scaling(const AmaxWords& words) {
     constexpr float kMax = kFormat == __NV_E4M3 ? 448.f : 57344.f;
-    const float amax = __uint_as_float(*amax_bits);
+    const unsigned int bits = *words.amax;
+    const float amax = __uint_as_float(bits != 0u || words.measured == nullptr ? bits : *words.measured);
     scale = amax == 0.f ? 1.f : __fdiv_rn(amax, kMax);
     inverse = __frcp_rn(scale);
   }
@@ -55,10 +69,31 @@ struct Scaling {
 // above +inf, so an integer max over them is amax with NaN propagated.
 __device__ __forceinline__ unsigned int abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
-// amax_bits must hold 0 on entry; afterwards the bits of amax(|x|).
+// The largest `local` of the block's threads, in thread 0 (every thread of the block must call it).
+__device__ __forceinline__ unsigned int block_max(unsigned int local) {
+  for (int offset = 16; offset > 0; offset /= 2) local = max(local, __shfl_xor_sync(0xffffffffu, local, offset));
+  __shared__ unsigned int warps[kThreads / 32];
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = local;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) local = max(local, warps[w]);
+  }
+  return local;
+}
+
+// The block's largest `local` max-ed into *amax_bits (every thread of the block must call it).
+__device__ __forceinline__ void block_max_into(unsigned int local, unsigned int* amax_bits) {
+  local = block_max(local);
+  if (threadIdx.x == 0) atomicMax(amax_bits, local);
+}
+
+// amax_bits must hold 0 on entry; afterwards the bits of amax(|x|). Nothing where `unless_zero` is
+// given and not 0 (delayed scaling with an amax to scale from).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x, int64_t n,
-                                                          unsigned int* __restrict__ amax_bits) {
+                                                          unsigned int* __restrict__ amax_bits,
+                                                          const unsigned int* __restrict__ unless_zero) {
+  if (unless_zero != nullptr && *unless_zero != 0u) return;  // (the same branch for the whole grid)
   using P = Pack<T>;
   constexpr int kSize = kPack<T>;
   unsigned int local = 0;
@@ -83,37 +118,38 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x,
     for (int j = 0; j < kSize; ++j) local = max(local, abs_bits(static_cast<float>(p.v[j])));
   }
   for (int64_t i = packs * kSize + first; i < n; i += stride) local = max(local, abs_bits(static_cast<float>(x[i])));
-  for (int offset = 16; offset > 0; offset /= 2) local = max(local, __shfl_xor_sync(0xffffffffu, local, offset));
-  __shared__ unsigned int warps[kThreads / 32];
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = local;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) local = max(local, warps[w]);
-    atomicMax(amax_bits, local);
-  }
+  block_max_into(local, amax_bits);
 }
 
-// data = saturate(x * (1 / scale)), the scale as Scaling computes it. The scale goes to its own
-// word: no block may overwrite amax's bits while another may still read them.
+// data = saturate(x * (1 / scale)), the scale as Scaling computes it from `words`. The scale goes to
+// its own word: no block may overwrite amax's bits while another may still read them. With
+// words.observed, the bits of x's own amax are max-ed into it on the way.
 template <typename T, __nv_fp8_interpretation_t kFormat>
-__global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, int64_t n,
-                                                          const unsigned int* __restrict__ amax_bits,
+__global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, int64_t n, AmaxWords words,
                                                           __nv_fp8_storage_t* __restrict__ data,
                                                           float* __restrict__ scale_out) {
   constexpr int kSize = kPack<T>;
   using Out = Bytes<kSize>;
-  const Scaling<kFormat> quantize(amax_bits);
+  const Scaling<kFormat> quantize(words);
   const int64_t packs = n / kSize, stride = int64_t(gridDim.x) * kThreads;
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (first == 0) *scale_out = quantize.scale;
+  unsigned int local = 0;
   for (int64_t i = first; i < packs; i += stride) {
     const Pack<T> p = reinterpret_cast<const Pack<T>*>(x)[i];
     Out o;
 #pragma unroll
-    for (int j = 0; j < kSize; ++j) o.v[j] = quantize(p.v[j]);
+    for (int j = 0; j < kSize; ++j) {
+      o.v[j] = quantize(p.v[j]);
+      local = max(local, abs_bits(static_cast<float>(p.v[j])));
+    }
     reinterpret_cast<Out*>(data)[i] = o;
   }
-  for (int64_t i = packs * kSize + first; i < n; i += stride) data[i] = quantize(x[i]);
+  for (int64_t i = packs * kSize + first; i < n; i += stride) {
+    data[i] = quantize(x[i]);
+    local = max(local, abs_bits(static_cast<float>(x[i])));
+  }
+  if (words.observed != nullptr) block_max_into(local, words.observed);  // (the same branch for the whole grid)
 }
 
 // The same cast for x viewed as [P, R, C], writing data [P, R, C] (if given) and data_t [P, C, R]:
@@ -123,24 +159,24 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
 // every load of a tile issued before the first store. With `sum_parts` [P, gridDim.y, C] (float32),
 // a block also sums the columns of its tiles of each x[p], in registers in row order, then across its
 // threads in a fixed order, and writes its partial sums there (the caller adds them up: no atomics,
-// the same bits every run).
+// the same bits every run). `words` as cast_kernel's.
 constexpr int kTile = 64;
 
 template <typename T, __nv_fp8_interpretation_t kFormat, int kVec>
 __global__ void __launch_bounds__(kThreads)
-    cast_transpose_kernel(const T* __restrict__ x, int64_t P, int64_t R, int64_t C,
-                          const unsigned int* __restrict__ amax_bits, __nv_fp8_storage_t* __restrict__ data,
-                          __nv_fp8_storage_t* __restrict__ data_t, float* __restrict__ scale_out,
-                          float* __restrict__ sum_parts) {
+    cast_transpose_kernel(const T* __restrict__ x, int64_t P, int64_t R, int64_t C, AmaxWords words,
+                          __nv_fp8_storage_t* __restrict__ data, __nv_fp8_storage_t* __restrict__ data_t,
+                          float* __restrict__ scale_out, float* __restrict__ sum_parts) {
   constexpr int kLanes = kTile / kVec, kRowsPerPass = kThreads / kLanes, kPasses = kTile / kRowsPerPass;
   // Rows of 68 bytes: 4-byte aligned, and the column reads of the transposed store spread over banks.
   __shared__ __align__(8) __nv_fp8_storage_t tile[kTile][kTile + 4];
   __shared__ float column_sums[kRowsPerPass][kTile];
-  const Scaling<kFormat> quantize(amax_bits);
+  const Scaling<kFormat> quantize(words);
   if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *scale_out = quantize.scale;
   const int lane = threadIdx.x % kLanes, first_row = threadIdx.x / kLanes;
   const int64_t row_tiles = (R + kTile - 1) / kTile;
   const int64_t c0 = int64_t(blockIdx.x) * kTile;
+  unsigned int local = 0;
   for (int64_t p = blockIdx.z; p < P; p += gridDim.z) {
     const T* in = x + p * R * C;
     float sums[kVec] = {};
@@ -168,7 +204,10 @@ __global__ void __launch_bounds__(kThreads)
         Bytes<kVec> q{};
         if (r < R && c < C) {
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) q.v[j] = quantize(v[k].v[j]);
+          for (int j = 0; j < kVec; ++j) {
+            q.v[j] = quantize(v[k].v[j]);
+            local = max(local, abs_bits(static_cast<float>(v[k].v[j])));
+          }
           if (data != nullptr) *reinterpret_cast<Bytes<kVec>*>(data + p * R * C + r * C + c) = q;
         }
         // 4-byte pieces: a row of the tile is 68 bytes, so 8-byte pieces are not all 8-aligned.
@@ -208,34 +247,73 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();
     }
   }
+  if (words.observed != nullptr) block_max_into(local, words.observed);
+}
+
+// Records an observed amax in a delayed-scaling state (one block of kThreads):
+// state = [amax to scale from, observed amax's bits, history[L] newest first]. history becomes
+// [observed, history[0 .. L-2]], the amax to scale from its max (NaN propagated: abs_bits' order),
+// and the observed word 0 again for the next cast.
+constexpr int kMaxHistory = static_cast<int>(kMaxAmaxHistory);
+static_assert(kMaxHistory % kThreads == 0);
+
+__global__ void __launch_bounds__(kThreads) record_amax_kernel(float* __restrict__ state, int length) {
+  unsigned int* bits = reinterpret_cast<unsigned int*>(state);
+  float* history = state + 2;
+  constexpr int kPer = kMaxHistory / kThreads;
+  float shifted[kPer];
+  unsigned int local = 0;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {  // every read before any write
+    const int i = threadIdx.x + k * kThreads;
+    shifted[k] = i == 0 ? __uint_as_float(bits[1]) : (i < length ? history[i - 1] : 0.f);
+    if (i < length) local = max(local, abs_bits(shifted[k]));
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int i = threadIdx.x + k * kThreads;
+    if (i < length) history[i] = shifted[k];
+  }
+  local = block_max(local);
+  if (threadIdx.x == 0) {
+    bits[0] = local;
+    bits[1] = 0u;
+  }
 }
 
 }  // namespace
 
 void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& data_t, const at::Tensor& scale,
-                  const at::Tensor& sums) {
+                  const at::Tensor& sums, const at::Tensor& amax_state) {
   TORCH_INTERNAL_ASSERT(x.is_contiguous() && scale.scalar_type() == at::kFloat && scale.numel() == 1);
   TORCH_INTERNAL_ASSERT(data.defined() || data_t.defined());
   const at::Tensor& some = data.defined() ? data : data_t;
   const bool e4m3 = some.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_INTERNAL_ASSERT(e4m3 || some.scalar_type() == at::kFloat8_e5m2);
+  const bool delayed = amax_state.defined();
+  TORCH_INTERNAL_ASSERT(!delayed || (amax_state.scalar_type() == at::kFloat && amax_state.is_contiguous() &&
+                                     amax_state.numel() >= 3 && amax_state.numel() - 2 <= kMaxHistory));
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t n = x.numel();
-  // amax's bits live apart from the scale until the cast has read them (one allocation, one memset).
-  const at::Tensor amax_bits = at::zeros({1}, x.options().dtype(at::kInt));
+  // Current scaling: amax's bits live apart from the scale until the cast has read them (one
+  // allocation, one memset). Delayed: the state's words (AmaxWords says how they are read).
+  const at::Tensor amax_bits = delayed ? at::Tensor() : at::zeros({1}, x.options().dtype(at::kInt));
+  auto* state = delayed ? reinterpret_cast<unsigned int*>(amax_state.mutable_data_ptr<float>()) : nullptr;
+  auto* measure_into = delayed ? state + 1 : reinterpret_cast<unsigned int*>(amax_bits.mutable_data_ptr<int>());
+  const AmaxWords words = delayed ? AmaxWords{state, state + 1, state + 1} : AmaxWords{measure_into, nullptr, nullptr};
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t pack = 16 / x.element_size();
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((n / pack + kThreads - 1) / kThreads, 8 * sms));
   // Pack loads need x 16-byte aligned (the caller checks), as do the flat cast's pack stores.
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 == 0);
-  auto* bits = reinterpret_cast<unsigned int*>(amax_bits.mutable_data_ptr<int>());
   auto* out = data.defined() ? reinterpret_cast<__nv_fp8_storage_t*>(data.mutable_data_ptr()) : nullptr;
   float* scale_out = scale.mutable_data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize_fp8", [&] {
     const auto* in = x.const_data_ptr<scalar_t>();
     if (n > 0) {
-      amax_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(in, n, bits);
+      amax_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(in, n, measure_into, state);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (!data_t.defined()) {  // the flat cast, 16 bytes of x per thread
@@ -243,9 +321,9 @@ void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
                             reinterpret_cast<uintptr_t>(data.const_data_ptr()) % 16 == 0);
       if (sums.defined()) sums.copy_(x.sum(-2));  // (no pass of ours reads x by columns)
       if (e4m3) {
-        cast_kernel<scalar_t, __NV_E4M3><<<blocks, kThreads, 0, stream>>>(in, n, bits, out, scale_out);
+        cast_kernel<scalar_t, __NV_E4M3><<<blocks, kThreads, 0, stream>>>(in, n, words, out, scale_out);
       } else {
-        cast_kernel<scalar_t, __NV_E5M2><<<blocks, kThreads, 0, stream>>>(in, n, bits, out, scale_out);
+        cast_kernel<scalar_t, __NV_E5M2><<<blocks, kThreads, 0, stream>>>(in, n, words, out, scale_out);
       }
     } else {  // [P, R, C] as the last two dims and the rest
       const int64_t C = x.dim() >= 1 ? x.size(-1) : 1, R = x.dim() >= 2 ? x.size(-2) : 1;
@@ -269,7 +347,7 @@ void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
       };
       const bool by8 = fits(8), by4 = fits(4);
       const auto launch = [&](auto kernel) {
-        kernel<<<grid, kThreads, 0, stream>>>(in, P, R, C, bits, out, out_t, scale_out, parts);
+        kernel<<<grid, kThreads, 0, stream>>>(in, P, R, C, words, out, out_t, scale_out, parts);
       };
       if (e4m3) {
         by8   ? launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 8>)
@@ -288,6 +366,11 @@ void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+  if (delayed) {  // after the cast, on its stream: the history gains this call's amax
+    record_amax_kernel<<<1, kThreads, 0, stream>>>(amax_state.mutable_data_ptr<float>(),
+                                                   static_cast<int>(amax_state.numel() - 2));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 }  // namespace cuda
