@@ -154,12 +154,10 @@ def zoo_section(saved: dict, name: str) -> str:
 def fp8_section(saved: dict, name: str) -> str:
     return _table_section(
         saved, "FP8", f"python bench/fp8.py --json {name}",
-        "bf16 tensors. G*: `[B, G, Din] -> Dout` per group with bias; P1: ViT-B/16's stem, batch 128, tokens; "
-        "H1: an hMLP stem, x [8, 4, 128^3], kernels 2, 2, 4 to 768; R1: a MoE layer, 8 experts of 1024 -> 2048 "
-        "over 16k rows, e4m3 gradients. `patchgemm fp8` quantizes its operands (and, backward, the output "
-        "gradient) on every call (current scaling); PyTorch's FP8 rows quantize with torch ops and have no "
-        "backward. GPU ms: CUDA-event medians; `vs bf16` = patchgemm bf16's GPU time over the row's; `rel err` "
-        "against patchgemm bf16's output.",
+        "bf16 (cases: the script's docstring). `patchgemm fp8`: current scaling; `weight reused`: "
+        "is_first_microbatch=False; `delayed`: Float8Recipe(scaling=\"delayed\"). PyTorch's FP8: torch "
+        "ops, no backward. `vs bf16`: patchgemm bf16's GPU time (CUDA-event medians) over the row's; `rel err` "
+        "against its output.",
         fp8.format_rows(saved["rows"]))
 
 
