@@ -17,6 +17,9 @@
 #   heldout     bench/heldout.py $HELDOUT_ARGS (default: --set all), JSON to $OUT/heldout.json
 #   models      python -m patchgemm bench --models, JSON to $OUT/models.json
 #   fp8         bench/fp8.py (FP8 grouped linear against bf16 and PyTorch's FP8), JSON to $OUT/fp8.json
+#   run         bash -c "$RUN" from /tmp ($SRC: the tree), after the install and with this script's
+#               environment (its $CXX above all: a command run outside this script lacks it, and the
+#               image's own breaks the C++ that AOTInductor and extensions compile)
 # Results go to $OUT (the device tool's result folder) or ./gpu-logs; build and stderr logs to $LOGS
 # (/tmp), their tails printed on failure. SAVE_WHEEL=1 also leaves the built wheel in $OUT/wheel,
 # in parts of at most 15 MB (the device tool returns files of up to 16 MiB), to carry to later runs;
@@ -135,4 +138,8 @@ fi
 if want fp8; then
   step "fp8"
   python3 "$SRC/bench/fp8.py" --json "$OUT/fp8.json" 2>"$LOGS/fp8.err" | tee "$OUT/fp8.txt"; tail -5 "$LOGS/fp8.err"
+fi
+if want run; then
+  step "run: ${RUN:-}"
+  SRC=$SRC bash -c "${RUN:?STEPS has run but RUN is empty}"
 fi
