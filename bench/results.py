@@ -16,6 +16,7 @@ date, GPU, versions and command of its run.
 
 import argparse
 import pathlib
+import re
 import sys
 from typing import List
 
@@ -111,21 +112,54 @@ def families_section(saved: dict, name: str) -> str:
 
 
 def _table_section(saved: dict, title: str, command: str, method: str, table: str) -> str:
-    return "\n".join([f"## {title}: {_where(saved.get('environment', {}))}", "", f"`{command}`: {method}", "",
+    env = saved.get("environment", {})
+    caveat = [f"Note: {env['note']}", ""] if env.get("note") else []  # a known flaw of this run, said with it
+    return "\n".join([f"## {title}: {_where(env)}", "", f"`{command}`: {method}", "", *caveat,
                       "```", table, "```", ""])
 
 
 def models_section(saved: dict, name: str) -> str:
     models = ",".join(dict.fromkeys(r["model"] for r in saved["models"]))  # the run's models, in order
-    compiled = any(r["form"] in COMPILE_FORMS for r in saved["models"])
+    rows = _with_paired_ratios([ModelRow(**r) for r in saved["models"]])
+    if any(r.form in COMPILE_FORMS for r in rows):
+        return _table_section(
+            saved, "Models compiled, a training step",
+            f"python -m patchgemm bench --models {models} --compile --json {name}",
+            "a training step under bf16 autocast (method: docs/benchmarks.md, Models), each form compiled "
+            "(`-cg`: with CUDA graphs, Inductor's reduce-overhead mode): GPU ms / wall ms per step (wall: the "
+            "fastest of 31 rounds); `cg x`: compile-cg's time over patchgemm.compile-cg's, GPU and paired wall; "
+            "`diff`: patchgemm.compile's output against the eager original (Swin-T: with timm's stochastic depth "
+            "on). Peak memory is in the JSON.",
+            _format_compiled(rows))
     return _table_section(
-        saved, "Models compiled, a training step" if compiled else "Models, a training step",
-        f"python -m patchgemm bench --models {models}{' --compile' if compiled else ''} --json {name}",
-        ("each form compiled (`-cg`: with CUDA graphs, Inductor's reduce-overhead mode); " if compiled else "") +
+        saved, "Models, a training step", f"python -m patchgemm bench --models {models} --json {name}",
         "a training step under bf16 autocast (method: docs/benchmarks.md, Models): GPU ms per step, wall ms the "
         "fastest of 31 rounds, peak MB above the weights; `GPU x` / `wall x` / `paired`: the first form's time "
         "over this form's.",
-        format_rows(_with_paired_ratios([ModelRow(**r) for r in saved["models"]])))
+        format_rows(rows))
+
+
+def _format_compiled(rows: List[ModelRow]) -> str:
+    """One line per model: each compiled form's GPU / wall ms, then patchgemm's CUDA-graph form against
+    the original's."""
+    forms = [f for f in COMPILE_FORMS]
+    heads = [f.replace("convert+compile", "convert+c").replace("patchgemm.compile", "pg.compile") for f in forms]
+    lines = [f"{'model':<14} " + " ".join(f"{h:>15}" for h in heads) + f" {'cg x GPU':>8} {'wall':>5}  {'diff':>7}  "
+             "rewritten"]
+    by_model = {}
+    for r in rows:
+        by_model.setdefault(r.model, {})[r.form] = r
+    for model, got in by_model.items():
+        cells = [f"{got[f].gpu_ms:6.2f} / {got[f].wall_ms:6.2f}" if f in got else f"{'-':>15}" for f in forms]
+        base, ours = got.get("compile-cg"), got.get("patchgemm.compile-cg")
+        gpu_x = f"{base.gpu_ms / ours.gpu_ms:8.3f}" if base and ours else f"{'-':>8}"
+        wall_x = f"{paired_wall_ratio(base, ours):5.2f}" if base and ours and base.wall_rounds else f"{'-':>5}"
+        note = got["patchgemm.compile"].note if "patchgemm.compile" in got else ""
+        diff = re.search(r"output rel. diff (\S+)", note)
+        swapped = re.search(r"(\d+) rewritten", note)
+        lines.append(f"{model:<14} " + " ".join(cells) + f" {gpu_x} {wall_x}  {diff.group(1) if diff else '-':>7}  "
+                     f"{swapped.group(1) if swapped else '-'}")
+    return "\n".join(lines)
 
 
 def _with_paired_ratios(rows: List[ModelRow]) -> List[ModelRow]:

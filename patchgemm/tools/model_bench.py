@@ -236,6 +236,9 @@ def _training_step(model: nn.Module, x: torch.Tensor, device: torch.device) -> C
     x = x.requires_grad_(False)
 
     def step(_i):
+        # (a new step for the CUDA-graph forms: without it, Inductor's graph trees cannot tell the forms'
+        # steps apart when they take turns, and replay each behind checks and copies of the pool's state)
+        torch.compiler.cudagraph_mark_step_begin()
         model.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = _output(model(x)).float().mean()
