@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/gemm/gemm.h"
 #include "kernels/gemm/strided_gemm.h"
 #include "selection/registry.h"
 
@@ -17,10 +18,6 @@
 #ifndef PATCHGEMM_ARCHS
 #define PATCHGEMM_ARCHS ""
 #endif
-
-namespace patchgemm {
-std::string blas_version();  // per backend: cuBLAS/hipBLAS version, or "" on CPU builds
-}
 
 TORCH_LIBRARY(patchgemm, m) {
   // Grouped linear: x holds G groups of Din features, [B, G, Din] or (group_major) [G, B, Din];

@@ -75,7 +75,7 @@ const Table<QuantizeProblem, QuantizeOutputs> kQuantize(
            std::vector<int64_t> summed = p.x.sizes().vec();
            if (p.column_sums) summed.erase(summed.end() - 2);
            at::Tensor sums = p.column_sums ? at::empty(summed, p.x.options()) : at::Tensor();
-           cuda::quantize_fp8(p.x, data, data_t, scale, sums, p.amax_state);
+           cuda::quantize_fp8_into(p.x, data, data_t, scale, sums, p.amax_state);
            const at::Tensor none = at::empty({0}, fp8);
            return std::make_tuple(p.rowwise ? data : none, p.transposed ? data_t : none, scale,
                                   p.column_sums ? sums : at::empty({0}, p.x.options()));

@@ -57,7 +57,7 @@ const Table<SwigluProblem, at::Tensor> kForward(
            at::Tensor h = half_shaped(p.gate_up);
 #ifdef PATCHGEMM_WITH_CUDA
            if (p.gate_up.is_cuda()) {
-             cuda::swiglu(p.gate_up, h);
+             cuda::swiglu_into(p.gate_up, h);
              return h;
            }
 #endif
@@ -82,7 +82,7 @@ const Table<SwigluProblem, at::Tensor> kBackward(
            at::Tensor grad_gate_up = at::empty_like(p.gate_up);
 #ifdef PATCHGEMM_WITH_CUDA
            if (p.gate_up.is_cuda()) {
-             cuda::swiglu_backward(p.grad_h, p.gate_up, grad_gate_up);
+             cuda::swiglu_backward_into(p.grad_h, p.gate_up, grad_gate_up);
              return grad_gate_up;
            }
 #endif

@@ -92,6 +92,9 @@ inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
 // The strided view of a 3-D tensor, as the torch-free planner sees it.
 MatrixView matrix_view(const at::Tensor& t3);
 
+// The BLAS this build runs its GPU GEMMs on, as "cuBLAS 13.1.0" / "hipBLAS ...", or "" on CPU builds.
+std::string blas_version();
+
 namespace cpu {
 // Whether ATen runs this CPU's bfloat16 GEMMs on oneDNN (AVX-512 machines, ATen's CPU capability
 // "AVX512"), which reads either BLAS layout at full speed; elsewhere (AVX2) ATen's own bf16 loop runs

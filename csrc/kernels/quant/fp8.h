@@ -41,8 +41,8 @@ namespace cuda {
 // `sums` (undefined: not asked), contiguous in x's dtype: x summed over its second-to-last dim, in
 // the transposing pass (each block's rows summed in fp32, then the blocks' sums; deterministic), or
 // by ATen where no transposed copy is asked.
-void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& data_t, const at::Tensor& scale,
-                  const at::Tensor& sums, const at::Tensor& amax_state);
+void quantize_fp8_into(const at::Tensor& x, const at::Tensor& data, const at::Tensor& data_t, const at::Tensor& scale,
+                       const at::Tensor& sums, const at::Tensor& amax_state);
 }  // namespace cuda
 #endif
 

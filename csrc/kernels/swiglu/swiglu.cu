@@ -108,7 +108,7 @@ bool use_vectors(int64_t hidden, std::initializer_list<const at::Tensor*> tensor
 
 }  // namespace
 
-void swiglu(const at::Tensor& gate_up, const at::Tensor& h) {
+void swiglu_into(const at::Tensor& gate_up, const at::Tensor& h) {
   if (h.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(gate_up.device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate_up.scalar_type(), "swiglu", [&] {
@@ -120,7 +120,7 @@ void swiglu(const at::Tensor& gate_up, const at::Tensor& h) {
   });
 }
 
-void swiglu_backward(const at::Tensor& grad_h, const at::Tensor& gate_up, const at::Tensor& grad_gate_up) {
+void swiglu_backward_into(const at::Tensor& grad_h, const at::Tensor& gate_up, const at::Tensor& grad_gate_up) {
   if (grad_h.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(gate_up.device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate_up.scalar_type(), "swiglu_backward", [&] {

@@ -17,8 +17,8 @@ void swiglu_backward_cpu(const at::Tensor& grad_h, const at::Tensor& gate_up, co
 
 #ifdef PATCHGEMM_WITH_CUDA
 namespace cuda {
-void swiglu(const at::Tensor& gate_up, const at::Tensor& h);
-void swiglu_backward(const at::Tensor& grad_h, const at::Tensor& gate_up, const at::Tensor& grad_gate_up);
+void swiglu_into(const at::Tensor& gate_up, const at::Tensor& h);
+void swiglu_backward_into(const at::Tensor& grad_h, const at::Tensor& gate_up, const at::Tensor& grad_gate_up);
 }  // namespace cuda
 #endif
 

@@ -284,8 +284,8 @@ __global__ void __launch_bounds__(kThreads) record_amax_kernel(float* __restrict
 
 }  // namespace
 
-void quantize_fp8(const at::Tensor& x, const at::Tensor& data, const at::Tensor& data_t, const at::Tensor& scale,
-                  const at::Tensor& sums, const at::Tensor& amax_state) {
+void quantize_fp8_into(const at::Tensor& x, const at::Tensor& data, const at::Tensor& data_t, const at::Tensor& scale,
+                       const at::Tensor& sums, const at::Tensor& amax_state) {
   TORCH_INTERNAL_ASSERT(x.is_contiguous() && scale.scalar_type() == at::kFloat && scale.numel() == 1);
   TORCH_INTERNAL_ASSERT(data.defined() || data_t.defined());
   const at::Tensor& some = data.defined() ? data : data_t;
