@@ -7,11 +7,12 @@ tensor's own amax, so no history is kept and nothing needs calibrating; finding 
 over the tensor of its own. ``Float8Recipe(scaling="delayed")`` is TransformerEngine's
 ``DelayedScaling``: each tensor is scaled by the largest amax of its last ``amax_history_len`` calls
 and its own amax is recorded from the quantizing pass, so that pass is the only one. The history is
-kept per layer (``Float8History``: ``GroupedLinear`` and ``GroupedMLP`` keep their own; the
-functional ``grouped_linear`` takes one as ``fp8_history``); a layer's first call seeds it with
+kept per layer (``Float8History``: ``GroupedLinear``, ``GroupedMLP`` and ``MoEExperts`` keep their
+own; the functional ``grouped_linear`` takes one as ``fp8_history``, ``grouped_mlp`` and
+``moe_experts`` two as ``fp8_histories``); a layer's first call seeds it with
 current scaling. Values above the scale's range (an amax that grew past every recorded one)
-saturate to the format's largest value, as the recipe does everywhere; ragged groups and patch
-embeddings keep no history and scale currently under either recipe. The forward quantizes ``x``
+saturate to the format's largest value, as the recipe does everywhere; patch embeddings keep
+no history and scale currently under either recipe. The forward quantizes ``x``
 and the weight to e4m3; the backward quantizes the output gradient to e5m2 (the "hybrid" formats),
 reuses the saved FP8 ``x`` and weight, and writes ``grad_x`` and ``grad_weight`` in the inputs' own
 dtypes (fp32 master weights get fp32 gradients). The output and the bias stay in the compute dtype.
@@ -69,7 +70,7 @@ class Float8Recipe:
             TransformerEngine use there; the gradients' GEMMs always accumulate in full fp32.
         scaling: ``"current"`` (each tensor's scale from its own amax, an extra pass over it) or
             ``"delayed"`` (from the largest amax of its last ``amax_history_len`` calls, kept in a
-            ``Float8History``; one pass). Ragged groups and patch embeddings scale currently.
+            ``Float8History``; one pass). Patch embeddings scale currently.
         amax_history_len: how many calls' amaxes delayed scaling keeps (1 to 1024).
     """
 
@@ -295,14 +296,19 @@ def grouped_linear(x3: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         weight8.check("grouped_linear", weight)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
-    states = None
-    if history is not None and recipe.delayed:
-        states = tuple(history.state(which, x3.device, recipe.amax_history_len) for which in Float8History._WHICH)
-        if torch.compiler.is_compiling():  # AOTAutograd takes no update of a forward input in the backward
-            states = (*states[:2], None)
     grad = torch.is_grad_enabled()
     return _GroupedLinearFp8.apply(x3, weight, bias, group_major, out_dtype, recipe, grad and x3.requires_grad,
-                                   grad and weight.requires_grad, weight8, states)
+                                   grad and weight.requires_grad, weight8, _history_states(recipe, history, x3.device))
+
+
+def _history_states(recipe: Float8Recipe, history: Optional[Float8History], device: torch.device):
+    """The amax states (x's, the weight's, the output gradient's) a delayed recipe scales by, or None."""
+    if history is None or not recipe.delayed:
+        return None
+    states = tuple(history.state(which, device, recipe.amax_history_len) for which in Float8History._WHICH)
+    if torch.compiler.is_compiling():  # AOTAutograd takes no update of a forward input in the backward
+        states = (*states[:2], None)
+    return states
 
 
 # ---- ragged groups (mixture-of-experts layers) ------------------------------------------------------
@@ -313,14 +319,15 @@ class _RaggedLinearFp8(torch.autograd.Function):
     the compute dtype, as torchao's rowwise MoE recipe with a high-precision weight gradient: its
     reduction runs over each group's rows, which no FP8 grouped GEMM takes at arbitrary group sizes
     (their K-major operands need every group a multiple of 16 rows). The forward saves x in the
-    compute dtype and the weight's transposed FP8 copy."""
+    compute dtype and the weight's transposed FP8 copy. `states`: as the dense Function's."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, offsets, out_dtype: torch.dtype, recipe: Float8Recipe, need_grad_x: bool,
-                need_grad_w: bool):
+                need_grad_w: bool, states: Optional[tuple]):
         fmt = recipe.forward_format
-        x8, _, x_scale, _ = ops.quantize_fp8(x, fmt, True, False)
-        w8, w8_t, w_scale, _ = ops.quantize_fp8(weight, fmt, True, need_grad_x)
+        x_state, w_state, ctx.grad_state = states or (None, None, None)  # (grad's: see the dense Function)
+        x8, _, x_scale, _ = ops.quantize_fp8(x, fmt, True, False, False, x_state)
+        w8, w8_t, w_scale, _ = ops.quantize_fp8(weight, fmt, True, need_grad_x, False, w_state)
         ctx.save_for_backward(x.to(out_dtype) if need_grad_w else None, w8_t if need_grad_x else None, w_scale,
                               offsets)
         ctx.recipe, ctx.x_dtype, ctx.w_dtype, ctx.out_dtype = recipe, x.dtype, weight.dtype, out_dtype
@@ -333,19 +340,22 @@ class _RaggedLinearFp8(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
         if need_x:  # grad_x_g [rows, Din] = grad_y_g [rows, Dout] @ weight[g] [Dout, Din]
-            g8, _, g_scale, _ = ops.quantize_fp8(grad_y, ctx.recipe.backward_format, True, False)
+            g8, _, g_scale, _ = ops.quantize_fp8(grad_y, ctx.recipe.backward_format, True, False, False,
+                                                 ctx.grad_state)
             grad_x = ops.scaled_ragged_mm(g8, w8_t, g_scale, w_scale, None, offsets, ctx.x_dtype, False)
         if need_w:
             grad_w = ops.ragged_grouped_linear_grad_weight(grad_y.to(ctx.out_dtype), x, offsets).to(ctx.w_dtype)
         if need_b:
             grad_b = ragged_bias_grad(grad_y, offsets)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def ragged_grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], offsets: torch.Tensor,
-                          recipe: Float8Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+                          recipe: Float8Recipe, out_dtype: torch.dtype,
+                          history: Optional[Float8History] = None) -> torch.Tensor:
     """The FP8 ragged grouped linear of x [N, Din] sorted by group (offsets: the groups' end rows, as
-    ragged_grouped_linear takes them); out_dtype the compute dtype, the bias cast to it."""
+    ragged_grouped_linear takes them); out_dtype the compute dtype, the bias cast to it; `history`:
+    a delayed recipe's (else current scaling)."""
     op = "grouped_linear"
     if x.dim() != 2 or x.shape[1] != weight.shape[2]:
         raise RuntimeError(f"{op}: with ragged groups, x must be [N, Din] with Din = {weight.shape[2]} (weight "
@@ -358,7 +368,7 @@ def ragged_grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
         bias = bias.to(out_dtype)
     grad = torch.is_grad_enabled()
     return _RaggedLinearFp8.apply(x, weight, bias, offsets, out_dtype, recipe, grad and x.requires_grad,
-                                  grad and weight.requires_grad)
+                                  grad and weight.requires_grad, _history_states(recipe, history, x.device))
 
 
 # ---- kernel == stride convolutions: one GEMM of the patch matrix, in FP8 -------------------------

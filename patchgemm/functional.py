@@ -2,7 +2,7 @@
 
 import itertools
 import math
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -42,7 +42,7 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
             uses instead of quantizing it (reused across the microbatches of one optimizer step;
             stale once the weight changes). Needs FP8 on; not with ragged groups.
         fp8_history: this layer's ``Float8History``, which a delayed-scaling recipe needs (made
-            once per layer, kept across steps); ragged groups scale currently and ignore it.
+            once per layer, kept across steps).
 
     Returns:
         ``y`` in the layout of ``x`` with Din replaced by Dout:
@@ -62,7 +62,7 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         raise TypeError("grouped_linear: bias must be a tensor or None")
     recipe = _fp8.resolve("grouped_linear", fp8)
     ragged = group_sizes is not None or offsets is not None
-    _fp8.check_history("grouped_linear", None if ragged else recipe, fp8_history)
+    _fp8.check_history("grouped_linear", recipe, fp8_history)
     if fp8_weight is not None:
         if not isinstance(fp8_weight, Float8Weight):
             raise TypeError(f"grouped_linear: fp8_weight must be a patchgemm.Float8Weight (quantize_weight) or "
@@ -70,11 +70,11 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         if recipe is None:
             raise ValueError("grouped_linear: fp8_weight is given but this call does not run in FP8 (fp8=False, "
                              "or None outside an fp8_autocast region)")
-        if group_sizes is not None or offsets is not None:
+        if ragged:
             raise ValueError("grouped_linear: fp8_weight applies to dense groups; ragged groups quantize their "
                              "weight per call")
-    if group_sizes is not None or offsets is not None:
-        return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe)
+    if ragged:
+        return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe, fp8_history)
     if x.dim() == 3:  # the op's own form, in either layout
         return _grouped_linear_3d(x, weight, bias, layout == "gbd", recipe, fp8_weight, fp8_history)
 
@@ -113,11 +113,11 @@ def _grouped_linear_3d(x3, weight, bias, group_major, recipe, fp8_weight=None, f
     return _call("grouped_linear", *autocast(x3, weight, bias), group_major)
 
 
-def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe):
+def _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe, fp8_history=None):
     """The ragged op with the group bounds as offsets (a tensor), in autocast's dtype or in FP8."""
     if recipe is not None:
         ends = _ragged_ends(x, weight, group_sizes, offsets)
-        return _fp8.ragged_grouped_linear(x, weight, bias, ends, recipe, autocast_dtype(x) or x.dtype)
+        return _fp8.ragged_grouped_linear(x, weight, bias, ends, recipe, autocast_dtype(x) or x.dtype, fp8_history)
     x, weight, bias = autocast(x, weight, bias)
     return _call("ragged_grouped_linear", x, weight, bias, _ragged_ends(x, weight, group_sizes, offsets))
 
@@ -232,18 +232,29 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
     if fp8_weights is not None and (isinstance(fp8_weights, Float8Weight) or len(fp8_weights) != 2):
         raise TypeError("grouped_mlp: fp8_weights must be two patchgemm.Float8Weight, of w_gate_up and w_down")
     w8_gate_up, w8_down = (None, None) if fp8_weights is None else fp8_weights
-    if fp8_histories is not None and (isinstance(fp8_histories, Float8History) or len(fp8_histories) != 2):
-        raise TypeError("grouped_mlp: fp8_histories must be two patchgemm.Float8History, of the gate-up and the "
-                        "down GEMM")
-    h_gate_up, h_down = (None, None) if fp8_histories is None else fp8_histories
+    h_gate_up, h_down = _two_histories("grouped_mlp", _fp8.resolve("grouped_mlp", fp8), fp8_histories)
     gate_up = grouped_linear(x, w_gate_up, bias_gate_up, layout, fp8=fp8, fp8_weight=w8_gate_up,
                              fp8_history=h_gate_up)
     return grouped_linear(swiglu(gate_up), w_down, bias_down, layout, fp8=fp8, fp8_weight=w8_down,
                           fp8_history=h_down)
 
 
+def _two_histories(where: str, recipe: Optional[Float8Recipe], histories) -> Tuple[Optional[Float8History], ...]:
+    """The gate-up and the down GEMM's Float8History of a gated MLP (None, None where none are given)."""
+    if histories is not None and (isinstance(histories, Float8History) or not isinstance(histories, (tuple, list))
+                                  or len(histories) != 2):
+        raise TypeError(f"{where}: fp8_histories must be two patchgemm.Float8History, of the gate-up and the down "
+                        f"GEMM")
+    if histories is None and recipe is not None and recipe.delayed:
+        raise ValueError(f"{where}: a delayed-scaling recipe keeps an amax history per GEMM: pass fp8_histories="
+                         f"(patchgemm.Float8History(), patchgemm.Float8History()), made once per layer and kept "
+                         f"across steps (the modules keep their own)")
+    return (None, None) if histories is None else tuple(histories)
+
+
 def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_up: Tensor, w_down: Tensor, *,
-                fp8: Union[None, bool, Float8Recipe] = None) -> Tensor:
+                fp8: Union[None, bool, Float8Recipe] = None,
+                fp8_histories: Optional[Sequence[Float8History]] = None) -> Tensor:
     """The routed experts of a mixture of experts: for each token, the SwiGLU MLPs of the experts
     its router picked, weighted and summed.
 
@@ -255,6 +266,8 @@ def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_u
         w_gate_up: ``[E, 2H, D]``, per expert the gate weight (rows ``:H``) then the up weight.
         w_down: ``[E, D, H]``.
         fp8: both ragged GEMMs in FP8, as grouped_linear's ``fp8`` (the SwiGLU in the compute dtype).
+        fp8_histories: two ``Float8History``, of the gate-up and the down GEMM, as grouped_mlp's
+            (a delayed-scaling recipe needs them; ``MoEExperts`` keeps its own).
 
     Returns ``[T, D]`` in x's dtype: ``sum_j expert_weight[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
     with ``e = expert_index[t, j]``, as transformers' Mixtral, Qwen-MoE, OLMoE and DeepSeek experts
@@ -300,8 +313,11 @@ def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_u
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.shape[0], device=order.device)
     recipe = _fp8.resolve("moe_experts", fp8)
-    gate_up = grouped_linear(_rows_by_expert(x, order, unsort, top_k), w_gate_up, offsets=offsets, fp8=recipe or False)
-    y = grouped_linear(swiglu(gate_up), w_down, offsets=offsets, fp8=recipe or False) * weight[order].unsqueeze(-1)
+    h_gate_up, h_down = _two_histories("moe_experts", recipe, fp8_histories)
+    gate_up = grouped_linear(_rows_by_expert(x, order, unsort, top_k), w_gate_up, offsets=offsets, fp8=recipe or False,
+                             fp8_history=h_gate_up)
+    y = grouped_linear(swiglu(gate_up), w_down, offsets=offsets, fp8=recipe or False,
+                       fp8_history=h_down) * weight[order].unsqueeze(-1)
     return _rows_by_slot(y, order, unsort).view(tokens, top_k, dim).sum(1).to(x.dtype)
 
 

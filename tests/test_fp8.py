@@ -567,10 +567,13 @@ def test_delayed_scaling_errors():
                               fp8_histories=patchgemm.Float8History())
     with pytest.raises(ValueError, match="which must be one of"):
         patchgemm.Float8History().amax("y")
-    # Ragged groups keep no history: they scale currently under a delayed recipe.
+    # Ragged groups and moe_experts keep histories too (tests/test_fp8_ragged.py), and need them.
     rows = randn(6, 16)
-    assert torch.equal(patchgemm.grouped_linear(rows, w, group_sizes=[2, 4], fp8=DELAYED),
-                       patchgemm.grouped_linear(rows, w, group_sizes=[2, 4], fp8=True))
+    with pytest.raises(ValueError, match="pass fp8_history"):
+        patchgemm.grouped_linear(rows, w, group_sizes=[2, 4], fp8=DELAYED)
+    with pytest.raises(ValueError, match=r"moe_experts: a delayed-scaling recipe .* pass fp8_histories"):
+        patchgemm.moe_experts(rows, torch.zeros(6, 1, dtype=torch.long), torch.ones(6, 1), randn(2, 8, 16),
+                              randn(2, 16, 4), fp8=DELAYED)
 
 
 def test_delayed_scaling_compiles_without_graph_breaks():

@@ -146,3 +146,63 @@ def test_moe_experts_in_fp8(device):
         patchgemm.moe_experts(x.detach(), index, weight, experts.gate_up_proj.detach(), experts.down_proj.detach(),
                               fp8=True)
     assert "scaled_ragged_mm" in str(report)
+
+
+# ---- delayed scaling: ragged groups and moe_experts keep amax histories as dense groups do --------
+
+DELAYED = patchgemm.Float8Recipe(scaling="delayed")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_ragged_grouped_linear_starts_as_current_scaling_and_keeps_its_history(device):
+    """The first call scales x, the weight and grad_y by their own amaxes (current scaling's values
+    and gradients exactly) and records them; an x grown 8x then saturates until its amax is recorded."""
+    torch.manual_seed(0)
+    sizes = [9, 0, 33, 22]
+    x = randn(sum(sizes), 64, device=device, requires_grad=True)
+    w = randn(len(sizes), 48, 64, device=device, requires_grad=True)
+    grad_y = randn(sum(sizes), 48, device=device)
+    history = patchgemm.Float8History()
+    results = []
+    for fp8, kept in ((DELAYED, history), (True, None)):
+        y = patchgemm.grouped_linear(x, w, group_sizes=sizes, fp8=fp8, fp8_history=kept)
+        results.append((y, *torch.autograd.grad(y, [x, w], grad_y)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    for which, t in (("x", x), ("weight", w), ("grad", grad_y)):
+        assert torch.equal(history.amax(which)[:2], torch.stack([t.detach().abs().max(), torch.zeros((), device=device)]))
+    big = x.detach() * 8
+    current = patchgemm.grouped_linear(big, w.detach(), group_sizes=sizes, fp8=True)
+    assert not torch.equal(patchgemm.grouped_linear(big, w.detach(), group_sizes=sizes, fp8=DELAYED,
+                                                    fp8_history=history), current)
+    assert torch.equal(patchgemm.grouped_linear(big, w.detach(), group_sizes=sizes, fp8=DELAYED, fp8_history=history),
+                       current)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_moe_experts_keep_one_history_per_gemm(device):
+    """MoEExperts under a delayed recipe: its first call is current scaling's exactly, then its two
+    histories (gate-up, down) hold each GEMM's x, weight and gradient amaxes."""
+    E, D, H, T, k = 4, 64, 32, 40, 2
+    delayed = patchgemm.MoEExperts(E, D, H, device=device, fp8=DELAYED)
+    current = patchgemm.MoEExperts(E, D, H, device=device, fp8=True)
+    current.load_state_dict(delayed.state_dict())
+    x = randn(T, D, device=device, requires_grad=True)
+    index = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(0)).to(device)
+    weight = torch.rand(T, k, device=device)
+    results = []
+    for experts in (delayed, current):
+        y = experts(x, index, weight)
+        results.append((y, *torch.autograd.grad(y.square().sum(), [x, experts.gate_up_proj, experts.down_proj])))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    gate_up, down = delayed.fp8_histories
+    assert gate_up.amax("weight")[0] == delayed.gate_up_proj.detach().abs().max()
+    assert down.amax("weight")[0] == delayed.down_proj.detach().abs().max()
+    assert gate_up.amax("x")[0] == x.detach().abs().max()
+    assert all(h.amax("grad")[0] > 0 for h in (gate_up, down))
+    with fp8_autocast(recipe=DELAYED):  # a region's delayed recipe: the module's own histories
+        assert torch.isfinite(patchgemm.MoEExperts(E, D, H, device=device)(x, index, weight)).all()
+    with pytest.raises(TypeError, match="fp8_histories must be two patchgemm.Float8History"):
+        patchgemm.moe_experts(x, index, weight, delayed.gate_up_proj, delayed.down_proj, fp8=DELAYED,
+                              fp8_histories=patchgemm.Float8History())

@@ -334,6 +334,21 @@ def test_compile_selects_the_patchgemm_experts_implementation(family):
     assert model.config._experts_implementation == "eager"
 
 
+def test_patchgemm_experts_implementation_keeps_delayed_fp8_histories():
+    """Under a delayed FP8 recipe, transformers' experts run through moe_experts with two amax
+    histories kept on each experts module (outside its state_dict), as MoEExperts keeps its own."""
+    model = _moe_model("Mixtral", **MOE_MODELS["Mixtral"]).float()
+    keys = list(model.state_dict())
+    compiled = patchgemm.compile(model, backend="aot_eager")
+    with patchgemm.fp8_autocast(recipe=patchgemm.Float8Recipe(scaling="delayed")):
+        out = compiled(input_ids=torch.randint(0, 64, (2, 7))).last_hidden_state
+    out.square().sum().backward()
+    experts = model.layers[0].mlp.experts
+    gate_up, down = experts.__dict__["_patchgemm_fp8_histories"]
+    assert gate_up.amax("weight")[0] == experts.gate_up_proj.detach().abs().max()
+    assert down.amax("x")[0] > 0 and list(model.state_dict()) == keys
+
+
 def test_patchgemm_experts_implementation_refuses_another_layout():
     """Selected by hand on experts moe_experts does not compute, the implementation raises, naming
     why; compile leaves such a model's switch alone and reports each module it left."""

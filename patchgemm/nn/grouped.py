@@ -185,7 +185,7 @@ class MoEExperts(nn.Module):
     ``down_proj[E, dim, hidden]``. ``convert`` swaps transformers' SwiGLU experts (Mixtral, Qwen-MoE,
     OLMoE, DeepSeek and the others of that layout) for one sharing their parameters. ``fp8``: both
     ragged GEMMs in FP8 (``True``, a ``Float8Recipe``), never (``False``), or as the enclosing
-    ``fp8_autocast`` says (None).
+    ``fp8_autocast`` says (None). ``fp8_histories``: the two GEMMs' ``Float8History`` (gate-up, down).
     """
 
     fp8 = None  # (modules made by from_experts: as the enclosing region says)
@@ -201,6 +201,7 @@ class MoEExperts(nn.Module):
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, dim, hidden
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim, **factory))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden, **factory))
+        self.fp8_histories = (Float8History(), Float8History())
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -222,7 +223,7 @@ class MoEExperts(nn.Module):
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         return F.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                             fp8=self.fp8)
+                             fp8=self.fp8, fp8_histories=self.fp8_histories)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, dim={self.hidden_dim}, hidden={self.intermediate_dim}"
@@ -241,7 +242,12 @@ def _experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tens
         why = module.__dict__["_patchgemm_experts_problem"] = moe_experts_problem(module)
     if why is not None:
         raise ValueError(f"experts_implementation={EXPERTS_IMPLEMENTATION!r} cannot compute {type(module).__name__}: {why}")
-    return F.moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
+    # (delayed FP8 scaling's amax histories: the module's, outside its state_dict)
+    histories = module.__dict__.get("_patchgemm_fp8_histories")
+    if histories is None:
+        histories = module.__dict__["_patchgemm_fp8_histories"] = (Float8History(), Float8History())
+    return F.moe_experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+                         fp8_histories=histories)
 
 
 def register_transformers_experts() -> bool:
@@ -283,6 +289,7 @@ def use_transformers_experts(model: nn.Module) -> List[Tuple[str, Optional[str]]
         register_transformers_experts()
         for where, m, _ in checked:
             m.__dict__["_patchgemm_experts_problem"] = None
+            m.__dict__["_patchgemm_fp8_histories"] = (Float8History(), Float8History())  # (made before any trace)
             found.append((where, None))
         sub.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return found
