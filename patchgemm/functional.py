@@ -241,8 +241,8 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
 
 def _two_histories(where: str, recipe: Optional[Float8Recipe], histories) -> Tuple[Optional[Float8History], ...]:
     """The gate-up and the down GEMM's Float8History of a gated MLP (None, None where none are given)."""
-    if histories is not None and (isinstance(histories, Float8History) or not isinstance(histories, (tuple, list))
-                                  or len(histories) != 2):
+    if histories is not None and (not isinstance(histories, (tuple, list)) or len(histories) != 2
+                                  or not all(isinstance(h, Float8History) for h in histories)):
         raise TypeError(f"{where}: fp8_histories must be two patchgemm.Float8History, of the gate-up and the down "
                         f"GEMM")
     if histories is None and recipe is not None and recipe.delayed:

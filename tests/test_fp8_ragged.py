@@ -203,6 +203,7 @@ def test_delayed_moe_experts_keep_one_history_per_gemm(device):
     assert all(h.amax("grad")[0] > 0 for h in (gate_up, down))
     with fp8_autocast(recipe=DELAYED):  # a region's delayed recipe: the module's own histories
         assert torch.isfinite(patchgemm.MoEExperts(E, D, H, device=device)(x, index, weight)).all()
-    with pytest.raises(TypeError, match="fp8_histories must be two patchgemm.Float8History"):
-        patchgemm.moe_experts(x, index, weight, delayed.gate_up_proj, delayed.down_proj, fp8=DELAYED,
-                              fp8_histories=patchgemm.Float8History())
+    for bad in (patchgemm.Float8History(), [1, 2], (patchgemm.Float8History(), None)):
+        with pytest.raises(TypeError, match="moe_experts: fp8_histories must be two patchgemm.Float8History"):
+            patchgemm.moe_experts(x, index, weight, delayed.gate_up_proj, delayed.down_proj, fp8=DELAYED,
+                                  fp8_histories=bad)
