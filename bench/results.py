@@ -142,7 +142,7 @@ def models_section(saved: dict, name: str) -> str:
 def _format_compiled(rows: List[ModelRow]) -> str:
     """One line per model: each compiled form's GPU / wall ms, then patchgemm's CUDA-graph form against
     the original's."""
-    forms = [f for f in COMPILE_FORMS]
+    forms = list(COMPILE_FORMS)
     heads = [f.replace("convert+compile", "convert+c").replace("patchgemm.compile", "pg.compile") for f in forms]
     lines = [f"{'model':<14} " + " ".join(f"{h:>15}" for h in heads) + f" {'cg x GPU':>8} {'wall':>5}  {'diff':>7}  "
              "rewritten"]

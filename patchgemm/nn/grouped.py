@@ -289,7 +289,7 @@ def use_transformers_experts(model: nn.Module) -> List[Tuple[str, Optional[str]]
         register_transformers_experts()
         for where, m, _ in checked:
             m.__dict__["_patchgemm_experts_problem"] = None
-            m.__dict__["_patchgemm_fp8_histories"] = (Float8History(), Float8History())  # (made before any trace)
+            m.__dict__.setdefault("_patchgemm_fp8_histories", (Float8History(), Float8History()))  # (before any trace)
             found.append((where, None))
         sub.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return found
