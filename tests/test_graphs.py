@@ -89,8 +89,8 @@ OPS = {
     "instance_norm_act": (_norm, patchgemm.instance_norm_act),
     "grouped_linear_fp8": (_grouped_linear("bgd")[0], lambda x, w, b: patchgemm.grouped_linear(x, w, b, fp8=True)),
 }
-# Ragged groups with their sizes on the GPU (moe_experts computes them there): torch._grouped_mm
-# reads them there, in bfloat16 on sm_90+. The other dtypes' paths read them on the host.
+# Ragged groups with their sizes on the GPU (moe_experts computes them there): read there by
+# torch._grouped_mm (bfloat16, sm_90+) or our ragged_tiles kernel (every dtype).
 GPU_SIZED = {"ragged_sizes_on_gpu": _ragged(True),
              "moe_experts": (_moe, lambda x, wgu, wd, index, weight: patchgemm.moe_experts(x, index, weight, wgu, wd))}
 
@@ -140,27 +140,26 @@ def test_capture_replays_every_op_and_gradient(op, dtype):
     _check_replay(call, params, others, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("op", list(GPU_SIZED))
-def test_capture_replays_groups_sized_on_the_gpu(op):
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("torch._grouped_mm (group sizes read on the GPU) needs sm_90")
-    make, call = GPU_SIZED[op]
-    params, others = make(torch.bfloat16)
-    for p in params:
-        p.requires_grad_()
-    _check_replay(call, params, others, torch.bfloat16)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("op", list(GPU_SIZED))
-def test_groups_sized_on_the_gpu_read_on_the_host_refuse_capture(op, dtype):
-    """float16 / float32 ragged groups run a path that reads the sizes on the host: capturing it
-    is a clear error, never a graph that replays stale sizes."""
+def test_capture_replays_groups_sized_on_the_gpu(op, dtype):
     make, call = GPU_SIZED[op]
     params, others = make(dtype)
-    call(*params, *others)
-    with pytest.raises(RuntimeError, match="reads the group sizes on the host"):
-        capture_cuda_graph(lambda: call(*params, *others))
+    for p in params:
+        p.requires_grad_()
+    _check_replay(call, params, others, dtype)
+
+
+def test_a_forced_path_that_reads_gpu_sizes_on_the_host_refuses_capture():
+    """Forcing a candidate that reads the group sizes on the host is a clear error under capture,
+    never a graph that replays stale sizes."""
+    make, call = GPU_SIZED["ragged_sizes_on_gpu"]
+    params, others = make(torch.float32)
+    ops = ("ragged_grouped_linear", "ragged_grouped_linear_grad_input", "ragged_grouped_linear_grad_weight")
+    with patchgemm.force(**dict.fromkeys(ops, "loop")):
+        call(*params, *others)
+        with pytest.raises(RuntimeError, match="on the host"):
+            capture_cuda_graph(lambda: call(*params, *others))
 
 
 def test_hierarchical_stem_captures_a_training_step():

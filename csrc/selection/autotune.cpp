@@ -36,6 +36,7 @@
 #ifdef PATCHGEMM_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #ifndef USE_ROCM
 #include <cublasLt.h>
@@ -382,6 +383,16 @@ bool capturing_graph(const at::Device& device) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device.index()), &status));
     return status != cudaStreamCaptureStatusNone;
+  }
+#endif
+  return false;
+}
+
+bool host_sync_forbidden(const at::Device& device) {
+#ifdef PATCHGEMM_WITH_CUDA
+  if (device.is_cuda()) {
+    return capturing_graph(device) ||
+           c10::cuda::warning_state().get_sync_debug_mode() == c10::cuda::SyncDebugMode::L_ERROR;
   }
 #endif
   return false;

@@ -2,8 +2,11 @@
 //   aten_grouped_mm  PyTorch's torch._grouped_mm (CUTLASS on sm_90+): reads the offsets on the GPU,
 //                    so a CUDA tensor of group sizes costs no host sync;
 //   cublas_grouped   one cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx) over the non-empty groups;
+//   ragged_tiles     our kernel (kernels/gemm/ragged_gemm.h): each block finds its group from the
+//                    offsets on the GPU, so it runs with no host sync in any dtype (CUDA graphs);
 //   loop             one GEMM per group through the planner (any device).
-// The last two need the sizes on the host (a sync where they live on the GPU).
+// cublas_grouped and loop need the sizes on the host: a sync where they live on the GPU, so they
+// decline there while a sync is forbidden (capture, or sync debug mode "error").
 #include <ATen/ATen.h>
 
 #include <sstream>
@@ -13,6 +16,7 @@
 #endif
 
 #include "kernels/gemm/gemm.h"
+#include "kernels/gemm/ragged_gemm.h"
 #include "selection/ragged_tables.h"
 #include "selection/registry.h"
 
@@ -73,6 +77,20 @@ GroupGemm group_gemm(const RaggedProblem& p, const at::Tensor& out, int64_t g, i
 
 constexpr GemmConvention kLinear = GemmConvention::kMatmul;  // nn.Linear's numerics
 
+// Where the sizes live on the GPU and a sync is forbidden, a candidate that reads them on the host.
+WhyNot host_sizes_allowed(const RaggedProblem& p) {
+  if (p.offsets.is_cpu() || !selection::detail::host_sync_forbidden(p.offsets.device())) return "";
+  return "it reads the group sizes (on " + p.offsets.device().str() +
+         ") on the host, a sync, which CUDA-graph capture or sync debug mode \"error\" forbids";
+}
+
+// The offsets on a's device: CPU offsets go through pinned memory, so the copy does not wait for the GPU.
+at::Tensor offsets_on_device(const RaggedProblem& p, at::ScalarType dtype) {
+  at::Tensor offsets = p.offsets.to(dtype);
+  if (offsets.is_cpu() && !p.a.is_cpu()) offsets = offsets.pin_memory().to(p.a.device(), /*non_blocking=*/true);
+  return offsets.contiguous();
+}
+
 // Each operand row- or column-major with its outer stride a multiple of 16 bytes (so every group's
 // first element is aligned too), as _grouped_mm requires.
 WhyNot grouped_mm_layout(const char* name, const at::Tensor& t) {
@@ -114,10 +132,7 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
        "of 16 bytes; offsets read on the device (no host sync)",
        grouped_mm_supports, nullptr,
        [](const RaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
-         at::Tensor offsets = p.offsets.to(at::kInt);
-         // (from pinned host memory the copy does not wait for the GPU)
-         if (offsets.is_cpu() && !p.a.is_cpu()) offsets = offsets.pin_memory().to(p.a.device(), /*non_blocking=*/true);
-         at::Tensor out = at::_grouped_mm(p.a, p.b, offsets);
+         at::Tensor out = at::_grouped_mm(p.a, p.b, offsets_on_device(p, at::kInt));
          if (p.bias) out.add_(bias_rows(p));
          return out;
        }},
@@ -136,7 +151,7 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
          // reuses once the copy is done: a graph replaying the copy would read whatever is there.
          if (selection::detail::capturing_graph(p.a.device()))
            return "its pointer array cannot be captured in a CUDA graph";
-         return "";
+         return host_sizes_allowed(p);
        },
        nullptr,
        [](const RaggedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
@@ -174,9 +189,29 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
          return out;
        }},
 #endif  // USE_ROCM
+      {"ragged_tiles", "cuda rocm",
+       "our kernel: a block per 64 x 64 tile of a group, found from the offsets on the GPU (no host "
+       "sync: CUDA graphs capture it); any float dtype, fp32 products and sums (fp64 for float64)",
+       [](const RaggedProblem& p) -> WhyNot {
+         if (!p.a.is_cuda()) return "a is not on a GPU";
+         if (p.offsets.is_cpu() && selection::detail::capturing_graph(p.a.device()))
+           return "the sizes are on the host: their copy to the GPU cannot be captured in a CUDA graph";
+         WhyNot why;
+         cuda::ragged_gemm_fits(p.a, p.b, p.ragged_k, p.groups, why);
+         return why;
+       },
+       nullptr,
+       [](const RaggedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
+         at::Tensor out = empty_output(p);
+         if (!cuda::ragged_gemm_into(p.a, p.b, p.bias, offsets_on_device(p, p.offsets.scalar_type()), p.ragged_k, out,
+                                     why)) {
+           return std::nullopt;
+         }
+         return out;
+       }},
 #endif
       {"loop", "cpu cuda rocm", "any problem: one GEMM per group through the planner; sizes read on the host",
-       [](const RaggedProblem&) { return WhyNot(); }, nullptr,
+       host_sizes_allowed, nullptr,
        [](const RaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
          const std::vector<int64_t> bounds = host_offsets(p);
          at::Tensor out = empty_output(p);
@@ -210,8 +245,8 @@ std::vector<int64_t> ragged_bounds(const char* op, const at::Tensor& offsets, in
   // could not replay another step's sizes anyway).
   TORCH_CHECK(offsets.is_cpu() || !selection::detail::capturing_graph(offsets.device()), op,
               ": this path reads the group sizes on the host, and they are on ", offsets.device(),
-              " while a CUDA graph is being captured. Pass them on the CPU (the graph then keeps those sizes) "
-              "or use bfloat16 on sm_90+, where torch._grouped_mm reads them on the GPU");
+              " while a CUDA graph is being captured. Run a candidate that reads them on the GPU (ragged_tiles, "
+              "or aten_grouped_mm for bfloat16 on sm_90+), or pass them on the CPU (the graph then keeps those sizes)");
   const at::Tensor ends = offsets.to(at::kCPU, at::kLong).contiguous();
   const int64_t* e = ends.const_data_ptr<int64_t>();
   std::vector<int64_t> bounds{0};

@@ -108,6 +108,10 @@ void remember_predicted(const at::Device& device, const std::string& key, const 
 // Whether `device`'s current stream is capturing a CUDA graph (then nothing is timed, and no
 // new choice runs a candidate the graph would not need).
 bool capturing_graph(const at::Device& device);
+// Whether a host sync on `device` must be avoided: a CUDA graph is being captured, or
+// torch.cuda.set_sync_debug_mode("error") makes every sync raise. Candidates that read GPU data on
+// the host decline then, so that a table with a sync-free candidate runs it.
+bool host_sync_forbidden(const at::Device& device);
 // Each function's time in ms (median over rounds in which they take turns), on `device`'s current
 // stream (CUDA events) or the host's clock.
 std::vector<double> time_in_turns(const at::Device& device, const std::vector<std::function<void()>>& fns);

@@ -1,0 +1,28 @@
+// Ragged grouped GEMMs whose group bounds stay on the GPU (kernels/gemm/ragged_gemm.cu): every block
+// finds its group from the offsets itself, so nothing is read on the host and a CUDA graph can
+// capture the call and replay it with other sizes. Portable CUDA/HIP (no tensor-core PTX): each
+// block computes a 64 x 64 output tile with fp32 products and sums (fp64 for float64 data).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+namespace patchgemm {
+namespace cuda {
+
+// offsets [G] (int32 or int64, on a's device): each group's end in the ragged dim (cumulative sizes).
+// ragged_k false, the rows split:   out[s:e] = a[s:e] @ b[g] (+ bias[g]) for group g's rows s .. e;
+//                                   a [N, K], b [G, K, Nc], bias [G, Nc], out [N, Nc].
+// ragged_k true, the reduction split: out[g] = a[:, s:e] @ b[s:e] (zeros for an empty group);
+//                                   a [M, N], b [N, Nc], out [G, M, Nc].
+// Any strides. Offsets that decrease, pass the ragged dim or do not end at it fail a device-side
+// assert (the next synchronizing call raises). False, with the reason in `why`, past the grid's
+// limits (Nc or G above 65535 tiles).
+bool ragged_gemm_fits(const at::Tensor& a, const at::Tensor& b, bool ragged_k, int64_t groups, std::string& why);
+bool ragged_gemm_into(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                      const at::Tensor& offsets, bool ragged_k, const at::Tensor& out, std::string& why);
+
+}  // namespace cuda
+}  // namespace patchgemm
