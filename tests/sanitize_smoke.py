@@ -248,7 +248,7 @@ def main():
             (grad,) = torch.autograd.grad(h, gate_up, torch.randn_like(h))
             assert torch.isfinite(h).all() and torch.isfinite(grad).all()
     ragged = ("ragged_grouped_linear", "ragged_grouped_linear_grad_input", "ragged_grouped_linear_grad_weight")
-    for dtype, impls in ((torch.bfloat16, ("aten_grouped_mm", "cublas_grouped", "ragged_tiles", "loop")),
+    for dtype, impls in ((torch.bfloat16, ("aten_grouped_mm", "cublas_grouped", "ragged_mma", "ragged_tiles", "loop")),
                          (torch.float32, ("cublas_grouped", "ragged_tiles", "loop")),
                          (torch.float64, ("ragged_tiles",))):
         for impl in impls:
@@ -259,15 +259,16 @@ def main():
                 y = patchgemm.grouped_linear(x, w, b, group_sizes=[17, 0, 22, 1])
                 grads = torch.autograd.grad(y, [x, w, b], torch.randn_like(y))
             assert all(torch.isfinite(t).all() for t in (y, *grads))
-    # ragged_tiles' block-wide scan over two chunks of 256 groups, sizes on the GPU, a third empty
+    # the device kernels' block-wide scan over two chunks of 256 groups, sizes on the GPU, a third empty
     sizes = torch.randint(0, 40, (300,), generator=torch.Generator().manual_seed(0))
     sizes[::3] = 0
-    x = torch.randn(int(sizes.sum()), 24, device="cuda", requires_grad=True)
-    w = torch.randn(300, 20, 24, device="cuda", requires_grad=True)
-    with patchgemm.force(**{op: "ragged_tiles" for op in ragged}):
-        y = patchgemm.grouped_linear(x, w, group_sizes=sizes.cuda())
-        grads = torch.autograd.grad(y, [x, w], torch.randn_like(y))
-    assert all(torch.isfinite(t).all() for t in (y, *grads))
+    for impl in ("ragged_tiles", "ragged_mma"):
+        x = torch.randn(int(sizes.sum()), 24, device="cuda", dtype=torch.float16, requires_grad=True)
+        w = torch.randn(300, 20, 24, device="cuda", dtype=torch.float16, requires_grad=True)
+        with patchgemm.force(**{op: impl for op in ragged}):
+            y = patchgemm.grouped_linear(x, w, group_sizes=sizes.cuda())
+            grads = torch.autograd.grad(y, [x, w], torch.randn_like(y))
+        assert all(torch.isfinite(t).all() for t in (y, *grads))
     # grouped pointwise conv: channels-first (per-sample GEMMs, fp32 weight-gradient sums) and tokens
     for dtype in (torch.bfloat16, torch.float32):
         for shape in ((3, 12, 37), (2, 12, 5, 7)):

@@ -10,7 +10,7 @@ import patchgemm
 from conftest import DEVICES, DTYPES, HAS_GPU, assert_close_to_ref, needs_gpu, poison_allocator, randn
 
 ops = torch.ops.patchgemm
-IMPLS = ["aten_grouped_mm", "loop"] + (["cublas_grouped", "ragged_tiles"] if HAS_GPU else [])
+IMPLS = ["aten_grouped_mm", "loop"] + (["cublas_grouped", "ragged_mma", "ragged_tiles"] if HAS_GPU else [])
 OPS = ("ragged_grouped_linear", "ragged_grouped_linear_grad_input", "ragged_grouped_linear_grad_weight")
 
 
@@ -28,6 +28,8 @@ def reference(x, weight, bias, sizes):
 def applies(impl, dtype, device, din=16, dout=24):
     if impl == "ragged_tiles":
         return device == "cuda"
+    if impl == "ragged_mma":
+        return device == "cuda" and dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability()[0] >= 8
     if impl == "cublas_grouped":
         return device == "cuda" and dtype != torch.float64
     if impl == "aten_grouped_mm":
@@ -187,27 +189,32 @@ def test_cuda_long_ragged_reductions_keep_their_tail(dtype):
 
 
 @needs_gpu
+@pytest.mark.parametrize("din, dout", [(96, 80), (45, 37)])
+@pytest.mark.parametrize("impl", ["ragged_tiles", "ragged_mma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_ragged_tiles_many_groups_sized_on_the_gpu(dtype):
-    """Our device-side kernel at scale: 300 groups (two chunks of its block-wide scan), a third of
+def test_device_kernels_many_groups_sized_on_the_gpu(dtype, impl, din, dout):
+    """Our device-side kernels at scale: 300 groups (two chunks of the block-wide scan), a third of
     them empty, sizes on the GPU; values and gradients against float64, and a repeat bitwise equal
-    (no atomics: each output element is one thread's sum, in one order)."""
+    (no atomics: each output element is one thread's sum, in one order). Sizes that are multiples
+    of 8 load in 16-byte pieces, the others element by element."""
+    if not applies(impl, dtype, "cuda"):
+        pytest.skip(f"{impl} does not run {dtype}")
     gen = torch.Generator().manual_seed(7)
     sizes = torch.randint(0, 300, (300,), generator=gen)
     sizes[torch.randperm(300, generator=gen)[:100]] = 0
     sizes = sizes.tolist()
-    x = randn(sum(sizes), 96, dtype=dtype, device="cuda", requires_grad=True)
-    weight = randn(300, 80, 96, dtype=dtype, device="cuda", requires_grad=True)
-    bias = randn(300, 80, dtype=dtype, device="cuda", requires_grad=True)
+    x = randn(sum(sizes), din, dtype=dtype, device="cuda", requires_grad=True)
+    weight = randn(300, dout, din, dtype=dtype, device="cuda", requires_grad=True)
+    bias = randn(300, dout, dtype=dtype, device="cuda", requires_grad=True)
     group_sizes = torch.tensor(sizes, device="cuda")
-    grad_y = randn(sum(sizes), 80, dtype=dtype, device="cuda")
+    grad_y = randn(sum(sizes), dout, dtype=dtype, device="cuda")
 
     def step():
-        y = run(x, weight, bias, group_sizes, "ragged_tiles")
-        with patchgemm.force(**{op: "ragged_tiles" for op in OPS}):
+        y = run(x, weight, bias, group_sizes, impl)
+        with patchgemm.force(**{op: impl for op in OPS}):
             return (y, *torch.autograd.grad(y, [x, weight, bias], grad_y))
 
-    poison_allocator(300 * 80 * 96 * x.element_size(), "cuda")
+    poison_allocator(300 * dout * din * x.element_size(), "cuda")
     first, second = step(), step()
     for a, b in zip(first, second):
         assert torch.equal(a, b)
@@ -219,11 +226,11 @@ def test_ragged_tiles_many_groups_sized_on_the_gpu(dtype):
 
 
 @needs_gpu
-def test_ragged_tiles_runs_without_a_host_sync():
+def test_device_kernels_run_without_a_host_sync():
     """Sizes on the GPU in float16 / float32: with syncs forbidden (sync debug mode "error") the
-    paths that read the sizes on the host decline and ours runs, forward and backward."""
+    paths that read the sizes on the host decline and ours run, forward and backward."""
     sizes = torch.tensor([40, 0, 25, 63], device="cuda")
-    for dtype in (torch.float16, torch.float32):
+    for dtype, impl in ((torch.float16, "ragged_mma"), (torch.float32, "ragged_tiles")):
         x = randn(128, 64, dtype=dtype, device="cuda", requires_grad=True)
         weight = randn(4, 48, 64, dtype=dtype, device="cuda", requires_grad=True)
         torch.cuda.synchronize()
@@ -235,23 +242,24 @@ def test_ragged_tiles_runs_without_a_host_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         ragged = [c for c in report if c.op.startswith("ragged")]
-        assert len(ragged) == 3 and all(c.chosen == "ragged_tiles" for c in ragged), str(report)
+        assert len(ragged) == 3 and all(c.chosen == impl for c in ragged), str(report)
         ref = reference(x.detach(), weight.detach(), None, sizes.tolist())
         assert_close_to_ref(y, ref, dtype, "y")
         assert all(torch.isfinite(g).all() for g in grads)
 
 
 @needs_gpu
-def test_ragged_tiles_malformed_gpu_offsets_fail_a_device_assert():
+@pytest.mark.parametrize("impl", ["ragged_tiles", "ragged_mma"])
+def test_device_kernels_fail_a_device_assert_on_malformed_gpu_offsets(impl):
     """GPU offsets are checked where they live: a decreasing offset is a device-side assert (the
     CUDA context is lost, so in a child process), never a wrong answer."""
     import subprocess
     import sys
     code = (
         "import torch, patchgemm\n"
-        "x = torch.randn(10, 8, device='cuda'); w = torch.randn(2, 4, 8, device='cuda')\n"
+        "x = torch.randn(10, 8, device='cuda').half(); w = torch.randn(2, 4, 8, device='cuda').half()\n"
         "off = torch.tensor([7, 3], device='cuda')\n"
-        "with patchgemm.force(ragged_grouped_linear='ragged_tiles'):\n"
+        f"with patchgemm.force(ragged_grouped_linear='{impl}'):\n"
         "    y = torch.ops.patchgemm.ragged_grouped_linear(x, w, None, off)\n"
         "torch.cuda.synchronize()\n"
         "print('computed', y.sum().item())\n")

@@ -37,6 +37,7 @@ void check_offsets(const char* op, const at::Tensor& offsets, const at::Tensor& 
   TORCH_CHECK(offsets.is_cpu() || offsets.device() == rows.device(), op, ": offsets must be on the CPU or on ",
               rows_name, "'s device (", rows.device(), "), got ", offsets.device());
   if (offsets.is_cpu()) ragged_bounds(op, offsets, rows.size(0));  // free here; GPU offsets: where read
+  TORCH_CHECK(groups > 0 || rows.size(0) == 0, op, ": no groups, but ", rows_name, " has ", rows.size(0), " rows");
 }
 
 at::Tensor ragged_grouped_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

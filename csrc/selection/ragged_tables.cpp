@@ -2,8 +2,9 @@
 //   aten_grouped_mm  PyTorch's torch._grouped_mm (CUTLASS on sm_90+): reads the offsets on the GPU,
 //                    so a CUDA tensor of group sizes costs no host sync;
 //   cublas_grouped   one cuBLAS grouped GEMM (cublasGemmGroupedBatchedEx) over the non-empty groups;
-//   ragged_tiles     our kernel (kernels/gemm/ragged_gemm.h): each block finds its group from the
-//                    offsets on the GPU, so it runs with no host sync in any dtype (CUDA graphs);
+//   ragged_mma       our kernels (kernels/gemm/ragged_gemm.h): each block finds its group from the
+//   ragged_tiles     offsets on the GPU, so they run with no host sync (CUDA graphs): 16-bit on
+//                    tensor cores (sm_80+), and a portable one for any dtype;
 //   loop             one GEMM per group through the planner (any device).
 // cublas_grouped and loop need the sizes on the host: a sync where they live on the GPU, so they
 // decline there while a sync is forbidden (capture, or sync debug mode "error").
@@ -84,6 +85,20 @@ WhyNot host_sizes_allowed(const RaggedProblem& p) {
          ") on the host, a sync, which CUDA-graph capture or sync debug mode \"error\" forbids";
 }
 
+// The device kernels' offsets: host ones are copied, which a CUDA graph cannot capture.
+WhyNot offsets_reach_device(const RaggedProblem& p) {
+  if (p.offsets.is_cpu() && selection::detail::capturing_graph(p.a.device()))
+    return "the sizes are on the host: their copy to the GPU cannot be captured in a CUDA graph";
+  return "";
+}
+
+// The device kernels' rule: they take longer than cuBLAS (tensor-core GEMMs without its
+// pipelining), so they run where a sync is forbidden and the faster candidates decline.
+WhyNot only_where_sync_forbidden(const RaggedProblem& p) {
+  if (!p.offsets.is_cpu() && selection::detail::host_sync_forbidden(p.offsets.device())) return "";
+  return "slower than the candidates that read the sizes on the host: taken where a sync is forbidden";
+}
+
 // The offsets on a's device: CPU offsets go through pinned memory, so the copy does not wait for the GPU.
 at::Tensor offsets_on_device(const RaggedProblem& p, at::ScalarType dtype) {
   at::Tensor offsets = p.offsets.to(dtype);
@@ -115,8 +130,8 @@ WhyNot grouped_mm_supports(const RaggedProblem& p) {
   } else if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) {
     return "torch._grouped_mm takes float32, float16 or bfloat16";
   }
-  if (p.offsets.is_cpu() && !p.a.is_cpu() && selection::detail::capturing_graph(p.a.device())) {
-    return "the sizes are on the host: their copy to the GPU cannot be captured in a CUDA graph";
+  if (!p.a.is_cpu()) {
+    if (WhyNot why = offsets_reach_device(p); !why.empty()) return why;
   }
   WhyNot why = grouped_mm_layout("a", p.a);
   if (why.empty()) why = grouped_mm_layout("b", p.b);
@@ -124,6 +139,28 @@ WhyNot grouped_mm_supports(const RaggedProblem& p) {
   if (why.empty() && cols * p.a.element_size() % 16) why = "the output's rows are not a multiple of 16 bytes";
   return why;
 }
+
+#ifdef PATCHGEMM_WITH_CUDA
+// A candidate of ours that reads the offsets on the GPU (kernels/gemm/ragged_gemm.h).
+Candidate<RaggedProblem, at::Tensor> device_kernel(
+    std::string name, std::string arch, std::string doc,
+    std::string (*declines)(const at::Tensor&, const at::Tensor&, bool, int64_t),
+    void (*into)(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, bool,
+                 const at::Tensor&)) {
+  return {std::move(name), std::move(arch), std::move(doc),
+          [declines](const RaggedProblem& p) -> WhyNot {
+            if (!p.a.is_cuda()) return "a is not on a GPU";
+            if (WhyNot why = offsets_reach_device(p); !why.empty()) return why;
+            return declines(p.a, p.b, p.ragged_k, p.groups);
+          },
+          only_where_sync_forbidden,
+          [into](const RaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+            at::Tensor out = empty_output(p);
+            into(p.a, p.b, p.bias, offsets_on_device(p, p.offsets.scalar_type()), p.ragged_k, out);
+            return out;
+          }};
+}
+#endif
 
 std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
   return {
@@ -189,26 +226,17 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
          return out;
        }},
 #endif  // USE_ROCM
-      {"ragged_tiles", "cuda rocm",
-       "our kernel: a block per 64 x 64 tile of a group, found from the offsets on the GPU (no host "
-       "sync: CUDA graphs capture it); any float dtype, fp32 products and sums (fp64 for float64)",
-       [](const RaggedProblem& p) -> WhyNot {
-         if (!p.a.is_cuda()) return "a is not on a GPU";
-         if (p.offsets.is_cpu() && selection::detail::capturing_graph(p.a.device()))
-           return "the sizes are on the host: their copy to the GPU cannot be captured in a CUDA graph";
-         WhyNot why;
-         cuda::ragged_gemm_fits(p.a, p.b, p.ragged_k, p.groups, why);
-         return why;
-       },
-       nullptr,
-       [](const RaggedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
-         at::Tensor out = empty_output(p);
-         if (!cuda::ragged_gemm_into(p.a, p.b, p.bias, offsets_on_device(p, p.offsets.scalar_type()), p.ragged_k, out,
-                                     why)) {
-           return std::nullopt;
-         }
-         return out;
-       }},
+#ifndef USE_ROCM
+      device_kernel("ragged_mma", "cuda sm_80",
+                    "our kernel on tensor cores: a block per 128 x 128 tile of a group, found from the offsets on "
+                    "the GPU (no host sync: CUDA graphs capture it); float16 / bfloat16, fp32 sums",
+                    cuda::ragged_gemm_mma_declines, cuda::ragged_gemm_mma_into),
+#endif  // USE_ROCM
+      device_kernel("ragged_tiles", "cuda rocm",
+                    "our portable kernel: a block per 64 x 64 tile of a group, found from the offsets on the GPU "
+                    "(no host sync: CUDA graphs capture it); any float dtype, fp32 products and sums (fp64 for "
+                    "float64)",
+                    cuda::ragged_gemm_declines, cuda::ragged_gemm_into),
 #endif
       {"loop", "cpu cuda rocm", "any problem: one GEMM per group through the planner; sizes read on the host",
        host_sizes_allowed, nullptr,
