@@ -78,8 +78,8 @@ os.environ.setdefault("MAX_JOBS", str(default_max_jobs()))
 # csrc/ is ops -> selection -> kernels. Every .cpp builds everywhere; the .cu files only for GPUs,
 # and those under NVIDIA_ONLY (PTX: mma.sync, wgmma, TMA; cuda_fp8.h) not for ROCm, whose selection tables then
 # have no such candidates. cmake/CMakeLists.txt applies the same rule.
-NVIDIA_ONLY = ("csrc/kernels/gemm/sm80/", "csrc/kernels/patch/sm80/", "csrc/kernels/patch/sm90/", "csrc/kernels/primitives/",
-               "csrc/kernels/quant/sm89/")
+NVIDIA_ONLY = ("csrc/kernels/gemm/sm80/", "csrc/kernels/patch/implicit/", "csrc/kernels/patch/sm80/",
+               "csrc/kernels/patch/sm90/", "csrc/kernels/primitives/", "csrc/kernels/quant/sm89/")
 sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
 gpu_sources = sorted(s for s in glob.glob("csrc/**/*.cu", recursive=True)
                      if flavour == "cuda" or not s.startswith(NVIDIA_ONLY))

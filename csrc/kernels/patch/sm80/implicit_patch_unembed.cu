@@ -23,7 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/patch/implicit_patch.cuh"
 #include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 
@@ -201,50 +201,19 @@ void launch_for_layout(bool tokens, const Problem& p, const at::Tensor& x, const
 
 }  // namespace
 
-bool implicit_unembed(Implicit kernel, const at::Tensor& x, bool tokens, const at::Tensor& w2,
-                      const std::optional<at::Tensor>& bias, const PatchGeometry& g, const at::Tensor& y5,
-                      std::string& why) {
-  const int64_t C_in = w2.size(0), K = g.patch_size(), N = g.tokens();
-  const auto dtype = y5.scalar_type();
-  const cudaDeviceProp* device = at::cuda::getDeviceProperties(x.get_device());
-  Problem p;
-  // x moves in 16-byte pieces of 8 channels (tokens) or 8 tokens of a sample (channels-first); y
-  // takes 16-byte stores of the kw-element runs of 8 / kw tokens of a grid row: kw = 2, and on
-  // wgmma kw = 4 too, or of 8 elements of one token's run (wgmma, kw % 8 == 0).
-  const bool wgmma = kernel == Implicit::kSm90;
-  const int64_t kw = g.kernel[2];
-  if (dtype != at::kHalf && dtype != at::kBFloat16) return decline(why, "16-bit dtypes only");
-  if (kernel != Implicit::kMma && kernel != Implicit::kSm90) return decline(why, "no such unembedding kernel");
-  if (tokens ? C_in % 8 : N % 8)
-    return decline(why, tokens ? "C_in must be a multiple of 8" : "patches per sample must be a multiple of 8");
-  if (g.levels.size() != 1) return decline(why, "row-major token order only (no levels)");
-  if (!(kw == 2 || (wgmma && (kw == 4 || kw % 8 == 0)))) {
-    return decline(why, wgmma ? "kw must be 2, 4 or a multiple of 8" : "kw must be 2");
-  }
-  if (kw < 8 && g.grid[2] % (8 / kw)) return decline(why, "gw must be a multiple of 8 / kw");
-  // (mma.sync adds one channel's bias to a column pair, which interleaved channels do not share:
-  // channels-last kw = 1 over 2+ channels makes rows of kw * C = 2.)
-  if (!wgmma && bias && g.interleaved_channels > 1) return decline(why, "a bias over channels-last patches");
-  if (K < 16 || C_in < 16) return decline(why, "needs K >= 16 and C_in >= 16");
-  if (!runs_aligned(y5, 8)) return decline(why, "the output's rows must be multiples of 8 elements");
-  if (device->major < 8) return decline(why, "needs sm_80 or newer");
-  if (wgmma && !wgmma_kernels_run_here(x)) return decline(why, "needs sm_90a kernels on a 9.0 GPU");
-  if (!make_problem(y5, g, C_in, p)) return decline(why, "sizes past the kernels' 32-bit indices");
-  if (p.rows == 0) return true;
-  const c10::cuda::CUDAGuard guard(y5.device());
-  const at::Tensor xc = contiguous_aligned(x);  // (x is a fraction of y)
-  const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-  if (wgmma) return implicit_unembed_sm90(p, tokens, xc, w2.contiguous(), b, y5, why);
+void implicit_unembed_mma(const Problem& p, bool tokens, const at::Tensor& x, const at::Tensor& w2,
+                          const std::optional<at::Tensor>& bias, const at::Tensor& y5) {
+  const int64_t C_in = w2.size(0), K = w2.size(1);
   // W^T [K, C_in] with rows padded to 16 bytes (zero columns).
   const at::Tensor wt = at::empty({K, (C_in + 7) / 8 * 8}, w2.options());
   TORCH_INTERNAL_ASSERT(pad_weight(w2.t(), std::nullopt, wt));
-  p.ldw = static_cast<int>(wt.size(1));
-  if (dtype == at::kHalf) {
-    launch_for_layout<__half>(tokens, p, xc, wt, b, y5);
+  Problem q = p;
+  q.ldw = static_cast<int>(wt.size(1));
+  if (x.scalar_type() == at::kHalf) {
+    launch_for_layout<__half>(tokens, q, x, wt, bias, y5);
   } else {
-    launch_for_layout<__nv_bfloat16>(tokens, p, xc, wt, b, y5);
+    launch_for_layout<__nv_bfloat16>(tokens, q, x, wt, bias, y5);
   }
-  return true;
 }
 
 }  // namespace cuda

@@ -32,7 +32,7 @@
 #include <cstdint>
 
 #include "kernels/primitives/dependent_launch.cuh"
-#include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/patch/implicit_patch.cuh"
 #include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 #include "kernels/primitives/tma.cuh"

@@ -35,7 +35,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/patch/implicit_patch.cuh"
 #include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 #include "kernels/primitives/tma.cuh"

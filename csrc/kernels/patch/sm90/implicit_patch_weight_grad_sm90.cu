@@ -32,7 +32,7 @@
 
 #include <cstdint>
 
-#include "kernels/primitives/implicit_patch.cuh"
+#include "kernels/patch/implicit_patch.cuh"
 #include "kernels/primitives/launch_setup.cuh"
 #include "kernels/primitives/mma.cuh"
 #include "kernels/primitives/tma.cuh"
@@ -46,6 +46,7 @@ constexpr int kThreads = 256;
 constexpr int kTileM = 128;  // patch columns per block, 64 per warpgroup
 constexpr int kTileK = 64;   // tokens per slice
 constexpr int kStages = 5;
+static_assert(kTileM == kWeightGradColumns && kTileK == kWeightGradTokens, "implicit_weight_grad's split");
 constexpr int kStagePitch = kTileM + 4;  // floats of an output stage row: conflict-free, 16-byte rows
 constexpr int kPairPitch = kTileK + 8;   // words of a pair-major row: = 8 mod 32, conflict-free 64-bit loads
 

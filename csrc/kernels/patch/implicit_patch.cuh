@@ -250,6 +250,28 @@ struct EmbedEpilogue {
   }
 };
 
+// The weight-gradient kernels' tiles, mma.sync's and wgmma's alike: patch columns per block, and
+// the tokens of a pipeline slice (implicit_weight_grad splits the tokens into ranges of whole slices).
+constexpr int kWeightGradColumns = 128, kWeightGradTokens = 64;
+
+// The forward on mma.sync (sm80/implicit_patch_gemm.cu), for a problem implicit_embed has checked
+// and set up, as implicit_embed_sm90's below. false where it cannot run: the patch's runs do not fit
+// in shared memory.
+bool implicit_embed_mma(const Problem& p, int run, bool pair_major, const at::Tensor& x5, const at::Tensor& w,
+                        const std::optional<at::Tensor>& bias, bool tokens_out, const at::Tensor& y);
+
+// The weight gradient on mma.sync, kw = 2 pairs (sm80/implicit_patch_weight_grad.cu), for a problem
+// implicit_weight_grad has checked and set up: grad_y dy contiguous and 16-byte aligned, tokens
+// [B*N, E] or channels-first [B, E, N]; the fp32 partial sums [splits, E, K] of token ranges of
+// `chunk` tokens into `partial`.
+void implicit_weight_grad_mma(const Problem& p, bool tokens, const at::Tensor& x5, const at::Tensor& dy,
+                              int64_t splits, int64_t chunk, const at::Tensor& partial);
+
+// The unembedding on mma.sync, kw = 2 (sm80/implicit_patch_unembed.cu), for a problem
+// implicit_unembed has checked and set up (its p; x contiguous, w2 [C_in, K]).
+void implicit_unembed_mma(const Problem& p, bool tokens, const at::Tensor& x, const at::Tensor& w2,
+                          const std::optional<at::Tensor>& bias, const at::Tensor& y5);
+
 // The forward on Hopper's wgmma (implicit_patch_gemm_sm90.cu), for a problem implicit_embed has
 // checked and set up: runs of `run` elements (pair-major copies where pair_major), w [E, p.ldw]
 // contiguous. false where it cannot run: shared memory.
