@@ -226,12 +226,12 @@ std::vector<Candidate<RaggedProblem, at::Tensor>> candidates() {
          return out;
        }},
 #endif  // USE_ROCM
-#ifndef USE_ROCM
+#ifdef PATCHGEMM_PTX_KERNELS
       device_kernel("ragged_mma", "cuda sm_80",
                     "our kernel on tensor cores: a block per 128 x 128 tile of a group, found from the offsets on "
                     "the GPU (no host sync: CUDA graphs capture it); float16 / bfloat16, fp32 sums",
                     cuda::ragged_gemm_mma_declines, cuda::ragged_gemm_mma_into),
-#endif  // USE_ROCM
+#endif
       device_kernel("ragged_tiles", "cuda rocm",
                     "our portable kernel: a block per 64 x 64 tile of a group, found from the offsets on the GPU "
                     "(no host sync: CUDA graphs capture it); any float dtype, fp32 products and sums (fp64 for "

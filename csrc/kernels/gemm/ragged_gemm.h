@@ -27,13 +27,11 @@ std::string ragged_gemm_declines(const at::Tensor& a, const at::Tensor& b, bool 
 void ragged_gemm_into(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                       const at::Tensor& offsets, bool ragged_k, const at::Tensor& out);
 
-#ifndef USE_ROCM
-// float16 / bfloat16 on tensor cores (sm_80+; kernels/gemm/sm80/ragged_gemm_mma.cu): 128 x 128
-// tiles, fp32 sums.
+// float16 / bfloat16 on tensor cores (sm_80+; kernels/gemm/sm80/ragged_gemm_mma.cu, NVIDIA builds
+// only): 128 x 128 tiles, fp32 sums.
 std::string ragged_gemm_mma_declines(const at::Tensor& a, const at::Tensor& b, bool ragged_k, int64_t groups);
 void ragged_gemm_mma_into(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                           const at::Tensor& offsets, bool ragged_k, const at::Tensor& out);
-#endif
 
 }  // namespace cuda
 }  // namespace patchgemm
