@@ -32,7 +32,9 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
             sorted by group and group g has ``group_sizes[g]`` rows (sizes may be 0, the sum is N);
             a sequence of ints or a 1-D integer tensor on the CPU or on x's device. A GPU tensor
             of sizes costs no host sync where ``torch._grouped_mm`` runs the problem (bfloat16 on
-            sm_90+), else one.
+            sm_90+); in other dtypes one by default (cuBLAS reads the sizes on the host), none
+            during CUDA-graph capture or under ``torch.cuda.set_sync_debug_mode("error")``, where
+            our kernels read them on the GPU.
         offsets: instead of ``group_sizes``, their cumulative sums (``torch._grouped_mm``'s
             ``offs``): group g is rows ``offsets[g-1]:offsets[g]``.
         fp8: run in FP8 (patchgemm.fp8): ``True`` (the default recipe), a ``Float8Recipe``, ``False``
@@ -273,7 +275,7 @@ def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_u
     with ``e = expert_index[t, j]``, as transformers' Mixtral, Qwen-MoE, OLMoE and DeepSeek experts
     compute it (their ``gate_up_proj`` / ``down_proj`` layout). The T k token-expert pairs are sorted by
     expert and run as two ragged grouped GEMMs with the fused SwiGLU between them; the group
-    offsets stay on x's device (no host sync where ``torch._grouped_mm`` runs the GEMMs).
+    offsets stay on x's device (host syncs as ``grouped_linear``'s ``group_sizes`` says).
     """
     for name, t in (("x", x), ("expert_index", expert_index), ("expert_weight", expert_weight),
                     ("w_gate_up", w_gate_up), ("w_down", w_down)):

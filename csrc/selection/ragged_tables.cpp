@@ -273,8 +273,8 @@ std::vector<int64_t> ragged_bounds(const char* op, const at::Tensor& offsets, in
   // could not replay another step's sizes anyway).
   TORCH_CHECK(offsets.is_cpu() || !selection::detail::capturing_graph(offsets.device()), op,
               ": this path reads the group sizes on the host, and they are on ", offsets.device(),
-              " while a CUDA graph is being captured. Run a candidate that reads them on the GPU (ragged_tiles, "
-              "or aten_grouped_mm for bfloat16 on sm_90+), or pass them on the CPU (the graph then keeps those sizes)");
+              " while a CUDA graph is being captured. Pass them on the CPU (the graph then keeps those sizes), or "
+              "let a candidate that reads them on the GPU run (patchgemm.explain lists them)");
   const at::Tensor ends = offsets.to(at::kCPU, at::kLong).contiguous();
   const int64_t* e = ends.const_data_ptr<int64_t>();
   std::vector<int64_t> bounds{0};
