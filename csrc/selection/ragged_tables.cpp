@@ -130,9 +130,7 @@ WhyNot grouped_mm_supports(const RaggedProblem& p) {
   } else if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) {
     return "torch._grouped_mm takes float32, float16 or bfloat16";
   }
-  if (!p.a.is_cpu()) {
-    if (WhyNot why = offsets_reach_device(p); !why.empty()) return why;
-  }
+  if (WhyNot why = offsets_reach_device(p); !why.empty()) return why;
   WhyNot why = grouped_mm_layout("a", p.a);
   if (why.empty()) why = grouped_mm_layout("b", p.b);
   const int64_t cols = p.ragged_k ? p.b.size(1) : p.b.size(2);
