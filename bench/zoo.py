@@ -2,6 +2,7 @@
 match, and the GPU time of a training step against the original.
 
     python bench/zoo.py [--json PATH] [--device DEV] [--batch N] [MODEL,MODEL,...]
+    python bench/zoo.py --compile [--lock PATH] [--json PATH] [--batch N] [MODEL,MODEL,...]
 
 MODEL is a timm model name, or ``transformers.<Class>`` for one of TRANSFORMERS_ZOO (built from its
 library's default config). The default list is TIMM_ZOO then TRANSFORMERS_ZOO; a model whose library
@@ -17,10 +18,20 @@ of those three over the original fp32 model's own error, errors under ROUNDING c
 and, on a GPU, `GPU x`: the original's GPU time per bf16-autocast training step over the converted
 model's (the profiler's kernel sum, as `bench --models`). Where `GPU x` < 1 convert has made the
 model slower. On the CPU (``--device cpu``) the timing is left out: a check of values only.
+
+``--compile`` judges patchgemm's compiler integration instead: per model, ``convert`` + ``torch.compile``
+against ``patchgemm.compile`` on the unchanged model (Inductor's default mode, a bf16-autocast
+training step as `bench --models --compile` runs it): the modules convert swaps and the calls the
+compiler rewrites, each form's output against the eager original, and `GPU x`, the convert form's
+GPU time per step over the integration's (1 where the two give the same speed). With ``--lock PATH``
+the timings are taken holding an exclusive lock on PATH, so that processes sharing a GPU compile side
+by side and time one at a time.
 """
 
 import argparse
+import contextlib
 import copy
+import fcntl
 import json
 import sys
 from typing import Callable, Dict, Optional, Tuple
@@ -178,6 +189,54 @@ def check(name: str, device: torch.device, batch: int = 0) -> dict:
             "vs_original": max(c / max(o, ROUNDING) for c, o in zip(converted, original)), "gpu_x": ratio}
 
 
+@contextlib.contextmanager
+def _exclusive(path: Optional[str]):
+    """Holds an exclusive lock on `path` (nothing without one)."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def check_compiled(name: str, device: torch.device, batch: int = 0, lock: Optional[str] = None) -> dict:
+    """convert + torch.compile against patchgemm.compile on one model (the module docstring's --compile)."""
+    model, x = build(name, device, batch)
+    forms = {form: model_bench._compiled(form, model)[0] for form in ("convert+compile", "patchgemm.compile")}
+    steps = {form: model_bench._training_step(m, x, device) for form, m in forms.items()}
+    model.train()
+    row = {"model": name, "swapped": len(patchgemm.convert(model, inplace=False).swapped)}
+    for form, m in forms.items():
+        steps[form](0)  # compiles the training graph, which the output check below runs again
+        row[f"diff {form}"] = model_bench._relative_diff(m, model, x)
+    row["rewritten"] = len(forms["patchgemm.compile"].patchgemm_report.rewritten)
+    if device.type == "cuda":
+        with _exclusive(lock):
+            ms = {form: kernel_ms(step, device, warmup=2, reps=5) for form, step in steps.items()}
+        row.update({f"ms {form}": t for form, t in ms.items()})
+        row["gpu_x"] = ms["convert+compile"] / ms["patchgemm.compile"]
+    return row
+
+
+def format_compiled_rows(rows, header: bool = True) -> str:
+    lines = [f"{'model':<36} {'swap':>4} {'rewr':>4} {'diff conv':>9} {'diff pg':>9} {'conv ms':>8} {'pg ms':>8} "
+             f"{'GPU x':>6}"] if header else []
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['model']:<36} error: {r['error']}")
+            continue
+        ms = [r.get(f"ms {f}") for f in ("convert+compile", "patchgemm.compile")]
+        lines.append(f"{r['model']:<36} {r['swapped']:>4} {r['rewritten']:>4} {r['diff convert+compile']:>9.1e} "
+                     f"{r['diff patchgemm.compile']:>9.1e} "
+                     + " ".join("       -" if t is None else f"{t:>8.3f}" for t in ms)
+                     + ("      -" if r.get("gpu_x") is None else f" {r['gpu_x']:>6.3f}"))
+    return "\n".join(lines)
+
+
 def format_rows(rows, header: bool = True) -> str:
     lines = [f"{'model':<36} {'swap':>4} {'err out':>9} {'err dx':>9} {'err dW':>9} {'/ orig':>7} {'GPU x':>7}"] \
         if header else []
@@ -198,22 +257,28 @@ def main(argv):
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=0,
                         help="samples per batch (default: 8; videos and the Qwen2.5-VL tower 2)")
+    parser.add_argument("--compile", action="store_true",
+                        help="convert + torch.compile against patchgemm.compile (the docstring says how)")
+    parser.add_argument("--lock", help="with --compile: time while holding an exclusive lock on this file")
     args = parser.parse_args(argv[1:])
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     device = torch.device(args.device)
-    print(format_rows([]), flush=True)
+    fmt = format_compiled_rows if args.compile else format_rows
+    print(fmt([]), flush=True)
     rows = []
     for name in args.models.split(","):
         try:
-            rows.append(check(name, device, args.batch))
+            rows.append(check_compiled(name, device, args.batch, args.lock) if args.compile
+                        else check(name, device, args.batch))
         except Exception as e:  # a model this library lacks, or one that fails: say so, go on
             rows.append({"model": name, "error": f"{type(e).__name__}: {str(e)[:160]}"})
-        print(format_rows(rows[-1:], header=False), flush=True)
+        print(fmt(rows[-1:], header=False), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if args.json:  # after every model: a run cut short keeps what it measured
             with open(args.json, "w") as f:
-                json.dump({"kind": "zoo", "environment": environment(device), "rows": rows}, f, indent=1)
+                kind = "zoo-compile" if args.compile else "zoo"
+                json.dump({"kind": kind, "environment": environment(device), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
