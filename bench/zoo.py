@@ -207,12 +207,15 @@ def check_compiled(name: str, device: torch.device, batch: int = 0, lock: Option
     """convert + torch.compile against patchgemm.compile on one model (the module docstring's --compile)."""
     model, x = build(name, device, batch)
     forms = {form: model_bench._compiled(form, model)[0] for form in ("convert+compile", "patchgemm.compile")}
-    steps = {form: model_bench._training_step(m, x, device) for form, m in forms.items()}
-    model.train()
     row = {"model": name, "swapped": len(patchgemm.convert(model, inplace=False).swapped)}
+    model.eval()  # the outputs in eval mode: no dropout or drop path, the same function each time
     for form, m in forms.items():
-        steps[form](0)  # compiles the training graph, which the output check below runs again
-        row[f"diff {form}"] = model_bench._relative_diff(m, model, x)
+        with _naming(form), torch.no_grad():
+            row[f"diff {form}"] = model_bench._relative_diff(m, model, x)
+    steps = {form: model_bench._training_step(m, x, device) for form, m in forms.items()}  # (train mode)
+    for form, step in steps.items():
+        with _naming(form):
+            step(0)  # compiles the training graph
     row["rewritten"] = len(forms["patchgemm.compile"].patchgemm_report.rewritten)
     if device.type == "cuda":
         with _exclusive(lock):
@@ -220,6 +223,15 @@ def check_compiled(name: str, device: torch.device, batch: int = 0, lock: Option
         row.update({f"ms {form}": t for form, t in ms.items()})
         row["gpu_x"] = ms["convert+compile"] / ms["patchgemm.compile"]
     return row
+
+
+@contextlib.contextmanager
+def _naming(form: str):
+    """Names the form that failed in the error."""
+    try:
+        yield
+    except Exception as e:
+        raise RuntimeError(f"{form}: {type(e).__name__}: {e}") from e
 
 
 def format_compiled_rows(rows, header: bool = True) -> str:
