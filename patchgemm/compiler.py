@@ -61,8 +61,16 @@ class CompileReport:
     break) adds its calls; a call is listed once."""
     rewritten: List[Tuple[str, str]] = field(default_factory=list)
     left: List[Tuple[str, str]] = field(default_factory=list)
+    # The compiled model's module paths: a graph traced from a submodule's frame (after a graph break)
+    # names its calls from that submodule, and is named from the model wherever that is unambiguous.
+    _module_paths: List[str] = field(default_factory=list, repr=False)
 
     def _add(self, entries: List[Tuple[str, str]], entry: Tuple[str, str]) -> None:
+        where, what = entry
+        if where not in self._module_paths:
+            whole = [p for p in self._module_paths if p.endswith("." + where)]
+            if len(whole) == 1:
+                entry = (whole[0], what)
         if entry not in entries:
             entries.append(entry)
 
@@ -391,6 +399,7 @@ def compile(model: Callable, *, backend: Union[str, Callable] = "inductor", mode
         raise TypeError(f"patchgemm.compile: expected a module or function, got {type(model).__name__}")
     rewriting = _Backend(backend, mode, options)
     if isinstance(model, torch.nn.Module):  # experts run as a module, not as calls a trace can see
+        rewriting.report._module_paths = [name for name, _ in model.named_modules() if name]
         for where, why in use_transformers_experts(model):
             entry = (where, "experts -> moe_experts (transformers' experts implementation "
                             f"{EXPERTS_IMPLEMENTATION!r})") if why is None else (where, f"experts: {why}")

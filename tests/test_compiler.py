@@ -153,6 +153,39 @@ def test_calls_it_cannot_read_are_left():
     assert "kernel_size (4, 4) != stride (2, 2), padding=(1, 1)" in report.left[0][1]
 
 
+class _Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Conv2d(3, 8, 4, 4)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()  # Dynamo traces the rest from this module's own frame
+        return self.proj(x)
+
+
+class _Wrapped(nn.Module):  # as transformers' task models hold their backbone
+    def __init__(self):
+        super().__init__()
+        self.backbone = _Body()
+        self.other = nn.Conv2d(3, 8, 4, 4)
+
+    def forward(self, x):
+        return self.backbone(x) + self.other(x)
+
+
+def test_calls_are_named_from_the_model_after_a_graph_break():
+    """A graph traced from a submodule's frame names its calls from that submodule ("proj"); the
+    report names them from the compiled model ("backbone.proj"), in training and eval alike."""
+    model = _Wrapped()
+    compiled = patchgemm.compile(model, backend="aot_eager")
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    compiled(x).sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert sorted(where for where, _ in compiled.patchgemm_report.rewritten) == ["backbone.proj", "other"], \
+        str(compiled.patchgemm_report)
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="expected a module or function"):
         patchgemm.compile(42)
