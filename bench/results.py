@@ -10,6 +10,7 @@ Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m
 or `python bench/fp8.py --json` (FP8) wrote; bench/results/ keeps the current ones per
 GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-fp8.json /
 <gpu>-host.json / <gpu>-heldout.json / <gpu>-x<world>-distributed.json / <gpu>-zoo.json /
+<gpu>-zoo-compile.json /
 tune-<gpu>.json.gz / <gpu>-families.json.gz. Every section says the
 date, GPU, versions and command of its run.
 """
@@ -177,12 +178,31 @@ def zoo_section(saved: dict, name: str) -> str:
     return _table_section(
         saved, "convert() across timm's and transformers' models",
         f"python bench/zoo.py --json {name}" + ("" if models == zoo.ZOO else f" {models}"),
-        "per model (random weights, batch 8; videos and the Qwen2.5-VL tower 2) the modules convert swaps; the "
-        "converted model's fp32 errors (TF32 off) against the original in float64: output, x's gradient, the "
-        "largest parameter-gradient error over the largest gradient's norm; `/ orig` = the largest over the "
-        "original fp32 model's own (floor 1e-6); `GPU x` = the original's GPU time per bf16 training step over "
-        "the converted model's.",
-        zoo.format_rows(saved["rows"]))
+        "per model (random weights, batch 8; videos and the Qwen2.5-VL tower 2) the modules convert swaps; `/ "
+        "orig` = the converted model's largest fp32 error (TF32 off) against the original in float64 (output, "
+        "x's gradient, the largest parameter-gradient error over the largest gradient's norm: each in the JSON) "
+        "over the original fp32 model's own (floor 1e-6); `GPU x` = the original's GPU time per bf16 training "
+        "step over the converted model's.",
+        zoo.format_rows(saved["rows"], errors=False))
+
+
+def zoo_compile_section(saved: dict, name: str) -> str:
+    """The compiler integration against convert + compile over the zoo: a summary, and every model
+    off by more than 2% or whose rewrites and swaps differ (the JSON has every row)."""
+    rows = [r for r in saved["rows"] if "error" not in r]
+    ratios = sorted(r["gpu_x"] for r in rows)
+    outliers = [r for r in rows if abs(r["gpu_x"] - 1) > 0.02 or r["rewritten"] != r["swapped"]]
+    env = saved.get("environment", {})
+    note = [f"Note: {env['note']}", ""] if env.get("note") else []
+    lines = [f"## patchgemm.compile against convert + compile, timm's and transformers' models: {_where(env)}", "",
+             f"`python bench/zoo.py --compile --json {name}`: {len(rows)} models (errors: "
+             f"{len(saved['rows']) - len(rows)}); `GPU x` = convert + compile's GPU time per bf16 training step "
+             f"over patchgemm.compile's (Inductor's default mode): min {ratios[0]:.3f}, median "
+             f"{ratios[len(ratios) // 2]:.3f}, max {ratios[-1]:.3f}. Calls rewritten = modules swapped in "
+             f"{sum(r['rewritten'] == r['swapped'] for r in rows)} of {len(rows)}; `diff` = each form's output "
+             "against the eager original's under the step's autocast. Models off by more than 2%:", "", *note,
+             "```", zoo.format_compiled_rows(outliers), "```", ""]
+    return "\n".join(lines)
 
 
 def fp8_section(saved: dict, name: str) -> str:
@@ -287,6 +307,8 @@ def main(argv=None) -> int:
             sections.append(models_section(saved, name))
         elif saved.get("kind") == "zoo":
             sections.append(zoo_section(saved, name))
+        elif saved.get("kind") == "zoo-compile":
+            sections.append(zoo_compile_section(saved, name))
         elif saved.get("kind") == "fp8":
             sections.append(fp8_section(saved, name))
         elif saved.get("kind") == "distributed":

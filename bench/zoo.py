@@ -249,16 +249,17 @@ def format_compiled_rows(rows, header: bool = True) -> str:
     return "\n".join(lines)
 
 
-def format_rows(rows, header: bool = True) -> str:
-    lines = [f"{'model':<36} {'swap':>4} {'err out':>9} {'err dx':>9} {'err dW':>9} {'/ orig':>7} {'GPU x':>7}"] \
-        if header else []
+def format_rows(rows, header: bool = True, errors: bool = True) -> str:
+    """check()'s rows as a table (`errors=False`: without the three errors `/ orig` sums up)."""
+    lines = [f"{'model':<36} {'swap':>4}" + (f" {'err out':>9} {'err dx':>9} {'err dW':>9}" if errors else "")
+             + f" {'/ orig':>7} {'GPU x':>7}"] if header else []
     for r in rows:
         if "error" in r:
             lines.append(f"{r['model']:<36} error: {r['error']}")
         else:
             gpu_x = "-" if r.get("gpu_x") is None else f"{r['gpu_x']:.3f}"
-            lines.append(f"{r['model']:<36} {r['swapped']:>4} {r['err_out']:>9.1e} {r['err_dx']:>9.1e} "
-                         f"{r['err_dw']:>9.1e} {r['vs_original']:>7.2f} {gpu_x:>7}")
+            errs = f" {r['err_out']:>9.1e} {r['err_dx']:>9.1e} {r['err_dw']:>9.1e}" if errors else ""
+            lines.append(f"{r['model']:<36} {r['swapped']:>4}{errs} {r['vs_original']:>7.2f} {gpu_x:>7}")
     return "\n".join(lines)
 
 
