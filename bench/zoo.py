@@ -208,8 +208,9 @@ def check_compiled(name: str, device: torch.device, batch: int = 0, lock: Option
     model, x = build(name, device, batch)
     forms = {form: model_bench._compiled(form, model)[0] for form in ("convert+compile", "patchgemm.compile")}
     row = {"model": name, "swapped": len(patchgemm.convert(model, inplace=False).swapped)}
-    model.eval()  # the outputs in eval mode: no dropout or drop path, the same function each time
+    model.eval()  # the outputs in eval mode: no dropout or drop path, norms on their running stats
     for form, m in forms.items():
+        m.eval()  # (each form holds a copy of the model: its own mode)
         with _naming(form), torch.no_grad():
             row[f"diff {form}"] = model_bench._relative_diff(m, model, x)
     steps = {form: model_bench._training_step(m, x, device) for form, m in forms.items()}  # (train mode)
