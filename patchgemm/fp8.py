@@ -26,9 +26,11 @@ FP8 adds passes to, and they measure slower in FP8 than in bf16 (bench/fp8.py). 
 is the grouped linear of one group over its patch matrix: x's patches gathered once (as the GEMM
 paths of patch_embed gather them), quantized, one FP8 GEMM. Ragged groups (grouped_linear
 with group_sizes / offsets, moe_experts) run their forward and input gradient in FP8 and their weight
-gradient in the compute dtype (see _RaggedLinearFp8); on sm_90 torch._scaled_grouped_mm runs them
-without a host sync where the recipe's formats are e4m3 (its only format): a recipe with
-``backward_format=torch.float8_e4m3fn`` keeps the backward sync-free too.
+gradient in the compute dtype (see _RaggedLinearFp8). With the sizes on the GPU (as moe_experts
+has them), torch._scaled_grouped_mm runs a GEMM without a host sync on sm_90 where its operands
+are e4m3 and its output bfloat16; other GEMMs read the sizes on the host, except where a sync is
+forbidden (CUDA-graph capture, sync debug mode "error"): there the FP8 operands are upcast, exactly,
+for ragged_grouped_linear's sync-free kernels, at the compute dtype's rate.
 
 Weights reused across microbatches: between two optimizer steps a weight does not change, so its
 FP8 copy can be made once per step instead of once per call (TransformerEngine's

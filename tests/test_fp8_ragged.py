@@ -6,7 +6,7 @@ import torch
 
 import patchgemm
 from patchgemm import fp8_autocast
-from conftest import DEVICES, assert_close_to_ref, randn, rel_error
+from conftest import DEVICES, assert_close_to_ref, needs_gpu, randn, rel_error
 from fp8_cases import E4M3, E5M2, HAS_FP8_GPU, dequantized, needs_fp8_gpu, quantize, quantized, ops
 
 
@@ -40,8 +40,37 @@ def test_scaled_ragged_mm_matches_float64(device, case, out_dtype, with_bias, of
     assert_close_to_ref(y, ragged_ref(a8, sa, b8, sb, bias, sizes), out_dtype, tol=tol)
 
 
+@needs_gpu
+@pytest.mark.parametrize("case", RAGGED_CASES, ids=lambda c: f"{len(c[0])}groups-k{c[1]}")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_upcast_candidate_matches_float64_without_a_host_sync(case, out_dtype, fmt):
+    """Where a sync is forbidden and the sizes are on the GPU, every format and output dtype runs
+    upcast_on_gpu (torch._scaled_grouped_mm takes e4m3 to bfloat16 only), sync-free and exact
+    to the output dtype's rounding of the upcast a."""
+    sizes, K, N = case
+    a8, sa = quantized((sum(sizes), K), "cuda", fmt=fmt)
+    b8, sb = quantized((len(sizes), N, K), "cuda", scale=0.1)
+    bias = randn(len(sizes), N, dtype=out_dtype, device="cuda")
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with patchgemm.explain() as report:
+            y = ops.scaled_ragged_mm(a8, b8, sa, sb, bias, offsets, out_dtype)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    chosen = next(c.chosen for c in report if c.op == "scaled_ragged_mm")
+    takes_torch = fmt == E4M3 and out_dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0 and \
+        torch.cuda.get_device_capability() >= (9, 0)
+    assert chosen == ("aten_scaled_grouped_mm" if takes_torch else "upcast_on_gpu"), str(report)
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-6}
+    assert_close_to_ref(y, ragged_ref(a8, sa, b8, sb, bias, sizes), out_dtype, tol=tol[out_dtype])
+
+
 @needs_fp8_gpu
-@pytest.mark.parametrize("candidate", ["aten_scaled_grouped_mm", "cublaslt_fp8_loop", "dequantized_loop"])
+@pytest.mark.parametrize("candidate", ["aten_scaled_grouped_mm", "cublaslt_fp8_loop", "upcast_on_gpu",
+                                       "dequantized_loop"])
 def test_scaled_ragged_mm_candidates_agree_and_repeat_bitwise_at_scale(candidate):
     """A mixture of experts' layer at training size: 8 experts over 16k rows, sizes no multiple of 16."""
     if candidate == "aten_scaled_grouped_mm" and torch.cuda.get_device_capability() < (9, 0):

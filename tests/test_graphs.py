@@ -24,14 +24,14 @@ def _grouped_linear(layout):
     return make, lambda x, w, b: patchgemm.grouped_linear(x, w, b, layout)
 
 
-def _ragged(on_gpu):
+def _ragged(on_gpu, fp8=False):
     sizes = [40, 0, 25, 63]
 
     def make(dtype):
         group_sizes = _sizes_on_gpu(sizes) if on_gpu else sizes
         return [randn(sum(sizes), 64, dtype=dtype, device=DEV), randn(4, 48, 64, dtype=dtype, device=DEV),
                 randn(4, 48, dtype=dtype, device=DEV)], [group_sizes]
-    return make, lambda x, w, b, group_sizes: patchgemm.grouped_linear(x, w, b, group_sizes=group_sizes)
+    return make, lambda x, w, b, group_sizes: patchgemm.grouped_linear(x, w, b, group_sizes=group_sizes, fp8=fp8)
 
 
 def _pointwise(dtype):
@@ -88,11 +88,20 @@ OPS = {
                              lambda x, w, b: patchgemm.patch_unembed(x, w, b, in_format="tokens", grid=(4, 5))),
     "instance_norm_act": (_norm, patchgemm.instance_norm_act),
     "grouped_linear_fp8": (_grouped_linear("bgd")[0], lambda x, w, b: patchgemm.grouped_linear(x, w, b, fp8=True)),
+    "ragged_fp8_sizes_on_cpu": _ragged(False, fp8=True),
+    "patch_embed_fp8": (_patch((5, 3, 64, 48), (16, 16)), lambda x, w, b: patchgemm.patch_embed(x, w, b, fp8=True)),
+    "patch_embed_3d_fp8": (_patch((2, 4, 16, 16, 16), (4, 4, 4)),
+                           lambda x, w, b: patchgemm.patch_embed(x, w, b, out_format="tokens", fp8=True)),
+    "patch_unembed_fp8": (_unembed((4, 5), (4, 4), False), lambda x, w, b: patchgemm.patch_unembed(x, w, b, fp8=True)),
 }
 # Ragged groups with their sizes on the GPU (moe_experts computes them there): read there by
-# torch._grouped_mm (bfloat16, sm_90+) or our ragged_tiles kernel (every dtype).
+# torch._grouped_mm (bfloat16, sm_90+) or our ragged_tiles kernel (every dtype); in FP8 by
+# torch._scaled_grouped_mm (e4m3 to bfloat16, sm_90+), else the operands upcast for those.
 GPU_SIZED = {"ragged_sizes_on_gpu": _ragged(True),
-             "moe_experts": (_moe, lambda x, wgu, wd, index, weight: patchgemm.moe_experts(x, index, weight, wgu, wd))}
+             "moe_experts": (_moe, lambda x, wgu, wd, index, weight: patchgemm.moe_experts(x, index, weight, wgu, wd)),
+             "ragged_fp8_sizes_on_gpu": _ragged(True, fp8=True),
+             "moe_experts_fp8": (_moe, lambda x, wgu, wd, index, weight: patchgemm.moe_experts(x, index, weight, wgu, wd,
+                                                                                               fp8=True))}
 
 
 def _step(call, params, others, grad_out):

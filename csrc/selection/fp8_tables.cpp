@@ -3,7 +3,8 @@
 // that writes the output in its final layout; torch._scaled_mm once per group (a copy into the
 // layout each); the operands dequantized to float64 and ATen's bmm -- the CPU's path, and the GPU's
 // where no FP8 GEMM applies. scaled_ragged_mm: torch._scaled_grouped_mm (no host sync), cuBLASLt per
-// group, or dequantized per group.
+// group, the operands upcast for ragged_grouped_linear's sync-free kernels (where a sync is
+// forbidden), or dequantized per group.
 #include <ATen/ATen.h>
 
 #include <sstream>
@@ -198,9 +199,7 @@ const Table<ScaledRaggedProblem, at::Tensor> kScaledRaggedMm(
            if (p.out_dtype != at::kBFloat16) return "it writes bfloat16 only";
            if (p.a.size(1) % 16 || p.b.size(1) % 16) return "K and Nc must be multiples of 16";
            if (p.a.size(0) == 0) return "no rows";
-           if (p.offsets.is_cpu() && selection::detail::capturing_graph(p.a.device()))
-             return "the sizes are on the host: their copy to the GPU cannot be captured in a CUDA graph";
-           return {};
+           return ragged_offsets_reach_device(p.offsets, p.a);
          },
          nullptr,
          [](const ScaledRaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
@@ -219,9 +218,7 @@ const Table<ScaledRaggedProblem, at::Tensor> kScaledRaggedMm(
          "one cuBLASLt FP8 matmul per non-empty group (scaled_grouped_mm's); sizes read on the host",
          [](const ScaledRaggedProblem& p) -> WhyNot {
            WhyNot why = needs_fp8_gpu(p.a);
-           if (why.empty() && selection::detail::capturing_graph(p.a.device()))
-             why = "it reads the group sizes on the host, which a CUDA graph cannot capture";
-           return why;
+           return why.empty() ? ragged_host_sizes_allowed(p.offsets) : why;
          },
          nullptr,
          [](const ScaledRaggedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
@@ -239,11 +236,33 @@ const Table<ScaledRaggedProblem, at::Tensor> kScaledRaggedMm(
            return out;
          }},
 #endif  // USE_ROCM
+        {"upcast_on_gpu", "cuda rocm",
+         "the operands cast on the GPU to the output dtype (b exactly, a times both scales), then "
+         "ragged_grouped_linear's table, whose kernels read the offsets on the device: no host sync, any "
+         "format and output dtype, at the output dtype's GEMM rate",
+         [](const ScaledRaggedProblem& p) -> WhyNot {
+           if (!p.a.is_cuda()) return "GPU tensors only";
+           return ragged_offsets_reach_device(p.offsets, p.a);
+         },
+         // Slower than an FP8 GEMM: the path where a sync is forbidden and those decline.
+         [](const ScaledRaggedProblem& p) { return ragged_only_where_sync_forbidden(p.offsets); },
+         [](const ScaledRaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
+           // Every e4m3 and e5m2 value is exact in bfloat16, float16 and float32; the scales are folded
+           // into a (one rounding per element) so that float16 sums stay in the output's range.
+           RaggedProblem upcast;
+           upcast.op = "ragged_grouped_linear";
+           upcast.a = (p.a.to(at::kFloat) * (p.scale_a * p.scale_b)).to(p.out_dtype);
+           upcast.b = p.b.to(p.out_dtype).transpose(1, 2);
+           upcast.bias = p.bias;
+           upcast.offsets = p.offsets;
+           upcast.groups = p.b.size(0);
+           return select_ragged_gemm(upcast);
+         }},
 #endif
         {"dequantized_loop", "cpu cuda rocm",
          "any problem: the operands dequantized to float64 (exactly), one ATen matmul per group, one rounding "
          "into the output; sizes read on the host",
-         [](const ScaledRaggedProblem&) { return WhyNot(); }, nullptr,
+         [](const ScaledRaggedProblem& p) { return ragged_host_sizes_allowed(p.offsets); }, nullptr,
          [](const ScaledRaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
            const std::vector<int64_t> bounds = ragged_bounds("scaled_ragged_mm", p.offsets, p.a.size(0));
            const at::Tensor a = p.a.to(at::kDouble) * p.scale_a.to(at::kDouble);

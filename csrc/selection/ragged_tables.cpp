@@ -78,26 +78,8 @@ GroupGemm group_gemm(const RaggedProblem& p, const at::Tensor& out, int64_t g, i
 
 constexpr GemmConvention kLinear = GemmConvention::kMatmul;  // nn.Linear's numerics
 
-// Where the sizes live on the GPU and a sync is forbidden, a candidate that reads them on the host.
-WhyNot host_sizes_allowed(const RaggedProblem& p) {
-  if (p.offsets.is_cpu() || !selection::detail::host_sync_forbidden(p.offsets.device())) return "";
-  return "it reads the group sizes (on " + p.offsets.device().str() +
-         ") on the host, a sync, which CUDA-graph capture or sync debug mode \"error\" forbids";
-}
-
-// The device kernels' offsets: host ones are copied, which a CUDA graph cannot capture.
-WhyNot offsets_reach_device(const RaggedProblem& p) {
-  if (p.offsets.is_cpu() && selection::detail::capturing_graph(p.a.device()))
-    return "the sizes are on the host: their copy to the GPU cannot be captured in a CUDA graph";
-  return "";
-}
-
-// The device kernels' rule: they take longer than cuBLAS (tensor-core GEMMs without its
-// pipelining), so they run where a sync is forbidden and the faster candidates decline.
-WhyNot only_where_sync_forbidden(const RaggedProblem& p) {
-  if (!p.offsets.is_cpu() && selection::detail::host_sync_forbidden(p.offsets.device())) return "";
-  return "slower than the candidates that read the sizes on the host: taken where a sync is forbidden";
-}
+WhyNot host_sizes_allowed(const RaggedProblem& p) { return ragged_host_sizes_allowed(p.offsets); }
+WhyNot offsets_reach_device(const RaggedProblem& p) { return ragged_offsets_reach_device(p.offsets, p.a); }
 
 // The offsets on a's device: CPU offsets go through pinned memory, so the copy does not wait for the GPU.
 at::Tensor offsets_on_device(const RaggedProblem& p, at::ScalarType dtype) {
@@ -151,7 +133,9 @@ Candidate<RaggedProblem, at::Tensor> device_kernel(
             if (WhyNot why = offsets_reach_device(p); !why.empty()) return why;
             return declines(p.a, p.b, p.ragged_k, p.groups);
           },
-          only_where_sync_forbidden,
+          // They take longer than cuBLAS (tensor-core GEMMs without its pipelining), so they run
+          // where a sync is forbidden and the faster candidates decline.
+          [](const RaggedProblem& p) { return ragged_only_where_sync_forbidden(p.offsets); },
           [into](const RaggedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
             at::Tensor out = empty_output(p);
             into(p.a, p.b, p.bias, offsets_on_device(p, p.offsets.scalar_type()), p.ragged_k, out);
@@ -264,6 +248,23 @@ at::Tensor select_ragged_gemm(const RaggedProblem& p) {
   if (op == "ragged_grouped_linear_grad_input") return kGradInput.run(p);
   TORCH_INTERNAL_ASSERT(op == "ragged_grouped_linear_grad_weight", "no ragged table for ", op);
   return kGradWeight.run(p);
+}
+
+std::string ragged_host_sizes_allowed(const at::Tensor& offsets) {
+  if (offsets.is_cpu() || !selection::detail::host_sync_forbidden(offsets.device())) return "";
+  return "it reads the group sizes (on " + offsets.device().str() +
+         ") on the host, a sync, which CUDA-graph capture or sync debug mode \"error\" forbids";
+}
+
+std::string ragged_offsets_reach_device(const at::Tensor& offsets, const at::Tensor& a) {
+  if (offsets.is_cpu() && selection::detail::capturing_graph(a.device()))
+    return "the sizes are on the host: their copy to the GPU cannot be captured in a CUDA graph";
+  return "";
+}
+
+std::string ragged_only_where_sync_forbidden(const at::Tensor& offsets) {
+  if (!offsets.is_cpu() && selection::detail::host_sync_forbidden(offsets.device())) return "";
+  return "slower than the candidates that read the sizes on the host: taken where a sync is forbidden";
 }
 
 std::vector<int64_t> ragged_bounds(const char* op, const at::Tensor& offsets, int64_t rows) {

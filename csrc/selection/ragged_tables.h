@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "problems/ragged.h"
@@ -20,5 +21,15 @@ std::vector<int64_t> ragged_bounds(const char* op, const at::Tensor& offsets, in
 
 // Each group's sizes on `device` ([G], int64), from offsets anywhere, without a host sync.
 at::Tensor ragged_sizes(const at::Tensor& offsets, at::Device device);
+
+// Where the sizes are, against what the moment allows ("" where the candidate may run), for every
+// table over ragged groups (this one, scaled_ragged_mm's):
+// a candidate that reads GPU sizes on the host declines where a sync is forbidden (CUDA-graph
+// capture, or sync debug mode "error");
+std::string ragged_host_sizes_allowed(const at::Tensor& offsets);
+// one that reads them on a's device declines for host sizes while a graph is captured (their copy);
+std::string ragged_offsets_reach_device(const at::Tensor& offsets, const at::Tensor& a);
+// and the sync-free ones slower than the host readers are ruled in only where a sync is forbidden.
+std::string ragged_only_where_sync_forbidden(const at::Tensor& offsets);
 
 }  // namespace patchgemm
