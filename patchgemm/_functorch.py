@@ -91,11 +91,19 @@ class RaggedGroupedLinear(_Function):
 
 def ragged_bias_grad(grad_y, offsets):
     """Each group's sum of its rows of grad_y [N, Dout] (offsets: the groups' end rows), summed in
-    fp32 (float64 for float64), without a host sync: [G, Dout] of grad_y's dtype."""
-    ends = offsets.to(device=grad_y.device, dtype=torch.int64)
+    fp32 (float64 for float64), without a host sync: [G, Dout] of grad_y's dtype. As the C++
+    autograd's (ops/autograd.cpp): host offsets reach the GPU through pinned memory, or, while a
+    CUDA graph is captured (which cannot copy them), give one sum per group; `unsafe`: the sizes
+    were checked where they could be, and checking them against grad_y reads them on the host."""
+    rows = grad_y.to(torch.float64 if grad_y.dtype == torch.float64 else torch.float32)
+    ends = offsets.to(torch.int64)
+    if ends.device != grad_y.device:
+        if grad_y.is_cuda and torch.cuda.is_current_stream_capturing():
+            sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+            return torch.stack([r.sum(0) for r in rows.split(sizes)]).to(grad_y.dtype)
+        ends = ends.pin_memory().to(grad_y.device, non_blocking=True) if grad_y.is_cuda else ends.to(grad_y.device)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    wide = torch.float64 if grad_y.dtype == torch.float64 else torch.float32
-    return torch.segment_reduce(grad_y.to(wide), "sum", lengths=sizes).to(grad_y.dtype)
+    return torch.segment_reduce(rows, "sum", lengths=sizes, unsafe=True).to(grad_y.dtype)
 
 
 class GroupedPointwiseConv(_Function):

@@ -377,11 +377,33 @@ void remember_predicted(const at::Device& device, const std::string& key, const 
   device_memory(m, device).chosen[key] = {name, "learned: predicted earlier in this process"};
 }
 
+#ifdef PATCHGEMM_WITH_CUDA
+namespace {
+// Makes this thread's cuBLAS (and cuBLASLt) handles on `device`, once. Creating a handle allocates
+// device memory, which a CUDA-graph capture forbids (cublasCreate fails and the capture is lost),
+// and a choice made under capture can be a BLAS candidate that no warm-up run used: one the faster
+// candidates leave to it there (ragged groups with host sizes run torch._grouped_mm eagerly, one
+// cuBLAS GEMM per group under capture). Every such choice asks capturing_graph in the warm-up too.
+void make_blas_handles(const at::Device& device) {
+  thread_local uint64_t made = 0;  // a bit per device index
+  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  if (index >= 64 || (made >> index & 1)) return;
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
+  at::cuda::getCurrentCUDABlasHandle();
+#ifndef USE_ROCM
+  at::cuda::getCurrentCUDABlasLtHandle();
+#endif
+  made |= uint64_t{1} << index;
+}
+}  // namespace
+#endif
+
 bool capturing_graph(const at::Device& device) {
 #ifdef PATCHGEMM_WITH_CUDA
   if (device.is_cuda()) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device.index()), &status));
+    if (status == cudaStreamCaptureStatusNone) make_blas_handles(device);
     return status != cudaStreamCaptureStatusNone;
   }
 #endif

@@ -106,7 +106,8 @@ void remember_measured(const ProblemFeatures& f, const std::string& key,
 // Remembers a predicted choice (memory only).
 void remember_predicted(const at::Device& device, const std::string& key, const std::string& name);
 // Whether `device`'s current stream is capturing a CUDA graph (then nothing is timed, and no
-// new choice runs a candidate the graph would not need).
+// new choice runs a candidate the graph would not need). Where it is not, it makes this thread's
+// BLAS handles first, so that a capture that chooses otherwise need not create one.
 bool capturing_graph(const at::Device& device);
 // Whether a host sync on `device` must be avoided: a CUDA graph is being captured, or
 // torch.cuda.set_sync_debug_mode("error") makes every sync raise. Candidates that read GPU data on
