@@ -127,13 +127,17 @@ class Float8History:
         state = self._states.get(which)
         return None if state is None else state[2:]
 
+    def made(self, which: str, device: torch.device, length: int) -> bool:
+        """Whether the state of `which` keeping `length` amaxes exists on `device`."""
+        state = self._states.get(which)
+        return state is not None and state.device == device and state.numel() == length + 2
+
     def state(self, which: str, device: torch.device, length: int) -> torch.Tensor:
         """The state of `which` on `device` keeping `length` amaxes (made, all zeros, where it has none
         of that length there)."""
-        state = self._states.get(which)
-        if state is None or state.device != device or state.numel() != length + 2:
-            state = self._states[which] = torch.zeros(length + 2, device=device, dtype=torch.float32)
-        return state
+        if not self.made(which, device, length):
+            self._states[which] = torch.zeros(length + 2, device=device, dtype=torch.float32)
+        return self._states[which]
 
     def __repr__(self) -> str:
         kept = ", ".join(f"{w}: {self._states[w].numel() - 2}" for w in self._WHICH if w in self._states)
@@ -307,8 +311,12 @@ def _history_states(recipe: Float8Recipe, history: Optional[Float8History], devi
     """The amax states (x's, the weight's, the output gradient's) a delayed recipe scales by, or None."""
     if history is None or not recipe.delayed:
         return None
+    # Under torch.compile the backward may update a state that is an input of the traced forward, but
+    # not one the trace itself makes (a graph intermediate): a history's first traced call scales
+    # grad_y currently, and the call after, traced again with the state made, updates it.
+    grad_made = history.made("grad", device, recipe.amax_history_len)
     states = tuple(history.state(which, device, recipe.amax_history_len) for which in Float8History._WHICH)
-    if torch.compiler.is_compiling():  # AOTAutograd takes no update of a forward input in the backward
+    if torch.compiler.is_compiling() and not grad_made:
         states = (*states[:2], None)
     return states
 

@@ -577,24 +577,32 @@ def test_delayed_scaling_errors():
 
 
 def test_delayed_scaling_compiles_without_graph_breaks():
-    """The forward's quantizations update their histories inside the compiled graph, as eager does;
-    the compiled backward scales grad_y currently (AOTAutograd takes no update of a forward input
-    in the backward), so grad_y's history stays empty."""
+    """Compiled, a delayed layer's histories update inside the graphs as eager's do: the forward's
+    from the first call, grad_y's from the second (the first traced call makes that state, which
+    AOTAutograd's backward cannot update; the next call is traced with it made). Against an eager
+    twin whose grad_y history is cleared after its first call, values, gradients and histories are
+    equal at every step, including steps scaled by the history."""
     torch.manual_seed(0)
     layer = patchgemm.GroupedLinear(2, 32, 16, fp8=DELAYED)
     eager = patchgemm.GroupedLinear(2, 32, 16, fp8=DELAYED)
     eager.load_state_dict(layer.state_dict())
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    for scale in (1, 4, 2):
-        x = randn(16, 2, 32) * scale
+    for step, (scale, grad_scale) in enumerate([(1, 1), (4, 3), (2, 0.5), (1, 2), (0.5, 1)]):
+        x, grad_y = randn(16, 2, 32) * scale, randn(16, 2, 16) * grad_scale
+        x_eager = x.clone().requires_grad_()
         y = compiled(x.requires_grad_())
-        y.sum().backward()
-        assert torch.equal(y, eager(x))
-        assert torch.isfinite(x.grad).all()
-        for which in ("x", "weight"):
-            assert torch.equal(layer.fp8_history.amax(which), eager.fp8_history.amax(which)), which
-    assert (layer.fp8_history.amax("grad") == 0).all()
+        y.backward(grad_y)
+        y_eager = eager(x_eager)
+        y_eager.backward(grad_y)
+        assert torch.equal(y, y_eager) and torch.equal(x.grad, x_eager.grad), step
+        assert torch.equal(layer.weight.grad, eager.weight.grad), step
+        if step == 0:
+            assert (layer.fp8_history.amax("grad") == 0).all()
+            eager.fp8_history._states["grad"].zero_()  # (a history all zeros: as made)
+        for which in ("x", "weight", "grad"):
+            assert torch.equal(layer.fp8_history.amax(which), eager.fp8_history.amax(which)), (step, which)
+    assert (layer.fp8_history.amax("grad")[:4] > 0).all()
 
 
 def test_fp8_compiles_without_graph_breaks():

@@ -236,3 +236,34 @@ def test_delayed_moe_experts_keep_one_history_per_gemm(device):
         with pytest.raises(TypeError, match="moe_experts: fp8_histories must be two patchgemm.Float8History"):
             patchgemm.moe_experts(x, index, weight, delayed.gate_up_proj, delayed.down_proj, fp8=DELAYED,
                                   fp8_histories=bad)
+
+
+def test_delayed_moe_experts_compile_and_keep_their_histories():
+    """Compiled (fullgraph), MoEExperts under a delayed recipe update both GEMMs' histories as eager
+    does, grad_y's from the second call on (as the dense layer's: test_fp8.py): against an eager twin
+    whose gradient histories are cleared after its first call, equal at every step."""
+    torch.manual_seed(0)
+    E, D, H, T, k = 4, 32, 16, 24, 2
+    layer = patchgemm.MoEExperts(E, D, H, fp8=DELAYED)
+    eager = patchgemm.MoEExperts(E, D, H, fp8=DELAYED)
+    eager.load_state_dict(layer.state_dict())
+    index = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(0))
+    weight = torch.rand(T, k)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for step, scale in enumerate((1, 4, 0.5, 2)):
+        x = randn(T, D) * scale
+        x_eager = x.clone().requires_grad_()
+        y = compiled(x.requires_grad_(), index, weight)
+        grad_y = randn(T, D) * (step + 1)
+        y.backward(grad_y)
+        y_eager = eager(x_eager, index, weight)
+        y_eager.backward(grad_y)
+        assert torch.equal(y, y_eager) and torch.equal(x.grad, x_eager.grad), step
+        if step == 0:
+            for history in eager.fp8_histories:
+                history._states["grad"].zero_()  # (a history all zeros: as made)
+        for ours, theirs in zip(layer.fp8_histories, eager.fp8_histories):
+            for which in ("x", "weight", "grad"):
+                assert torch.equal(ours.amax(which), theirs.amax(which)), (step, which)
+    assert all(h.amax("grad")[0] > 0 for h in layer.fp8_histories)
