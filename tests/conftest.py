@@ -82,6 +82,18 @@ def capture_cuda_graph(step):
     return graph, out
 
 
+@contextlib.contextmanager
+def syncs_forbidden():
+    """Any host synchronization inside raises (torch.cuda.set_sync_debug_mode "error"): a path that
+    must not wait for the GPU (capture, sizes read on the device) is checked by running it here."""
+    torch.cuda.synchronize()  # (so that work queued before is not blamed on the block)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def poison_allocator(nbytes, device):
     """Fill, then free, a block of the size the next output will take, so an op that forgets to
     write part of its output returns NaNs instead of lucky zeros (caching allocators reuse it)."""

@@ -6,7 +6,7 @@ import torch
 
 import patchgemm
 from patchgemm import fp8_autocast
-from conftest import DEVICES, assert_close_to_ref, needs_gpu, randn, rel_error
+from conftest import DEVICES, assert_close_to_ref, needs_gpu, randn, rel_error, syncs_forbidden
 from fp8_cases import E4M3, E5M2, HAS_FP8_GPU, dequantized, needs_fp8_gpu, quantize, quantized, ops
 
 
@@ -53,13 +53,8 @@ def test_upcast_candidate_matches_float64_without_a_host_sync(case, out_dtype, f
     b8, sb = quantized((len(sizes), N, K), "cuda", scale=0.1)
     bias = randn(len(sizes), N, dtype=out_dtype, device="cuda")
     offsets = torch.tensor(sizes, device="cuda").cumsum(0)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with patchgemm.explain() as report:
-            y = ops.scaled_ragged_mm(a8, b8, sa, sb, bias, offsets, out_dtype)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with syncs_forbidden(), patchgemm.explain() as report:
+        y = ops.scaled_ragged_mm(a8, b8, sa, sb, bias, offsets, out_dtype)
     chosen = next(c.chosen for c in report if c.op == "scaled_ragged_mm")
     takes_torch = fmt == E4M3 and out_dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0 and \
         torch.cuda.get_device_capability() >= (9, 0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import patchgemm
-from conftest import assert_close_to_ref, capture_cuda_graph, needs_gpu, randn
+from conftest import assert_close_to_ref, capture_cuda_graph, needs_gpu, randn, syncs_forbidden
 
 pytestmark = needs_gpu
 DEV = "cuda"
@@ -123,12 +123,8 @@ def _refill(tensors):
 
 
 def _sync_forbidden(step):
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_forbidden():
         return step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def _check_replay(call, params, others, dtype, sync_free_eager=False):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import patchgemm
-from conftest import DEVICES, DTYPES, assert_close_to_ref, capture_cuda_graph, needs_gpu, randn
+from conftest import DEVICES, DTYPES, assert_close_to_ref, capture_cuda_graph, needs_gpu, randn, syncs_forbidden
 
 
 def experts_reference(x, index, weight, w_gate_up, w_down, dtype=torch.float64):
@@ -149,12 +149,9 @@ def test_cuda_no_host_sync_forward_and_backward():
     _needs_grouped_mm()
     x, index, weight, w_gate_up, w_down = problem(256, 4, 8, 64, 32, torch.bfloat16, "cuda", no_expert=True)
     patchgemm.moe_experts(x, index, weight, w_gate_up, w_down).sum().backward()  # warm up
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_forbidden():
         y = patchgemm.moe_experts(x, index, weight, w_gate_up, w_down)
         grads = torch.autograd.grad(y.sum(), (x, weight, w_gate_up, w_down))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     inputs = [t.detach().double().cpu().requires_grad_() for t in (x, weight, w_gate_up, w_down)]
     ref = experts_reference(inputs[0], index.cpu(), *inputs[1:])
     assert_close_to_ref(y, ref, torch.bfloat16, "y")

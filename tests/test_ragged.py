@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import patchgemm
-from conftest import DEVICES, DTYPES, HAS_GPU, assert_close_to_ref, needs_gpu, poison_allocator, randn
+from conftest import DEVICES, DTYPES, HAS_GPU, assert_close_to_ref, needs_gpu, poison_allocator, randn, syncs_forbidden
 
 ops = torch.ops.patchgemm
 IMPLS = ["aten_grouped_mm", "loop"] + (["cublas_grouped", "ragged_mma", "ragged_tiles"] if HAS_GPU else [])
@@ -150,11 +150,8 @@ def test_cuda_device_sizes_need_no_sync_where_grouped_mm_runs():
     x = randn(256, 64, dtype=torch.bfloat16, device="cuda")
     weight = randn(4, 32, 64, dtype=torch.bfloat16, device="cuda")
     patchgemm.grouped_linear(x, weight, group_sizes=sizes)  # warm up
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_forbidden():
         y = patchgemm.grouped_linear(x, weight, group_sizes=sizes)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert_close_to_ref(y, reference(x, weight, None, sizes.tolist()), torch.bfloat16)
 
 
@@ -233,14 +230,9 @@ def test_device_kernels_run_without_a_host_sync():
     for dtype, impl in ((torch.float16, "ragged_mma"), (torch.float32, "ragged_tiles")):
         x = randn(128, 64, dtype=dtype, device="cuda", requires_grad=True)
         weight = randn(4, 48, 64, dtype=dtype, device="cuda", requires_grad=True)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with patchgemm.explain() as report:
-                y = patchgemm.grouped_linear(x, weight, group_sizes=sizes)
-                grads = torch.autograd.grad(y, [x, weight], torch.ones_like(y))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        with syncs_forbidden(), patchgemm.explain() as report:
+            y = patchgemm.grouped_linear(x, weight, group_sizes=sizes)
+            grads = torch.autograd.grad(y, [x, weight], torch.ones_like(y))
         ragged = [c for c in report if c.op.startswith("ragged")]
         assert len(ragged) == 3 and all(c.chosen == impl for c in ragged), str(report)
         ref = reference(x.detach(), weight.detach(), None, sizes.tolist())

@@ -169,11 +169,11 @@ ProblemFeatures patch_features(const at::Tensor& x, const PatchGeometry& g, int6
   return features_on(x, std::move(v));
 }
 
+#ifdef PATCHGEMM_PTX_KERNELS
 WhyNot not_a_view(const at::Tensor& x5, const PatchGeometry& g) {
   return patch_matrix_as_view(x5, g) ? "rule: the patch matrix is a view of x (one patch per sample)" : WhyNot();
 }
 
-#ifdef PATCHGEMM_PTX_KERNELS
 Candidate<EmbedProblem, at::Tensor> implicit_embed(const char* name, cuda::Implicit kernel, const char* backends,
                                                   const char* conditions) {
   return {name, backends, conditions,
