@@ -235,6 +235,15 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
         raise TypeError("grouped_mlp: fp8_weights must be two patchgemm.Float8Weight, of w_gate_up and w_down")
     w8_gate_up, w8_down = (None, None) if fp8_weights is None else fp8_weights
     h_gate_up, h_down = _two_histories("grouped_mlp", _fp8.resolve("grouped_mlp", fp8), fp8_histories)
+    # On the CPU the hidden activations of a [B, G, D] x live group-major, [G, B, 2H]: the GEMMs
+    # then read and write whole matrices, where ATen's batched GEMMs would first copy batches that
+    # interleave in memory (the GPU's strided-batched GEMMs read either layout at the same cost).
+    hidden_group_major = layout == "bgd" and isinstance(x, Tensor) and x.dim() == 3 and x.device.type == "cpu"
+    if hidden_group_major:
+        gate_up = grouped_linear(x.transpose(0, 1), w_gate_up, bias_gate_up, "gbd", fp8=fp8, fp8_weight=w8_gate_up,
+                                 fp8_history=h_gate_up)
+        return grouped_linear(swiglu(gate_up).transpose(0, 1), w_down, bias_down, layout, fp8=fp8,
+                              fp8_weight=w8_down, fp8_history=h_down)
     gate_up = grouped_linear(x, w_gate_up, bias_gate_up, layout, fp8=fp8, fp8_weight=w8_gate_up,
                              fp8_history=h_gate_up)
     return grouped_linear(swiglu(gate_up), w_down, bias_down, layout, fp8=fp8, fp8_weight=w8_down,

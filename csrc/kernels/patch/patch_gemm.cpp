@@ -153,9 +153,13 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
   // which BLAS epilogues do not offer). On the CPU only where copying W into W' costs less than a
   // pass over y (N > K); else the bias is added after, and W' is W itself over P's first K columns.
   at::Tensor y = at::empty(p.out_shape, p.x.options());
-  if (on_cpu && p.x.element_size() == 2 && !(p.x.scalar_type() == at::kBFloat16 && cpu::bf16_gemms_on_onednn())) {
-    // ATen's own 16-bit loop: tokens [B*N, E] = P @ W^T + bias by linear (the orientation that
-    // loop runs fastest), then one transposing copy into the channels-first output.
+  const bool atens_16_bit_loop =
+      p.x.element_size() == 2 && !(p.x.scalar_type() == at::kBFloat16 && cpu::bf16_gemms_on_onednn());
+  if (on_cpu && (atens_16_bit_loop || N < embed)) {
+    // tokens [B*N, E] = P @ W^T + bias by linear, then one transposing copy into the channels-first
+    // output: the orientation ATen's own 16-bit loop runs fastest, and the one whose product is
+    // wide where a sample has fewer tokens than E (oneDNN's and MKL's GEMMs run an output of few,
+    // long rows -- E x N -- up to 2x slower than its transpose).
     const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/false).narrow(2, 0, g.patch_size());
     y.view({g.batch, embed, N}).copy_(at::linear(pm, p.w2(), p.bias).transpose(1, 2));
     return y;
