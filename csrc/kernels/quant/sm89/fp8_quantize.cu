@@ -157,17 +157,21 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
 // tile in shared memory along R. kVec consecutive values per thread (8 where R and C are multiples
 // of 8: 16-byte loads of 16-bit x, 8-byte stores both ways; 4 where they are multiples of 4; else 1),
 // every load of a tile issued before the first store. With `sum_parts` [P, gridDim.y, C] (float32),
-// a block also sums the columns of its tiles of each x[p], in registers in row order, then across its
-// threads in a fixed order, and writes its partial sums there (the caller adds them up: no atomics,
-// the same bits every run). `words` as cast_kernel's.
+// a block also sums the columns of its tiles of each x[p], in registers in row order, then across the
+// threads of a warp that hold the same columns (shuffles), then across warps, each step in a fixed
+// order, and writes its partial sums there (the caller adds them up: no atomics, the same bits every
+// run). `words` as cast_kernel's. At most 40 registers a thread, so that 6 blocks share an SM: the
+// compiler's own choice (47) leaves 5, and the kernel moves a sixth less per second (8 would spill).
 constexpr int kTile = 64;
+constexpr int kCastTransposeBlocksPerSm = 6;
 
 template <typename T, __nv_fp8_interpretation_t kFormat, int kVec>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kCastTransposeBlocksPerSm)
     cast_transpose_kernel(const T* __restrict__ x, int64_t P, int64_t R, int64_t C, AmaxWords words,
                           __nv_fp8_storage_t* __restrict__ data, __nv_fp8_storage_t* __restrict__ data_t,
                           float* __restrict__ scale_out, float* __restrict__ sum_parts) {
   constexpr int kLanes = kTile / kVec, kRowsPerPass = kThreads / kLanes, kPasses = kTile / kRowsPerPass;
+  constexpr int kRowsPerWarp = kLanes < 32 ? 32 / kLanes : 1;  // (threads of a warp with the same lane)
   // Rows of 68 bytes: 4-byte aligned, and the column reads of the transposed store spread over banks.
   __shared__ __align__(8) __nv_fp8_storage_t tile[kTile][kTile + 4];
   __shared__ float column_sums[kRowsPerPass][kTile];
@@ -235,13 +239,22 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();
     }
     if (sum_parts != nullptr) {  // (the same branch for the whole block)
+      // The rows first_row, first_row + kRowsPerPass / kRowsPerWarp, ... of a warp's lane, summed
+      // by a butterfly (each pair's sum the same both ways: every thread ends with the same bits).
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) column_sums[first_row][lane * kVec + j] = sums[j];
+      for (int offset = kLanes; offset < 32; offset *= 2) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) sums[j] = __fadd_rn(sums[j], __shfl_xor_sync(0xffffffffu, sums[j], offset));
+      }
+      if (first_row % kRowsPerWarp == 0) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) column_sums[first_row][lane * kVec + j] = sums[j];
+      }
       __syncthreads();
       const int64_t column = c0 + threadIdx.x;
       if (threadIdx.x < kTile && column < C) {
         float total = 0.f;
-        for (int i = 0; i < kRowsPerPass; ++i) total = __fadd_rn(total, column_sums[i][threadIdx.x]);
+        for (int i = 0; i < kRowsPerPass; i += kRowsPerWarp) total = __fadd_rn(total, column_sums[i][threadIdx.x]);
         sum_parts[(p * gridDim.y + blockIdx.y) * C + column] = total;
       }
       __syncthreads();
