@@ -223,6 +223,28 @@ def test_device_kernels_many_groups_sized_on_the_gpu(dtype, impl, din, dout):
 
 
 @needs_gpu
+@pytest.mark.parametrize("impl", ["ragged_tiles", "ragged_mma"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_device_kernels_read_int32_and_int64_offsets(impl, index_dtype):
+    """The offsets reach our kernels in their own index type (no conversion): both widths, forward
+    and both gradients."""
+    sizes = [40, 0, 25, 63]
+    x = randn(sum(sizes), 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    weight = randn(4, 48, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(index_dtype)
+    grad_y = randn(sum(sizes), 48, dtype=torch.bfloat16, device="cuda")
+    with patchgemm.force(**{op: impl for op in OPS}), patchgemm.explain() as report:
+        y = patchgemm.grouped_linear(x, weight, offsets=offsets)
+        grads = torch.autograd.grad(y, [x, weight], grad_y)
+    assert [c.chosen for c in report if c.op.startswith("ragged")] == [impl] * 3, str(report)
+    refs_in = [t.detach().double().cpu().requires_grad_(True) for t in (x, weight)]
+    ref = reference(*refs_in, None, sizes)
+    ref_grads = torch.autograd.grad(ref, refs_in, grad_y.double().cpu())
+    for name, got, want in zip(["y", "grad x", "grad weight"], (y, *grads), (ref, *ref_grads)):
+        assert_close_to_ref(got, want, torch.bfloat16, name)
+
+
+@needs_gpu
 def test_device_kernels_run_without_a_host_sync():
     """Sizes on the GPU in float16 / float32: with syncs forbidden (sync debug mode "error") the
     paths that read the sizes on the host decline and ours run, forward and backward."""

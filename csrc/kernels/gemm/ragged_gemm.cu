@@ -94,13 +94,10 @@ void ragged_gemm_into(const at::Tensor& a, const at::Tensor& b, const std::optio
   const c10::cuda::CUDAGuard guard(a.device());
   const dim3 grid = ragged::grid_of(a.size(0), b.size(-1), offsets.size(0), ragged_k, kTile, kTile);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "ragged_gemm", [&] {
-    if (offsets.scalar_type() == at::kInt) {
+    ragged::with_index_type(offsets, [&](auto index) {
       ragged_gemm_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-          ragged::make_args<scalar_t, int32_t>(a, b, bias, offsets, ragged_k, out));
-    } else {
-      ragged_gemm_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-          ragged::make_args<scalar_t, int64_t>(a, b, bias, offsets, ragged_k, out));
-    }
+          ragged::make_args<scalar_t, decltype(index)>(a, b, bias, offsets, ragged_k, out));
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

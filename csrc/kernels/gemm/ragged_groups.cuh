@@ -40,6 +40,18 @@ struct Args {
   bool ragged_k;
 };
 
+// Calls f(index) with a value of the offsets' index type, int32_t or int64_t (the ops take no other).
+template <typename F>
+void with_index_type(const at::Tensor& offsets, F&& f) {
+  if (offsets.scalar_type() == at::kInt) {
+    f(int32_t{});
+  } else {
+    TORCH_INTERNAL_ASSERT(offsets.scalar_type() == at::kLong, "ragged offsets: int32 or int64, got ",
+                          offsets.scalar_type());
+    f(int64_t{});
+  }
+}
+
 template <typename scalar_t, typename index_t>
 Args<scalar_t, index_t> make_args(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                                   const at::Tensor& offsets, bool ragged_k, const at::Tensor& out) {

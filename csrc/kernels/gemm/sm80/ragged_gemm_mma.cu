@@ -184,19 +184,14 @@ void ragged_gemm_mma_into(const at::Tensor& a, const at::Tensor& b, const std::o
   pieces.b_along_k = !ragged_k && b.stride(-2) == 1 && b.stride(-1) % kPiece == 0 && b.stride(0) % kPiece == 0 &&
                      b.size(-2) % kPiece == 0 && aligned16(b);
   const dim3 grid = ragged::grid_of(a.size(0), n, offsets.size(0), ragged_k, kTileM, kTileN);
-  const auto launch = [&](auto scalar, auto index) {
-    using scalar_t = decltype(scalar);
-    using index_t = decltype(index);
-    ragged_gemm_mma_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        ragged::make_args<scalar_t, index_t>(a, b, bias, offsets, ragged_k, out), pieces);
+  const auto launch = [&](auto scalar) {
+    ragged::with_index_type(offsets, [&](auto index) {
+      ragged_gemm_mma_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          ragged::make_args<decltype(scalar), decltype(index)>(a, b, bias, offsets, ragged_k, out), pieces);
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  const bool int32 = offsets.scalar_type() == at::kInt;
-  if (a.scalar_type() == at::kHalf) {
-    int32 ? launch(at::Half(), int32_t()) : launch(at::Half(), int64_t());
-  } else {
-    int32 ? launch(at::BFloat16(), int32_t()) : launch(at::BFloat16(), int64_t());
-  }
+  a.scalar_type() == at::kHalf ? launch(at::Half()) : launch(at::BFloat16());
 }
 
 }  // namespace cuda
