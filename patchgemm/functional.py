@@ -239,15 +239,12 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
     # then read and write whole matrices, where ATen's batched GEMMs would first copy batches that
     # interleave in memory (the GPU's strided-batched GEMMs read either layout at the same cost).
     hidden_group_major = layout == "bgd" and isinstance(x, Tensor) and x.dim() == 3 and x.device.type == "cpu"
-    if hidden_group_major:
-        gate_up = grouped_linear(x.transpose(0, 1), w_gate_up, bias_gate_up, "gbd", fp8=fp8, fp8_weight=w8_gate_up,
-                                 fp8_history=h_gate_up)
-        return grouped_linear(swiglu(gate_up).transpose(0, 1), w_down, bias_down, layout, fp8=fp8,
-                              fp8_weight=w8_down, fp8_history=h_down)
-    gate_up = grouped_linear(x, w_gate_up, bias_gate_up, layout, fp8=fp8, fp8_weight=w8_gate_up,
+    gate_up = grouped_linear(x.transpose(0, 1) if hidden_group_major else x, w_gate_up, bias_gate_up,
+                             "gbd" if hidden_group_major else layout, fp8=fp8, fp8_weight=w8_gate_up,
                              fp8_history=h_gate_up)
-    return grouped_linear(swiglu(gate_up), w_down, bias_down, layout, fp8=fp8, fp8_weight=w8_down,
-                          fp8_history=h_down)
+    h = swiglu(gate_up)
+    return grouped_linear(h.transpose(0, 1) if hidden_group_major else h, w_down, bias_down, layout, fp8=fp8,
+                          fp8_weight=w8_down, fp8_history=h_down)
 
 
 def _two_histories(where: str, recipe: Optional[Float8Recipe], histories) -> Tuple[Optional[Float8History], ...]:
