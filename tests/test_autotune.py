@@ -208,8 +208,15 @@ def test_selection_is_stable_under_torch_compile(autotune):
         assert [c.chosen for c in e2] == [e[0].chosen] and e2[0].how.startswith("autotune: cached")
 
 
+def _constant_model(op, candidates):
+    """A learned model for `op` alone that scores every candidate 0 (so the rules' order decides)."""
+    return {"format": selection.MODEL_FORMAT, "backends": [], "ops": {op: {
+        "candidates": candidates, "features": ["applies:" + candidates[0]], "hidden": 1, "mean": [0.0],
+        "scale": [1.0], "w1": [[0.0]], "b1": [0.0], "w2": [[0.0]] * len(candidates), "b2": [0.0] * len(candidates)}}}
+
+
 @needs_gpu
-def test_no_timing_during_cuda_graph_capture(autotune):
+def test_no_timing_during_cuda_graph_capture(autotune, tmp_path):
     x, w, b, ref = grouped_case("cuda", batch=24)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -227,7 +234,10 @@ def test_no_timing_during_cuda_graph_capture(autotune):
     assert captured_call() == "heuristic (autotune: no timing during CUDA-graph capture)"
     assert not glob.glob(os.path.join(autotune, "autotune-*.tsv"))
     # Learned runs the heuristic to make a new choice: not inside a graph, which would keep both.
-    patchgemm.set_selection("learned", cache_dir="")
+    # (A model of grouped_linear's own: the shipped one may leave that op to the rules.)
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(_constant_model("grouped_linear", ["strided_batched", "aten_bmm"])))
+    patchgemm.set_selection("learned", cache_dir="", model=str(path))
     assert captured_call() == "heuristic (learned: no new choice during CUDA-graph capture)"
 
 
@@ -493,6 +503,18 @@ def test_validation_drops_the_ops_whose_model_does_not_beat_the_rules(monkeypatc
     embed = [r for r in records if r.op == "patch_embed"]
     assert all(learned.predict(model, r) is None for r in embed)  # no model: the heuristic runs
     assert tune.judge(embed, model, {})[-1]["learned"]["mean"] == 1.0
+
+
+def test_validation_keeps_a_model_only_where_it_beats_the_rules_by_more_than_a_tie(monkeypatch):
+    """A model whose cross-validated regret ties the rules' (within MIN_GAIN_OVER_RULES) is dropped."""
+    heuristic = 1.030
+    means = {"tie": heuristic * (1 - tune.MIN_GAIN_OVER_RULES / 2), "win": heuristic * (1 - 2 * tune.MIN_GAIN_OVER_RULES)}
+    rows = [{"op": op, "learned": {"mean": mean}, "heuristic": {"mean": heuristic}} for op, mean in means.items()]
+    monkeypatch.setattr(tune, "cross_validate", lambda *args, **kwargs: rows + [{"op": "all"}])
+    model = {"ops": {"tie": {}, "win": {}}}
+    verdicts = tune.drop_unvalidated(model, [], ["tuning"], 5)
+    assert set(model["ops"]) == {"win"}
+    assert verdicts["tie"].startswith("dropped") and verdicts["win"].startswith("kept"), verdicts
 
 
 def test_the_sweep_can_be_limited_to_channels_last_shapes():

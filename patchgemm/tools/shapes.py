@@ -142,6 +142,20 @@ TUNING = [
     # Small patches from over 256 channels, which the tiny unembedding's rule was fitted to.
     _unembed("decoder-384-k4", (64, 384, 14, 14), 4, (4, 4)),
     _unembed("decoder-512-k2", (32, 512, 28, 28), 16, (2, 2)),
+    # The benchmark suite's cases (patchgemm.tools.bench, docs/benchmarks.md): the default choice
+    # must be right where the README's numbers come from.
+    _embed("vit-b16-suite-p1", (128, 3, 224, 224), 768, (16, 16), tokens=True, dx=False),
+    _embed("qwen-vl-suite-p2", (4096, 3, 2, 14, 14), 1280, (2, 14, 14), tokens=True, dx=False),
+    _embed("3d-suite-p3", (8, 4, 128, 128, 128), 192, (2, 2, 2), dx=False),
+    _embed("3d-suite-p3-fp32", (8, 4, 128, 128, 128), 192, (2, 2, 2), "fp32", dx=False),
+    _embed("3d-suite-p4", (8, 192, 64, 64, 64), 192, (2, 2, 2)),
+    _embed("3d-suite-p5", (8, 192, 32, 32, 32), 768, (4, 4, 4)),
+    _unembed("3d-suite-u1", (8, 768, 8, 8, 8), 192, (4, 4, 4)),
+    _unembed("3d-suite-u2", (8, 192, 64, 64, 64), 4, (2, 2, 2)),
+    _grouped("grouped-suite-g1", (2560, 12, 1024), 3072),
+    _grouped("grouped-suite-g1-nobias", (2560, 12, 1024), 3072, bias=False),
+    _grouped("grouped-suite-g1-fp32", (2560, 12, 1024), 3072, dtype="fp32"),
+    _grouped("grouped-suite-g2-tokens", (8192, 64, 100), 100),
 ]
 
 HELDOUT = [
