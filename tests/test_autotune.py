@@ -508,7 +508,8 @@ def test_validation_drops_the_ops_whose_model_does_not_beat_the_rules(monkeypatc
 def test_validation_keeps_a_model_only_where_it_beats_the_rules_by_more_than_a_tie(monkeypatch):
     """A model whose cross-validated regret ties the rules' (within MIN_GAIN_OVER_RULES) is dropped."""
     heuristic = 1.030
-    means = {"tie": heuristic * (1 - tune.MIN_GAIN_OVER_RULES / 2), "win": heuristic * (1 - 2 * tune.MIN_GAIN_OVER_RULES)}
+    means = {"tie": heuristic * (1 - tune.MIN_GAIN_OVER_RULES / 2),
+             "win": heuristic * (1 - 2 * tune.MIN_GAIN_OVER_RULES)}
     rows = [{"op": op, "learned": {"mean": mean}, "heuristic": {"mean": heuristic}} for op, mean in means.items()]
     monkeypatch.setattr(tune, "cross_validate", lambda *args, **kwargs: rows + [{"op": "all"}])
     model = {"ops": {"tie": {}, "win": {}}}

@@ -435,7 +435,8 @@ def drop_unvalidated(model: dict, records: List[Record], train_on: List[str], fo
                      train_device: Optional[str] = None, seed: int = 0) -> Dict[str, str]:
     """Removes from `model` each op whose learned choices do not beat the heuristic's by
     MIN_GAIN_OVER_RULES in `folds`-fold cross-validation over the training records (geometric-mean
-    regret): such an op chooses by the heuristic in learned mode. Returns, per op, the verdict (also kept in the model as "validation")."""
+    regret): such an op chooses by the heuristic in learned mode. Returns, per op, the verdict (also
+    kept in the model as "validation")."""
     verdicts = {}
     for row in cross_validate(records, train_on, folds, train_device, seed=seed):
         op = row["op"]
