@@ -260,23 +260,35 @@ def test_gpu_tiny_weight_grad_of_unembed(dtype, shape, kernel, out_channels, in_
         assert_close_to_ref(g, r, dtype, f"grad of {list(r.shape)}")
 
 
+def tiny_unembed_fits(dtype, c_in, grid, kernel, out_channels, tokens):
+    """Whether csrc/kernels/patch/sm80/tiny_patch_unembed.cu runs the problem: 16-bit, kw even, K <= 64,
+    C_in <= 512, aligned pieces of x (tokens: C_in % 8 == 0; channels-first: N % 4 == 0)."""
+    return (dtype in (torch.bfloat16, torch.float16) and kernel[-1] % 2 == 0
+            and out_channels * math.prod(kernel) <= 64 and c_in <= 512
+            and (c_in % 8 == 0 if tokens else math.prod(grid) % 4 == 0))
+
+
 def tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens, batch):
-    """Whether patch_unembed takes csrc/kernels/patch/sm80/tiny_patch_unembed.cu: 16-bit, kw even, K <= 64, C_in <= 512,
-    aligned pieces of x (tokens: C_in % 8 == 0; channels-first: N % 4 == 0); over 256 input channels
-    only where GEMM -> scatter would copy x first (channels-first: B > 1 and N < 256, or N % 8 != 0)."""
+    """Whether patch_unembed's rules take the tiny kernel where it fits: not at 8192 multiply-adds per
+    token (K x C_in) or more over 128-token tiles for under 3/4 of the SMs, and over 256 input
+    channels only where GEMM -> scatter would copy x first (channels-first: B > 1 and N < 256, or
+    N % 8 != 0)."""
     n = math.prod(grid)
     copies_x = not tokens and ((batch > 1 and n < 256) or n % 8 != 0)
-    return (dtype in (torch.bfloat16, torch.float16) and kernel[-1] % 2 == 0
-            and out_channels * math.prod(kernel) <= 64 and (c_in <= 256 or (c_in <= 512 and copies_x))
-            and (c_in % 8 == 0 if tokens else n % 4 == 0))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gemm_work = out_channels * math.prod(kernel) * c_in >= 8192 and 4 * -(-batch * n // 128) < 3 * sms
+    return (tiny_unembed_fits(dtype, c_in, grid, kernel, out_channels, tokens)
+            and not gemm_work and (c_in <= 256 or copies_x))
 
 
 # 16-bit unembeddings of patches of at most 64 elements with kw even take the fused kernel of
 # csrc/kernels/patch/sm80/tiny_patch_unembed.cu: (x shape [B, C_in, *grid], kernel, C_out) covering K = 32 and 64
-# (two and four n-tiles per warp), C_in = 256, 384, 512 (one block per SM) and 40 (a padded
-# reduction), N = 120 and 200 (partial last slices), N = 196 and 36 (channels-first rows copied in
-# 8-byte pieces), C_in = 5 (channels-first only), kw = 4, 1-D/2-D/3-D, and ones that do not apply
-# (K = 72: GEMM -> scatter or the implicit GEMM; N = 18 channels-first).
+# (two and four n-tiles per warp), C_in = 256, 384, 512 (one block per SM; 8192 multiply-adds per
+# token or more over a few tiles, which the rules give a GEMM path: forced there) and 40 (a padded
+# reduction),
+# N = 120 and 200 (partial last slices), N = 196 and 36 (channels-first rows copied in 8-byte
+# pieces), C_in = 5 (channels-first only), kw = 4, 1-D/2-D/3-D, and ones that do not apply (K = 72:
+# GEMM -> scatter or the implicit GEMM; N = 18 channels-first).
 TINY_UNEMBED = [((2, 96, 4, 8, 16), (2, 2, 2), 4),   # U2-like: K = 32
                 ((2, 256, 2, 4, 8), (2, 2, 2), 8),   # K = 64, C_in = 256
                 ((3, 40, 3, 5, 8), (2, 2, 2), 6),    # C_in = 40, N = 120, K = 48
@@ -306,10 +318,19 @@ def test_gpu_tiny_unembed_kernel(dtype, shape, kernel, out_channels, in_format, 
     out = {}
     ran = cuda_kernels_run(lambda: out.update(
         y=patchgemm.patch_unembed(xs, w, b, in_format=in_format, grid=grid if tokens else None)))
-    assert ("tiny_unembed_kernel" in ran) == tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens,
-                                                                  shape[0]), ran
-    if kernel == (2, 2, 2) and out_channels <= 8:
-        assert "tiny_unembed_kernel" in ran  # the cases the kernel is for must not silently fall back
+    applies = tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens, shape[0])
+    assert ("tiny_unembed_kernel" in ran) == applies, ran
+    if shape == (2, 96, 4, 8, 16):
+        assert applies  # the U2-like case the kernel is for must not silently fall back
+    assert_close_to_ref(out["y"], ref, dtype)
+    if applies or not tiny_unembed_fits(dtype, c_in, grid, kernel, out_channels, tokens):
+        return
+    # Where the rules pass over the kernel, it still runs the problem when forced (or autotuned).
+    poison_allocator(2 * math.prod(ref.shape), "cuda")
+    with patchgemm.force(patch_unembed="tiny"):
+        ran = cuda_kernels_run(lambda: out.update(
+            y=patchgemm.patch_unembed(xs, w, b, in_format=in_format, grid=grid if tokens else None)))
+    assert "tiny_unembed_kernel" in ran, ran
     assert_close_to_ref(out["y"], ref, dtype)
 
 

@@ -374,6 +374,29 @@ def test_gpu_implicit_rule(embed, expected):
 
 
 @needs_gpu
+@pytest.mark.parametrize("shape,kernel,embed,dtype,tiny", [
+    ((128, 1, 2048), (64,), 384, torch.bfloat16, False),   # Moirai: 24576 per token over 32 tiles
+    ((256, 1, 2048), (16,), 512, torch.bfloat16, True),    # Chronos: 8192 per token over 256 tiles
+    ((16, 4, 32, 32), (2, 2), 64, torch.bfloat16, True),   # 256 per token
+    ((64, 1, 512), (16,), 512, torch.float32, False),      # fp32 at 8192 per token
+    ((64, 1, 512), (16,), 256, torch.float32, True),       # fp32 at 4096
+])
+def test_gpu_tiny_rule(shape, kernel, embed, dtype, tiny):
+    """By default the tiny forward takes problems of under 8192 multiply-adds per token (patch
+    elements x E), and 16-bit ones beyond where the 128-token tiles cover 3/4 of the SMs; the rest go
+    to a GEMM path, explain saying why. Both give the conv's result."""
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=embed)
+    with patchgemm.explain() as e:
+        y = patchgemm.patch_embed(x, w, b)
+    (choice,) = e
+    assert (choice.chosen == "tiny") == tiny, str(e)
+    if not tiny:
+        (verdict,) = [c for c in choice.candidates if c.name == "tiny"]
+        assert "8192 or more multiply-adds per token" in verdict.reason, str(e)
+    assert_close_to_ref(y, CONV[len(kernel)](x.double(), w.double(), b.double(), stride=kernel), dtype)
+
+
+@needs_gpu
 @pytest.mark.parametrize("out_format,k,batch,wgmma", [
     ("channels_first", 4, 8, True),  # channels-first grad_y: the wgmma kernel at any E
     ("tokens", 2, 8, True),  # kw = 2 pairs: up to E = 512

@@ -78,6 +78,29 @@ WhyNot fills_the_gpu(int64_t rows, int64_t width, int64_t K, const at::Tensor& o
   return {};
 }
 
+// The tiny kernels are built for thin GEMMs that only move data (writing y dominates): a block per
+// 128-token tile runs all of E x K for its tokens. From 8192 multiply-adds per token (patch
+// elements x width; e.g. Moirai's k = 64 into E = 384) the work is a real GEMM: in fp32 (FMA
+// units) cuBLAS's GEMM after the gather runs it faster, and in 16 bits so do the tensor-core
+// paths where the token tiles leave a quarter of the SMs idle, splitting E as well. Where this rule
+// passes tiny over in the tuning records (bench/results/tune-*.json.gz), the rules' next choice
+// takes 0.47x (fp32), 0.79x (16-bit embeddings) and 0.88x (transposes) of tiny's time, geometric
+// means; with more tiles tiny keeps up or wins (Chronos's 32768 tokens of k = 16 into E = 512).
+constexpr int64_t kTinyMacsPerToken = 8192;
+
+WhyNot tiny_pays(const at::Tensor& x, int64_t patch, int64_t width, int64_t rows) {
+  if (patch * width < kTinyMacsPerToken) return {};
+  if (x.scalar_type() == at::kFloat) {
+    return "rule: fp32 at 8192 or more multiply-adds per token (patch x width) runs faster as gather + GEMM";
+  }
+  const int64_t tiles = (rows + 127) / 128;
+  if (4 * tiles < 3 * sm_count(x)) {
+    return "rule: 8192 or more multiply-adds per token (patch x width) over 128-token tiles for under 3/4 of the "
+           "SMs run faster on a tensor-core GEMM";
+  }
+  return {};
+}
+
 // The forward's wgmma kernels beat gather + cuBLAS over the sizes measured (E 64 to 2048), but for
 // 4-byte runs copied one token at a time into GEMMs wider than 128 (ViT-L/14's kw = 14; thinner
 // ones are memory-bound, and the gather's extra pass costs more), and for large wide GEMMs, where
@@ -225,7 +248,9 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            const WhyNot why = fused_kernels_apply(p.x, p.g, p.x5);
            return !why.empty() ? why : p.tokens_out ? "channels-first output only" : WhyNot();
          },
-         nullptr,
+         [](const EmbedProblem& p) {
+           return tiny_pays(p.x, p.g.patch_size(), p.weight.size(0), p.g.batch * p.g.tokens());
+         },
          [](const EmbedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            at::Tensor y = at::empty(p.out_shape, p.x.options());
            if (!cuda::tiny_embed(p.x5, p.w2(), p.bias, p.g, y.view({p.g.batch, p.weight.size(0), p.g.tokens()}), why)) {
@@ -351,7 +376,8 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
          // Over 256 input channels one block fills an SM, and GEMM -> scatter runs faster, but where
          // its GEMM reads channels-first x poorly (a small grid, unaligned rows).
          [](const UnembedProblem& p) -> WhyNot {
-           if (p.weight.size(0) <= 256 || unembed_gemm_reads_x_poorly(p)) return {};
+           WhyNot why = tiny_pays(p.x, p.g.patch_size(), p.weight.size(0), p.g.batch * p.g.tokens());
+           if (!why.empty() || p.weight.size(0) <= 256 || unembed_gemm_reads_x_poorly(p)) return why;
            return "rule: over 256 input channels GEMM -> scatter runs faster where its GEMM reads x well";
          },
          [](const UnembedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
