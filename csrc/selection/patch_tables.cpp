@@ -84,7 +84,7 @@ WhyNot fills_the_gpu(int64_t rows, int64_t width, int64_t K, const at::Tensor& o
 // units) cuBLAS's GEMM after the gather runs it faster, and in 16 bits so do the tensor-core
 // paths where the token tiles leave a quarter of the SMs idle, splitting E as well. Where this rule
 // passes tiny over in the tuning records (bench/results/tune-*.json.gz), the rules' next choice
-// takes 0.47x (fp32), 0.79x (16-bit embeddings) and 0.88x (transposes) of tiny's time, geometric
+// takes 0.47x (fp32), 0.62x (16-bit embeddings) and 0.80x (transposes) of tiny's time, geometric
 // means; with more tiles tiny keeps up or wins (Chronos's 32768 tokens of k = 16 into E = 512).
 constexpr int64_t kTinyMacsPerToken = 8192;
 
