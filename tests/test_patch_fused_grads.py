@@ -285,10 +285,9 @@ def tiny_unembed_applies(dtype, c_in, grid, kernel, out_channels, tokens, batch)
 # csrc/kernels/patch/sm80/tiny_patch_unembed.cu: (x shape [B, C_in, *grid], kernel, C_out) covering K = 32 and 64
 # (two and four n-tiles per warp), C_in = 256, 384, 512 (one block per SM; 8192 multiply-adds per
 # token or more over a few tiles, which the rules give a GEMM path: forced there) and 40 (a padded
-# reduction),
-# N = 120 and 200 (partial last slices), N = 196 and 36 (channels-first rows copied in 8-byte
-# pieces), C_in = 5 (channels-first only), kw = 4, 1-D/2-D/3-D, and ones that do not apply (K = 72:
-# GEMM -> scatter or the implicit GEMM; N = 18 channels-first).
+# reduction), N = 120 and 200 (partial last slices), N = 196 and 36 (channels-first rows copied in
+# 8-byte pieces), C_in = 5 (channels-first only), kw = 4, 1-D/2-D/3-D, and ones that do not apply
+# (K = 72: GEMM -> scatter or the implicit GEMM; N = 18 channels-first).
 TINY_UNEMBED = [((2, 96, 4, 8, 16), (2, 2, 2), 4),   # U2-like: K = 32
                 ((2, 256, 2, 4, 8), (2, 2, 2), 8),   # K = 64, C_in = 256
                 ((3, 40, 3, 5, 8), (2, 2, 2), 6),    # C_in = 40, N = 120, K = 48

@@ -88,13 +88,12 @@ WhyNot fills_the_gpu(int64_t rows, int64_t width, int64_t K, const at::Tensor& o
 // means; with more tiles tiny keeps up or wins (Chronos's 32768 tokens of k = 16 into E = 512).
 constexpr int64_t kTinyMacsPerToken = 8192;
 
-WhyNot tiny_pays(const at::Tensor& x, int64_t patch, int64_t width, int64_t rows) {
-  if (patch * width < kTinyMacsPerToken) return {};
+WhyNot tiny_pays(const at::Tensor& x, const PatchGeometry& g, int64_t width) {
+  if (g.patch_size() * width < kTinyMacsPerToken) return {};
   if (x.scalar_type() == at::kFloat) {
     return "rule: fp32 at 8192 or more multiply-adds per token (patch x width) runs faster as gather + GEMM";
   }
-  const int64_t tiles = (rows + 127) / 128;
-  if (4 * tiles < 3 * sm_count(x)) {
+  if (4 * output_tiles(g.batch * g.tokens(), 1) < 3 * sm_count(x)) {
     return "rule: 8192 or more multiply-adds per token (patch x width) over 128-token tiles for under 3/4 of the "
            "SMs run faster on a tensor-core GEMM";
   }
@@ -248,9 +247,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            const WhyNot why = fused_kernels_apply(p.x, p.g, p.x5);
            return !why.empty() ? why : p.tokens_out ? "channels-first output only" : WhyNot();
          },
-         [](const EmbedProblem& p) {
-           return tiny_pays(p.x, p.g.patch_size(), p.weight.size(0), p.g.batch * p.g.tokens());
-         },
+         [](const EmbedProblem& p) { return tiny_pays(p.x, p.g, p.weight.size(0)); },
          [](const EmbedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            at::Tensor y = at::empty(p.out_shape, p.x.options());
            if (!cuda::tiny_embed(p.x5, p.w2(), p.bias, p.g, y.view({p.g.batch, p.weight.size(0), p.g.tokens()}), why)) {
@@ -376,7 +373,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
          // Over 256 input channels one block fills an SM, and GEMM -> scatter runs faster, but where
          // its GEMM reads channels-first x poorly (a small grid, unaligned rows).
          [](const UnembedProblem& p) -> WhyNot {
-           WhyNot why = tiny_pays(p.x, p.g.patch_size(), p.weight.size(0), p.g.batch * p.g.tokens());
+           WhyNot why = tiny_pays(p.x, p.g, p.weight.size(0));
            if (!why.empty() || p.weight.size(0) <= 256 || unembed_gemm_reads_x_poorly(p)) return why;
            return "rule: over 256 input channels GEMM -> scatter runs faster where its GEMM reads x well";
          },
