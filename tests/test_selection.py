@@ -226,10 +226,9 @@ def test_cpu_grouped_linear_with_bias_runs_baddbmm():
     assert patchgemm.explain(patchgemm.grouped_linear, x, w, b)[0].chosen == "strided_batched"
 
 
-def test_cpu_patch_embeddings_default_to_the_gather_and_gemm():
-    """On the CPU the gather + GEMM runs every patch embedding and its weight gradient by default,
-    small windows in fp32 included: ATen's CPU convolutions there (slow_conv3d's im2col, oneDNN)
-    measured up to 7x slower (a time-series Conv1d(1, 128, k = 16)) and at best 1.25x faster."""
+def test_cpu_small_patch_embeddings_keep_the_gather_and_gemm():
+    """On the CPU the gather + GEMM runs patch embeddings of under 256 rows (and their weight
+    gradients), where ATen's convolution pays its set-up per call."""
     for x, w in [(randn(1, 4, 8, 8, 8), randn(16, 4, 2, 2, 2)), (randn(4, 1, 64), randn(8, 1, 16)),
                  (randn(2, 3, 16, 16), randn(8, 3, 4, 4))]:
         w.requires_grad_()
@@ -237,6 +236,39 @@ def test_cpu_patch_embeddings_default_to_the_gather_and_gemm():
             y = patchgemm.patch_embed(x, w)
             y.backward(randn(*y.shape))
         assert {c.op: c.chosen for c in e} == {"patch_embed": "gather_gemm", "patch_weight_grad": "gather_gemm"}, str(e)
+
+
+@pytest.mark.parametrize("shape, kernel, fmt, dtype, conv", [
+    ((1, 4, 16, 16, 16), (2, 2, 2), "channels_first", torch.float32, True),  # 512 rows: the rule
+    ((4, 3, 64, 64), (4, 4), "channels_first", torch.float32, True),
+    ((2, 8, 64, 64), (4, 4), "tokens", torch.float32, True),  # patches of 128 values
+    ((8, 1, 512), (16,), "tokens", torch.float32, False),  # short patches into tokens
+    ((1, 4, 16, 16, 16), (2, 2, 2), "channels_first", torch.bfloat16, False),  # 16-bit: no CPU conv
+    ((1, 4, 8, 8, 8), (2, 2, 2), "channels_first", torch.float32, False),  # 64 rows
+])
+def test_cpu_fp32_rule_chooses_onednn_convolution(shape, kernel, fmt, dtype, conv):
+    """fp32 on the CPU: channels-first outputs of 256 rows or more, and tokens of patches of 128 values
+    or more, run on ATen's convolution (forward and weight gradient); the rest keep the gather + GEMM.
+    Either way the values are the convolution's."""
+    x, w = randn(*shape, dtype=dtype), randn(16, shape[1], *kernel, dtype=dtype, requires_grad=True)
+    with patchgemm.explain() as e:
+        y = patchgemm.patch_embed(x, w, out_format=fmt)
+        dy = randn(*y.shape, dtype=dtype)
+        (grad_w,) = torch.autograd.grad(y, [w], dy)
+    chosen = {c.op: c.chosen for c in e}
+    expected = {"patch_embed": "aten_conv", "patch_weight_grad": "aten_conv_backward"} if conv else \
+        {"patch_embed": "gather_gemm", "patch_weight_grad": "gather_gemm"}
+    assert chosen == expected, str(e)
+    if conv:  # the reason explain() gives for passing the gather over, forward and backward
+        reasons = [v.reason for c in e for v in c.candidates if v.name == "gather_gemm"]
+        assert len(reasons) == 2 and all(r.startswith("rule: fp32 on the CPU") for r in reasons), str(e)
+    conv_nd = (F.conv1d, F.conv2d, F.conv3d)[len(kernel) - 1]
+    wd = w.detach().double().requires_grad_()
+    ref = conv_nd(x.double(), wd, stride=kernel)
+    ref_tokens = ref.flatten(2).transpose(1, 2) if fmt == "tokens" else ref
+    (ref_grad_w,) = torch.autograd.grad(ref_tokens, [wd], dy.double())
+    assert_close_to_ref(y, ref_tokens, dtype)
+    assert_close_to_ref(grad_w, ref_grad_w, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

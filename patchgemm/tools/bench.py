@@ -670,6 +670,25 @@ def _commit() -> Optional[str]:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def hold_cpu_heap() -> bool:
+    """Keeps freed CPU buffers in the process's heap (glibc: no mmap per large buffer, no trimming).
+
+    ATen's CPU tensors come from malloc, and glibc serves large requests by fresh mmaps whose pages
+    fault in on first touch, by a threshold that moves with what the process freed before. A call's
+    time then depends on the calls that ran before it (2x for the same call, bench's G3 and P5 on a
+    2-core VM), not on its own work. Held, every implementation reuses warm pages, as a training
+    loop's steady state does. Returns whether it applied (glibc only)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, (1 << 31) - 1))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
 def environment(device: torch.device) -> dict:
     from .. import __version__
 
@@ -712,6 +731,8 @@ def main(device: Optional[str] = None, json_path: Optional[str] = None, filter: 
         print(f"patchgemm bench: no case matches --filter {filter!r}; cases: {[c.id for c in suite(dev)]}")
         return 2
     torch.manual_seed(0)
+    if dev.type == "cpu" and hold_cpu_heap():
+        print("CPU heap held (glibc: no mmap per large buffer, no trimming): see bench.hold_cpu_heap")
     ceilings = measure_ceilings(dev, sorted({c.dtype for c in cases}, key=str))
     print(f"ceilings: matmul TFLOP/s {ceilings.matmul_tflops}, copy {ceilings.copy_tbs:.2f} TB/s")
     rows = []
