@@ -23,8 +23,8 @@ MLP and ragged group (mixture-of-experts layer) inside that was not told otherwi
 embeddings, unembeddings and hierarchical stems run in FP8 only when asked (``fp8=True`` or a
 recipe on the module or call), not by a region: their GEMMs are small beside the patch gather, which
 FP8 adds passes to, and they measure slower in FP8 than in bf16 (bench/fp8.py). A patch embedding
-is the grouped linear of one group over its patch matrix: x's patches gathered once (as the GEMM
-paths of patch_embed gather them), quantized, one FP8 GEMM. Ragged groups (grouped_linear
+is the grouped linear of one group over its patch matrix: x's patches gathered once
+(torch.ops.patchgemm.patch_matrix, the GEMM paths' gather), quantized, one FP8 GEMM. Ragged groups (grouped_linear
 with group_sizes / offsets, moe_experts) run their forward and input gradient in FP8 and their weight
 gradient in the compute dtype (see _RaggedLinearFp8). With the sizes on the GPU (as moe_experts
 has them), torch._scaled_grouped_mm runs a GEMM without a host sync on sm_90 where its operands
@@ -412,7 +412,7 @@ def patch_embed(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     tokens reshaped to out_format. Spatial positions that fill no whole patch are left out, as the
     conv leaves them."""
     op = "patch_embed"
-    rank, (batch, channels), kernel = weight.dim() - 2, x.shape[:2], weight.shape[2:]
+    (batch, channels), kernel = x.shape[:2], weight.shape[2:]
     if channels != weight.shape[1]:
         raise RuntimeError(f"{op}: x has {channels} channels (shape {tuple(x.shape)}) but weight [E, C, *kernel] "
                            f"expects {weight.shape[1]} (shape {tuple(weight.shape)})")
@@ -422,20 +422,21 @@ def patch_embed(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     _check_operands(op, x, weight, bias, weight.shape[0])
     grid = [s // k for s, k in zip(x.shape[2:], kernel)]
     whole = x[(slice(None), slice(None), *(slice(0, g * k) for g, k in zip(grid, kernel)))]
-    split = whole.reshape(batch, channels, *(n for g, k in zip(grid, kernel) for n in (g, k)))
-    # [B, C, g1, k1, g2, k2, ...] -> [B, g1, g2, ..., C, k1, k2, ...]: rows are tokens, columns the conv's (c, k...) order.
-    order = (0, *range(2, 2 + 2 * rank, 2), 1, *range(3, 3 + 2 * rank, 2))
-    patches = split.permute(order).reshape(batch * math.prod(grid), -1)
+    # [B * N, C * prod(k)]: rows are tokens, columns the conv's (c, k...) order; the gather of the
+    # GEMM paths (a tiled kernel on CUDA, runs of kw values on the CPU), whose gradient scatters.
+    patches = torch.ops.patchgemm.patch_matrix(whole, list(kernel))
     tokens = _gemm(patches, weight.reshape(weight.shape[0], -1), bias, recipe, out_dtype).view(batch, -1, weight.shape[0])
     if out_format == "tokens":
         return tokens
-    # Channels-last strides over the tokens' memory (not a view of them, as the op returns it).
-    channels_first = unsafe_view(tokens.transpose(1, 2), (batch, weight.shape[0], *grid))
     channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
     if out_format == "channels_last" or (channels_last is not None and not x.is_contiguous()
                                          and x.is_contiguous(memory_format=channels_last)):
-        return channels_first  # (the conv's output follows x's memory format)
-    return channels_first.contiguous()
+        # Channels-last strides over the tokens' memory (not a view of them, as the op returns it):
+        # the conv's output follows x's memory format.
+        return unsafe_view(tokens.transpose(1, 2), (batch, weight.shape[0], *grid))
+    # Contiguous channels-first: the tokens scattered as patches of one position each (a transpose).
+    return torch.ops.patchgemm.patch_matrix_backward(tokens.view(-1, weight.shape[0]),
+                                                     [batch, weight.shape[0], *grid], [1] * len(grid))
 
 
 def patch_unembed(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grid: Optional[list],
@@ -456,14 +457,12 @@ def patch_unembed(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             raise RuntimeError(f"{op}: x must be [B, {in_channels}, *grid] ({rank} grid dims) for weight "
                                f"{tuple(weight.shape)}, got shape {tuple(x.shape)}")
         grid = list(x.shape[2:])
-        tokens = x.flatten(2).transpose(1, 2).reshape(-1, in_channels)
+        tokens = torch.ops.patchgemm.patch_matrix(x, [1] * rank)  # patches of one position: [B * N, C_in]
     _check_operands(op, x, weight, bias, out_channels)
     per_patch = math.prod(kernel)
     weight2 = weight.reshape(in_channels, out_channels * per_patch).t()  # [C_out * prod(k), C_in]
     bias2 = None if bias is None else bias.repeat_interleave(per_patch)
     patches = _gemm(tokens, weight2, bias2, recipe, out_dtype)  # [B * N, C_out * prod(k)]
-    batch = x.shape[0]
-    split = patches.view(batch, *grid, out_channels, *kernel)
-    # [B, g1, g2, ..., C, k1, k2, ...] -> [B, C, g1, k1, g2, k2, ...]
-    order = (0, rank + 1, *(d for i in range(rank) for d in (1 + i, rank + 2 + i)))
-    return split.permute(order).reshape(batch, out_channels, *(g * k for g, k in zip(grid, kernel)))
+    # The patch matrix's scatter (the adjoint of patch_embed's gather; its gradient gathers).
+    shape = [x.shape[0], out_channels, *(g * k for g, k in zip(grid, kernel))]
+    return torch.ops.patchgemm.patch_matrix_backward(patches, shape, kernel)

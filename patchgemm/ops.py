@@ -116,6 +116,19 @@ def _(grad_h, gate_up):
 
 # ---- patch embedding: fake kernels ----------------------------------------------------------------
 
+@torch.library.register_fake("patchgemm::patch_matrix")
+def _(x, kernel_size):
+    rank = len(kernel_size)
+    torch._check(x.dim() == rank + 2, lambda: f"patch_matrix: x must have {rank} spatial dims, got {tuple(x.shape)}")
+    tokens = math.prod(s // k for s, k in zip(x.shape[2:], kernel_size))
+    return x.new_empty((x.shape[0] * tokens, x.shape[1] * math.prod(kernel_size)))
+
+
+@torch.library.register_fake("patchgemm::patch_matrix_backward")
+def _(grad, x_shape, kernel_size):
+    return grad.new_empty(tuple(x_shape))
+
+
 def _level_grid(levels, rank):
     """The grid that flattened `levels` (groups of `rank` sizes; None: none) multiply to, per dim."""
     grid = [1] * rank

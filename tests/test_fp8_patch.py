@@ -1,6 +1,8 @@
 """FP8 kernel == stride convolutions: patch_embed / patch_unembed against float64 of their quantized
 operands, the modules and stems, errors, compile, explain."""
 
+import math
+
 import pytest
 import torch
 
@@ -19,6 +21,67 @@ EMBED_CASES = [((2, 3, 32, 32), (16, 3, 8, 8)), ((2, 4, 17, 35), (32, 4, 4, 4)),
 CONVS = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}
 CONV_TS = {1: torch.nn.functional.conv_transpose1d, 2: torch.nn.functional.conv_transpose2d,
            3: torch.nn.functional.conv_transpose3d}
+
+
+# ---- the patch matrix: the FP8 paths' gather and its adjoint scatter -------------------------------
+
+def patch_matrix_ref(x, kernel):
+    """[B * N, C * prod(k)] by a permute copy: rows in row-major grid order, columns (c, k...)."""
+    rank, (batch, channels) = len(kernel), x.shape[:2]
+    grid = [s // k for s, k in zip(x.shape[2:], kernel)]
+    split = x.reshape(batch, channels, *(n for g, k in zip(grid, kernel) for n in (g, k)))
+    order = (0, *range(2, 2 + 2 * rank, 2), 1, *range(3, 3 + 2 * rank, 2))
+    return split.permute(order).reshape(-1, channels * math.prod(kernel))
+
+
+MATRIX_CASES = [((2, 3, 32, 32), (8, 8)), ((3, 1, 64), (16,)), ((1, 2, 8, 8, 8), (2, 2, 2)), ((2, 5, 6, 10), (3, 5)),
+                ((4, 192, 16, 16, 16), (2, 2, 2)), ((0, 3, 8, 8), (4, 4))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
+@pytest.mark.parametrize("case", MATRIX_CASES, ids=lambda c: "x".join(map(str, c[0])))
+def test_patch_matrix_is_the_permuted_copy_and_its_backward_the_scatter(device, dtype, layout, case):
+    x_shape, kernel = case
+    x = randn(*x_shape, dtype=dtype, device=device)
+    if layout == "channels_last" and x.dim() in (4, 5):
+        x = x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+    elif layout == "sliced":  # every other channel of a wider x: no unit-stride channel runs
+        x = randn(x_shape[0], 2 * x_shape[1], *x_shape[2:], dtype=dtype, device=device)[:, ::2]
+    p = torch.ops.patchgemm.patch_matrix(x, list(kernel))
+    ref = patch_matrix_ref(x, kernel)
+    assert p.shape == ref.shape and p.is_contiguous() and p.dtype == dtype
+    assert torch.equal(p, ref)
+    assert torch.equal(torch.ops.patchgemm.patch_matrix(x, list(kernel)), p)  # bitwise on a repeat
+    g = randn(*p.shape, dtype=dtype, device=device)
+    back = torch.ops.patchgemm.patch_matrix_backward(g, list(x.shape), list(kernel))
+    assert back.shape == x.shape and back.is_contiguous()
+    xr = x.detach().clone().requires_grad_()
+    patch_matrix_ref(xr, kernel).backward(g)
+    assert torch.equal(back, xr.grad)
+
+
+def test_patch_matrix_gradients_and_opcheck():
+    x = torch.randn(2, 3, 4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: torch.ops.patchgemm.patch_matrix(t, [2, 3]), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: torch.ops.patchgemm.patch_matrix(t, [2, 3]), (x,))
+    g = torch.randn(8, 18, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: torch.ops.patchgemm.patch_matrix_backward(t, [2, 3, 4, 6], [2, 3]), (g,))
+    torch.library.opcheck(torch.ops.patchgemm.patch_matrix, (x.detach(), [2, 3]))
+    torch.library.opcheck(torch.ops.patchgemm.patch_matrix_backward, (g.detach(), [2, 3, 4, 6], [2, 3]))
+
+
+def test_patch_matrix_bad_input_is_a_clear_error():
+    x = randn(2, 3, 8, 8)
+    with pytest.raises(RuntimeError, match=r"patch_matrix: spatial size \[8, 8\] of x .* not divisible"):
+        torch.ops.patchgemm.patch_matrix(x, [3, 3])
+    with pytest.raises(RuntimeError, match="patch_matrix: x must be \\[B, C, D, H, W\\] for a 3-D kernel"):
+        torch.ops.patchgemm.patch_matrix(x, [2, 2, 2])
+    with pytest.raises(RuntimeError, match="kernel sizes must be >= 1"):
+        torch.ops.patchgemm.patch_matrix(x, [0, 2])
+    with pytest.raises(RuntimeError, match=r"patch_matrix_backward: grad must be \[32, 12\]"):
+        torch.ops.patchgemm.patch_matrix_backward(randn(32, 13), [2, 3, 8, 8], [2, 2])
 
 
 @pytest.mark.parametrize("device", DEVICES)

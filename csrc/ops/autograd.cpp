@@ -15,6 +15,7 @@
 //                   swapped, transposed = true)
 //   instance_norm_act  instance_norm_act_backward, from x and the per-channel statistics
 //   swiglu          swiglu_backward, from gate_up (h is not saved: the backward recomputes it)
+//   patch_matrix    patch_matrix_backward (the gather's adjoint scatter), and the other way round
 // One exception: where patch_embed's (patch_unembed's) choice settles on ATen's (transposed)
 // convolution before anything runs (channels-last x on cuDNN, plain calls), the op is that
 // convolution with PyTorch's autograd (ops/patch_embed.h: may_settle_on_aten).
@@ -469,6 +470,54 @@ at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight,
   return PatchUnembed::apply(x, weight, bias, tokens, levels, &p);
 }
 
+// ---- patch_matrix --------------------------------------------------------------------------------
+
+using PatchMatrix = at::Tensor(const at::Tensor&, c10::IntArrayRef);
+using PatchMatrixBackward = at::Tensor(const at::Tensor&, c10::IntArrayRef, c10::IntArrayRef);
+
+const auto& patch_matrix_op() {
+  static const auto op = find_op<PatchMatrix>("patchgemm::patch_matrix");
+  return op;
+}
+const auto& patch_matrix_backward_op() {
+  static const auto op = find_op<PatchMatrixBackward>("patchgemm::patch_matrix_backward");
+  return op;
+}
+
+// A gather and its adjoint scatter: each the other's gradient.
+struct PatchMatrixFn : Function<PatchMatrixFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IntArrayRef kernel) {
+    ctx->saved_data["x_shape"] = x.sizes().vec();
+    ctx->saved_data["kernel"] = kernel.vec();
+    return call_below_autograd(patch_matrix_op(), x, kernel);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto x_shape = ctx->saved_data["x_shape"].toIntVector(), kernel = ctx->saved_data["kernel"].toIntVector();
+    return {patch_matrix_backward_op().call(grads[0], x_shape, kernel), at::Tensor()};
+  }
+};
+
+struct PatchMatrixBackwardFn : Function<PatchMatrixBackwardFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad, c10::IntArrayRef x_shape,
+                            c10::IntArrayRef kernel) {
+    ctx->saved_data["kernel"] = kernel.vec();
+    return call_below_autograd(patch_matrix_backward_op(), grad, x_shape, kernel);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {patch_matrix_op().call(grads[0], ctx->saved_data["kernel"].toIntVector()), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor patch_matrix_autograd(const at::Tensor& x, c10::IntArrayRef kernel) {
+  if (!needs_autograd(x)) return call_below_autograd(patch_matrix_op(), x, kernel);
+  return PatchMatrixFn::apply(x, kernel);
+}
+
+at::Tensor patch_matrix_backward_autograd(const at::Tensor& grad, c10::IntArrayRef x_shape, c10::IntArrayRef kernel) {
+  if (!needs_autograd(grad)) return call_below_autograd(patch_matrix_backward_op(), grad, x_shape, kernel);
+  return PatchMatrixBackwardFn::apply(grad, x_shape, kernel);
+}
+
 // ---- swiglu --------------------------------------------------------------------------------------
 
 const auto& swiglu_op() {
@@ -583,6 +632,8 @@ NormResult instance_norm_act_autograd(const at::Tensor& x, const OptionalTensor&
 TORCH_LIBRARY_IMPL(patchgemm, Autograd, m) {
   m.impl("instance_norm_act", &instance_norm_act_autograd);
   m.impl("swiglu", &swiglu_autograd);
+  m.impl("patch_matrix", &patch_matrix_autograd);
+  m.impl("patch_matrix_backward", &patch_matrix_backward_autograd);
   m.impl("grouped_linear", &grouped_linear_autograd);
   m.impl("ragged_grouped_linear", &ragged_grouped_linear_autograd);
   m.impl("grouped_pointwise_conv", &grouped_pointwise_conv_autograd);

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "ops/checks.h"
+#include "kernels/patch/patchify.h"
 #include "ops/patch_embed.h"
 #include "selection/patch_tables.h"
 
@@ -69,6 +70,11 @@ void set_levels(const char* op, PatchGeometry& g, c10::IntArrayRef levels, int64
   TORCH_CHECK(total == g.grid, op, ": levels ", levels, " multiply to grid ",
               c10::IntArrayRef(total).slice(3 - rank), " per dim, but the patch grid is ",
               c10::IntArrayRef(g.grid).slice(3 - rank));
+}
+
+void check_kernel_size(const char* op, c10::IntArrayRef kernel) {
+  TORCH_CHECK(!kernel.empty() && kernel.size() <= 3, op, ": kernel_size must have 1 to 3 entries, got ", kernel);
+  for (int64_t k : kernel) TORCH_CHECK(k >= 1, op, ": kernel sizes must be >= 1, got ", kernel);
 }
 
 // The geometry of cutting x [B, C, *S] into patches of `kernel`.
@@ -207,8 +213,7 @@ at::Tensor patch_unembed(const at::Tensor& x, const at::Tensor& weight,
 WeightGradProblem weight_grad_problem(const at::Tensor& grad_y, const at::Tensor& x, c10::IntArrayRef kernel,
                                       bool tokens, c10::IntArrayRef levels, bool with_bias, bool transposed) {
   constexpr const char* op = "patch_weight_grad";
-  TORCH_CHECK(!kernel.empty() && kernel.size() <= 3, op, ": kernel_size must have 1 to 3 entries, got ", kernel);
-  for (int64_t k : kernel) TORCH_CHECK(k >= 1, op, ": kernel sizes must be >= 1, got ", kernel);
+  check_kernel_size(op, kernel);
   check_floating(op, "x", x);
   check_like(op, "grad_y", grad_y, "x", x);
   TORCH_CHECK(tokens || levels.empty(), op, ": levels (a token order) need tokens grad_y");
@@ -250,7 +255,34 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad(const at::Tensor& grad_y, c
       weight_grad_problem(grad_y, x, kernel, tokens, token_levels(levels), with_bias, transposed));
 }
 
+at::Tensor patch_matrix(const at::Tensor& x, c10::IntArrayRef kernel) {
+  constexpr const char* op = "patch_matrix";
+  check_kernel_size(op, kernel);
+  check_floating(op, "x", x);
+  const PatchGeometry g = embed_geometry(op, "x", x, kernel, {}, x);  // (columns in (c, k...) order)
+  const int64_t K = g.patch_size();
+  const at::Tensor p = patchify(to_5d(x), g, /*ones_column=*/false);
+  const at::Tensor rows = p.narrow(2, 0, K).reshape({g.batch * g.tokens(), K});
+  return rows.is_contiguous() ? rows : rows.contiguous();
+}
+
+at::Tensor patch_matrix_backward(const at::Tensor& grad, c10::IntArrayRef x_shape, c10::IntArrayRef kernel) {
+  constexpr const char* op = "patch_matrix_backward";
+  check_kernel_size(op, kernel);
+  check_floating(op, "grad", grad);
+  at::Tensor x = at::empty(x_shape, grad.options());
+  const PatchGeometry g = embed_geometry(op, "x_shape", x, kernel, {}, x);
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == g.batch * g.tokens() && grad.size(1) == g.patch_size(), op,
+              ": grad must be [", g.batch * g.tokens(), ", ", g.patch_size(), "] for x ", x_shape, " cut into ",
+              kernel, ", got shape ", grad.sizes());
+  const at::Tensor q = grad.stride(1) == 1 ? grad : grad.contiguous();
+  unpatchify(q.view({g.batch, g.tokens(), g.patch_size()}), g, std::nullopt, to_5d(x));
+  return x;
+}
+
 TORCH_LIBRARY_IMPL(patchgemm, CPU, m) {
+  m.impl("patch_matrix", &patch_matrix);
+  m.impl("patch_matrix_backward", &patch_matrix_backward);
   m.impl("patch_embed", &patch_embed);
   m.impl("patch_unembed", &patch_unembed);
   m.impl("patch_weight_grad", &patch_weight_grad);
@@ -258,6 +290,8 @@ TORCH_LIBRARY_IMPL(patchgemm, CPU, m) {
 
 #ifdef PATCHGEMM_WITH_CUDA
 TORCH_LIBRARY_IMPL(patchgemm, CUDA, m) {
+  m.impl("patch_matrix", &patch_matrix);
+  m.impl("patch_matrix_backward", &patch_matrix_backward);
   m.impl("patch_embed", &patch_embed);
   m.impl("patch_unembed", &patch_unembed);
   m.impl("patch_weight_grad", &patch_weight_grad);

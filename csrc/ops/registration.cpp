@@ -69,6 +69,13 @@ TORCH_LIBRARY(patchgemm, m) {
       "patch_weight_grad(Tensor grad_y, Tensor x, int[] kernel_size, bool tokens, int[]? levels, "
       "bool with_bias, bool transposed=False) -> (Tensor, Tensor)");
 
+  // The patch matrix of x [B, C, *S] (any strides; S divisible by kernel_size): [B * N, K], K = C *
+  // prod(kernel_size), rows in patch_embed's token order, columns in the conv weight's (c, k...) order,
+  // contiguous; the GEMM operand of the FP8 patch paths (patchgemm/fp8.py). Its adjoint scatters
+  // such a matrix back into x's shape, contiguous.
+  m.def("patch_matrix(Tensor x, int[] kernel_size) -> Tensor");
+  m.def("patch_matrix_backward(Tensor grad, int[] x_shape, int[] kernel_size) -> Tensor");
+
   // Instance norm (statistics per sample and channel over the spatial dims or tokens), then the
   // affine weight/bias and GELU when `gelu`: x is channels-first [B, C, *spatial] or (tokens)
   // [B, N, C]. Returns (y in x's shape, mean [B, C], rstd [B, C]) in float32 (float64 for float64 x).
