@@ -34,8 +34,10 @@ def patch_matrix_ref(x, kernel):
     return split.permute(order).reshape(-1, channels * math.prod(kernel))
 
 
+# The last two: rows of runs 6 and 24 KB apart, which the CPU copies in chunks (the last one shorter).
 MATRIX_CASES = [((2, 3, 32, 32), (8, 8)), ((3, 1, 64), (16,)), ((1, 2, 8, 8, 8), (2, 2, 2)), ((2, 5, 6, 10), (3, 5)),
-                ((4, 192, 16, 16, 16), (2, 2, 2)), ((0, 3, 8, 8), (4, 4))]
+                ((4, 192, 16, 16, 16), (2, 2, 2)), ((0, 3, 8, 8), (4, 4)), ((2, 384, 2040), (4,)),
+                ((1, 384, 100, 100), (4, 4))]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
+#include <numeric>
 
 namespace patchgemm {
 namespace cpu {
@@ -38,6 +40,22 @@ void copy_row_of_runs(char* dst, const char* src, int64_t count, int64_t dst_ste
     default:
       for (int64_t i = 0; i < count; ++i) std::memcpy(dst + i * dst_step, src + i * src_step, bytes);
   }
+}
+
+// How many runs of `row` to copy before the odometer's next steps fill their neighbouring bytes (its
+// whole length unless caches would evict them first). Runs a multiple of 64 B apart share cache
+// sets: a step of s lines uses sets / gcd(s, sets) of a cache's sets. Written runs 2 KB or more
+// apart fall in a few of an L1's 64 sets (its 4 KB way; 8 ways each taken); read runs, in an L2's
+// (1024 sets of 16 ways, half taken), beyond which the next step re-reads them from memory.
+int64_t runs_the_caches_hold(const Dim& row, int64_t elt) {
+  auto lines_held = [](int64_t step, int64_t sets, int64_t ways) -> int64_t {
+    if (step % 64 != 0) return INT64_MAX;
+    return sets / std::gcd(step / 64, sets) * ways;
+  };
+  const int64_t written = std::abs(row.dst_stride) * elt, read = std::abs(row.src_stride) * elt;
+  const int64_t held = std::min(written >= 2048 ? lines_held(written, 64, 8) : INT64_MAX,
+                                read >= 2048 ? lines_held(read, 1024, 8) : INT64_MAX);
+  return row.size <= held ? row.size : std::max<int64_t>(8, held);
 }
 
 }  // namespace
@@ -82,6 +100,15 @@ bool copy_runs(const at::Tensor& dst, const at::Tensor& src) {
     row = *chosen;
     dims.erase(chosen);
   }
+  // A row longer than the caches hold (runs_the_caches_hold) evicts the lines the next odometer step
+  // would fill: it is cut into chunks they hold, the chunk index the outermost dim, so the odometer
+  // completes a chunk's lines before it moves on (the last chunk may be shorter).
+  const int64_t row_length = row.size;
+  const int64_t chunk = runs_the_caches_hold(row, elt), chunks = (row_length + chunk - 1) / chunk;
+  if (chunks > 1) {
+    dims.insert(dims.begin(), Dim{chunks, chunk * row.dst_stride, chunk * row.src_stride});
+    row.size = chunk;
+  }
   int64_t rows = 1;
   for (const Dim& d : dims) rows *= d.size;
   char* const dst_base = static_cast<char*>(dst.data_ptr());
@@ -98,7 +125,8 @@ bool copy_runs(const at::Tensor& dst, const at::Tensor& src) {
       src_off += index[d] * dims[d].src_stride;
     }
     for (int64_t r = begin; r < end; ++r) {
-      copy_row_of_runs(dst_base + dst_off * elt, src_base + src_off * elt, row.size, row.dst_stride * elt,
+      const int64_t count = chunks > 1 && index[0] == chunks - 1 ? row_length - (chunks - 1) * chunk : row.size;
+      copy_row_of_runs(dst_base + dst_off * elt, src_base + src_off * elt, count, row.dst_stride * elt,
                        row.src_stride * elt, run_bytes);
       for (int64_t d = static_cast<int64_t>(dims.size()) - 1; d >= 0; --d) {  // the odometer
         dst_off += dims[d].dst_stride;
