@@ -10,8 +10,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "ops/checks.h"
 #include "kernels/patch/patchify.h"
+#include "ops/checks.h"
 #include "ops/patch_embed.h"
 #include "selection/patch_tables.h"
 
@@ -262,8 +262,7 @@ at::Tensor patch_matrix(const at::Tensor& x, c10::IntArrayRef kernel) {
   const PatchGeometry g = embed_geometry(op, "x", x, kernel, {}, x);  // (columns in (c, k...) order)
   const int64_t K = g.patch_size();
   const at::Tensor p = patchify(to_5d(x), g, /*ones_column=*/false);
-  const at::Tensor rows = p.narrow(2, 0, K).reshape({g.batch * g.tokens(), K});
-  return rows.is_contiguous() ? rows : rows.contiguous();
+  return p.narrow(2, 0, K).reshape({g.batch * g.tokens(), K}).contiguous();  // (a copy only where rows are padded)
 }
 
 at::Tensor patch_matrix_backward(const at::Tensor& grad, c10::IntArrayRef x_shape, c10::IntArrayRef kernel) {
