@@ -112,6 +112,13 @@ else:
     extra_compile_args["nvcc"].append(f"-DPATCHGEMM_ARCHS=\"{archs}\"")
     extra_compile_args["cxx"].append(f"-DPATCHGEMM_ARCHS=\"{archs}\"")
 
+# at::parallel_for is a header template: under torch's OpenMP backend our CPU loops run in parallel only
+# when compiled with OpenMP. The libgomp torch loads (same soname) then serves them, one thread pool.
+extra_link_args = []
+if torch.backends.openmp.is_available() and sys.platform.startswith("linux"):
+    cxx_flags.append("-fopenmp")
+    extra_link_args.append("-fopenmp")
+
 # The torch the library is compiled against: an import under another torch says so (ops.py), where
 # the loader would only report a missing symbol.
 with open(os.path.join("patchgemm", "_built_with.py"), "w") as f:
@@ -125,6 +132,7 @@ setup(
             include_dirs=[os.path.abspath("csrc")],
             extra_compile_args=extra_compile_args,
             libraries=libraries,
+            extra_link_args=extra_link_args,
             py_limited_api=True,  # no pybind11: torch defines Py_LIMITED_API, one wheel per platform
         )
     ],

@@ -51,6 +51,60 @@ def test_swiglu_every_impl_matches_float64(device, dtype, impl, shape):
     assert_close_to_ref(grad, ref_grad, dtype, "grad_gate_up")
 
 
+def magnitudes(rows, hidden, dtype, seed):
+    """gate_up [rows, 2 * hidden] with random signs and log-uniform magnitudes from 1e-4 to 120: the
+    exp's range reduction, its underflow (gate < -88: e^-gate is inf) and the plain middle."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp(torch.empty(rows, 2 * hidden, dtype=torch.float64).uniform_(-9.2, 4.8, generator=g))
+    sign = torch.randint(0, 2, (rows, 2 * hidden), generator=g) * 2 - 1
+    return (mag * sign).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_swiglu_cpu_fused_is_right_elementwise_at_every_magnitude(dtype):
+    """The CPU fused loops (an exp of their own, vectorized) against float64 value by value: rows of
+    1027 (not a multiple of the block or of a vector), enough rows for several threads; NaN and the
+    infinities give what ATen's silu gives; repeated calls are bitwise equal."""
+    rows, hidden = 67, 1027
+    gate_up = magnitudes(rows, hidden, dtype, seed=1)
+    gate_up[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0], dtype=dtype)
+    grad_h = magnitudes(rows, hidden, dtype, seed=2)[:, :hidden].clamp(-4, 4)
+    rtol = {torch.float32: 3e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    # A denormal's rounding; and below gate = -88.7, where e^-gate overflows float, h is -0 as ATen's
+    # silu gives (exactly, below 1e-36 * up).
+    atol = max(torch.finfo(dtype).tiny * torch.finfo(dtype).eps, 1e-30)
+    with patchgemm.force(swiglu="fused", swiglu_backward="fused"):
+        h = ops.swiglu(gate_up)
+        grad = ops.swiglu_backward(grad_h, gate_up)
+        for again, first in ((ops.swiglu(gate_up), h), (ops.swiglu_backward(grad_h, gate_up), grad)):
+            torch.testing.assert_close(again, first, rtol=0, atol=0, equal_nan=True)
+    ref_h = swiglu_reference(gate_up).to(dtype)
+    torch.testing.assert_close(h, ref_h, rtol=rtol, atol=atol, equal_nan=True)
+    finite = gate_up.isfinite().all(-1)  # (the first row holds the specials)
+    ref_in = gate_up[finite].double().requires_grad_()
+    dh = grad_h[finite].double()
+    (ref_grad,) = torch.autograd.grad(swiglu_reference(ref_in), ref_in, dh)
+    # d_gate = dh * up * s * (1 + gate * (1 - s)) cancels near gate = -1.28: the bound scales with the
+    # terms, not with their sum.
+    gate, up = ref_in.detach().chunk(2, -1)
+    terms = torch.cat([dh.abs() * up.abs() * (1 + gate.abs()), dh.abs() * gate.abs()], -1)
+    err = (grad[finite].double() - ref_grad).abs()
+    assert (err <= rtol * (ref_grad.abs() + terms) + atol).all(), f"{(err / (ref_grad.abs() + terms)).max():.3g}"
+
+
+def test_swiglu_cpu_default_is_the_fused_loop_where_it_is_vectorized():
+    """fp32 and 16-bit on a CPU with AVX2 (or not x86) run the fused loops; float64 and CPUs without
+    AVX2 run ATen's ops, which are vectorized there and ours are not."""
+    vectorized = torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+    for dtype, fused in ((torch.float32, vectorized), (torch.bfloat16, vectorized), (torch.float64, False)):
+        gate_up = randn(8, 64, dtype=dtype, requires_grad=True)
+        with patchgemm.explain() as e:
+            torch.autograd.grad(patchgemm.swiglu(gate_up), gate_up, randn(8, 32, dtype=dtype))
+        chosen = {c.op: c.chosen for c in e}
+        expected = "fused" if fused else "aten_composite"
+        assert chosen == {"swiglu": expected, "swiglu_backward": expected}, str(e)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_swiglu_reads_strided_input(device):
     base = randn(6, 20, device=device)

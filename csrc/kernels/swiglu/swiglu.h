@@ -12,6 +12,9 @@
 
 namespace patchgemm {
 
+// Whether this CPU runs the vectorized loops (x86-64: AVX2 and FMA; elsewhere the baseline ISA);
+// without them the loops are scalar and ATen's elementwise ops are faster.
+bool swiglu_cpu_is_vectorized();
 void swiglu_cpu(const at::Tensor& gate_up, const at::Tensor& h);
 void swiglu_backward_cpu(const at::Tensor& grad_h, const at::Tensor& gate_up, const at::Tensor& grad_gate_up);
 
