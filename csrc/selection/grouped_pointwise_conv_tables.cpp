@@ -194,10 +194,22 @@ const Table<GroupedPointwiseConvWeightGradProblem, Grads> kGradWeight(
          }},
 #endif
         {"strided_batched", "cpu cuda rocm",
-         "our strided-batched GEMM: one for tokens x; per sample for channels-first x, summed in fp32",
+         "our strided-batched GEMM: one for tokens x; per sample for channels-first x, summed in fp32 "
+         "(16-bit on the CPU: all samples in one, then their sum)",
          [](const GroupedPointwiseConvWeightGradProblem&) { return WhyNot(); }, nullptr,
          [](const GroupedPointwiseConvWeightGradProblem& p, bool, WhyNot&) -> std::optional<Grads> {
            const int64_t groups = p.x.size(1), c_out = p.grad_y.size(2), c_in = p.x.size(2);
+           if (p.x.is_cpu() && p.x.element_size() == 2 && !p.tokens && p.x.size(0) > 1) {
+             // On the CPU an fp32 output makes the GEMM widen its 16-bit operands first; as torch.matmul
+             // does, one GEMM per (sample, group) in 16 bits, summed over samples in fp32.
+             const int64_t batch = p.x.size(0), length = p.x.size(3);
+             at::Tensor per_sample = at::empty({batch * groups, c_out, c_in}, p.x.options());
+             run_gemm(p.grad_y.reshape({batch * groups, c_out, length}),
+                      p.x.reshape({batch * groups, c_in, length}).transpose(1, 2), per_sample, std::nullopt, false,
+                      kConv);
+             const at::Tensor sum = at::sum(per_sample.view({batch, groups, c_out, c_in}), {0}, false, at::kFloat);
+             return Grads{sum.to(p.x.scalar_type()), bias_grad(p)};
+           }
            at::Tensor grad_w = at::empty({groups, c_out, c_in}, p.x.options());
            if (p.tokens) {  // [G, c_out, N] @ [G, N, c_in]
              run_gemm(p.grad_y.transpose(0, 1).transpose(1, 2), p.x.transpose(0, 1), grad_w, std::nullopt, false,
