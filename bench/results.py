@@ -100,16 +100,19 @@ def heldout_section(saved: dict, name: str) -> str:
 
 
 def families_section(saved: dict, name: str) -> str:
-    margins = saved["margins"]
+    margins, gaps = saved["margins"], saved.get("unsure_gaps", [0.0])
     return "\n".join([
         f"## Model families left out: {_where(saved.get('environment', {}))}", "",
         f"`python -m patchgemm tune --from-json ... --hold-out-families "
         f"{','.join(r['family'] for r in saved['hold_out_families'])} --margins "
-        f"{','.join(f'{m:g}' for m in margins)} --json {name}`: each family judged by a learned model trained on "
+        f"{','.join(f'{m:g}' for m in margins)} --unsure-gaps {','.join(f'{g:g}' for g in gaps)} --json {name}`: "
+        "each family judged by a learned model trained on "
         "every other family's records (the random sequences always train). Per mode: regret = t(selected) / "
         "t(fastest candidate), mean / worst / share over 1.2x, and the share of records more than 3% slower than "
-        "PyTorch's fastest path (`aten_*`); `learned +m`: the model leaning toward PyTorch's paths by m.", "",
-        tune.format_families(saved["hold_out_families"], margins), ""])
+        "PyTorch's fastest path (`aten_*`); `learned +m`: the model leaning toward PyTorch's paths by m; "
+        "`timed within g`: where candidates score within g of the best, those are timed on the first call and the "
+        "fastest kept (the learned mode's default: the model file's `unsure_gap`).", "",
+        tune.format_families(saved["hold_out_families"], margins, gaps), ""])
 
 
 def _table_section(saved: dict, title: str, command: str, method: str, table: str) -> str:

@@ -94,11 +94,15 @@ def main(argv=None) -> int:
                       "the heuristic)")
     tune.add_argument("--margin", type=float, default=0.0, metavar="M", help="lean the trained model toward "
                       "PyTorch's own paths by M (the aten_* candidates' scores raised by M; default 0)")
+    tune.add_argument("--unsure-gap", type=float, default=0.0, metavar="G", help="the trained model's unsure gap: "
+                      "the learned mode times the candidates scored within G of the best (default 0: never)")
     tune.add_argument("--hold-out-families", metavar="NAMES", help="instead of training one model, judge each "
                       "model family (comma-separated, or 'all': every family of the records) by a model trained "
                       "on the others' records; families in patchgemm/tools/shapes.py")
     tune.add_argument("--margins", default="0", metavar="M,...", help="with --hold-out-families: the margins "
                       "toward PyTorch's paths to judge the learned mode at (default 0)")
+    tune.add_argument("--unsure-gaps", default="0", metavar="G,...", help="with --hold-out-families: judge "
+                      "the learned mode also timing the candidates scored within G of the best (default 0: never)")
     tune.add_argument("--train-device", metavar="TEXT", help="train only on records of GPUs whose name has TEXT")
     tune.add_argument("--evaluate-device", metavar="TEXT", help="judge only on records of GPUs whose name has TEXT")
     tune.add_argument("--device", help="cuda or cpu (default: cuda if present)")

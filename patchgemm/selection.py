@@ -92,7 +92,7 @@ def _software_key() -> str:
 
 
 # pins: op -> the name forced before set_selection pinned it; cache_dir and model: as last passed.
-_selection = {"mode": "heuristic", "pins": {}, "cache_dir": None, "model": None}
+_selection = {"mode": "heuristic", "pins": {}, "cache_dir": None, "model": None, "unsure_gap": None}
 
 
 def get_selection() -> str:
@@ -100,7 +100,8 @@ def get_selection() -> str:
     return _selection["mode"]
 
 
-def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional[str] = None) -> str:
+def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional[str] = None,
+                  unsure_gap: Optional[float] = None) -> str:
     """Choose how every op picks its implementation; returns the previous setting.
 
     ``mode``: ``"heuristic"``, ``"autotune"``, ``"learned"`` (see the module's doc), or the name of an
@@ -108,6 +109,8 @@ def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional
     which is then forced for every op that has one of that name, the others staying heuristic.
     ``cache_dir``: autotune's directory (default ``default_cache_dir()``; ``""`` keeps the choices in
     memory only). ``model``: a learned model file (default: the one shipped with the package).
+    ``unsure_gap``: in learned mode, time the candidates scored within this gap of the best (log-odds
+    of being the fastest) on a signature's first call; default the model's, ``0`` never times.
     Also set at import from ``PATCHGEMM_SELECTION``.
     """
     if not isinstance(mode, str) or not mode:
@@ -120,8 +123,13 @@ def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional
             names = sorted({c.name for c in kernels()})
             raise ValueError(f"patchgemm.set_selection: {mode!r} is neither a mode ({', '.join(MODES)}) nor an "
                              f"implementation name ({', '.join(names)})")
+    if unsure_gap is not None and (isinstance(unsure_gap, bool) or not isinstance(unsure_gap, (int, float))
+                                   or not 0 <= unsure_gap < float("inf")):
+        raise ValueError(f"patchgemm.set_selection: unsure_gap must be a number >= 0 (0: never time), got {unsure_gap!r}")
     if mode == "learned":
-        install_model(load_model(model))
+        loaded = load_model(model)
+        install_model(loaded)
+        ops._set_learned_unsure_gap(float(loaded.get("unsure_gap", 0.0) if unsure_gap is None else unsure_gap))
     directory = default_cache_dir() if cache_dir is None else cache_dir
     ops._set_selection_mode(mode if mode in MODES else "heuristic", directory if mode in MODES else "",
                             _software_key())
@@ -130,7 +138,7 @@ def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional
     _selection["pins"] = {}
     if mode not in MODES:
         _selection["pins"] = {op: ops._force(op, mode) for op in ops_with_it}
-    _selection.update(mode=mode, cache_dir=cache_dir, model=model)
+    _selection.update(mode=mode, cache_dir=cache_dir, model=model, unsure_gap=unsure_gap)
     return previous
 
 
@@ -178,7 +186,7 @@ def restored_selection():
     try:
         yield
     finally:
-        set_selection(saved["mode"], cache_dir=saved["cache_dir"], model=saved["model"])
+        set_selection(saved["mode"], cache_dir=saved["cache_dir"], model=saved["model"], unsure_gap=saved["unsure_gap"])
 
 
 def autotune_records() -> List[str]:

@@ -423,7 +423,7 @@ def test_the_shipped_model_leaves_the_cpu_to_the_rules_and_predicts_where_allowe
     model = selection.load_model()
     assert model["ops"] and model["description"] and model["backends"] == ["cuda"]
     x, w = randn(2, 3, 32, 32), randn(64, 3, 4, 4)
-    patchgemm.set_selection("learned", cache_dir="")
+    patchgemm.set_selection("learned", cache_dir="", unsure_gap=0)  # (the prediction alone)
     try:
         y, e = run_explained(lambda: patchgemm.patch_embed(x, w, None))
         torch.testing.assert_close(y, F.conv2d(x, w, stride=4), rtol=1e-4, atol=1e-4)
@@ -438,6 +438,70 @@ def test_the_shipped_model_leaves_the_cpu_to_the_rules_and_predicts_where_allowe
     finally:
         patchgemm.set_selection("heuristic")
         ops._forget_selections()
+
+
+def tie_model(op, candidates, lead):
+    """A model scoring `candidates` of `op` 0 but the last, `lead` above them, on every problem."""
+    scores = [0.0] * (len(candidates) - 1) + [lead]
+    # one feature (an "applies:" one: missing is 0), one hidden unit, all weights 0: b2 is the score
+    ops._set_learned_model(op, candidates, ["applies:nothing"], 1, [0.0, 1.0, 0.0, 0.0] + [0.0] * len(candidates)
+                           + scores, [])
+
+
+def test_learned_times_the_contenders_it_cannot_tell_apart():
+    """Where candidates score within the unsure gap of the best, the first call of a signature times
+    them (in memory) and later calls take that choice; a lead above the gap is predicted; under
+    deterministic algorithms the prediction alone decides."""
+    x, w, b, ref = grouped_case("cpu", batch=5)
+    contenders = ["strided_batched", "aten_bmm"]
+    try:
+        patchgemm.set_selection("learned", cache_dir="", unsure_gap=1.0)
+        tie_model("grouped_linear", contenders, 0.3)
+        y, e = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert_close_to_ref(y, ref, torch.float32)
+        assert e[0].how == "learned: unsure between the contenders, timed now" and e[0].chosen in contenders
+        timed = {v.name: v.reason for v in e[0].candidates if v.name in contenders}
+        assert all(r.endswith(" ms") for r in timed.values()), str(e)
+        assert all(v.status != "chosen" or v.name in contenders for v in e[0].candidates)
+        _, again = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert (again[0].chosen, again[0].how) == (e[0].chosen, "learned: contenders timed earlier in this process")
+
+        patchgemm.set_selection("learned", cache_dir="", unsure_gap=0.2)  # the lead, 0.3, is above it
+        ops._forget_selections()
+        tie_model("grouped_linear", contenders, 0.3)
+        _, e = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert (e[0].chosen, e[0].how) == ("aten_bmm", "learned: predicted now")
+
+        patchgemm.set_selection("learned", cache_dir="", unsure_gap=1.0)
+        ops._forget_selections()
+        tie_model("grouped_linear", contenders, 0.3)
+        with DeterministicAlgorithms():
+            y, e = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert (e[0].chosen, e[0].how) == ("aten_bmm", "learned: predicted now")
+        assert_close_to_ref(y, ref, torch.float32)
+    finally:
+        patchgemm.set_selection("heuristic")
+        selection.install_model(selection.load_model())
+        ops._forget_selections()
+
+
+class DeterministicAlgorithms:
+    def __enter__(self):
+        self.before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.before)
+
+
+@pytest.mark.parametrize("gap", [-1, float("nan"), float("inf"), "1", True])
+def test_a_bad_unsure_gap_is_a_clear_error(gap):
+    with pytest.raises(ValueError, match="unsure_gap must be a number >= 0"):
+        patchgemm.set_selection("learned", unsure_gap=gap)
+
+
+def test_the_shipped_model_times_where_it_is_unsure():
+    assert selection.load_model().get("unsure_gap", 0) > 0
 
 
 def test_bad_model_files_are_clear_errors(tmp_path):
@@ -610,6 +674,26 @@ def test_each_family_is_judged_by_a_model_that_never_saw_it(monkeypatch):
     assert "| dit | 6 |" in table and "| mean over families | 12 |" in table
     with pytest.raises(ValueError, match="no records of the families nope"):
         tune.hold_out_families(records, ["nope"])
+
+
+def test_an_unsure_gap_judges_the_fastest_of_the_contenders(monkeypatch):
+    """learned.predict with an unsure gap picks, among the candidates scored within it of the best,
+    the fastest by the record's times; hold_out_families reports it as a mode of its own."""
+    records = _family_records()
+    model = learned.train(records, steps=50)
+    for r in records:
+        s = learned.scores(model["ops"]["grouped_linear"], r.features)
+        fastest = min(r.times, key=r.times.get)
+        predicted = learned.predict(model, r)
+        assert learned.predict(model, r, unsure_gap=abs(s["aten_bmm"] - s["ours"]) + 1e-9) == fastest
+        assert learned.predict(model, r, unsure_gap=abs(s["aten_bmm"] - s["ours"]) / 2) == predicted
+    real_train = learned.train
+    monkeypatch.setattr(learned, "train", lambda rs, **o: real_train(rs, **{**o, "steps": 100}))
+    rows = tune.hold_out_families(records, margins=(0.0,), unsure_gaps=(0.0, 1e9), log=lambda *a: None)
+    for row in rows:
+        assert row["learned +0, timed within 1e+09"]["worst"] == 1.0  # every choice timed: the fastest
+    table = tune.format_families(rows, (0.0,), (0.0, 1e9))
+    assert "learned +0, timed within 1e+09 mean" in table
 
 
 def test_a_margin_raises_only_pytorchs_scores():

@@ -371,10 +371,11 @@ void remember_measured(const ProblemFeatures& f, const std::string& key,
   if (!dm.path.empty()) write_file(dm);
 }
 
-void remember_predicted(const at::Device& device, const std::string& key, const std::string& name) {
+void remember_learned(const at::Device& device, const std::string& key, const std::string& name,
+                      const std::string& how) {
   Memory& m = memory();
   std::lock_guard<std::mutex> lock(m.mutex);
-  device_memory(m, device).chosen[key] = {name, "learned: predicted earlier in this process"};
+  device_memory(m, device).chosen[key] = {name, how};
 }
 
 #ifdef PATCHGEMM_WITH_CUDA

@@ -4,9 +4,13 @@
 //   scores = W2 relu(W1 x + b1) + b2            one score per candidate the model knows
 // `params` holds mean [F], scale [F], W1 [H, F], b1 [H], W2 [C, H], b2 [C], row-major, in that order.
 // A query costs F * H + H * C multiply-adds (about 3,000): a few microseconds, once per signature.
+// Scores within the model's unsure gap of the best are ties the model cannot break: the registry
+// times those contenders (registry.h, run_learned).
+#include <ATen/Context.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -29,6 +33,8 @@ struct Models {
   std::mutex mutex;
   std::map<std::string, Model> by_op;
 };
+
+std::atomic<double> g_unsure_gap{0.0};
 
 Models& models() {
   static Models* m = new Models;  // never destroyed: ops may run during interpreter shutdown
@@ -78,7 +84,19 @@ void set_learned_model(const std::string& op, std::vector<std::string> candidate
   m.by_op[op] = std::move(model);
 }
 
+void set_learned_unsure_gap(double gap) {
+  TORCH_CHECK(std::isfinite(gap) && gap >= 0,
+              "patchgemm learned selector: the unsure gap must be finite and >= 0, got ", gap);
+  g_unsure_gap = gap;
+}
+
 namespace detail {
+
+double learned_unsure_gap(const at::Device& device) {
+  const double gap = g_unsure_gap.load(std::memory_order_relaxed);
+  if (gap <= 0 || at::globalContext().deterministicAlgorithms() || host_sync_forbidden(device)) return 0;
+  return gap;
+}
 
 bool learned_model_covers(const std::string& op, const at::Device& device) {
   Models& m = models();

@@ -103,8 +103,9 @@ bool remembers_any(const at::Device& device);
 // in ms, negative where it does not apply.
 void remember_measured(const ProblemFeatures& f, const std::string& key,
                        const std::vector<std::pair<std::string, double>>& times, const std::string& chosen);
-// Remembers a predicted choice (memory only).
-void remember_predicted(const at::Device& device, const std::string& key, const std::string& name);
+// Remembers a learned choice (memory only), made `how` ("learned: predicted ...", "learned: timed ...").
+void remember_learned(const at::Device& device, const std::string& key, const std::string& name,
+                      const std::string& how);
 // Whether `device`'s current stream is capturing a CUDA graph (then nothing is timed, and no
 // new choice runs a candidate the graph would not need). Where it is not, it makes this thread's
 // BLAS handles first, so that a capture that chooses otherwise need not create one.
@@ -124,6 +125,11 @@ std::vector<double> learned_scores(const std::string& op, const std::vector<std:
                                    const ProblemFeatures& f);
 // Whether a learned model for `op` covers `device`'s backend (else learned_scores is empty).
 bool learned_model_covers(const std::string& op, const at::Device& device);
+// The learned mode times the candidates scored within this gap of the best (0: never; set with the
+// model, set_learned_unsure_gap) where timing is allowed on `device`: not while a CUDA graph is
+// captured or host syncs are forbidden, nor under torch.use_deterministic_algorithms(True), where
+// the prediction alone decides, the same in every process.
+double learned_unsure_gap(const at::Device& device);
 }  // namespace detail
 
 template <typename Problem, typename Result>
@@ -309,7 +315,7 @@ class Table {
     std::vector<Verdict> verdicts;
     auto [heuristic_result, heuristic_pick] = run_rules(p, detail::observed() ? &verdicts : nullptr);
     add_rule_features(p, heuristic_pick, f);
-    if (mode == Mode::kAutotune) return run_autotuned(p, f, signature, key);
+    if (mode == Mode::kAutotune) return run_timed(p, f, signature, key, all_candidates(), /*learned=*/false);
     const std::vector<double> scores = detail::learned_scores(op_, names_, f);
     if (scores.empty()) {  // the heuristic's choice stands (its result is at hand)
       if (detail::observed()) {
@@ -317,19 +323,29 @@ class Table {
       }
       return heuristic_result;
     }
-    return run_learned(p, scores, f.device, key, heuristic_pick, std::move(heuristic_result));
+    return run_learned(p, scores, f, signature, key, heuristic_pick, std::move(heuristic_result));
   }
 
-  // Times every candidate that applies (each runs once first: a kernel declining in `run`, or
-  // running out of memory, drops out; any other error propagates), remembers the fastest and
-  // returns its result.
-  std::optional<Result> run_autotuned(const Problem& p, const ProblemFeatures& f, const std::string& signature,
-                                      const std::string& key) const {
+  std::vector<size_t> all_candidates() const {
+    std::vector<size_t> all(candidates_.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    return all;
+  }
+
+  // Times the candidates `which` (indices, ascending or not) that apply (each runs once first: a
+  // kernel declining in `run`, or running out of memory, drops out; any other error propagates),
+  // remembers the fastest and returns its result. Autotune times every candidate and keeps the
+  // times (and the cache file); the learned mode times the contenders it cannot tell apart and
+  // keeps the choice in memory.
+  std::optional<Result> run_timed(const Problem& p, const ProblemFeatures& f, const std::string& signature,
+                                  const std::string& key, const std::vector<size_t>& which, bool learned) const {
     std::vector<std::string> why(candidates_.size());
+    std::vector<bool> asked(candidates_.size(), false);
     std::vector<size_t> timed;
     std::vector<std::function<void()>> calls;
-    for (size_t i = 0; i < candidates_.size(); ++i) {
+    for (size_t i : which) {
       const auto& c = candidates_[i];
+      asked[i] = true;
       why[i] = why_not(c, p);
       if (!why[i].empty()) continue;
       try {
@@ -346,38 +362,60 @@ class Table {
     }
     if (timed.empty()) return std::nullopt;  // the heuristic's error names the problem
     const std::vector<double> ms = detail::time_in_turns(f.device, calls);
-    const size_t best = timed[std::min_element(ms.begin(), ms.end()) - ms.begin()];
-    std::vector<std::pair<std::string, double>> times;
-    for (size_t i = 0, t = 0; i < candidates_.size(); ++i) {
-      const bool was_timed = t < timed.size() && timed[t] == i;
-      times.emplace_back(candidates_[i].name, was_timed ? ms[t++] : -1.0);
+    const size_t fastest = std::min_element(ms.begin(), ms.end()) - ms.begin(), best = timed[fastest];
+    std::vector<double> time_of(candidates_.size(), -1.0);
+    for (size_t t = 0; t < timed.size(); ++t) time_of[timed[t]] = ms[t];
+    if (learned) {
+      detail::remember_learned(f.device, key, candidates_[best].name,
+                               "learned: contenders timed earlier in this process");
+    } else {
+      std::vector<std::pair<std::string, double>> times;
+      for (size_t i = 0; i < candidates_.size(); ++i) times.emplace_back(candidates_[i].name, time_of[i]);
+      detail::remember_measured(f, key, times, candidates_[best].name);
     }
-    detail::remember_measured(f, key, times, candidates_[best].name);
     WhyNot unused;
     std::optional<Result> result = candidates_[best].run(p, /*ruled=*/false, unused);
-    TORCH_CHECK(result, op_, ": the autotuned \"", candidates_[best].name, "\" declined on its second run");
+    TORCH_CHECK(result, op_, ": the timed \"", candidates_[best].name, "\" declined on its second run");
     if (detail::observed()) {
       std::vector<Verdict> verdicts;
       for (size_t i = 0; i < candidates_.size(); ++i) {
-        if (times[i].second < 0) {
-          verdicts.push_back({candidates_[i].name, Verdict::kUnsupported, why[i]});
-        } else {
+        if (time_of[i] >= 0) {
           verdicts.push_back({candidates_[i].name, i == best ? Verdict::kChosen : Verdict::kRuledOut,
-                              format_ms(times[i].second)});
+                              format_ms(time_of[i])});
+        } else if (WhyNot reason = asked[i] ? why[i] : why_not(candidates_[i], p); !reason.empty()) {
+          verdicts.push_back({candidates_[i].name, Verdict::kUnsupported, reason});
+        } else {
+          verdicts.push_back({candidates_[i].name, Verdict::kNotReached, "scored lower than the contenders"});
         }
       }
-      detail::note(op_, signature, "autotune: timed now", std::move(verdicts));
+      detail::note(op_, signature,
+                   learned ? "learned: unsure between the contenders, timed now" : "autotune: timed now",
+                   std::move(verdicts));
     }
     return result;
   }
 
   // The best-scored candidate that applies and runs (the heuristic's pick has run: its result is
-  // taken as it is); remembered in memory.
-  Result run_learned(const Problem& p, const std::vector<double>& scores, const at::Device& device,
-                     const std::string& key, size_t heuristic_pick, Result heuristic_result) const {
-    std::vector<size_t> order(candidates_.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  // taken as it is); remembered in memory. Where others that apply score within the unsure gap of
+  // the best, the model cannot tell them apart: those contenders are timed instead (run_timed).
+  Result run_learned(const Problem& p, const std::vector<double>& scores, const ProblemFeatures& f,
+                     const std::string& signature, const std::string& key, size_t heuristic_pick,
+                     Result heuristic_result) const {
+    std::vector<size_t> order = all_candidates();
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return scores[a] > scores[b]; });
+    if (const double gap = detail::learned_unsure_gap(f.device); gap > 0) {
+      std::vector<size_t> contenders;
+      for (size_t i : order) {
+        if (!why_not(candidates_[i], p).empty()) continue;
+        if (!contenders.empty() && scores[i] < scores[contenders.front()] - gap) break;
+        contenders.push_back(i);
+      }
+      if (contenders.size() > 1) {
+        if (std::optional<Result> result = run_timed(p, f, signature, key, contenders, /*learned=*/true)) {
+          return std::move(*result);
+        }
+      }
+    }
     // The candidates scored above the heuristic's pick are tried in order; reaching the pick, its
     // result (in hand) is taken.
     for (size_t i : order) {
@@ -387,16 +425,16 @@ class Table {
       if (!why.empty()) continue;
       std::optional<Result> result = c.run(p, /*ruled=*/false, why);
       if (!result) continue;
-      remember_learned(p, device, key, c.name);
+      remember_predicted(p, f.device, key, c.name);
       return std::move(*result);
     }
-    remember_learned(p, device, key, candidates_[heuristic_pick].name);
+    remember_predicted(p, f.device, key, candidates_[heuristic_pick].name);
     return heuristic_result;
   }
 
-  void remember_learned(const Problem& p, const at::Device& device, const std::string& key,
-                        const std::string& name) const {
-    detail::remember_predicted(device, key, name);
+  void remember_predicted(const Problem& p, const at::Device& device, const std::string& key,
+                          const std::string& name) const {
+    detail::remember_learned(device, key, name, "learned: predicted earlier in this process");
     if (detail::observed()) note_single(p, name, "learned: predicted now", "scored lower");
   }
 
@@ -471,6 +509,8 @@ void forget();
 // trained it (empty: every backend); elsewhere the heuristic chooses.
 void set_learned_model(const std::string& op, std::vector<std::string> candidates, std::vector<std::string> features,
                        int64_t hidden, std::vector<double> params, std::vector<std::string> backends);
+// The learned mode's unsure gap (detail::learned_unsure_gap): 0 never times.
+void set_learned_unsure_gap(double gap);
 // Testing hook: the default choice without its rules (the first candidate that applies runs), and
 // without the candidates named in `excluded` (any op's). Returns nothing; reset with (true, {}).
 void set_testing(bool rules, std::vector<std::string> excluded);

@@ -159,15 +159,19 @@ def scores(op_model: dict, features: Dict[str, float]) -> Dict[str, float]:
             for c, row, b in zip(op_model["candidates"], op_model["w2"], op_model["b2"])}
 
 
-def predict(model: dict, record: Record) -> Optional[str]:
+def predict(model: dict, record: Record, unsure_gap: float = 0.0) -> Optional[str]:
     """The candidate the learned mode runs for the record's problem: the best-scored one that applies
-    (None without a model for the op)."""
+    (None without a model for the op). With ``unsure_gap`` > 0, as the learned mode does at run time
+    (csrc/selection/registry.h, run_learned): where others that apply score within the gap of the
+    best, those contenders are timed and the fastest runs, here the fastest by the record's times."""
     op_model = model["ops"].get(record.op)
     if op_model is None:
         return None
     s = scores(op_model, record.features)
     applicable = [n for n, t in record.times.items() if t is not None]
-    return max(applicable, key=lambda n: s.get(n, -math.inf))
+    best = max(applicable, key=lambda n: s.get(n, -math.inf))
+    contenders = [n for n in applicable if s.get(n, -math.inf) >= s.get(best, -math.inf) - unsure_gap]
+    return min(contenders, key=lambda n: record.times[n]) if unsure_gap > 0 and len(contenders) > 1 else best
 
 
 def with_pytorch_margin(model: dict, margin: float) -> dict:

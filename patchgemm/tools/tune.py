@@ -3,10 +3,11 @@ learned selector on some sets and report every mode's regret on the others.
 
     python -m patchgemm tune [--random N [--random-start K]] [--model-like N] [--only-channels-last]
                              [--train-on tuning,random,models,families] [--evaluate-on heldout] [--validate K]
-                             [--margin M] [--model PATH] [--json PATH] [--cache-dir DIR]
+                             [--margin M] [--unsure-gap G] [--model PATH] [--json PATH] [--cache-dir DIR]
     python -m patchgemm tune --from-json A.json[,B.json] [--relabel] [--train-device TEXT] [--evaluate-device TEXT] ...
     python -m patchgemm tune --from-json A.json[,B.json] --cross-validate K [--train-device TEXT] ...
     python -m patchgemm tune [--from-json A.json,...] --hold-out-families all|F,... [--margins 0,0.5,1]
+                             [--unsure-gaps 0,1.5]
     python -m patchgemm tune ... --records-only --json PATH
 
 Each shape (patchgemm/tools/shapes.py) runs forward and forward + backward twice: under the heuristic, to
@@ -24,7 +25,8 @@ of a GPU machine come back to be judged and trained on elsewhere.
 choices about training (which records, which options) are made without looking at the held-out sets;
 ``--validate K`` keeps in the trained model only the ops whose cross-validated choices beat the
 heuristic's (the others choose by the heuristic in learned mode); ``--margin M`` leans the trained
-model toward PyTorch's own paths (``learned.with_pytorch_margin``). ``--hold-out-families`` judges the
+model toward PyTorch's own paths (``learned.with_pytorch_margin``); ``--unsure-gap G`` makes the learned
+mode time the candidates the model scores within G of the best. ``--hold-out-families`` judges the
 modes the way a new model meets them: each model family of ``shapes.FAMILIES`` (and of the tuning and
 held-out sets) in turn by a model trained on every other family's records, with the share of records
 where a mode's choice is more than 3% slower than PyTorch's fastest path.
@@ -223,12 +225,13 @@ Choices = Callable[[Record], Tuple[Optional[str], Optional[str]]]  # a record ->
 
 
 def judge(records: List[Record], model: Optional[dict] = None, best: Optional[Dict[str, str]] = None,
-          choose: Optional[Choices] = None) -> List[dict]:
+          choose: Optional[Choices] = None, unsure_gap: float = 0.0) -> List[dict]:
     """Per op and overall: each mode's geometric-mean and worst regret, the learned and single-best
-    choices those of `model` and `best`, or of `choose` (where each record has a model of its own)."""
+    choices those of `model` (timing the contenders within `unsure_gap`: learned.predict) and `best`,
+    or of `choose` (where each record has a model of its own)."""
     if choose is None:
         def choose(r):
-            return learned.predict(model, r), best.get(r.op)
+            return learned.predict(model, r, unsure_gap), best.get(r.op)
     rows = []
     rs_all = [r for r in records if r.tags.get("heuristic") in r.times]
     for op in sorted({r.op for r in rs_all}) + [None]:
@@ -369,15 +372,21 @@ def record_family(r: Record) -> str:
 NEVER_HELD_OUT = ("random", "model-like")  # generic sequences: training data, not a family of models
 
 
+def learned_mode(margin: float, unsure_gap: float = 0.0) -> str:
+    """A learned mode's name in hold_out_families' rows: "learned +m", with ", timed within g"."""
+    return f"learned +{margin:g}" + (f", timed within {unsure_gap:g}" if unsure_gap > 0 else "")
+
+
 def hold_out_families(records: List[Record], families: Optional[List[str]] = None, margins=(0.0,),
                       train_device: Optional[str] = None, evaluate_device: Optional[str] = None, seed: int = 0,
-                      log=print, **train_options) -> List[dict]:
+                      log=print, unsure_gaps=(0.0,), **train_options) -> List[dict]:
     """How each mode does on a model family it never saw: per family F (default: every family of the
     records but the random sequences), the learned model trained on every record of the other
     families (of GPUs named ``train_device``), each ``margin`` of ``learned.with_pytorch_margin``
-    applied to it, and every mode judged on F's records (of ``evaluate_device``). Returns, per
-    family, ``judge``'s overall row with a "learned +m" mode per margin m (and "learned" for the
-    first margin)."""
+    applied to it, each with each of ``unsure_gaps`` (0: the prediction alone; g: the contenders
+    scored within g of the best timed, learned.predict), and every mode judged on F's records (of
+    ``evaluate_device``). Returns, per family, ``judge``'s overall row with a mode per margin and gap
+    (learned_mode), "learned" the first of them."""
     by_family: Dict[str, List[Record]] = {}
     for r in records:
         by_family.setdefault(record_family(r), []).append(r)
@@ -392,19 +401,20 @@ def hold_out_families(records: List[Record], families: Optional[List[str]] = Non
         test = [r for r in by_family[family] if _on_device(r, evaluate_device)]
         base = learned.train(train, seed=seed, **train_options)
         best = single_best(train)
-        judged = [judge(test, learned.with_pytorch_margin(base, m), best)[-1] for m in margins]  # overall rows
-        row = dict(judged[0], family=family, train_records=len(train))
-        row.update({f"learned +{m:g}": j["learned"] for m, j in zip(margins, judged)})
+        modes = [(m, g) for m in margins for g in unsure_gaps]
+        judged = [judge(test, learned.with_pytorch_margin(base, m), best, unsure_gap=g)[-1] for m, g in modes]
+        row = dict(judged[0], family=family, train_records=len(train))  # (the overall rows)
+        row.update({learned_mode(m, g): j["learned"] for (m, g), j in zip(modes, judged)})
         rows.append(row)
         log(f"  {family}: {row['records']} records; heuristic {mode_cell(row['heuristic'])}; "
-            + "; ".join(f"learned +{m:g} {mode_cell(row[f'learned +{m:g}'])}" for m in margins))
+            + "; ".join(f"{learned_mode(m, g)} {mode_cell(row[learned_mode(m, g)])}" for m, g in modes))
     return rows
 
 
-def format_families(rows: List[dict], margins) -> str:
+def format_families(rows: List[dict], margins, unsure_gaps=(0.0,)) -> str:
     """hold_out_families' rows as a table: per family and mode, mean / worst regret / share of
     records over 1.2x, and the share of records more than 3% slower than PyTorch's fastest path."""
-    modes = ["heuristic"] + [f"learned +{m:g}" for m in margins] + ["single best"]
+    modes = ["heuristic"] + [learned_mode(m, g) for m in margins for g in unsure_gaps] + ["single best"]
     lines = ["| family held out | records | " + " | ".join(f"{m} mean / worst / > 1.2x / slower than PyTorch"
                                                       for m in modes) + " |",
              "|---|---|" + "---|" * len(modes)]
@@ -480,12 +490,14 @@ def main(args) -> int:
     if args.hold_out_families:
         margins = [float(m) for m in args.margins.split(",") if m]
         families = None if args.hold_out_families == "all" else [f for f in args.hold_out_families.split(",") if f]
-        rows = hold_out_families(records, families, margins, args.train_device, args.evaluate_device, args.seed)
+        gaps = [float(g) for g in args.unsure_gaps.split(",") if g]
+        rows = hold_out_families(records, families, margins, args.train_device, args.evaluate_device, args.seed,
+                                 unsure_gaps=gaps)
         print(f"\nEach family judged by a model trained on the other families' records (regret = t(selected) / "
               f"t(fastest); slower than PyTorch: > {SLOWER_THAN_PYTORCH:.0%} slower than its fastest aten_* path)")
-        print(format_families(rows, margins))
+        print(format_families(rows, margins, gaps))
         if args.json:
-            save(args.json, {"environment": env, "hold_out_families": rows, "margins": margins})
+            save(args.json, {"environment": env, "hold_out_families": rows, "margins": margins, "unsure_gaps": gaps})
         return 0
     if args.cross_validate:
         rows = cross_validate(records, train_on, args.cross_validate, args.train_device, args.evaluate_device,
@@ -500,6 +512,8 @@ def main(args) -> int:
             print(f"{op}: {verdict}")
     if args.margin:
         model = learned.with_pytorch_margin(model, args.margin)
+    if args.unsure_gap:
+        model["unsure_gap"] = args.unsure_gap  # (the judgement below stays the prediction's)
     if args.validate or args.margin:
         report["evaluate"] = judge(_select(records, evaluate_on, args.evaluate_device), model, report["single_best"])
         report["train"] = judge(_select(records, train_on, args.train_device, exclude=evaluate_on), model,
