@@ -31,6 +31,10 @@ import torch
 from .ops import ops
 
 MODES = ("heuristic", "autotune", "learned")
+# The time a process may spend, from set_selection("learned"), timing the contenders the model cannot
+# tell apart (a first call of a new signature takes tens of ms): shapes that change without end
+# then cost no more than this.
+LEARNED_TIMING_BUDGET_MS = 2000.0
 DEFAULT_MODE = "learned"  # judged on model families it never saw: see bench/RESULTS.md
 MODEL_FORMAT = 1  # of the learned selector's model files (patchgemm.tools.learned writes them)
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "data", "selector.json")
@@ -129,7 +133,8 @@ def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional
     if mode == "learned":
         loaded = load_model(model)
         install_model(loaded)
-        ops._set_learned_unsure_gap(float(loaded.get("unsure_gap", 0.0) if unsure_gap is None else unsure_gap))
+        gap = loaded.get("unsure_gap", 0.0) if unsure_gap is None else unsure_gap
+        ops._set_learned_unsure_gap(float(gap), LEARNED_TIMING_BUDGET_MS)
     directory = default_cache_dir() if cache_dir is None else cache_dir
     ops._set_selection_mode(mode if mode in MODES else "heuristic", directory if mode in MODES else "",
                             _software_key())

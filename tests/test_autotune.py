@@ -450,8 +450,8 @@ def tie_model(op, candidates, lead):
 
 def test_learned_times_the_contenders_it_cannot_tell_apart():
     """Where candidates score within the unsure gap of the best, the first call of a signature times
-    them (in memory) and later calls take that choice; a lead above the gap is predicted; under
-    deterministic algorithms the prediction alone decides."""
+    them (in memory) and later calls take that choice; a lead above the gap is predicted; with the
+    timing budget spent, and under deterministic algorithms, the prediction alone decides."""
     x, w, b, ref = grouped_case("cpu", batch=5)
     contenders = ["strided_batched", "aten_bmm"]
     try:
@@ -469,6 +469,11 @@ def test_learned_times_the_contenders_it_cannot_tell_apart():
         patchgemm.set_selection("learned", cache_dir="", unsure_gap=0.2)  # the lead, 0.3, is above it
         ops._forget_selections()
         tie_model("grouped_linear", contenders, 0.3)
+        _, e = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert (e[0].chosen, e[0].how) == ("aten_bmm", "learned: predicted now")
+
+        ops._set_learned_unsure_gap(1.0, 0.0)  # no time to spend: the prediction decides
+        ops._forget_selections()
         _, e = run_explained(patchgemm.grouped_linear, x, w, b)
         assert (e[0].chosen, e[0].how) == ("aten_bmm", "learned: predicted now")
 

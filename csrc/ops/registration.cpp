@@ -167,7 +167,7 @@ TORCH_LIBRARY(patchgemm, m) {
           patchgemm::selection::set_learned_model(op, std::move(candidates), std::move(features), hidden,
                                                   std::move(params), std::move(backends));
         });
-  // Scores within this gap of the best are timed in learned mode (0: never).
-  m.def("_set_learned_unsure_gap(float gap) -> ()",
-        [](double gap) { patchgemm::selection::set_learned_unsure_gap(gap); });
+  // Scores within this gap of the best are timed in learned mode (0: never), for budget_ms at most.
+  m.def("_set_learned_unsure_gap(float gap, float budget_ms) -> ()",
+        [](double gap, double budget_ms) { patchgemm::selection::set_learned_unsure_gap(gap, budget_ms); });
 }

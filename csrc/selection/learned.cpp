@@ -35,6 +35,9 @@ struct Models {
 };
 
 std::atomic<double> g_unsure_gap{0.0};
+// The time this process may spend timing contenders, and what it has spent (microseconds): new
+// signatures without end (a shape that changes every step) then cost their first calls no more.
+std::atomic<int64_t> g_timing_budget_us{0}, g_timing_spent_us{0};
 
 Models& models() {
   static Models* m = new Models;  // never destroyed: ops may run during interpreter shutdown
@@ -84,19 +87,26 @@ void set_learned_model(const std::string& op, std::vector<std::string> candidate
   m.by_op[op] = std::move(model);
 }
 
-void set_learned_unsure_gap(double gap) {
+void set_learned_unsure_gap(double gap, double budget_ms) {
   TORCH_CHECK(std::isfinite(gap) && gap >= 0,
               "patchgemm learned selector: the unsure gap must be finite and >= 0, got ", gap);
+  TORCH_CHECK(std::isfinite(budget_ms) && budget_ms >= 0,
+              "patchgemm learned selector: the timing budget must be finite and >= 0 ms, got ", budget_ms);
   g_unsure_gap = gap;
+  g_timing_budget_us = static_cast<int64_t>(budget_ms * 1000);
+  g_timing_spent_us = 0;
 }
 
 namespace detail {
 
 double learned_unsure_gap(const at::Device& device) {
   const double gap = g_unsure_gap.load(std::memory_order_relaxed);
-  if (gap <= 0 || at::globalContext().deterministicAlgorithms() || host_sync_forbidden(device)) return 0;
+  if (gap <= 0 || g_timing_spent_us.load() >= g_timing_budget_us.load()) return 0;
+  if (at::globalContext().deterministicAlgorithms() || host_sync_forbidden(device)) return 0;
   return gap;
 }
+
+void spent_timing(double ms) { g_timing_spent_us += static_cast<int64_t>(ms * 1000); }
 
 bool learned_model_covers(const std::string& op, const at::Device& device) {
   Models& m = models();

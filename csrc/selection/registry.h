@@ -23,6 +23,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -128,8 +129,10 @@ bool learned_model_covers(const std::string& op, const at::Device& device);
 // The learned mode times the candidates scored within this gap of the best (0: never; set with the
 // model, set_learned_unsure_gap) where timing is allowed on `device`: not while a CUDA graph is
 // captured or host syncs are forbidden, nor under torch.use_deterministic_algorithms(True), where
-// the prediction alone decides, the same in every process.
+// the prediction alone decides, the same in every process; nor once the timing budget is spent.
 double learned_unsure_gap(const at::Device& device);
+// Counts `ms` of the learned mode's timing against its budget.
+void spent_timing(double ms);
 }  // namespace detail
 
 template <typename Problem, typename Result>
@@ -411,9 +414,11 @@ class Table {
         contenders.push_back(i);
       }
       if (contenders.size() > 1) {
-        if (std::optional<Result> result = run_timed(p, f, signature, key, contenders, /*learned=*/true)) {
-          return std::move(*result);
-        }
+        const auto start = std::chrono::steady_clock::now();
+        std::optional<Result> result = run_timed(p, f, signature, key, contenders, /*learned=*/true);
+        const std::chrono::duration<double, std::milli> spent = std::chrono::steady_clock::now() - start;
+        detail::spent_timing(spent.count());
+        if (result) return std::move(*result);
       }
     }
     // The candidates scored above the heuristic's pick are tried in order; reaching the pick, its
@@ -509,8 +514,9 @@ void forget();
 // trained it (empty: every backend); elsewhere the heuristic chooses.
 void set_learned_model(const std::string& op, std::vector<std::string> candidates, std::vector<std::string> features,
                        int64_t hidden, std::vector<double> params, std::vector<std::string> backends);
-// The learned mode's unsure gap (detail::learned_unsure_gap): 0 never times.
-void set_learned_unsure_gap(double gap);
+// The learned mode's unsure gap (detail::learned_unsure_gap; 0 never times) and the time in ms this
+// process may spend timing (from now).
+void set_learned_unsure_gap(double gap, double budget_ms);
 // Testing hook: the default choice without its rules (the first candidate that applies runs), and
 // without the candidates named in `excluded` (any op's). Returns nothing; reset with (true, {}).
 void set_testing(bool rules, std::vector<std::string> excluded);
