@@ -16,6 +16,11 @@
 
 #include "kernels/swiglu/swiglu.h"
 
+// exp_float rounds by adding and subtracting 1.5 * 2^23, which reassociating float math would fold.
+#ifdef __FAST_MATH__
+#error "csrc/kernels/swiglu/swiglu_cpu.cpp needs IEEE float semantics: build without -ffast-math"
+#endif
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(_WIN32)
 #define PATCHGEMM_ISA_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
