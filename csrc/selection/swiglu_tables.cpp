@@ -42,9 +42,9 @@ WhyNot fused_supports(const SwigluProblem& p) {
   return "gate_up is on " + p.gate_up.device().str() + ", which this build has no kernel for";
 }
 
-// On the CPU the fused float32 and 16-bit loops are vectorized where the machine has AVX2 (x86-64) and then beat ATen's
-// silu, mul and silu_backward, which each take a pass over memory; compiled for the baseline alone
-// they are scalar and lose several times over.
+// On the CPU the fused float32 and 16-bit loops are vectorized where the machine has AVX2 (x86-64)
+// and then beat ATen's silu, mul and silu_backward, which each take a pass over memory; compiled for
+// the baseline alone (and in float64) they are scalar and lose several times over.
 WhyNot fused_rule(const SwigluProblem& p) {
   if (!p.gate_up.is_cpu()) return "";
   if (!swiglu_cpu_is_vectorized())
