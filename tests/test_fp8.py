@@ -64,10 +64,12 @@ def test_transposed_copy_is_the_data_transposed(device, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("shape", [(3, 1000, 1024 + 3), (3, 1000, 1024 + 4), (2, 1000, 1024 + 8)],
-                         ids=["by1", "by4", "by8"])  # the transposing kernel's widths, edges in rows and columns
+@pytest.mark.parametrize("shape", [(3, 1000, 1024 + 3), (3, 1000, 1024 + 4), (2, 1000, 1024 + 8),
+                                   (65535 + 9, 8, 24), (2560, 12288)],
+                         ids=["by1", "by4", "by8", "by8-many-p", "by8-large"])
 def test_fused_quantize_is_bitwise_aten(dtype, fmt, transposed, shape):
-    """At scale (a grid-stride loop over more tiles than the grid has blocks) and with ragged edges."""
+    """The transposing kernels' widths (16-bit x with R and C multiples of 8 take 8 x 8 blocks), with
+    edges in rows and columns, more x[p] than a grid has blocks (a loop), and a grid of many waves."""
     x = randn(*shape, dtype=dtype, device="cuda") * 5
     with patchgemm.force(quantize_fp8="fused"):
         out = ops.quantize_fp8(x, fmt, True, transposed)
@@ -93,7 +95,7 @@ def quantizers(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("shape", [(70, 130), (3, 65, 64), (2, 1000, 1024 + 8), (2, 1000, 1027), (2, 3000, 516),
-                                   (4096, 4104), (5, 0, 8), (1, 1, 4)])
+                                   (4096, 4104), (5, 0, 8), (1, 1, 4), (65535 + 9, 8, 16)])
 def test_column_sums_are_the_bias_gradient(device, dtype, transposed, shape):
     """x summed over its second-to-last dim, within one rounding of the float64 sum; the data and the
     scale the same bits as without the sums, and every run the same bits (the transposing kernel's

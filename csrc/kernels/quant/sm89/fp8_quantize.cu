@@ -1,6 +1,8 @@
 // FP8 quantization. Current scaling in two kernels: amax(|x|), then the cast that reads it -- a flat
 // one (each thread moves 16 bytes of x at a time) or one that also writes the transposed copy (and
 // may sum x's columns on the way: an output gradient's bias gradient, without a pass of its own).
+// The casts walk x from its end: the amax pass read that part last, so what of x the L2 still holds
+// is read from there.
 // Delayed scaling in one pass over x: the cast scales by the amax its history holds and observes x's
 // own amax on the way; a one-block kernel then records it in the history (the amax kernel returns
 // at once unless the history holds nothing yet, when it measures x as current scaling does). Every
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* __restrict__ x,
 
 // data = saturate(x * (1 / scale)), the scale as Scaling computes it from `words`. The scale goes to
 // its own word: no block may overwrite amax's bits while another may still read them. With
-// words.observed, the bits of x's own amax are max-ed into it on the way.
+// words.observed, the bits of x's own amax are max-ed into it on the way. Packs from the last.
 template <typename T, __nv_fp8_interpretation_t kFormat>
 __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, int64_t n, AmaxWords words,
                                                           __nv_fp8_storage_t* __restrict__ data,
@@ -135,7 +137,8 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (first == 0) *scale_out = quantize.scale;
   unsigned int local = 0;
-  for (int64_t i = first; i < packs; i += stride) {
+  for (int64_t step = first; step < packs; step += stride) {
+    const int64_t i = packs - 1 - step;
     const Pack<T> p = reinterpret_cast<const Pack<T>*>(x)[i];
     Out o;
 #pragma unroll
@@ -152,7 +155,35 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
   if (words.observed != nullptr) block_max_into(local, words.observed);  // (the same branch for the whole grid)
 }
 
-// The same cast for x viewed as [P, R, C], writing data [P, R, C] (if given) and data_t [P, C, R]:
+// A block's column sums of x[p] into parts_row[c0 ...]: each thread's kVec column sums (`sums`, of
+// columns `column` ... of the tile) added across the lanes of its warp that hold the same columns (a
+// butterfly from lane offset kFrom: each pair's sum the same both ways, so every lane ends with the
+// same bits), written by the `lead` lane of each group into partial[slot], then partial's rows
+// 0, kSlotStep, ... summed in order by the first threads. Every thread of the block calls it.
+template <int kFrom, int kSlotStep, int kVec, int kSlots, int kCols>
+__device__ __forceinline__ void store_column_sums(float (&sums)[kVec], bool lead, int slot, int column,
+                                                  float (&partial)[kSlots][kCols], int64_t c0, int64_t C,
+                                                  float* __restrict__ parts_row) {
+#pragma unroll
+  for (int offset = kFrom; offset < 32; offset *= 2) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) sums[j] = __fadd_rn(sums[j], __shfl_xor_sync(0xffffffffu, sums[j], offset));
+  }
+  if (lead) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) partial[slot][column + j] = sums[j];
+  }
+  __syncthreads();
+  if (threadIdx.x < kCols && c0 + threadIdx.x < C) {
+    float total = 0.f;
+    for (int i = 0; i < kSlots; i += kSlotStep) total = __fadd_rn(total, partial[i][threadIdx.x]);
+    parts_row[c0 + threadIdx.x] = total;
+  }
+  __syncthreads();
+}
+
+// The same cast for x viewed as [P, R, C], writing data [P, R, C] (if given) and data_t [P, C, R],
+// where cast_transpose_8x8_kernel (below) does not apply (float32 x; R or C not multiples of 8):
 // a block quantizes a 64 x 64 tile, reading x and writing data along C, and writes data_t from the
 // tile in shared memory along R. kVec consecutive values per thread (8 where R and C are multiples
 // of 8: 16-byte loads of 16-bit x, 8-byte stores both ways; 4 where they are multiples of 4; else 1),
@@ -240,24 +271,91 @@ __global__ void __launch_bounds__(kThreads, kCastTransposeBlocksPerSm)
     }
     if (sum_parts != nullptr) {  // (the same branch for the whole block)
       // The rows first_row, first_row + kRowsPerPass / kRowsPerWarp, ... of a warp's lane, summed
-      // by a butterfly (each pair's sum the same both ways: every thread ends with the same bits).
+      // by the butterfly, then the warps' rows in order.
+      store_column_sums<kLanes, kRowsPerWarp>(sums, first_row % kRowsPerWarp == 0, first_row, lane * kVec, column_sums,
+                                              c0, C, sum_parts + (p * gridDim.y + blockIdx.y) * C);
+    }
+  }
+  if (words.observed != nullptr) block_max_into(local, words.observed);
+}
+
+// The transposing cast for 16-bit x whose R and C are multiples of 8 (data and data_t 8-byte
+// aligned), with no shared memory for the data: a thread quantizes an 8 x 8 block of x[p] (eight
+// 16-byte loads, all issued before the first use), writes its 8 rows to data and its 8 columns to
+// data_t, transposing in registers (byte permutes of 4 x 4 bytes), 8 bytes a store. A warp's lanes
+// hold 8 blocks along C (128-byte loads, 64-byte rows of data) and 4 along R (32-byte rows of
+// data_t); a block's 8 warps stack along R: a 256 x 64 tile. Blocks run in reverse order of x's
+// memory, so that the first to run read the end of x, the part amax_kernel read last (from L2
+// where x is not much larger than it). Column sums as cast_transpose_kernel's, each thread's 8
+// rows in row order, then across the warp's row groups (a butterfly), then across warps in order.
+constexpr int kBlockRows = 8, kColGroups = 8, kRowGroups = 32 / kColGroups;
+constexpr int kTile8x8Rows = kBlockRows * kRowGroups * (kThreads / 32), kTile8x8Cols = kBlockRows * kColGroups;
+
+// The 4 x 4 bytes of rows a, b, c, d (a's byte j: row 0, column j) as columns: out[j] = rows 0..3 of column j.
+__device__ __forceinline__ void transpose4x4(unsigned int a, unsigned int b, unsigned int c, unsigned int d,
+                                             unsigned int (&out)[4]) {
+  const unsigned int ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
+  const unsigned int cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
+  out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+  out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+}
+
+template <typename T, __nv_fp8_interpretation_t kFormat>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_8x8_kernel(const T* __restrict__ x, int64_t P, int64_t R, int64_t C, AmaxWords words,
+                              __nv_fp8_storage_t* __restrict__ data, __nv_fp8_storage_t* __restrict__ data_t,
+                              float* __restrict__ scale_out, float* __restrict__ sum_parts) {
+  static_assert(sizeof(T) == 2, "16-bit x: a 16-byte load is one row of a block");
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float column_sums[kWarps][kTile8x8Cols];
+  const Scaling<kFormat> quantize(words);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) *scale_out = quantize.scale;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int col_group = lane % kColGroups, row_group = lane / kColGroups;
+  const int64_t c0 = int64_t(gridDim.x - 1 - blockIdx.x) * kTile8x8Cols, c = c0 + col_group * kBlockRows;
+  const int64_t row_tiles = (R + kTile8x8Rows - 1) / kTile8x8Rows;
+  unsigned int local = 0;
+  for (int64_t pi = blockIdx.z; pi < P; pi += gridDim.z) {
+    const int64_t p = P - 1 - pi;
+    const T* in = x + p * R * C;
+    float sums[kBlockRows] = {};
+    for (int64_t ti = blockIdx.y; ti < row_tiles; ti += gridDim.y) {
+      const int64_t r = (row_tiles - 1 - ti) * kTile8x8Rows + (warp * kRowGroups + row_group) * kBlockRows;
+      if (r >= R || c >= C) continue;  // R % 8 == C % 8 == 0: the block is all in x or all out
+      Vec<T, kBlockRows> v[kBlockRows];
 #pragma unroll
-      for (int offset = kLanes; offset < 32; offset *= 2) {
+      for (int k = 0; k < kBlockRows; ++k) v[k] = *reinterpret_cast<const Vec<T, kBlockRows>*>(in + (r + k) * C + c);
+      unsigned int rows[kBlockRows][2];  // row k's 8 bytes: columns 0-3, 4-7
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) sums[j] = __fadd_rn(sums[j], __shfl_xor_sync(0xffffffffu, sums[j], offset));
-      }
-      if (first_row % kRowsPerWarp == 0) {
+      for (int k = 0; k < kBlockRows; ++k) {
+        Bytes<kBlockRows> q;
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) column_sums[first_row][lane * kVec + j] = sums[j];
+        for (int j = 0; j < kBlockRows; ++j) {
+          q.v[j] = quantize(v[k].v[j]);
+          local = max(local, abs_bits(static_cast<float>(v[k].v[j])));
+          if (sum_parts != nullptr) sums[j] = __fadd_rn(sums[j], static_cast<float>(v[k].v[j]));
+        }
+        const uint2 word = *reinterpret_cast<const uint2*>(&q);
+        rows[k][0] = word.x;
+        rows[k][1] = word.y;
+        if (data != nullptr) *reinterpret_cast<uint2*>(data + p * R * C + (r + k) * C + c) = word;
       }
-      __syncthreads();
-      const int64_t column = c0 + threadIdx.x;
-      if (threadIdx.x < kTile && column < C) {
-        float total = 0.f;
-        for (int i = 0; i < kRowsPerPass; i += kRowsPerWarp) total = __fadd_rn(total, column_sums[i][threadIdx.x]);
-        sum_parts[(p * gridDim.y + blockIdx.y) * C + column] = total;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // columns 4 * half .. 4 * half + 3
+        unsigned int top[4], bottom[4];        // rows 0-3 and 4-7 of each column
+        transpose4x4(rows[0][half], rows[1][half], rows[2][half], rows[3][half], top);
+        transpose4x4(rows[4][half], rows[5][half], rows[6][half], rows[7][half], bottom);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          *reinterpret_cast<uint2*>(data_t + p * R * C + (c + 4 * half + j) * R + r) = make_uint2(top[j], bottom[j]);
+        }
       }
-      __syncthreads();
+    }
+    if (sum_parts != nullptr) {  // (the same branch for the whole block)
+      store_column_sums<kColGroups, 1>(sums, row_group == 0, warp, col_group * kBlockRows, column_sums, c0, C,
+                                       sum_parts + (p * gridDim.y + blockIdx.y) * C);
     }
   }
   if (words.observed != nullptr) block_max_into(local, words.observed);
@@ -343,7 +441,13 @@ void quantize_fp8_into(const at::Tensor& x, const at::Tensor& data, const at::Te
       const int64_t P = (R * C) ? n / (R * C) : 0;
       TORCH_INTERNAL_ASSERT(data_t.is_contiguous() && data_t.numel() == n);
       auto* out_t = reinterpret_cast<__nv_fp8_storage_t*>(data_t.mutable_data_ptr());
-      const int64_t col_tiles = (C + kTile - 1) / kTile, row_tiles = (R + kTile - 1) / kTile;
+      const auto fits = [&](int64_t vec) {
+        return R % vec == 0 && C % vec == 0 && reinterpret_cast<uintptr_t>(out_t) % vec == 0 &&
+               (out == nullptr || reinterpret_cast<uintptr_t>(out) % vec == 0);
+      };
+      const bool blocks8x8 = x.element_size() == 2 && fits(8);
+      const int64_t tile_c = blocks8x8 ? kTile8x8Cols : kTile, tile_r = blocks8x8 ? kTile8x8Rows : kTile;
+      const int64_t col_tiles = (C + tile_c - 1) / tile_c, row_tiles = (R + tile_r - 1) / tile_r;
       TORCH_CHECK(col_tiles <= INT32_MAX, "quantize_fp8: x's last dim ", C, " is too long to transpose");
       const int64_t row_blocks = std::clamp<int64_t>(row_tiles, 1, 65535);
       const dim3 grid(static_cast<unsigned>(std::max<int64_t>(col_tiles, 1)), static_cast<unsigned>(row_blocks),
@@ -354,15 +458,20 @@ void quantize_fp8_into(const at::Tensor& x, const at::Tensor& data, const at::Te
           sums.defined() ? at::empty({P, row_blocks, C}, x.options().dtype(at::kFloat)) : at::Tensor();
       float* parts = sums.defined() ? sum_parts.mutable_data_ptr<float>() : nullptr;
       // kVec values per thread where every kVec-value group starts kVec-aligned in x, data and data_t.
-      const auto fits = [&](int64_t vec) {
-        return R % vec == 0 && C % vec == 0 && reinterpret_cast<uintptr_t>(out_t) % vec == 0 &&
-               (out == nullptr || reinterpret_cast<uintptr_t>(out) % vec == 0);
-      };
       const bool by8 = fits(8), by4 = fits(4);
       const auto launch = [&](auto kernel) {
         kernel<<<grid, kThreads, 0, stream>>>(in, P, R, C, words, out, out_t, scale_out, parts);
       };
-      if (e4m3) {
+      // (a generic lambda, so that 32- and 64-bit x instantiate no 8 x 8 kernel)
+      const auto launch8x8 = [&](auto value) {
+        using T = decltype(value);
+        if constexpr (sizeof(T) == 2) {
+          e4m3 ? launch(cast_transpose_8x8_kernel<T, __NV_E4M3>) : launch(cast_transpose_8x8_kernel<T, __NV_E5M2>);
+        }
+      };
+      if (blocks8x8) {
+        launch8x8(scalar_t{});
+      } else if (e4m3) {
         by8   ? launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 8>)
         : by4 ? launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 4>)
               : launch(cast_transpose_kernel<scalar_t, __NV_E4M3, 1>);
