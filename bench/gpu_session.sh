@@ -17,6 +17,7 @@
 #   heldout     bench/heldout.py $HELDOUT_ARGS (default: --set all), JSON to $OUT/heldout.json
 #   models      python -m patchgemm bench --models, JSON to $OUT/models.json
 #   fp8         bench/fp8.py (FP8 grouped linear against bf16 and PyTorch's FP8), JSON to $OUT/fp8.json
+#   fp8sweep    bench/fp8_sweep.py (where FP8 pays, 90 shapes), JSON to $OUT/fp8-sweep.json
 #   run         bash -c "$RUN" from /tmp ($SRC: the tree), after the install and with this script's
 #               environment (its $CXX above all: a command run outside this script lacks it, and the
 #               image's own breaks the C++ that AOTInductor and extensions compile)
@@ -138,6 +139,11 @@ fi
 if want fp8; then
   step "fp8"
   python3 "$SRC/bench/fp8.py" --json "$OUT/fp8.json" 2>"$LOGS/fp8.err" | tee "$OUT/fp8.txt"; tail -5 "$LOGS/fp8.err"
+fi
+if want fp8sweep; then
+  step "fp8sweep"
+  python3 "$SRC/bench/fp8_sweep.py" --json "$OUT/fp8-sweep.json" 2>"$LOGS/fp8-sweep.err" | tee "$OUT/fp8-sweep.txt"
+  tail -5 "$LOGS/fp8-sweep.err"
 fi
 if want run; then
   step "run: ${RUN:-}"

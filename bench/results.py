@@ -8,7 +8,7 @@ Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m
 (several GPUs) or `python bench/zoo.py --json` (convert across timm's and transformers' models) or
 `python -m patchgemm tune --json` (autotune records; with --hold-out-families, the families report)
 or `python bench/fp8.py --json` (FP8) wrote; bench/results/ keeps the current ones per
-GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-fp8.json /
+GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-fp8.json / <gpu>-fp8-sweep.json /
 <gpu>-host.json / <gpu>-heldout.json / <gpu>-x<world>-distributed.json / <gpu>-zoo.json /
 <gpu>-zoo-compile.json /
 tune-<gpu>.json.gz / <gpu>-families.json.gz. Every section says the
@@ -32,6 +32,7 @@ from patchgemm.tools import tune  # noqa: E402
 
 import distributed  # noqa: E402
 import fp8  # noqa: E402
+import fp8_sweep  # noqa: E402
 import zoo  # noqa: E402
 import heldout  # noqa: E402
 
@@ -218,6 +219,24 @@ def fp8_section(saved: dict, name: str) -> str:
         fp8.format_rows(saved["rows"]))
 
 
+def fp8_sweep_section(saved: dict, name: str) -> str:
+    rows = saved["rows"]
+    taken = [r for r in rows if fp8_sweep.harmonic(r["M"], r["K"], r["N"]) > fp8_sweep.RULE_H
+             and 2.0 * r["G"] * r["M"] * r["K"] * r["N"] >= fp8_sweep.RULE_FLOPS]
+    ratio = [r["bf16_fwd_bwd"] / r["fp8_fwd_bwd"] for r in rows]
+    wins = sum(x >= 1.0 for x in ratio)
+    worst_taken = min((r["bf16_fwd_bwd"] / r["fp8_fwd_bwd"] for r in taken), default=float("nan"))
+    missed = max((x for r, x in zip(rows, ratio) if r not in taken), default=float("nan"))
+    return _table_section(
+        saved, "Where FP8 pays", f"python bench/fp8_sweep.py --json {name}",
+        f"GroupedLinear(fp8=True), current scaling, against bf16 over {len(rows)} grouped-linear shapes (x [M, G, "
+        f"K] to N per group); GPU time ratio bf16 / FP8, forward and forward+backward. FP8 is faster "
+        f"forward+backward on {wins} of {len(rows)}. Rule `fp8`: h = 1/(1/M + 1/K + 1/N) > {fp8_sweep.RULE_H:.0f} "
+        f"and 2 G M K N >= {fp8_sweep.RULE_FLOPS:.0e} FLOP: {len(taken)} shapes, worst {worst_taken:.2f}x; the "
+        f"best it leaves out {missed:.2f}x.",
+        fp8_sweep.format_rows(rows))
+
+
 def host_section(saved: dict, name: str) -> str:
     return _table_section(
         saved, "Host time per call", f"python -m patchgemm bench --host --json {name}",
@@ -314,6 +333,8 @@ def main(argv=None) -> int:
             sections.append(zoo_compile_section(saved, name))
         elif saved.get("kind") == "fp8":
             sections.append(fp8_section(saved, name))
+        elif saved.get("kind") == "fp8-sweep":
+            sections.append(fp8_sweep_section(saved, name))
         elif saved.get("kind") == "distributed":
             sections.append(distributed_section(saved, name))
         elif "host" in saved:
