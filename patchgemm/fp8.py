@@ -19,7 +19,8 @@ dtypes (fp32 master weights get fp32 gradients). The output and the bias stay in
 
 Turn it on per module (``GroupedLinear(..., fp8=True)``), per call (``grouped_linear(..., fp8=True)``),
 or for a region (``with patchgemm.fp8_autocast(): ...``), which reaches every grouped linear, grouped
-MLP and ragged group (mixture-of-experts layer) inside that was not told otherwise. Patch
+MLP and ragged group (mixture-of-experts layer) inside that was not told otherwise; of the dense
+grouped linears, those where FP8 pays (``fp8_pays``), unless ``everywhere=True``. Patch
 embeddings, unembeddings and hierarchical stems run in FP8 only when asked (``fp8=True`` or a
 recipe on the module or call), not by a region: their GEMMs are small beside the patch gather, which
 FP8 adds passes to, and they measure slower in FP8 than in bf16 (bench/fp8.py). A patch embedding
@@ -51,8 +52,9 @@ import torch
 from ._args import unsafe_view
 from ._functorch import bias_grad_sum, ragged_bias_grad
 from .ops import ops
+from .selection import note
 
-__all__ = ["Float8History", "Float8Recipe", "Float8Weight", "fp8_autocast", "quantize_weight"]
+__all__ = ["Float8History", "Float8Recipe", "Float8Weight", "fp8_autocast", "fp8_pays", "quantize_weight"]
 
 _FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 _COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -144,21 +146,33 @@ class Float8History:
         return f"Float8History({kept})"
 
 
-_regions: list = []  # the recipes of the enclosing fp8_autocast regions, innermost last (None: off)
+_regions: list = []  # (recipe or None: off, everywhere) of the enclosing fp8_autocast regions, innermost last
+
+# Where FP8 pays for a grouped linear of M rows per group, K in, N out (bench/fp8_sweep.py,
+# docs/design.md "FP8"): its GEMMs save time as M K N, its quantizing passes cost M K + K N + M N, so
+# h = 1 / (1/M + 1/K + 1/N) must be large, and the call must carry enough work for the extra launches.
+PAYS_H, PAYS_FLOPS = 500.0, 5e10
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, recipe: Optional[Float8Recipe] = None):
+def fp8_autocast(enabled: bool = True, recipe: Optional[Float8Recipe] = None, everywhere: bool = False):
     """Run the grouped linears and grouped MLPs inside in FP8 (``enabled``) or not, with ``recipe``
     (default ``Float8Recipe()``), unless a module or call chose for itself. Process-wide, as
     TransformerEngine's: enter it on the thread that runs the model, around the forward; the
     backward uses the recipe each call was made with. A compiled model reads it when traced and
-    recompiles when it changes."""
+    recompiles when it changes.
+
+    A region runs a dense grouped linear in FP8 only where FP8 pays (``fp8_pays``: on sm_89+ GPUs,
+    problems large enough that the GEMMs' savings outweigh the quantizing passes); elsewhere it runs
+    in the compute dtype and ``explain`` says why. ``everywhere=True`` runs every one in FP8, as
+    TransformerEngine's region does. Ragged groups (``moe_experts``) run in FP8 in either case."""
     if not isinstance(enabled, bool):
         raise TypeError(f"fp8_autocast: enabled must be a bool, got {enabled!r}")
+    if not isinstance(everywhere, bool):
+        raise TypeError(f"fp8_autocast: everywhere must be a bool, got {everywhere!r}")
     if recipe is not None and not isinstance(recipe, Float8Recipe):
         raise TypeError(f"fp8_autocast: recipe must be a patchgemm.Float8Recipe or None, got {type(recipe).__name__}")
-    _regions.append((recipe or Float8Recipe()) if enabled else None)
+    _regions.append(((recipe or Float8Recipe()) if enabled else None, everywhere))
     try:
         yield
     finally:
@@ -169,12 +183,49 @@ def resolve(where: str, fp8: Union[None, bool, Float8Recipe], region: bool = Tru
     """The recipe a call runs with: its own choice (False: none, True: the default recipe), else the
     innermost fp8_autocast region's (where `region`: the ops a region reaches), else none."""
     if fp8 is None:
-        return _regions[-1] if _regions and region else None
+        return _regions[-1][0] if _regions and region else None
     if isinstance(fp8, Float8Recipe):
         return fp8
     if isinstance(fp8, bool):
         return Float8Recipe() if fp8 else None
     raise TypeError(f"{where}: fp8 must be None, a bool or a patchgemm.Float8Recipe, got {type(fp8).__name__}")
+
+
+@torch.compiler.assume_constant_result  # (a compiled region's trace reads it once)
+def _fp8_gemms_on(index: int) -> bool:
+    """Whether CUDA device `index` (-1: the current one) has FP8 tensor cores (sm_89+)."""
+    return torch.cuda.get_device_capability(None if index < 0 else index) >= (8, 9)
+
+
+def fp8_pays(rows: int, in_features: int, out_features: int, groups: int, device: torch.device) -> bool:
+    """Whether a grouped linear of `groups` groups of `rows` rows, `in_features` to `out_features`,
+    trains faster in FP8 than in bf16 on `device`: on sm_89+ GPUs where 1 / (1/M + 1/K + 1/N) >
+    PAYS_H and 2 G M K N >= PAYS_FLOPS (measured on an H200: bench/fp8_sweep.py). Never on the CPU,
+    whose FP8 is an exact emulation."""
+    if device.type != "cuda" or not _fp8_gemms_on(device.index if device.index is not None else -1):
+        return False
+    if min(rows, in_features, out_features, groups) <= 0:
+        return False
+    h = 1.0 / (1.0 / rows + 1.0 / in_features + 1.0 / out_features)
+    return h > PAYS_H and 2.0 * groups * rows * in_features * out_features >= PAYS_FLOPS
+
+
+def region_declines(where: str, fp8, rows: int, weight: torch.Tensor, device: torch.device) -> bool:
+    """Whether the enclosing region's recipe stays off for this dense grouped linear (`fp8` None: the
+    call did not choose; weight [G, N, K]): the region is not `everywhere` and FP8 does not pay. Says
+    so to ``explain``."""
+    if fp8 is not None or not _regions or _regions[-1][0] is None or _regions[-1][1]:
+        return False
+    groups, out_features, in_features = weight.shape
+    if fp8_pays(rows, in_features, out_features, groups, device):
+        return False
+    why = ("FP8 on the CPU is an exact emulation" if device.type != "cuda" else
+           f"FP8 pays where 1/(1/M + 1/K + 1/N) > {PAYS_H:.0f} and 2 G M K N >= {PAYS_FLOPS:.0e} FLOP; here "
+           f"{1.0 / (1.0 / max(rows, 1) + 1.0 / max(in_features, 1) + 1.0 / max(out_features, 1)):.0f} and "
+           f"{2.0 * groups * rows * in_features * out_features:.1e}")
+    note("fp8_autocast", f"({where}: M {rows} rows a group, G {groups}, K {in_features} -> N {out_features}, "
+         f"{device})", "the compute dtype", f"{why}; everywhere=True or fp8=True runs it in FP8")
+    return True
 
 
 def _quantize(t: torch.Tensor, fmt: torch.dtype, group_major: bool, rowwise: bool, batch_major: bool,

@@ -77,11 +77,10 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
                              "weight per call")
     if ragged:
         return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe, fp8_history)
-    if x.dim() == 3:  # the op's own form, in either layout
-        return _grouped_linear_3d(x, weight, bias, layout == "gbd", recipe, fp8_weight, fp8_history)
-
     groups, out_features, _ = weight.shape
-    if layout == "bgd":
+    if x.dim() == 3:  # the op's own form, in either layout
+        x3 = x
+    elif layout == "bgd":
         if x.dim() == 2:  # [B*G, Din]
             if x.shape[0] % max(groups, 1) != 0 or (groups == 0 and x.shape[0] != 0):
                 raise RuntimeError(
@@ -99,7 +98,12 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
                 f"grouped_linear: x must be [G, ..., Din] for layout 'gbd', got shape {tuple(x.shape)}")
         x3 = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
+    if recipe is not None and _fp8.region_declines("grouped_linear", fp8, x3.shape[layout == "gbd"], weight,
+                                                   x3.device):
+        recipe, fp8_weight = None, None  # (a region's call: a weight copy made for it goes unused)
     y = _grouped_linear_3d(x3, weight, bias, layout == "gbd", recipe, fp8_weight, fp8_history)
+    if x.dim() == 3:
+        return y
     # As nn.Linear on N-D x: the result is y's memory but not a view of it, so a module returning it
     # returns no view (FSDP2 warns about those: an in-place op on one would skip its hooks).
     return unsafe_view(y, (*x.shape[:-1], out_features))

@@ -259,13 +259,25 @@ def _parse(record: str) -> Choice:
                   [Verdict(v["name"], v["status"], v["reason"]) for v in d["candidates"]])
 
 
+_open_recordings: List[Explanation] = []  # the explain() recordings open now, for note()
+
+
+def note(op: str, signature: str, chosen: str, how: str) -> None:
+    """A choice made in Python (no op's table ran), for every explain() recording open now; it lists
+    before the ops' own choices of that recording."""
+    for out in _open_recordings:
+        out.append(Choice(op, signature, chosen, how))
+
+
 @contextlib.contextmanager
 def _recording() -> Iterator[Explanation]:
     out = Explanation()
     mark = ops._explain_start()
+    _open_recordings.append(out)
     try:
         yield out
     finally:
+        _open_recordings.remove(out)
         out.extend(_parse(r) for r in ops._explain_stop(mark))
 
 

@@ -360,7 +360,7 @@ def test_fp8_autocast_region_and_overrides(device):
     never = patchgemm.GroupedLinear(2, 32, 16, device=device, fp8=False)
     never.load_state_dict(plain.state_dict())
     exact = plain(x)
-    with fp8_autocast():
+    with fp8_autocast(everywhere=True):  # (a problem this small: only with everywhere)
         quantized_y = plain(x)
         assert torch.equal(never(x), exact)  # a module's own choice wins
         with fp8_autocast(enabled=False):
@@ -369,13 +369,81 @@ def test_fp8_autocast_region_and_overrides(device):
     assert not torch.equal(quantized_y, exact) and rel_error(quantized_y, exact) < 0.06
 
 
+def fp8_ran(choices) -> bool:
+    return any(c.op == "quantize_fp8" for c in choices)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_autocast_runs_fp8_where_it_pays(device):
+    """A region's dense grouped linear runs in FP8 only where fp8_pays says FP8 trains faster (never
+    on the CPU, whose FP8 is an emulation); explain says why where it does not; everywhere=True, a
+    module's fp8=True and a weight copy in a region that declines behave as documented."""
+    small = patchgemm.GroupedLinear(2, 32, 16, device=device)
+    x = randn(16, 2, 32, device=device)
+    exact = small(x)
+    with fp8_autocast(), patchgemm.explain() as seen:
+        y = small(x)
+    assert torch.equal(y, exact) and not fp8_ran(seen)
+    region = [c for c in seen if c.op == "fp8_autocast"]
+    assert len(region) == 1 and region[0].chosen == "the compute dtype" and "everywhere=True" in region[0].how
+    assert "grouped_linear: M 16 rows a group, G 2, K 32 -> N 16" in region[0].signature
+    with fp8_autocast(everywhere=True), patchgemm.explain() as seen:
+        small(x)
+    assert fp8_ran(seen)
+    with fp8_autocast(), patchgemm.explain() as seen:
+        patchgemm.GroupedLinear(2, 32, 16, device=device, fp8=True)(x)
+        kept = patchgemm.quantize_weight(small.weight)
+        assert torch.equal(patchgemm.grouped_linear(x, small.weight, small.bias, fp8_weight=kept), exact)
+    assert fp8_ran(seen)  # the module's own choice
+    for bad in ("yes", 1):
+        with pytest.raises(TypeError, match="everywhere must be a bool"), fp8_autocast(everywhere=bad):
+            pass
+
+
+@pytest.mark.parametrize("rows, din, dout, groups, pays", [
+    (8192, 2048, 2048, 1, True),     # h 910, 69 GFLOP
+    (4096, 2048, 1024, 12, True),    # h 585 (the sweep's 1.07x)
+    (4096, 512, 4096, 1, False),     # h 410 (the sweep's 0.92x)
+    (4096, 2048, 1024, 1, False),    # h 585 but 17 GFLOP (0.91x)
+    (0, 2048, 2048, 4, False),
+])
+def test_fp8_pays_rule(rows, din, dout, groups, pays):
+    from patchgemm.fp8 import fp8_pays
+    assert not fp8_pays(rows, din, dout, groups, torch.device("cpu"))
+    if torch.cuda.is_available():
+        sm89 = torch.cuda.get_device_capability() >= (8, 9)
+        assert fp8_pays(rows, din, dout, groups, torch.device("cuda")) == (pays and sm89)
+
+
+@needs_fp8_gpu
+def test_fp8_autocast_reaches_a_layer_where_fp8_pays():
+    layer = patchgemm.GroupedLinear(1, 2048, 2048, device="cuda", dtype=torch.bfloat16)
+    x = randn(8192, 1, 2048, device="cuda", dtype=torch.bfloat16)
+    with fp8_autocast(), patchgemm.explain() as seen:
+        y = layer(x)
+    assert fp8_ran(seen) and not any(c.op == "fp8_autocast" for c in seen)
+    assert 0 < rel_error(y, layer(x)) < 0.06
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("rows", [16, 8192])
+def test_fp8_autocast_rule_compiles_in_one_graph(rows):
+    layer = patchgemm.GroupedLinear(1, 2048, 2048, device="cuda", dtype=torch.bfloat16)
+    x = randn(rows, 1, 2048, device="cuda", dtype=torch.bfloat16)
+    with fp8_autocast():
+        eager = layer(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True)(x)
+    assert torch.equal(compiled, eager) if rows == 16 else rel_error(compiled, eager) < 1e-2
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_grouped_mlp_fp8_matches_its_region(device):
     x = randn(16, 2, 32, device=device)
     mlp = patchgemm.GroupedMLP(2, 32, 64, device=device)
     mlp8 = patchgemm.GroupedMLP(2, 32, 64, device=device, fp8=True)
     mlp8.load_state_dict(mlp.state_dict())
-    with fp8_autocast():
+    with fp8_autocast(everywhere=True):
         in_region = mlp(x)
     assert torch.equal(mlp8(x), in_region)
     assert 0 < rel_error(in_region, mlp(x)) < 0.1
@@ -547,7 +615,7 @@ def test_delayed_grouped_mlp_keeps_one_history_per_gemm(device):
     gate_up, down = mlp.fp8_histories
     assert gate_up.amax("x")[0] == x.detach().abs().max() and down.amax("x")[0] > 0
     assert gate_up.amax("grad")[0] > 0 and down.amax("grad")[0] > 0
-    with fp8_autocast(recipe=DELAYED):  # a region's delayed recipe: the module's own histories
+    with fp8_autocast(recipe=DELAYED, everywhere=True):  # a region's delayed recipe: the module's own histories
         patchgemm.GroupedMLP(2, 32, 48, device=device)(x)
 
 
