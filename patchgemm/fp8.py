@@ -19,8 +19,9 @@ dtypes (fp32 master weights get fp32 gradients). The output and the bias stay in
 
 Turn it on per module (``GroupedLinear(..., fp8=True)``), per call (``grouped_linear(..., fp8=True)``),
 or for a region (``with patchgemm.fp8_autocast(): ...``), which reaches every grouped linear, grouped
-MLP and ragged group (mixture-of-experts layer) inside that was not told otherwise; of the dense
-grouped linears, those where FP8 pays (``fp8_pays``), unless ``everywhere=True``. Patch
+MLP and ragged group (mixture-of-experts layer) inside that was not told otherwise, unless
+``everywhere=True`` only where FP8 pays: dense grouped linears where ``fp8_pays``, ragged groups
+never (they measure slower in FP8 than in bf16). Patch
 embeddings, unembeddings and hierarchical stems run in FP8 only when asked (``fp8=True`` or a
 recipe on the module or call), not by a region: their GEMMs are small beside the patch gather, which
 FP8 adds passes to, and they measure slower in FP8 than in bf16 (bench/fp8.py). A patch embedding
@@ -163,9 +164,10 @@ def fp8_autocast(enabled: bool = True, recipe: Optional[Float8Recipe] = None, ev
     recompiles when it changes.
 
     A region runs a dense grouped linear in FP8 only where FP8 pays (``fp8_pays``: on sm_89+ GPUs,
-    problems large enough that the GEMMs' savings outweigh the quantizing passes); elsewhere it runs
-    in the compute dtype and ``explain`` says why. ``everywhere=True`` runs every one in FP8, as
-    TransformerEngine's region does. Ragged groups (``moe_experts``) run in FP8 in either case."""
+    problems large enough that the GEMMs' savings outweigh the quantizing passes), and ragged groups
+    (``moe_experts``) not at all, as they measure slower in FP8; those run in the compute dtype and
+    ``explain`` says why. ``everywhere=True`` runs every one in FP8, as TransformerEngine's region
+    does."""
     if not isinstance(enabled, bool):
         raise TypeError(f"fp8_autocast: enabled must be a bool, got {enabled!r}")
     if not isinstance(everywhere, bool):
@@ -210,21 +212,29 @@ def fp8_pays(rows: int, in_features: int, out_features: int, groups: int, device
     return h > PAYS_H and 2.0 * groups * rows * in_features * out_features >= PAYS_FLOPS
 
 
-def region_declines(where: str, fp8, rows: int, weight: torch.Tensor, device: torch.device) -> bool:
-    """Whether the enclosing region's recipe stays off for this dense grouped linear (`fp8` None: the
-    call did not choose; weight [G, N, K]): the region is not `everywhere` and FP8 does not pay. Says
-    so to ``explain``."""
+def region_declines(where: str, fp8, rows: int, weight: torch.Tensor, device: torch.device,
+                    ragged: bool = False) -> bool:
+    """Whether the enclosing region's recipe stays off for this grouped linear (`fp8` None: the call
+    did not choose; weight [G, N, K]; `rows`: per group, on average where `ragged`): the region is
+    not `everywhere`, and FP8 does not pay (dense groups: fp8_pays; ragged groups: never, as
+    measured). Says so to ``explain``."""
     if fp8 is not None or not _regions or _regions[-1][0] is None or _regions[-1][1]:
         return False
     groups, out_features, in_features = weight.shape
-    if fp8_pays(rows, in_features, out_features, groups, device):
+    if not ragged and fp8_pays(rows, in_features, out_features, groups, device):
         return False
-    why = ("FP8 on the CPU is an exact emulation" if device.type != "cuda" else
-           f"FP8 pays where 1/(1/M + 1/K + 1/N) > {PAYS_H:.0f} and 2 G M K N >= {PAYS_FLOPS:.0e} FLOP; here "
-           f"{1.0 / (1.0 / max(rows, 1) + 1.0 / max(in_features, 1) + 1.0 / max(out_features, 1)):.0f} and "
-           f"{2.0 * groups * rows * in_features * out_features:.1e}")
-    note("fp8_autocast", f"({where}: M {rows} rows a group, G {groups}, K {in_features} -> N {out_features}, "
-         f"{device})", "the compute dtype", f"{why}; everywhere=True or fp8=True runs it in FP8")
+    if ragged:
+        why = ("ragged groups train slower in FP8 (an H200, 17 mixture-of-experts shapes: 0.12-1.06x bf16, "
+               "faster on 2)")
+    elif device.type != "cuda":
+        why = "FP8 on the CPU is an exact emulation"
+    else:
+        why = (f"FP8 pays where 1/(1/M + 1/K + 1/N) > {PAYS_H:.0f} and 2 G M K N >= {PAYS_FLOPS:.0e} FLOP; here "
+               f"{1.0 / (1.0 / max(rows, 1) + 1.0 / max(in_features, 1) + 1.0 / max(out_features, 1)):.0f} and "
+               f"{2.0 * groups * rows * in_features * out_features:.1e}")
+    note("fp8_autocast", f"({where}: M {rows} rows a group{' on average' if ragged else ''}, G {groups}, "
+         f"K {in_features} -> N {out_features}, {device})", "the compute dtype",
+         f"{why}; everywhere=True or fp8=True runs it in FP8")
     return True
 
 

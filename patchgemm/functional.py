@@ -76,6 +76,9 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
             raise ValueError("grouped_linear: fp8_weight applies to dense groups; ragged groups quantize their "
                              "weight per call")
     if ragged:
+        if recipe is not None and _fp8.region_declines("grouped_linear", fp8, x.shape[0] // max(weight.shape[0], 1),
+                                                       weight, x.device, ragged=True):
+            recipe = None
         return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe, fp8_history)
     groups, out_features, _ = weight.shape
     if x.dim() == 3:  # the op's own form, in either layout
@@ -325,6 +328,9 @@ def moe_experts(x: Tensor, expert_index: Tensor, expert_weight: Tensor, w_gate_u
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.shape[0], device=order.device)
     recipe = _fp8.resolve("moe_experts", fp8)
+    if recipe is not None and _fp8.region_declines("moe_experts", fp8, index.numel() // experts, w_gate_up,
+                                                   x.device, ragged=True):
+        recipe = None
     h_gate_up, h_down = _two_histories("moe_experts", recipe, fp8_histories)
     gate_up = grouped_linear(_rows_by_expert(x, order, unsort, top_k), w_gate_up, offsets=offsets, fp8=recipe or False,
                              fp8_history=h_gate_up)

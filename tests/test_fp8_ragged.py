@@ -159,7 +159,7 @@ def test_moe_experts_in_fp8(device):
     index = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(0)).to(device)
     weight = torch.rand(T, k, device=device)
     exact = experts(x, index, weight)
-    with fp8_autocast():
+    with fp8_autocast(everywhere=True):
         in_region = experts(x, index, weight)
     assert torch.equal(experts8(x, index, weight), in_region)
     assert 0 < rel_error(in_region, exact) < 0.1
@@ -170,6 +170,31 @@ def test_moe_experts_in_fp8(device):
         patchgemm.moe_experts(x.detach(), index, weight, experts.gate_up_proj.detach(), experts.down_proj.detach(),
                               fp8=True)
     assert "scaled_ragged_mm" in str(report)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_autocast_leaves_ragged_groups_in_the_compute_dtype(device):
+    """Ragged groups measure slower in FP8 than in bf16 (bench data in the note explain shows): a
+    region leaves them alone unless everywhere=True; fp8=True still runs them in FP8."""
+    E, D, H, T, k = 4, 64, 32, 40, 2
+    experts = patchgemm.MoEExperts(E, D, H, device=device)
+    x = randn(T, D, device=device)
+    index = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(0)).to(device)
+    weight = torch.rand(T, k, device=device)
+    exact = experts(x, index, weight)
+    with fp8_autocast(), patchgemm.explain() as seen:
+        assert torch.equal(experts(x, index, weight), exact)
+        w, b = randn(3, 16, 64, device=device), randn(3, 16, device=device)
+        y = patchgemm.grouped_linear(x, w, b, group_sizes=[10, 20, 10])
+    assert torch.equal(y, patchgemm.grouped_linear(x, w, b, group_sizes=[10, 20, 10]))
+    notes = [c for c in seen if c.op == "fp8_autocast"]
+    assert [c.signature.split(":")[0] for c in notes] == ["(moe_experts", "(grouped_linear"]
+    assert all("ragged groups train slower in FP8" in c.how and c.chosen == "the compute dtype" for c in notes)
+    assert "M 20 rows a group on average, G 4, K 64 -> N 64" in notes[0].signature
+    assert not any(c.op == "scaled_ragged_mm" for c in seen)
+    with fp8_autocast(everywhere=True), patchgemm.explain() as seen:
+        experts(x, index, weight)
+    assert any(c.op == "scaled_ragged_mm" for c in seen)
 
 
 # ---- delayed scaling: ragged groups and moe_experts keep amax histories as dense groups do --------
@@ -225,7 +250,7 @@ def test_delayed_moe_experts_keep_one_history_per_gemm(device):
     assert down.amax("weight")[0] == delayed.down_proj.detach().abs().max()
     assert gate_up.amax("x")[0] == x.detach().abs().max()
     assert all(h.amax("grad")[0] > 0 for h in (gate_up, down))
-    with fp8_autocast(recipe=DELAYED):  # a region's delayed recipe: the module's own histories
+    with fp8_autocast(recipe=DELAYED, everywhere=True):  # a region's delayed recipe: the module's own histories
         assert torch.isfinite(patchgemm.MoEExperts(E, D, H, device=device)(x, index, weight)).all()
     for bad in (patchgemm.Float8History(), [1, 2], (patchgemm.Float8History(), None)):
         with pytest.raises(TypeError, match="moe_experts: fp8_histories must be two patchgemm.Float8History"):

@@ -337,7 +337,7 @@ def test_patchgemm_experts_implementation_keeps_delayed_fp8_histories():
     model = _moe_model("Mixtral", **MOE_MODELS["Mixtral"]).float()
     keys = list(model.state_dict())
     compiled = patchgemm.compile(model, backend="aot_eager")
-    with patchgemm.fp8_autocast(recipe=patchgemm.Float8Recipe(scaling="delayed")):
+    with patchgemm.fp8_autocast(recipe=patchgemm.Float8Recipe(scaling="delayed"), everywhere=True):
         out = compiled(input_ids=torch.randint(0, 64, (2, 7))).last_hidden_state
     out.square().sum().backward()
     experts = model.layers[0].mlp.experts
