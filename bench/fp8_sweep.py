@@ -1,14 +1,16 @@
 """Where FP8 pays: GroupedLinear(fp8=True) (current scaling, the recipe fp8_autocast defaults to)
 against GroupedLinear in bfloat16, over a seeded sample of grouped-linear shapes.
 
-    python bench/fp8_sweep.py [--json out.json] [--shapes 90]
+    python bench/fp8_sweep.py [--json out.json] [--shapes 90] [--ragged]
 
 Shapes: G in {1, 4, 12, 32} groups of M in {256 ... 16384} rows, K and N in {256 ... 4096} (K in,
 N out per group), at most 2^28 elements in x, y or the weight. Forward and forward+backward GPU
 time (bench's time_ms, three input sets rotated), bias on. Each row gets h = 1 / (1/M + 1/K + 1/N):
 FP8 halves the GEMMs' time, which grows as M K N, and adds passes over x, the weight and the output
-gradient, which grow as M K + K N + M N, so their ratio decides (docs/design.md, "FP8"). Needs an
-sm_89+ GPU.
+gradient, which grow as M K + K N + M N, so their ratio decides (docs/design.md, "FP8").
+--ragged: mixture-of-experts shapes instead (E in {8, 64} experts of about M in {256, 1024, 4096}
+rows, sizes within a quarter of M, offsets on the GPU as moe_experts has them; (K, N) in (1024,
+2048), (2048, 1024), (4096, 4096), (4096, 14336)), ragged grouped_linear. Needs an sm_89+ GPU.
 """
 
 import argparse
@@ -23,6 +25,12 @@ import patchgemm
 from patchgemm.tools.bench import environment, time_ms
 
 RULE_H, RULE_FLOPS = 500.0, 5e10  # FP8 forward+backward pays above both (docs/design.md)
+
+
+def ragged_shapes():
+    """(E experts, M rows each on average, K, N): mixture-of-experts layers."""
+    grid = itertools.product([8, 64], [256, 1024, 4096], [(1024, 2048), (2048, 1024), (4096, 4096), (4096, 14336)])
+    return [(e, m, k, n) for e, m, (k, n) in grid if e * m * max(k, n) <= 2**28 and e * k * n <= 2**30]
 
 
 def shapes(count: int):
@@ -57,12 +65,38 @@ def measure(groups, rows, k, n, device):
     return row
 
 
+def measure_ragged(experts, rows, k, n, device):
+    """grouped_linear over ragged groups (sizes within a quarter of `rows`, offsets on the GPU)."""
+    sizes = torch.full((experts,), rows) + torch.randint(-rows // 4, rows // 4 + 1, (experts,),
+                                                         generator=torch.Generator().manual_seed(0))
+    sizes[-1] = experts * rows - sizes[:-1].sum()
+    offsets = torch.cumsum(sizes, 0).to(torch.int32).to(device)
+    xs = [torch.randn(experts * rows, k, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    grads = [torch.randn(experts * rows, n, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    weight = torch.randn(experts, n, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(experts, n, device=device, dtype=torch.bfloat16, requires_grad=True)
+    row = {"E": experts, "M": rows, "K": k, "N": n}
+    for name, fp8 in (("bf16", False), ("fp8", True)):
+        def forward(i, fp8=fp8):
+            with torch.no_grad():
+                patchgemm.grouped_linear(xs[i % 2], weight, bias, offsets=offsets, fp8=fp8)
+
+        def forward_backward(i, fp8=fp8):
+            patchgemm.grouped_linear(xs[i % 2], weight, bias, offsets=offsets, fp8=fp8).backward(grads[i % 2])
+
+        row[f"{name}_fwd"] = time_ms(forward, device, reps=10).ms
+        row[f"{name}_fwd_bwd"] = time_ms(forward_backward, device, reps=6).ms
+    return row
+
+
 def format_rows(rows) -> str:
-    lines = [f"{'G':>3} {'M':>6} {'K':>5} {'N':>5} {'h':>6} {'GFLOP':>7} {'bf16 ms':>8} {'fwd':>6} {'fwd+bwd':>8}  rule"]
+    """Dense rows (G groups) with the rule's verdict; ragged rows (E experts), which regions leave in bf16."""
+    groups = "E" if rows and "E" in rows[0] else "G"
+    lines = [f"{groups:>3} {'M':>6} {'K':>5} {'N':>5} {'h':>6} {'GFLOP':>7} {'bf16 ms':>8} {'fwd':>6} {'fwd+bwd':>8}  rule"]
     for r in sorted(rows, key=lambda r: harmonic(r["M"], r["K"], r["N"])):
-        h, flops = harmonic(r["M"], r["K"], r["N"]), 2.0 * r["G"] * r["M"] * r["K"] * r["N"]
-        rule = "fp8" if h > RULE_H and flops >= RULE_FLOPS else "bf16"
-        lines.append(f"{r['G']:>3} {r['M']:>6} {r['K']:>5} {r['N']:>5} {h:>6.0f} {flops / 1e9:>7.1f} "
+        h, flops = harmonic(r["M"], r["K"], r["N"]), 2.0 * r[groups] * r["M"] * r["K"] * r["N"]
+        rule = "fp8" if groups == "G" and h > RULE_H and flops >= RULE_FLOPS else "bf16"
+        lines.append(f"{r[groups]:>3} {r['M']:>6} {r['K']:>5} {r['N']:>5} {h:>6.0f} {flops / 1e9:>7.1f} "
                      f"{r['bf16_fwd_bwd']:>8.3f} {r['bf16_fwd'] / r['fp8_fwd']:>5.2f}x "
                      f"{r['bf16_fwd_bwd'] / r['fp8_fwd_bwd']:>7.2f}x  {rule}")
     return "\n".join(lines)
@@ -72,16 +106,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the rows and the environment here")
     parser.add_argument("--shapes", type=int, default=90, help="how many shapes of the seeded sample")
+    parser.add_argument("--ragged", action="store_true", help="mixture-of-experts shapes (ragged groups) instead")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     rows = []
-    for groups, m, k, n in shapes(args.shapes):
-        rows.append(measure(groups, m, k, n, device))
+    for shape in ragged_shapes() if args.ragged else shapes(args.shapes):
+        rows.append((measure_ragged if args.ragged else measure)(*shape, device))
         torch.cuda.empty_cache()
     print(format_rows(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"kind": "fp8-sweep", "environment": environment(device), "rows": rows}, f, indent=1)
+            json.dump({"kind": "fp8-sweep", "ragged": args.ragged, "environment": environment(device), "rows": rows},
+                      f, indent=1)
     return 0
 
 

@@ -17,7 +17,8 @@
 #   heldout     bench/heldout.py $HELDOUT_ARGS (default: --set all), JSON to $OUT/heldout.json
 #   models      python -m patchgemm bench --models, JSON to $OUT/models.json
 #   fp8         bench/fp8.py (FP8 grouped linear against bf16 and PyTorch's FP8), JSON to $OUT/fp8.json
-#   fp8sweep    bench/fp8_sweep.py (where FP8 pays, 90 shapes), JSON to $OUT/fp8-sweep.json
+#   fp8sweep    bench/fp8_sweep.py (where FP8 pays: 90 dense shapes, then 17 ragged ones), JSON to
+#               $OUT/fp8-sweep.json and $OUT/fp8-sweep-ragged.json
 #   run         bash -c "$RUN" from /tmp ($SRC: the tree), after the install and with this script's
 #               environment (its $CXX above all: a command run outside this script lacks it, and the
 #               image's own breaks the C++ that AOTInductor and extensions compile)
@@ -143,6 +144,8 @@ fi
 if want fp8sweep; then
   step "fp8sweep"
   python3 "$SRC/bench/fp8_sweep.py" --json "$OUT/fp8-sweep.json" 2>"$LOGS/fp8-sweep.err" | tee "$OUT/fp8-sweep.txt"
+  python3 "$SRC/bench/fp8_sweep.py" --ragged --json "$OUT/fp8-sweep-ragged.json" 2>>"$LOGS/fp8-sweep.err" \
+    | tee "$OUT/fp8-sweep-ragged.txt"
   tail -5 "$LOGS/fp8-sweep.err"
 fi
 if want run; then

@@ -8,7 +8,7 @@ Each RUN.json is what `python -m patchgemm bench --json` (the suite), `python -m
 (several GPUs) or `python bench/zoo.py --json` (convert across timm's and transformers' models) or
 `python -m patchgemm tune --json` (autotune records; with --hold-out-families, the families report)
 or `python bench/fp8.py --json` (FP8) wrote; bench/results/ keeps the current ones per
-GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-fp8.json / <gpu>-fp8-sweep.json /
+GPU, named <gpu>-suite.json / <gpu>-models.json / <gpu>-fp8.json / <gpu>-fp8-sweep[-ragged].json /
 <gpu>-host.json / <gpu>-heldout.json / <gpu>-x<world>-distributed.json / <gpu>-zoo.json /
 <gpu>-zoo-compile.json /
 tune-<gpu>.json.gz / <gpu>-families.json.gz. Every section says the
@@ -221,6 +221,15 @@ def fp8_section(saved: dict, name: str) -> str:
 
 def fp8_sweep_section(saved: dict, name: str) -> str:
     rows = saved["rows"]
+    if saved.get("ragged"):
+        ratio = [r["bf16_fwd_bwd"] / r["fp8_fwd_bwd"] for r in rows]
+        return _table_section(
+            saved, "Where FP8 pays: ragged groups", f"python bench/fp8_sweep.py --ragged --json {name}",
+            f"ragged grouped_linear (mixture-of-experts shapes, E experts of about M rows), fp8=True, current "
+            f"scaling, against bf16; GPU time ratio bf16 / FP8. FP8 is faster forward+backward on "
+            f"{sum(x >= 1.0 for x in ratio)} of {len(rows)} ({min(ratio):.2f}-{max(ratio):.2f}x): fp8_autocast "
+            "leaves ragged groups in the compute dtype.",
+            fp8_sweep.format_rows(rows))
     taken = [r for r in rows if fp8_sweep.harmonic(r["M"], r["K"], r["N"]) > fp8_sweep.RULE_H
              and 2.0 * r["G"] * r["M"] * r["K"] * r["N"] >= fp8_sweep.RULE_FLOPS]
     ratio = [r["bf16_fwd_bwd"] / r["fp8_fwd_bwd"] for r in rows]
@@ -228,7 +237,7 @@ def fp8_sweep_section(saved: dict, name: str) -> str:
     worst_taken = min((r["bf16_fwd_bwd"] / r["fp8_fwd_bwd"] for r in taken), default=float("nan"))
     missed = max((x for r, x in zip(rows, ratio) if r not in taken), default=float("nan"))
     return _table_section(
-        saved, "Where FP8 pays", f"python bench/fp8_sweep.py --json {name}",
+        saved, "Where FP8 pays: dense groups", f"python bench/fp8_sweep.py --json {name}",
         f"GroupedLinear(fp8=True), current scaling, against bf16 over {len(rows)} grouped-linear shapes (x [M, G, "
         f"K] to N per group); GPU time ratio bf16 / FP8, forward and forward+backward. FP8 is faster "
         f"forward+backward on {wins} of {len(rows)}. Rule `fp8`: h = 1/(1/M + 1/K + 1/N) > {fp8_sweep.RULE_H:.0f} "

@@ -225,7 +225,7 @@ def region_declines(where: str, fp8, rows: int, weight: torch.Tensor, device: to
         return False
     if ragged:
         why = ("ragged groups train slower in FP8 (an H200, 17 mixture-of-experts shapes: 0.12-1.06x bf16, "
-               "faster on 2)")
+               "faster on 3)")
     elif device.type != "cuda":
         why = "FP8 on the CPU is an exact emulation"
     else:
