@@ -76,8 +76,8 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
             raise ValueError("grouped_linear: fp8_weight applies to dense groups; ragged groups quantize their "
                              "weight per call")
     if ragged:
-        if recipe is not None and _fp8.region_declines("grouped_linear", fp8, x.shape[0] // max(weight.shape[0], 1),
-                                                       weight, x.device, ragged=True):
+        rows = x.shape[0] // max(weight.shape[0], 1) if x.dim() else 0  # (x's shape is checked below)
+        if recipe is not None and _fp8.region_declines("grouped_linear", fp8, rows, weight, x.device, ragged=True):
             recipe = None
         return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe, fp8_history)
     groups, out_features, _ = weight.shape

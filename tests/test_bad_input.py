@@ -55,7 +55,18 @@ BAD_CALLS = {
     "PatchUnembed(8, None, 4)": (lambda: patchgemm.PatchUnembed(8, None, 4), TypeError, "out_channels"),
     "GroupedPointwiseConv groups 2.0": (lambda: patchgemm.GroupedPointwiseConv(8, 8, 2.0), TypeError, "groups"),
     "explain(42)": (lambda: patchgemm.explain(42), TypeError, "explain"),
+    # FP8 regions: a ragged x of no dims, and the region's own switch
+    "ragged 0-dim x in an fp8_autocast region": (lambda: in_fp8_region(
+        lambda: patchgemm.grouped_linear(torch.tensor(1.0), torch.randn(2, 4, 4), group_sizes=[1, 0])),
+        RuntimeError, r"x must be \[N, Din\]"),
+    "fp8_autocast(everywhere='yes')": (lambda: in_fp8_region(lambda: None, everywhere="yes"), TypeError,
+                                       "everywhere must be a bool"),
 }
+
+
+def in_fp8_region(call, **region):
+    with patchgemm.fp8_autocast(**region):
+        return call()
 
 
 @pytest.mark.parametrize("name", list(BAD_CALLS))
