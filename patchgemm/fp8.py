@@ -195,13 +195,14 @@ def resolve(where: str, fp8: Union[None, bool, Float8Recipe], region: bool = Tru
 
 @torch.compiler.assume_constant_result  # (a compiled region's trace reads it once)
 def _fp8_gemms_on(index: int) -> bool:
-    """Whether CUDA device `index` (-1: the current one) has FP8 tensor cores (sm_89+)."""
-    return torch.cuda.get_device_capability(None if index < 0 else index) >= (8, 9)
+    """Whether CUDA device `index` (-1: the current one) runs our FP8 GEMMs: an NVIDIA sm_89+ GPU (on
+    ROCm the FP8 GEMMs are emulated: hipBLASLt's FP8 is not wired up)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(None if index < 0 else index) >= (8, 9)
 
 
 def fp8_pays(rows: int, in_features: int, out_features: int, groups: int, device: torch.device) -> bool:
     """Whether a grouped linear of `groups` groups of `rows` rows, `in_features` to `out_features`,
-    trains faster in FP8 than in bf16 on `device`: on sm_89+ GPUs where 1 / (1/M + 1/K + 1/N) >
+    trains faster in FP8 than in bf16 on `device`: on NVIDIA sm_89+ GPUs where 1 / (1/M + 1/K + 1/N) >
     PAYS_H and 2 G M K N >= PAYS_FLOPS (measured on an H200: bench/fp8_sweep.py). Never on the CPU,
     whose FP8 is an exact emulation."""
     if device.type != "cuda" or not _fp8_gemms_on(device.index if device.index is not None else -1):
