@@ -22,9 +22,8 @@ import sys
 import torch
 
 import patchgemm
+from patchgemm.fp8 import harmonic_size, shape_pays
 from patchgemm.tools.bench import environment, time_ms
-
-RULE_H, RULE_FLOPS = 500.0, 5e10  # FP8 forward+backward pays above both (docs/design.md)
 
 
 def ragged_shapes():
@@ -39,10 +38,6 @@ def shapes(count: int):
     random.Random(1).shuffle(grid)
     fits = [s for s in grid if s[0] * s[1] * max(s[2], s[3]) <= 2**28 and s[0] * s[2] * s[3] <= 2**28]
     return fits[:count]
-
-
-def harmonic(m: int, k: int, n: int) -> float:
-    return 1.0 / (1.0 / m + 1.0 / k + 1.0 / n)
 
 
 def measure(groups, rows, k, n, device):
@@ -93,9 +88,9 @@ def format_rows(rows) -> str:
     """Dense rows (G groups) with the rule's verdict; ragged rows (E experts), which regions leave in bf16."""
     groups = "E" if rows and "E" in rows[0] else "G"
     lines = [f"{groups:>3} {'M':>6} {'K':>5} {'N':>5} {'h':>6} {'GFLOP':>7} {'bf16 ms':>8} {'fwd':>6} {'fwd+bwd':>8}  rule"]
-    for r in sorted(rows, key=lambda r: harmonic(r["M"], r["K"], r["N"])):
-        h, flops = harmonic(r["M"], r["K"], r["N"]), 2.0 * r[groups] * r["M"] * r["K"] * r["N"]
-        rule = "fp8" if groups == "G" and h > RULE_H and flops >= RULE_FLOPS else "bf16"
+    for r in sorted(rows, key=lambda r: harmonic_size(r["M"], r["K"], r["N"])):
+        h, flops = harmonic_size(r["M"], r["K"], r["N"]), 2.0 * r[groups] * r["M"] * r["K"] * r["N"]
+        rule = "fp8" if groups == "G" and shape_pays(r["M"], r["K"], r["N"], r["G"]) else "bf16"
         lines.append(f"{r[groups]:>3} {r['M']:>6} {r['K']:>5} {r['N']:>5} {h:>6.0f} {flops / 1e9:>7.1f} "
                      f"{r['bf16_fwd_bwd']:>8.3f} {r['bf16_fwd'] / r['fp8_fwd']:>5.2f}x "
                      f"{r['bf16_fwd_bwd'] / r['fp8_fwd_bwd']:>7.2f}x  {rule}")

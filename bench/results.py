@@ -28,6 +28,7 @@ from patchgemm.tools.host_bench import HostRow  # noqa: E402
 from patchgemm.tools.host_bench import format_rows as format_host_rows  # noqa: E402
 from patchgemm.tools.model_bench import COMPILE_FORMS, ModelRow, format_rows, paired_wall_ratio  # noqa: E402
 from patchgemm import selection  # noqa: E402
+from patchgemm.fp8 import PAYS_FLOPS, PAYS_H, shape_pays  # noqa: E402
 from patchgemm.tools import tune  # noqa: E402
 
 import distributed  # noqa: E402
@@ -230,8 +231,7 @@ def fp8_sweep_section(saved: dict, name: str) -> str:
             f"{sum(x >= 1.0 for x in ratio)} of {len(rows)} ({min(ratio):.2f}-{max(ratio):.2f}x): fp8_autocast "
             "leaves ragged groups in the compute dtype.",
             fp8_sweep.format_rows(rows))
-    taken = [r for r in rows if fp8_sweep.harmonic(r["M"], r["K"], r["N"]) > fp8_sweep.RULE_H
-             and 2.0 * r["G"] * r["M"] * r["K"] * r["N"] >= fp8_sweep.RULE_FLOPS]
+    taken = [r for r in rows if shape_pays(r["M"], r["K"], r["N"], r["G"])]
     ratio = [r["bf16_fwd_bwd"] / r["fp8_fwd_bwd"] for r in rows]
     wins = sum(x >= 1.0 for x in ratio)
     worst_taken = min((r["bf16_fwd_bwd"] / r["fp8_fwd_bwd"] for r in taken), default=float("nan"))
@@ -240,8 +240,8 @@ def fp8_sweep_section(saved: dict, name: str) -> str:
         saved, "Where FP8 pays: dense groups", f"python bench/fp8_sweep.py --json {name}",
         f"GroupedLinear(fp8=True), current scaling, against bf16 over {len(rows)} grouped-linear shapes (x [M, G, "
         f"K] to N per group); GPU time ratio bf16 / FP8, forward and forward+backward. FP8 is faster "
-        f"forward+backward on {wins} of {len(rows)}. Rule `fp8`: h = 1/(1/M + 1/K + 1/N) > {fp8_sweep.RULE_H:.0f} "
-        f"and 2 G M K N >= {fp8_sweep.RULE_FLOPS:.0e} FLOP: {len(taken)} shapes, worst {worst_taken:.2f}x; the "
+        f"forward+backward on {wins} of {len(rows)}. Rule `fp8`: h = 1/(1/M + 1/K + 1/N) > {PAYS_H:.0f} "
+        f"and 2 G M K N >= {PAYS_FLOPS:.0e} FLOP: {len(taken)} shapes, worst {worst_taken:.2f}x; the "
         f"best it leaves out {missed:.2f}x.",
         fp8_sweep.format_rows(rows))
 

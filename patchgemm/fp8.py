@@ -200,6 +200,19 @@ def _fp8_gemms_on(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(None if index < 0 else index) >= (8, 9)
 
 
+def harmonic_size(rows: int, in_features: int, out_features: int) -> float:
+    """h = 1 / (1/M + 1/K + 1/N): FP8's GEMM savings over its quantizing passes (0 for an empty problem)."""
+    if min(rows, in_features, out_features) <= 0:
+        return 0.0
+    return 1.0 / (1.0 / rows + 1.0 / in_features + 1.0 / out_features)
+
+
+def shape_pays(rows: int, in_features: int, out_features: int, groups: int) -> bool:
+    """The rule's shape test: h > PAYS_H and 2 G M K N >= PAYS_FLOPS."""
+    return (harmonic_size(rows, in_features, out_features) > PAYS_H
+            and 2.0 * groups * rows * in_features * out_features >= PAYS_FLOPS)
+
+
 def fp8_pays(rows: int, in_features: int, out_features: int, groups: int, device: torch.device) -> bool:
     """Whether a grouped linear of `groups` groups of `rows` rows, `in_features` to `out_features`,
     trains faster in FP8 than in bf16 on `device`: on NVIDIA sm_89+ GPUs where 1 / (1/M + 1/K + 1/N) >
@@ -207,10 +220,7 @@ def fp8_pays(rows: int, in_features: int, out_features: int, groups: int, device
     whose FP8 is an exact emulation."""
     if device.type != "cuda" or not _fp8_gemms_on(device.index if device.index is not None else -1):
         return False
-    if min(rows, in_features, out_features, groups) <= 0:
-        return False
-    h = 1.0 / (1.0 / rows + 1.0 / in_features + 1.0 / out_features)
-    return h > PAYS_H and 2.0 * groups * rows * in_features * out_features >= PAYS_FLOPS
+    return shape_pays(rows, in_features, out_features, groups)
 
 
 def region_declines(where: str, fp8, rows: int, weight: torch.Tensor, device: torch.device,
@@ -225,13 +235,12 @@ def region_declines(where: str, fp8, rows: int, weight: torch.Tensor, device: to
     if not ragged and fp8_pays(rows, in_features, out_features, groups, device):
         return False
     if ragged:
-        why = ("ragged groups train slower in FP8 (an H200, 17 mixture-of-experts shapes: 0.12-1.06x bf16, "
-               "faster on 3)")
+        why = "ragged groups train slower in FP8 than in bf16 (bench/fp8_sweep.py --ragged)"
     elif device.type != "cuda":
         why = "FP8 on the CPU is an exact emulation"
     else:
         why = (f"FP8 pays where 1/(1/M + 1/K + 1/N) > {PAYS_H:.0f} and 2 G M K N >= {PAYS_FLOPS:.0e} FLOP; here "
-               f"{1.0 / (1.0 / max(rows, 1) + 1.0 / max(in_features, 1) + 1.0 / max(out_features, 1)):.0f} and "
+               f"{harmonic_size(rows, in_features, out_features):.0f} and "
                f"{2.0 * groups * rows * in_features * out_features:.1e}")
     note("fp8_autocast", f"({where}: M {rows} rows a group{' on average' if ragged else ''}, G {groups}, "
          f"K {in_features} -> N {out_features}, {device})", "the compute dtype",
