@@ -25,6 +25,7 @@ struct QuantizeProblem {
   at::ScalarType format;
   bool rowwise = true, transposed = false, column_sums = false;
   at::Tensor amax_state;  // undefined: current scaling
+  at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 };
 // quantize_fp8's outputs: data, data_t, scale, sums (an empty tensor for each not asked for).
 using QuantizeOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
@@ -37,6 +38,7 @@ struct ScaledGroupedProblem {
   std::optional<at::Tensor> bias;  // [G, N], of out's dtype
   bool fast_accum = false;
   at::Tensor out, c;
+  at::Device device() const { return a.device(); }  // where it runs (choices are kept per device)
 };
 
 // scaled_ragged_mm: out_g [rows of group g, Nc] = scale_a * scale_b * a_g @ b[g]^T (+ bias[g]).
@@ -47,6 +49,7 @@ struct ScaledRaggedProblem {
   at::Tensor offsets;              // [G] cumulative sizes, int32 or int64, on the CPU or a's device
   at::ScalarType out_dtype;
   bool fast_accum = false;
+  at::Device device() const { return a.device(); }  // where it runs (choices are kept per device)
 };
 
 }  // namespace patchgemm

@@ -16,6 +16,7 @@ struct GroupedProblem {
   at::Tensor a, b;                 // [G, M, K], [G, K, N]
   std::optional<at::Tensor> bias;  // [G, N]
   at::Tensor out, c;               // the op's output, and c = its [G, M, N] view
+  at::Device device() const { return a.device(); }  // where it runs (choices are kept per device)
 };
 
 }  // namespace patchgemm

@@ -24,6 +24,7 @@ struct GroupedPointwiseConvProblem {
   // The forward's arguments as F.conv takes them (aten_conv): x, weight, groups.
   at::Tensor conv_x, conv_weight;
   int64_t groups = 0;
+  at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 };
 
 // grad_weight [G, c_out, c_in] = sum over positions of grad_y_g x_g^T; with_bias: also the bias
@@ -32,6 +33,7 @@ struct GroupedPointwiseConvWeightGradProblem {
   bool tokens = false;
   at::Tensor grad_y, x;  // [B, G, c_out, L] / [N, G, c_out], and x likewise with c_in
   bool with_bias = false;
+  at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 };
 
 }  // namespace patchgemm

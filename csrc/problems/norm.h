@@ -23,12 +23,14 @@ struct NormProblem {
   double eps = 0;
   bool gelu = false;
   NormShape s;
+  at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 };
 
 struct NormBackwardProblem {
   at::Tensor grad_y, x, weight, bias, mean, rstd;
   bool gelu = false;
   NormShape s;
+  at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 };
 
 }  // namespace patchgemm

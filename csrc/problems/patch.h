@@ -55,6 +55,7 @@ struct EmbedProblem {
   int64_t rank = 0;
   at::Tensor x5;                     // x as [B, C, D, H, W]
   std::vector<int64_t> out_shape;    // the op's output
+  at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 
   // weight as [E, K] in the patch matrix's column order. Made by the implementations that use it,
   // not with the problem: for channels-last x it is a copy, which cuDNN's path never needs.
@@ -78,6 +79,7 @@ struct UnembedProblem {
   at::Tensor x_fused;   // what the fused kernels read: tokens [B, N, C_in] or channels-first [B, C_in, N]
   std::vector<int64_t> out_shape;
   at::MemoryFormat out_format = at::MemoryFormat::Contiguous;  // channels-last input: channels-last out
+  at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 
   // [C_in, K], as EmbedProblem's
   const at::Tensor& w2() const { return w2_.get([&] { return weight_rows(weight, g.channels_last); }); }
@@ -98,6 +100,7 @@ struct WeightGradProblem {
   at::Tensor x5;  // [B, C, D, H, W]
   at::Tensor dy;  // grad_y as [B, N, E] (a view; channels-first grad_y through its strides)
   std::vector<int64_t> w_shape;
+  at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 
   // x5 and g as the fused kernels see them (where fused_kernels_apply holds).
   const std::pair<at::Tensor, PatchGeometry>& fused() const { return fused_.get([&] { return fused_view(x5, g); }); }

@@ -21,6 +21,7 @@ struct RaggedProblem {
   std::optional<at::Tensor> bias;
   at::Tensor offsets;
   int64_t groups = 0;
+  at::Device device() const { return a.device(); }  // where it runs (choices are kept per device)
 };
 
 }  // namespace patchgemm

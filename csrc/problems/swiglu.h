@@ -9,6 +9,7 @@ namespace patchgemm {
 struct SwigluProblem {
   at::Tensor gate_up;  // [..., 2H]: gate, then up
   at::Tensor grad_h;   // [..., H]; the backward only
+  at::Device device() const { return gate_up.device(); }  // where it runs (choices are kept per device)
 };
 
 }  // namespace patchgemm

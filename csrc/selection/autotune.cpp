@@ -24,6 +24,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <utility>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
@@ -70,7 +71,7 @@ struct DeviceMemory {
 struct Memory {
   std::mutex mutex;
   std::string cache_dir, environment;
-  std::map<std::string, DeviceMemory> devices;  // by Device::str()
+  std::map<std::pair<int, int>, DeviceMemory> devices;  // by device type and index
 };
 
 Memory& memory() {
@@ -259,7 +260,7 @@ void write_file(DeviceMemory& dm) {
 
 // The device's memory, its cache file read on first use (memory's mutex held).
 DeviceMemory& device_memory(Memory& m, const at::Device& device) {
-  DeviceMemory& dm = m.devices[device.str()];
+  DeviceMemory& dm = m.devices[{static_cast<int>(device.type()), device.index()}];
   if (dm.loaded) return dm;
   dm.loaded = true;
   if (m.cache_dir.empty()) return dm;
@@ -361,11 +362,13 @@ Mode mode() { return static_cast<Mode>(g_mode.load(std::memory_order_relaxed)); 
 
 std::string memory_key(const std::string& op, const std::string& signature) {
   const auto& ctx = at::globalContext();
-  std::string flags = std::string("tf32 matmul ") + (tf32_allowed(GemmConvention::kMatmul) ? "1" : "0") + " conv " +
-                      (tf32_allowed(GemmConvention::kConv) ? "1" : "0") + ", cudnn.benchmark " +
-                      (ctx.benchmarkCuDNN() ? "1" : "0") + ", deterministic " +
-                      (ctx.deterministicAlgorithms() ? "1" : "0");
-  return op + "\t" + flags + "\t" + signature;
+  std::string key;
+  key.reserve(op.size() + signature.size() + 72);
+  key.append(op).append("\ttf32 matmul ").append(tf32_allowed(GemmConvention::kMatmul) ? "1" : "0");
+  key.append(" conv ").append(tf32_allowed(GemmConvention::kConv) ? "1" : "0");
+  key.append(", cudnn.benchmark ").append(ctx.benchmarkCuDNN() ? "1" : "0");
+  key.append(", deterministic ").append(ctx.deterministicAlgorithms() ? "1" : "0");
+  return key.append("\t").append(signature);
 }
 
 std::optional<Remembered> recall(const at::Device& device, const std::string& key) {
@@ -491,7 +494,7 @@ std::vector<std::string> autotune_records() {
   Memory& m = memory();
   std::lock_guard<std::mutex> lock(m.mutex);
   std::vector<std::string> lines;
-  for (const auto& [device, dm] : m.devices) {
+  for (const auto& [where, dm] : m.devices) {
     for (const auto& [key, line] : dm.records) lines.push_back(line);
   }
   return lines;

@@ -7,7 +7,6 @@
 // forbidden), or dequantized per group.
 #include <ATen/ATen.h>
 
-#include <sstream>
 #include <utility>
 #include <vector>
 
@@ -33,7 +32,7 @@ using selection::Table;
 using selection::WhyNot;
 
 std::string quantize_signature(const QuantizeProblem& p) {
-  std::ostringstream out;
+  selection::Text out;
   out << "(" << describe("x", p.x) << " -> " << c10::toString(p.format) << (p.rowwise ? "" : ", no rowwise")
       << (p.transposed ? ", transposed" : "") << (p.column_sums ? ", column sums" : "")
       << (p.amax_state.defined() ? ", delayed" : "") << ")";
@@ -95,7 +94,7 @@ const Table<QuantizeProblem, QuantizeOutputs> kQuantize(
     quantize_signature, quantize_features);
 
 std::string gemm_signature(const ScaledGroupedProblem& p) {
-  std::ostringstream out;
+  selection::Text out;
   out << "(" << describe("a", p.a) << ", " << describe("b", p.b) << (p.bias ? ", bias" : "") << " -> "
       << c10::toString(p.out.scalar_type()) << (p.fast_accum ? ", fast_accum" : "") << ")";
   return out.str();
@@ -165,7 +164,7 @@ const Table<ScaledGroupedProblem, at::Tensor> kScaledGroupedMm(
     gemm_signature, gemm_features);
 
 std::string ragged_signature(const ScaledRaggedProblem& p) {
-  std::ostringstream out;
+  selection::Text out;
   out << "(" << describe("a", p.a) << ", " << describe("b", p.b) << (p.bias ? ", bias" : "") << ", " << p.b.size(0)
       << " ragged groups -> " << c10::toString(p.out_dtype) << (p.fast_accum ? ", fast_accum" : "") << ")";
   return out.str();

@@ -4,7 +4,6 @@
 // proposes, for autotune to time. All follow torch.backends.cuda.matmul.allow_tf32, as nn.Linear does.
 #include <ATen/ATen.h>
 
-#include <sstream>
 #include <string>
 
 #include "kernels/gemm/gemm.h"
@@ -20,7 +19,7 @@ using selection::Table;
 using selection::WhyNot;
 
 std::string signature(const GroupedProblem& p) {
-  std::ostringstream out;
+  selection::Text out;
   out << "(" << describe("a", p.a) << ", " << describe("b", p.b) << (p.bias ? ", bias" : "") << ")";
   return out.str();
 }

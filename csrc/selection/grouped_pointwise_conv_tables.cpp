@@ -12,7 +12,6 @@
 // ATen's einsum; the bias gradient outside small_groups is one sum over the positions.
 #include <ATen/ATen.h>
 
-#include <sstream>
 
 #include "kernels/gemm/gemm.h"
 #include "selection/grouped_pointwise_conv_tables.h"
@@ -34,7 +33,7 @@ using selection::WhyNot;
 constexpr GemmConvention kConv = GemmConvention::kConv;
 
 std::string signature(const GroupedPointwiseConvProblem& p) {
-  std::ostringstream out;
+  selection::Text out;
   out << "(" << describe("x", p.x) << (p.tokens ? ", tokens" : ", channels-first") << ", "
       << describe("matrix", p.matrix) << (p.bias ? ", bias" : "") << ")";
   return out.str();
@@ -239,7 +238,7 @@ const Table<GroupedPointwiseConvWeightGradProblem, Grads> kGradWeight(
          }},
     },
     [](const GroupedPointwiseConvWeightGradProblem& p) {
-      std::ostringstream out;
+      selection::Text out;
       out << "(" << describe("grad_y", p.grad_y) << ", " << describe("x", p.x) << (p.tokens ? ", tokens" : "")
           << (p.with_bias ? ", with bias" : "") << ")";
       return out.str();

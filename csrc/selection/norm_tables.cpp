@@ -2,7 +2,6 @@
 // (CUDA and ROCm), else ATen's composite (any device).
 #include <ATen/ATen.h>
 
-#include <sstream>
 
 #include "kernels/norm/instance_norm.h"
 #include "selection/norm_tables.h"
@@ -18,7 +17,7 @@ using selection::WhyNot;
 using Result = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 std::string signature(const at::Tensor& x, const NormShape& s, bool gelu, bool affine) {
-  std::ostringstream out;
+  selection::Text out;
   out << "(" << describe("x", x) << (s.tokens ? ", tokens" : ", channels-first")
       << (gelu ? ", gelu" : "") << (affine ? ", affine" : "") << ")";
   return out.str();

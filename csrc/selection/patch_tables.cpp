@@ -4,7 +4,6 @@
 // kernel's rule needs its own tiling, its entry point applies it (the `ruled` argument).
 #include <ATen/ATen.h>
 
-#include <sstream>
 
 #include "kernels/gemm/gemm.h"
 #include "kernels/patch/patch_gemm.h"
@@ -185,7 +184,7 @@ WhyNot onednn_conv_wins_fp32(const at::Tensor& x, const PatchGeometry& g, bool t
 // patch_embed's and patch_unembed's problems in the log and explain().
 template <typename Problem>
 std::string patch_signature(const Problem& p) {
-  std::ostringstream out;
+  selection::Text out;
   out << "(" << describe("x", p.x) << ", weight " << p.weight.sizes() << (p.bias ? ", bias" : "")
       << (p.tokens ? ", tokens" : ", channels-first") << (p.g.levels.size() > 1 ? ", levels" : "") << ")";
   return out.str();
@@ -442,7 +441,7 @@ const Table<UnembedProblem, at::Tensor> kUnembedTable(
 // ---- patch_weight_grad ---------------------------------------------------------------------------
 
 std::string weight_grad_signature(const WeightGradProblem& p) {
-  std::ostringstream out;
+  selection::Text out;
   out << "(" << describe("grad_y", p.grad_y) << ", " << describe("x", p.x) << ", kernel "
       << c10::IntArrayRef(kernel_of(p.g, p.rank)) << (p.with_bias ? ", bias" : "")
       << (p.tokens ? ", tokens" : ", channels-first") << (p.transposed ? ", transposed" : "")

@@ -10,7 +10,6 @@
 // decline there while a sync is forbidden (capture, or sync debug mode "error").
 #include <ATen/ATen.h>
 
-#include <sstream>
 
 #ifdef PATCHGEMM_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -30,7 +29,7 @@ using selection::Table;
 using selection::WhyNot;
 
 std::string signature(const RaggedProblem& p) {
-  std::ostringstream out;
+  selection::Text out;
   out << "(" << describe("a", p.a) << ", " << describe("b", p.b) << (p.bias ? ", bias" : "") << ", "
       << p.groups << " groups, offsets on " << p.offsets.device() << ")";
   return out.str();

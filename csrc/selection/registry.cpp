@@ -1,6 +1,7 @@
 #include "selection/registry.h"
 
 #include <atomic>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -166,8 +167,34 @@ void note(const std::string& op, const std::string& signature, const std::string
 
 }  // namespace detail
 
+Text& Text::operator<<(int64_t v) {
+  char digits[24];
+  const auto end = std::to_chars(digits, digits + sizeof digits, v).ptr;
+  text_.append(digits, end);
+  return *this;
+}
+
+Text& Text::operator<<(c10::IntArrayRef v) {
+  text_ += '[';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) text_ += ", ";
+    *this << v[i];
+  }
+  text_ += ']';
+  return *this;
+}
+
+Text& Text::operator<<(const at::Device& d) {
+  if (d.is_cpu()) {
+    text_ += "cpu";  // (the usual case, without Device::str's string)
+  } else {
+    text_ += d.str();
+  }
+  return *this;
+}
+
 std::string describe(const char* name, const at::Tensor& t) {
-  std::ostringstream out;
+  Text out;
   out << name << " " << c10::toString(t.scalar_type()) << t.sizes();
   if (!t.is_contiguous()) out << " strides " << t.strides();
   out << " " << t.device();

@@ -284,17 +284,18 @@ class Table {
 
   // Autotune or learned: the remembered choice for this signature, else a new one (remembered).
   // nullopt, with the reason in `fallback`, where the mode cannot choose.
+  // (`fallback` is filled where the call is observed only: it is explain()'s and the log's.)
   std::optional<Result> run_chosen_by_mode(const Problem& p, Mode mode, std::string& fallback) const {
-    ProblemFeatures f = features_(p);
+    const at::Device device = p.device();
     // Learned without a model for this op here, nor a remembered choice: the heuristic, without
     // the signature and features a new choice needs (their cost recurs on every call).
-    if (mode == Mode::kLearned && !detail::learned_model_covers(op_, f.device) && !detail::remembers_any(f.device)) {
-      fallback = "learned: no usable model for " + op_;
+    if (mode == Mode::kLearned && !detail::learned_model_covers(op_, device) && !detail::remembers_any(device)) {
+      if (detail::observed()) fallback = "learned: no usable model for " + op_;
       return std::nullopt;
     }
     const std::string signature = signature_(p);
     const std::string key = detail::memory_key(op_, signature);
-    if (const auto remembered = detail::recall(f.device, key)) {
+    if (const auto remembered = detail::recall(device, key)) {
       // A choice of another build may name a candidate this one lacks or that no longer applies.
       const auto* c = find(remembered->name, /*required=*/false);
       WhyNot why = c ? why_not(*c, p) : "not in this build";
@@ -310,13 +311,14 @@ class Table {
     // A new choice. Both modes record what the heuristic runs, by running it (a kernel may decline
     // its problem). A CUDA graph being captured would keep that extra run, and autotune cannot time
     // there: the heuristic chooses instead, and nothing is remembered.
-    if (detail::capturing_graph(f.device)) {
+    if (detail::capturing_graph(device)) {
       fallback = std::string(mode == Mode::kAutotune ? "autotune: no timing" : "learned: no new choice") +
                  " during CUDA-graph capture";
       return std::nullopt;
     }
     std::vector<Verdict> verdicts;
     auto [heuristic_result, heuristic_pick] = run_rules(p, detail::observed() ? &verdicts : nullptr);
+    ProblemFeatures f = features_(p);
     add_rule_features(p, heuristic_pick, f);
     if (mode == Mode::kAutotune) return run_timed(p, f, signature, key, all_candidates(), /*learned=*/false);
     const std::vector<double> scores = detail::learned_scores(op_, names_, f);
@@ -497,6 +499,21 @@ class Table {
 
 // A tensor in a signature: dtype[sizes] (strides when not contiguous) and its device.
 std::string describe(const char* name, const at::Tensor& t);
+
+// Builds a signature as std::ostringstream would print it (sizes as "[1, 3, 224]", devices as
+// "cuda:0"), at a fraction of its cost: the autotune and learned modes key every call by one.
+class Text {
+ public:
+  Text& operator<<(const char* s) { text_ += s; return *this; }
+  Text& operator<<(const std::string& s) { text_ += s; return *this; }
+  Text& operator<<(int64_t v);
+  Text& operator<<(c10::IntArrayRef v);
+  Text& operator<<(const at::Device& d);
+  const std::string& str() const { return text_; }
+
+ private:
+  std::string text_;
+};
 
 // The listing: every candidate of every op, in table order.
 std::vector<CandidateInfo> candidates();

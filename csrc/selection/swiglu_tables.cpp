@@ -2,7 +2,6 @@
 // ATen's composite (chunk, silu, mul: three passes and two temporaries).
 #include <ATen/ATen.h>
 
-#include <sstream>
 
 #include "kernels/swiglu/swiglu.h"
 #include "selection/swiglu_tables.h"
@@ -17,7 +16,7 @@ using selection::Table;
 using selection::WhyNot;
 
 std::string signature(const SwigluProblem& p) {
-  std::ostringstream out;
+  selection::Text out;
   out << "(" << describe("gate_up", p.gate_up) << ")";
   return out.str();
 }
