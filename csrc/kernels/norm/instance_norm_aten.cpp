@@ -82,11 +82,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> instance_norm_act_backward_batch_
   const at::Tensor input = as_batch_norm_input(x, s);
   const at::Tensor w = per_sample(weight, s), b = per_sample(bias, s);
   at::Tensor dz = as_batch_norm_input(grad_y, s);
-  if (gelu) {  // the norm's output from the saved statistics, in x's dtype as batch norm writes it
-    at::Tensor z = (input.to(mean.scalar_type()) - mean.reshape({1, -1, 1})) * rstd.reshape({1, -1, 1});
-    if (w.defined()) z = z * w.to(z.scalar_type()).view({1, -1, 1});
-    if (b.defined()) z = z + b.to(z.scalar_type()).view({1, -1, 1});
-    dz = at::gelu_backward(dz, z.to(x.scalar_type()));
+  if (gelu) {
+    // The norm's output again, by the forward's own kernel in one pass: batch norm in inference mode
+    // with the saved statistics (variance 1 / rstd^2, eps 0) forms x * scale + shift per channel as
+    // the training forward did, in x's dtype. (Elementwise ATen ops took five passes, in float32.)
+    const at::ScalarType acc = mean.scalar_type();
+    const auto as_acc = [&](const at::Tensor& t) { return t.defined() ? t.to(acc) : t; };
+    const at::Tensor var = rstd.reshape({-1}).pow(-2);
+    const at::Tensor z = std::get<0>(at::native_batch_norm(input, as_acc(w), as_acc(b), mean.reshape({-1}), var,
+                                                           /*training=*/false, 0.0, /*eps=*/0.0));
+    dz = at::gelu_backward(dz, z);
   }
   // The dtype batch norm saves its statistics in: x's, or float32 for 16-bit x with fp32 parameters.
   const bool mixed = weight.defined() && weight.scalar_type() != x.scalar_type();
