@@ -213,7 +213,7 @@ def _output(out) -> torch.Tensor:
 class ModelRow:
     model: str
     form: str
-    gpu_ms: Optional[float]   # sum of the step's kernel times
+    gpu_ms: Optional[float]   # sum of the step's kernel times (on the CPU: its median time)
     wall_ms: Optional[float]  # wall time per step, steps back to back: the fastest round's
     peak_mb: Optional[float]  # peak memory a step allocates above what the model held before it
     vs_original_gpu: Optional[float] = None   # the original form's gpu_ms / this form's
@@ -381,9 +381,9 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
             if i >= 2 and not compiled:  # e.g. converted against use_linear as well as against the conv original
                 prev = measured[i - 1]
                 row.note = "; ".join(filter(None, [
-                    f"vs {forms[i - 1]}: GPU {prev.gpu_ms / row.gpu_ms:.3f}x, "
+                    f"vs {forms[i - 1]}: {'GPU' if dev.type == 'cuda' else 'CPU'} {prev.gpu_ms / row.gpu_ms:.3f}x, "
                     f"wall {prev.wall_ms / row.wall_ms:.3f}x", row.note]))
-            progress(format_rows([row], header=False))
+            progress(format_rows([row], header=False, device_type=dev.type))
             rows.append(row)
         on_rows(rows)
         del models, original
@@ -392,12 +392,15 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
     return rows
 
 
-def format_rows(rows: List[ModelRow], header: bool = True) -> str:
+def format_rows(rows: List[ModelRow], header: bool = True, device_type: str = "cuda") -> str:
+    """The table; on the CPU its first time is the CPU's (the median step, which wall ms bounds)."""
     def num(v, fmt):
         width = int(fmt.split(".")[0])
         return f"{'-':>{width}}" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
-    lines = [f"{'model':<14} {'form':<20} {'GPU ms':>8} {'wall ms':>8} {'peak MB':>8} {'GPU x':>6} {'wall x':>6} {'paired':>6}  note"]
+    unit = "GPU" if device_type == "cuda" else "CPU"
+    lines = [f"{'model':<14} {'form':<20} {unit + ' ms':>8} {'wall ms':>8} {'peak MB':>8} {unit + ' x':>6} {'wall x':>6} "
+             f"{'paired':>6}  note"]
     lines = lines if header else []
     for r in rows:
         lines.append(f"{r.model:<14} {r.form:<20} {num(r.gpu_ms, '8.2f')} {num(r.wall_ms, '8.2f')} "
@@ -425,7 +428,7 @@ def main(names: Optional[Sequence[str]] = None, device: Optional[str] = None, js
             with open(json_path, "w") as f:
                 json.dump({"environment": environment(dev), "models": [asdict(r) for r in rows]}, f, indent=1)
 
-    print(format_rows([]))
+    print(format_rows([], device_type=dev.type))
     rows = run(names, device=str(dev), tiny=tiny, on_rows=save, compiled=compiled)
-    print("\n" + format_rows(rows))
+    print("\n" + format_rows(rows, device_type=dev.type))
     return 0
