@@ -405,7 +405,10 @@ class Table {
         }
       }
       std::string how = learned ? "learned: unsure between the contenders, timed now" : "autotune: timed now";
-      if (best != timed[fastest]) how += "; PyTorch's path, within 5% of the fastest";
+      if (best != timed[fastest]) {
+        how += "; PyTorch's path, within " + std::to_string(static_cast<int>(kTowardPyTorch * 100 + 0.5)) +
+               "% of the fastest";
+      }
       detail::note(op_, signature, how, std::move(verdicts));
     }
     return result;

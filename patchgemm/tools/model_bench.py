@@ -381,7 +381,7 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
             if i >= 2 and not compiled:  # e.g. converted against use_linear as well as against the conv original
                 prev = measured[i - 1]
                 row.note = "; ".join(filter(None, [
-                    f"vs {forms[i - 1]}: {'GPU' if dev.type == 'cuda' else 'CPU'} {prev.gpu_ms / row.gpu_ms:.3f}x, "
+                    f"vs {forms[i - 1]}: {_time_unit(dev.type)} {prev.gpu_ms / row.gpu_ms:.3f}x, "
                     f"wall {prev.wall_ms / row.wall_ms:.3f}x", row.note]))
             progress(format_rows([row], header=False, device_type=dev.type))
             rows.append(row)
@@ -392,13 +392,18 @@ def run(names: Optional[Sequence[str]] = None, device: Optional[str] = None, tin
     return rows
 
 
+def _time_unit(device_type: str) -> str:
+    """What gpu_ms measures on `device_type`: the GPU's kernel time, or the CPU's time."""
+    return "GPU" if device_type == "cuda" else "CPU"
+
+
 def format_rows(rows: List[ModelRow], header: bool = True, device_type: str = "cuda") -> str:
     """The table; on the CPU its first time is the CPU's (the median step, which wall ms bounds)."""
     def num(v, fmt):
         width = int(fmt.split(".")[0])
         return f"{'-':>{width}}" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
-    unit = "GPU" if device_type == "cuda" else "CPU"
+    unit = _time_unit(device_type)
     lines = [f"{'model':<14} {'form':<20} {unit + ' ms':>8} {'wall ms':>8} {'peak MB':>8} {unit + ' x':>6} {'wall x':>6} "
              f"{'paired':>6}  note"]
     lines = lines if header else []
