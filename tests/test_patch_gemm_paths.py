@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import patchgemm
-from conftest import (assert_close_to_ref, fused_mode, needs_gpu,
+from conftest import (DEVICES, assert_close_to_ref, fused_mode, needs_gpu,
                       poison_allocator, randn)
 from patch_cases import CONV, CONV_T, conv_tokens, cropped, cuda_kernels_run, layout, make
 
@@ -268,3 +268,92 @@ def test_gpu_gather_wide_rows(dtype, shape, kernel, memory, has_bias):
     assert_close_to_ref(out["y"], ref, dtype)
     for g, r, name in zip(out["g"], want, ["grad_x", "grad_weight", "grad_bias"]):
         assert_close_to_ref(g, r, dtype, name)
+
+
+# ---- The forward's patch matrix, reused by the weight gradient -----------------------------------
+
+SAVED_PATCHES = [  # (x shape, kernel, out_format, x's memory, the forward forced)
+    ((2, 3, 16, 16), (4, 4), "tokens", "contiguous", "gather_gemm"),
+    ((2, 3, 16, 16), (4, 4), "channels_first", "contiguous", "gather_gemm"),
+    ((2, 4, 8, 8, 8), (2, 2, 2), "channels_first", "channels_last", "gather_gemm"),
+    ((3, 5, 12, 20), (4, 4), "tokens", "channels_last", "aten_linear"),
+    ((4, 1, 512), (16,), "tokens", "contiguous", "aten_linear"),
+    ((3, 2, 8, 8), (8, 8), "tokens", "contiguous", "view_gemm"),  # one patch per sample: x itself
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("shape,kernel,fmt,memory,forward", SAVED_PATCHES)
+def test_weight_grad_reuses_the_forwards_patch_matrix(device, dtype, has_bias, shape, kernel, fmt, memory, forward):
+    """Where the forward gathered (or copied) the patch matrix, the weight gradient's GEMM reads it
+    (saved_patches) instead of gathering x again: every gradient as the float64 convolution's, and
+    dW as the gather's."""
+    x, w, b = make(shape, kernel, dtype, device, embed=24, bias=has_bias)
+    x = layout(x, memory).requires_grad_()
+    params = [x, w.requires_grad_()] + ([b.requires_grad_()] if has_bias else [])
+    with patchgemm.force(patch_embed=forward), patchgemm.explain() as e:
+        y = patchgemm.patch_embed(x, w, b, out_format=fmt)
+        dy = randn(*y.shape, dtype=dtype, device=device)
+        got = torch.autograd.grad(y, params, dy)
+    assert {c.op: c.chosen for c in e}["patch_weight_grad"] == "saved_patches", str(e)
+    params64 = [t.detach().double().requires_grad_() for t in params]
+    y64 = CONV[len(kernel)](params64[0], params64[1], params64[2] if has_bias else None, stride=kernel)
+    y64 = conv_tokens(y64) if fmt == "tokens" else y64
+    ref = torch.autograd.grad(y64, params64, dy.double())
+    for name, g, r in zip(("dx", "dW", "db"), got, ref):
+        assert_close_to_ref(g, r, dtype, what=name)
+    with patchgemm.force(patch_embed=forward, patch_weight_grad="gather_gemm"):
+        y = patchgemm.patch_embed(x, w, b, out_format=fmt)
+        gathered = torch.autograd.grad(y, params[1:], dy)
+    for g, r in zip(got[1:], gathered):
+        assert g.stride() == r.stride()  # the weight's memory format, as the gather's (channels-last x)
+        torch.testing.assert_close(g, r, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saved_patches_only_where_a_forward_made_them_and_a_weight_needs_them(device):
+    """No patch matrix is kept where the forward read x in place (the convolution), nor where the
+    weight needs no gradient (dx alone, from the weight); the op patch_weight_grad, which has no
+    forward, cannot be forced onto one."""
+    x, w, b = make((2, 3, 16, 16), (4, 4), torch.float32, device, embed=24)
+    w.requires_grad_()
+    with patchgemm.force(patch_embed="aten_conv"), patchgemm.explain() as e:
+        patchgemm.patch_embed(x, w, b, out_format="tokens").sum().backward()
+    weight_grad = [c for c in e if c.op == "patch_weight_grad"]
+    assert len(weight_grad) == 1 and weight_grad[0].chosen != "saved_patches", str(e)
+    reasons = {v.name: v.reason for v in weight_grad[0].candidates}
+    assert reasons["saved_patches"] == "no patch matrix kept from the forward", str(e)
+
+    x.requires_grad_()
+    w.requires_grad_(False)
+    with patchgemm.force(patch_embed="gather_gemm"), patchgemm.explain() as e:
+        patchgemm.patch_embed(x, w, b).sum().backward()
+    assert [c.op for c in e] == ["patch_embed", "patch_unembed"], str(e)
+
+    dy = randn(2, 16, 24, device=device)
+    with patchgemm.force(patch_weight_grad="saved_patches"), \
+            pytest.raises(RuntimeError, match="no patch matrix kept from the forward"):
+        ops.patch_weight_grad(dy, x.detach(), [4, 4], True, [], True)
+
+
+@pytest.mark.parametrize("mode", ["autotune", "learned"])
+def test_saved_patches_in_every_mode(mode, tmp_path):
+    """Autotune and the learned selector take the saved patch matrix too: there is nothing to time
+    (nothing is remembered for it), and a forced weight gradient still recomputes it from x."""
+    x, w, b = make((4, 3, 32, 32), (8, 8), torch.float32, "cpu", embed=32)
+    w.requires_grad_()
+    previous = patchgemm.set_selection(mode, cache_dir=str(tmp_path)) if mode == "autotune" else \
+        patchgemm.set_selection(mode)
+    try:
+        with patchgemm.force(patch_embed="gather_gemm"), patchgemm.explain() as e:
+            y = patchgemm.patch_embed(x, w, b, out_format="tokens")
+            (dw,) = torch.autograd.grad(y, [w], y.detach())
+    finally:
+        patchgemm.set_selection(previous)
+    chosen = [c for c in e if c.op == "patch_weight_grad"]
+    assert len(chosen) == 1 and chosen[0].chosen == "saved_patches" and chosen[0].how.startswith("reused"), str(e)
+    w64 = w.detach().double().requires_grad_()
+    y64 = conv_tokens(CONV[2](x.double(), w64, b.double(), stride=8))
+    assert_close_to_ref(dw, torch.autograd.grad(y64, [w64], y.detach().double())[0], torch.float32, what="dW")

@@ -19,9 +19,12 @@
 // One exception: where patch_embed's (patch_unembed's) choice settles on ATen's (transposed)
 // convolution before anything runs (channels-last x on cuDNN, plain calls), the op is that
 // convolution with PyTorch's autograd (ops/patch_embed.h: may_settle_on_aten).
-// The patch matrix is never saved: patch_weight_grad recomputes it from x, an input of the op
-// (saving an input costs no memory); nor is the normalized activation: the norm's backward
-// recomputes it from x.
+// patch_embed's backward takes the patch matrix its forward gathered, where the forward's
+// implementation made one (gather + GEMM, the linear rewrite; not the implicit kernels, which read
+// x in place): the weight gradient's GEMM reads it (the saved_patches candidate) as the linear
+// rewrite's backward does, instead of gathering x again. Elsewhere patch_weight_grad recomputes it
+// from x, an input of the op (saving an input costs no memory). The normalized activation is never
+// saved: the norm's backward recomputes it from x.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -305,11 +308,16 @@ at::Tensor grouped_pointwise_conv_autograd(const at::Tensor& x, const at::Tensor
 // ---- patch_embed / patch_unembed -----------------------------------------------------------------
 
 // What both backward passes keep: x when the weight gradient is needed (patch_weight_grad
-// recomputes the patch matrix from it), the weight when dx is.
+// recomputes the patch matrix from it, unless `patches`, the forward's, is given), the weight when
+// dx is.
 void save_patch_context(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                        const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels) {
+                        const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels,
+                        const std::optional<PatchMatrix>& patches = std::nullopt) {
   const bool needs_w = weight.requires_grad() || (has_value(bias) && bias->requires_grad());
-  ctx->save_for_backward({needs_w ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor()});
+  const bool keeps_patches = needs_w && patches.has_value();
+  ctx->save_for_backward({needs_w ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor(),
+                          keeps_patches ? patches->rows : at::Tensor()});
+  ctx->saved_data["patches_ones_column"] = keeps_patches && patches->ones_column;
   ctx->saved_data["tokens"] = tokens;
   ctx->saved_data["levels"] = levels.vec();
   ctx->saved_data["has_bias"] = has_value(bias);
@@ -319,13 +327,16 @@ void save_patch_context(AutogradContext* ctx, const at::Tensor& x, const at::Ten
 // What save_patch_context kept, read back in backward.
 struct PatchContext {
   at::Tensor x, weight;
+  std::optional<PatchMatrix> patches;
   bool tokens;
   std::vector<int64_t> levels, kernel;
 };
 
 PatchContext load_patch_context(AutogradContext* ctx) {
   const variable_list saved = ctx->get_saved_variables();
-  return {saved[0], saved[1], ctx->saved_data["tokens"].toBool(),
+  std::optional<PatchMatrix> patches;
+  if (saved[2].defined()) patches = PatchMatrix{saved[2], ctx->saved_data["patches_ones_column"].toBool()};
+  return {saved[0], saved[1], std::move(patches), ctx->saved_data["tokens"].toBool(),
           ctx->saved_data["levels"].toIntVector(), ctx->saved_data["kernel"].toIntVector()};
 }
 
@@ -350,16 +361,19 @@ at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight,
                                   bool tokens, at::OptionalIntArrayRef levels);
 
 // dW (and db) in backward, directly where the call is plain (grad mode is off: a second derivative
-// of it is refused).
+// of it is refused), there from `patches` where the forward kept its patch matrix of x.
 std::tuple<at::Tensor, at::Tensor> patch_weight_grad_in_backward(const at::Tensor& grad_y, const at::Tensor& x,
                                                                  c10::IntArrayRef kernel, bool tokens,
                                                                  c10::IntArrayRef levels, bool with_bias,
-                                                                 bool transposed) {
+                                                                 bool transposed,
+                                                                 const std::optional<PatchMatrix>& patches = std::nullopt) {
   if (!plain_call({grad_y, x}) || at::GradMode::is_enabled()) {
     return patch_weight_grad_op().call(grad_y, x, kernel, tokens, levels, with_bias, transposed);
   }
   return below_autograd([&] {
-    return patch_weight_grads(weight_grad_problem(grad_y, x, kernel, tokens, levels, with_bias, transposed));
+    WeightGradProblem p = weight_grad_problem(grad_y, x, kernel, tokens, levels, with_bias, transposed);
+    p.saved_patches = patches;
+    return patch_weight_grads(p);
   });
 }
 
@@ -371,7 +385,8 @@ struct PatchEmbed : Function<PatchEmbed> {
                             const EmbedProblem* problem) {
     at::Tensor y = problem ? below_autograd([&] { return select_patch_embed(*problem); })
                            : call_below_autograd(patch_embed_op(), x, weight, bias, tokens, levels);
-    save_patch_context(ctx, x, weight, bias, tokens, levels);
+    save_patch_context(ctx, x, weight, bias, tokens, levels,
+                       problem ? problem->patch_matrix() : std::optional<PatchMatrix>());
     if (tokens && levels.empty() && x.requires_grad()) {
       // dx unpatchifies tokens, which needs the grid: row-major tokens are one level, the grid.
       const std::vector<int64_t> size = concrete(x.sym_sizes().slice(2));
@@ -398,7 +413,7 @@ struct PatchEmbed : Function<PatchEmbed> {
     const bool needs_b = needs_bias_grad(ctx);
     if (ctx->needs_input_grad(kWeight) || needs_b) {
       std::tie(grad_w, grad_b) =
-          patch_weight_grad_in_backward(grad_y, c.x, c.kernel, c.tokens, c.levels, needs_b, false);
+          patch_weight_grad_in_backward(grad_y, c.x, c.kernel, c.tokens, c.levels, needs_b, false, c.patches);
     }
     return {grad_x, ctx->needs_input_grad(kWeight) ? grad_w : at::Tensor(),
             needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};

@@ -44,6 +44,14 @@ class PerCall {
   mutable std::optional<T> value_;
 };
 
+// A patch matrix of x as the GEMM paths make it: rows [B, N, ld] whose first K columns are the
+// patches (in PatchGeometry's column order) and the rest alignment padding, or with `ones_column`
+// a column of ones at K (the bias's) before it. merge_batch must merge B and N.
+struct PatchMatrix {
+  at::Tensor rows;
+  bool ones_column = false;
+};
+
 // patch_embed: y = conv(x, weight, bias, stride = kernel) as tokens [B, N, E] or channels-first.
 struct EmbedProblem {
   at::Tensor x, weight;  // as given: [B, C, *S], [E, C, *k]
@@ -63,9 +71,16 @@ struct EmbedProblem {
   // x5 and g as the fused kernels see them (where fused_kernels_apply holds).
   const std::pair<at::Tensor, PatchGeometry>& fused() const { return fused_.get([&] { return fused_view(x5, g); }); }
 
+  // The patch matrix an implementation gathered (or copied) from x and multiplied, which the
+  // autograd layer keeps for the weight gradient (its GEMM then reads it instead of gathering x
+  // again, as the linear rewrite's backward does). None where the implementation read x in place.
+  void made_patch_matrix(PatchMatrix m) const { patches_ = std::move(m); }
+  const std::optional<PatchMatrix>& patch_matrix() const { return patches_; }
+
  private:
   PerCall<at::Tensor> w2_;
   PerCall<std::pair<at::Tensor, PatchGeometry>> fused_;
+  mutable std::optional<PatchMatrix> patches_;
 };
 
 // patch_unembed: y = conv_transpose(x, weight, bias, stride = kernel), [B, C_out, *(grid * k)].
@@ -100,6 +115,10 @@ struct WeightGradProblem {
   at::Tensor x5;  // [B, C, D, H, W]
   at::Tensor dy;  // grad_y as [B, N, E] (a view; channels-first grad_y through its strides)
   std::vector<int64_t> w_shape;
+  // patch_embed's backward: the patch matrix of x its forward made (EmbedProblem::patch_matrix),
+  // which the saved_patches candidate multiplies without gathering x again. Set by the autograd
+  // layer only: the op patch_weight_grad has no such argument.
+  std::optional<PatchMatrix> saved_patches;
   at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 
   // x5 and g as the fused kernels see them (where fused_kernels_apply holds).

@@ -506,6 +506,16 @@ Candidate<WeightGradProblem, WeightGrads> implicit_weight_grad(const char* name,
 const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
     "patch_weight_grad",
     {
+        {"saved_patches", "cpu cuda rocm",
+         "patch_embed's backward where its forward gathered the patch matrix: that matrix, one GEMM",
+         [](const WeightGradProblem& p) {
+           return p.saved_patches ? WhyNot() : WhyNot("no patch matrix kept from the forward");
+         },
+         nullptr,
+         [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> {
+           return weight_grad_by_saved_patches(p);
+         },
+         /*reuses=*/true},
 #ifdef PATCHGEMM_PTX_KERNELS
         {"tiny", "cuda sm_80+",
          "16-bit, kw = 2, gw % 4 == 0, patches of at most 64 elements, E <= 256; the bias "

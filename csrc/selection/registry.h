@@ -148,6 +148,11 @@ struct Candidate {
   // The result, or nullopt with the reason in `why` where it does not apply after all. `ruled`: the
   // default choice (false when forced), for kernels whose rule needs their own tiling.
   std::function<std::optional<Result>(const Problem&, bool ruled, WhyNot& why)> run;
+  // Whether it reuses what an earlier step of the call left in the problem (patch_embed's
+  // backward: the forward's patch matrix). Such a candidate is another's computation with a step
+  // already done, so wherever it applies it runs, in every mode but forcing: there is nothing to
+  // time or predict, and nothing is remembered.
+  bool reuses = false;
 };
 
 template <typename Problem, typename Result>
@@ -165,6 +170,7 @@ class Table {
     for (const auto& c : candidates_) {
       rows.push_back({op_, c.name, c.backends, c.conditions});
       names_.push_back(c.name);
+      has_reusing_ = has_reusing_ || c.reuses;
     }
     detail::register_table(std::move(rows));
   }
@@ -172,6 +178,9 @@ class Table {
   Result run(const Problem& p) const {
     const std::string forced = detail::forced(op_);
     if (!forced.empty()) return run_forced(p, forced);
+    if (has_reusing_) {
+      if (std::optional<Result> result = run_reusing(p)) return std::move(*result);
+    }
     std::string fallback;  // why the mode's own choice was not made
     const Mode mode = detail::mode();
     if (mode != Mode::kHeuristic) {
@@ -225,6 +234,21 @@ class Table {
                 signature_(p), "): ", why);
     if (detail::observed()) note_single(p, c.name, "forced", "another is forced");
     return std::move(*result);
+  }
+
+  // The first candidate that reuses earlier work (Candidate::reuses) and applies, run; nullopt
+  // where none does.
+  std::optional<Result> run_reusing(const Problem& p) const {
+    for (const auto& c : candidates_) {
+      if (!c.reuses) continue;
+      WhyNot why = why_not(c, p);
+      std::optional<Result> result;
+      if (why.empty()) result = c.run(p, /*ruled=*/false, why);
+      if (!result) continue;
+      if (detail::observed()) note_single(p, c.name, "reused: " + c.conditions, c.name + " reuses earlier work");
+      return result;
+    }
+    return std::nullopt;
   }
 
   // The heuristic's choice, noted for explain() as made `how`.
@@ -511,6 +535,7 @@ class Table {
   std::vector<std::string> names_;
   std::function<std::string(const Problem&)> signature_;
   std::function<ProblemFeatures(const Problem&)> features_;
+  bool has_reusing_ = false;  // a candidate reuses earlier work (run_reusing)
 };
 
 // A tensor in a signature: dtype[sizes] (strides when not contiguous) and its device.

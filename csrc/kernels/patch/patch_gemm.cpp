@@ -141,6 +141,7 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
     at::Tensor tokens = p.tokens_out || N == 1 ? y.view({g.batch, N, embed}) : at::empty({g.batch, N, embed}, options);
     const auto view = patch_matrix_as_view(p.x5, g);
     const at::Tensor pm = view ? *view : patchify(p.x5, g, /*ones_column=*/false);
+    p.made_patch_matrix({pm});
     // y[B*N, E] = P[B*N, ld] @ W'^T; the bias in the GEMM's epilogue where the backend has one.
     run_gemm(merge_batch(pm), padded_weight(p.w2(), std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(tokens),
              p.bias ? std::optional<at::Tensor>(p.bias->unsqueeze(0)) : std::nullopt, false, kConv);
@@ -161,11 +162,13 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
     // wide where a sample has fewer tokens than E (oneDNN's and MKL's GEMMs run an output of few,
     // long rows -- E x N -- up to 2x slower than its transpose).
     const at::Tensor pm = patchify(p.x5, g, /*ones_column=*/false).narrow(2, 0, g.patch_size());
+    p.made_patch_matrix({pm});
     y.view({g.batch, embed, N}).copy_(at::linear(pm, p.w2(), p.bias).transpose(1, 2));
     return y;
   }
   const bool bias_in_gemm = p.bias.has_value() && (!on_cpu || N > g.patch_size());
   const at::Tensor pm = patchify(p.x5, g, bias_in_gemm);
+  p.made_patch_matrix({pm, bias_in_gemm});
   const at::Tensor w = padded_weight(p.w2(), bias_in_gemm ? p.bias : std::nullopt,
                                      on_cpu && !bias_in_gemm ? g.patch_size() : pm.size(2));
   const at::Tensor out = y.view({g.batch, embed, N});
@@ -182,8 +185,9 @@ at::Tensor embed_by_aten_linear(const EmbedProblem& p) {
   const at::Tensor v = p.x5.view({g.batch, g.channels, g.grid[0], g.kernel[0], g.grid[1], g.kernel[1], g.grid[2],
                                   g.kernel[2]});
   const at::Tensor pm = g.channels_last ? v.permute({0, 2, 4, 6, 3, 5, 7, 1}) : v.permute({0, 2, 4, 6, 1, 3, 5, 7});
-  const at::Tensor y = at::linear(pm.reshape({g.batch * g.tokens(), g.patch_size()}),
-                                  p.w2(), p.bias);
+  const at::Tensor rows = pm.reshape({g.batch * g.tokens(), g.patch_size()});
+  if (rows.stride(1) == 1) p.made_patch_matrix({rows.view({g.batch, g.tokens(), g.patch_size()})});
+  const at::Tensor y = at::linear(rows, p.w2(), p.bias);
   return embed_output(p, y.view({g.batch, g.tokens(), p.weight.size(0)}));
 }
 
@@ -239,16 +243,17 @@ at::Tensor unembed_by_aten_linear(const UnembedProblem& p) {
   return y;
 }
 
-// The bias gradient where no GEMM yields it. Tokens grad_y [B*N, E] with E < 1024 is folded to
-// [B*N / f, f * E] first: ATen's reduction over rows spreads a few hundred columns poorly (P4's
-// E = 192: 0.7 TB/s). Wide rows (P2's E = 1280) reduce well in one kernel, which takes a transient
-// scratch there, as nn.Linear's bias gradient does.
+// The bias gradient where no GEMM yields it. On the GPU, tokens grad_y [B*N, E] with E < 1024 is
+// folded to [B*N / f, f * E] first: ATen's reduction over rows spreads a few hundred columns poorly
+// (P4's E = 192: 0.7 TB/s). Wide rows (P2's E = 1280) reduce well in one kernel, which takes a
+// transient scratch there, as nn.Linear's bias gradient does. The CPU's reduction over rows runs
+// at its best as it is (the fold's fp32 sums cost 5x more).
 at::Tensor bias_grad_by_sum(const WeightGradProblem& p) {
   const PatchGeometry& g = p.g;
   const int64_t N = g.tokens(), embed = p.embed;
   if (!p.with_bias) return at::empty({0}, p.x.options());
   if (p.transposed) return sum_for_bias_grad(p.x5, {0, 2, 3, 4});  // patch_unembed's: x per channel
-  if (p.dy.is_contiguous() && embed < 1024) {
+  if (!p.x.is_cpu() && p.dy.is_contiguous() && embed < 1024) {
     int64_t f = 32;
     while (f > 1 && (g.batch * N) % f) f /= 2;
     const at::ScalarType acc = at::toOpMathType(p.x.scalar_type());
@@ -262,18 +267,13 @@ at::Tensor bias_grad_by_sum(const WeightGradProblem& p) {
   return sum_for_bias_grad(p.dy, {0, 1});
 }
 
-WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
+namespace {
+
+// dW = grad_y^T @ P for a patch matrix P [B, N, ld] of x; the bias gradient from P's ones column
+// at K where `ones_column`, else by a sum.
+WeightGrads weight_grad_from_patches(const WeightGradProblem& p, const at::Tensor& pm, bool ones_column) {
   const PatchGeometry& g = p.g;
   const int64_t N = g.tokens(), K = g.patch_size(), embed = p.embed;
-  const auto view = patch_matrix_as_view(p.x5, g);
-  // The bias gradient comes out of the GEMM (a ones column in P) where that column fits in P's
-  // alignment padding, or where dW is at most a few times grad_y's size. Otherwise the column would
-  // grow P by a whole alignment and leave dW a strided slice of [dW | dbias | 0] that the weight's
-  // gradient copies once more, a pass over dW (12.6M values for a 16^3 stem on 4 channels, 33 times
-  // grad_y) that costs far more than summing grad_y apart (three small kernels).
-  const bool ones_column = p.with_bias && !p.transposed && !view &&
-                           (patch_row_width(K + 1, p.x) == patch_row_width(K, p.x) || K <= 4 * g.batch * N);
-  const at::Tensor pm = view ? *view : patchify(p.x5, g, ones_column);
   const int64_t ld = pm.size(2);
   at::Tensor dw;  // [1, E, ld]: [dW | dbias | (padding)]
   const at::Tensor& dy = p.dy;
@@ -310,6 +310,28 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
   const at::Tensor grad_w = weight_grad_in_weight_shape(dw.select(0, 0).narrow(1, 0, K), p);
   at::Tensor grad_b = ones_column ? dw.select(0, 0).select(1, K).contiguous() : bias_grad_by_sum(p);
   return {grad_w, grad_b};
+}
+
+}  // namespace
+
+WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
+  const PatchGeometry& g = p.g;
+  const int64_t N = g.tokens(), K = g.patch_size();
+  const auto view = patch_matrix_as_view(p.x5, g);
+  // The bias gradient comes out of the GEMM (a ones column in P) where that column fits in P's
+  // alignment padding, or where dW is at most a few times grad_y's size. Otherwise the column would
+  // grow P by a whole alignment and leave dW a strided slice of [dW | dbias | 0] that the weight's
+  // gradient copies once more, a pass over dW (12.6M values for a 16^3 stem on 4 channels, 33 times
+  // grad_y) that costs far more than summing grad_y apart (three small kernels).
+  const bool ones_column = p.with_bias && !p.transposed && !view &&
+                           (patch_row_width(K + 1, p.x) == patch_row_width(K, p.x) || K <= 4 * g.batch * N);
+  return weight_grad_from_patches(p, view ? *view : patchify(p.x5, g, ones_column), ones_column);
+}
+
+WeightGrads weight_grad_by_saved_patches(const WeightGradProblem& p) {
+  TORCH_INTERNAL_ASSERT(p.saved_patches && !p.transposed, "weight_grad_by_saved_patches: no saved patch matrix");
+  const PatchMatrix& m = *p.saved_patches;
+  return weight_grad_from_patches(p, m.rows, m.ones_column && p.with_bias);
 }
 
 }  // namespace patchgemm
