@@ -11,7 +11,7 @@ import torch
 
 import patchgemm
 from conftest import WGMMA, selection  # (tests/, the script's folder, is on sys.path)
-from scale_cases import CASES, FAMILY_OPS, does_not_apply, our_candidates
+from scale_cases import CASES, FAMILY_OPS, does_not_apply, forcing, our_candidates
 
 ops = torch.ops.patchgemm
 
@@ -307,7 +307,7 @@ def main():
 def run_forced(case, inputs, op, name) -> bool:
     """case's forward + backward with candidate `name` forced for `op`; False where it declines."""
     try:
-        with patchgemm.force(**{op: name}):
+        with patchgemm.force(**forcing(op, name)):
             outputs = case.run(inputs)
     except RuntimeError as e:
         if does_not_apply(e):

@@ -221,6 +221,16 @@ def our_candidates(op: str, device_kind: str = "cuda") -> List[str]:
             if not c.name.startswith("aten_") and device_kind in c.backends.split()]
 
 
+# A candidate that reuses earlier work of the call applies only after that work: saved_patches
+# multiplies the patch matrix a gathering forward left.
+_NEEDS_FORCED = {("patch_weight_grad", "saved_patches"): {"patch_embed": "gather_gemm"}}
+
+
+def forcing(op: str, name: str) -> Dict[str, str]:
+    """What forcing candidate `name` of `op` takes: it, and what must run before it."""
+    return {**_NEEDS_FORCED.get((op, name), {}), op: name}
+
+
 def does_not_apply(error: Exception) -> bool:
     """Whether `error` is a forced candidate declining the call (as opposed to a real failure)."""
     return isinstance(error, RuntimeError) and "does not apply to this call" in str(error)

@@ -23,7 +23,7 @@ from torch import nn
 
 import patchgemm
 from conftest import REL_TOL, conv_ref, fused_mode, needs_gpu, rel_error
-from scale_cases import CASES, FAMILY_OPS, does_not_apply, our_candidates
+from scale_cases import CASES, FAMILY_OPS, does_not_apply, forcing, our_candidates
 
 REPEATS = 5
 SEED = int(os.environ.get("PATCHGEMM_FUZZ_SEED", "20261124"))
@@ -54,7 +54,7 @@ def test_repeats_are_bitwise_equal(family):
             ran[(op, name)] = []
             for case in cases:
                 try:
-                    with patchgemm.force(**{op: name}):
+                    with patchgemm.force(**forcing(op, name)):
                         first = case.run(inputs[case.name])
                         for t in first:
                             if not torch.isfinite(t).all():
@@ -160,7 +160,7 @@ def test_real_stems_at_training_batches_match_float64(model):
             ys = y.transpose(1, 2).reshape(y_shape) if out_format == "tokens" else y
             return [ys, *torch.autograd.grad(y, [xs, ws, bs], g_out)]
 
-        choices = [("default", {})] + [(f"{op}={c.name}", {op: c.name}) for op in
+        choices = [("default", {})] + [(f"{op}={c.name}", forcing(op, c.name)) for op in
                                        ("patch_embed", "patch_weight_grad", "patch_unembed")
                                        for c in patchgemm.kernels(op) if "cuda" in c.backends.split()]
         for out_format in ("tokens", "channels_first"):

@@ -112,7 +112,10 @@ def test_gpu_implicit_weight_grad_kernel(fused_always, implicit_wgmma, dtype, sh
     dy = randn(*ref.shape, dtype=dtype, device="cuda")
     want = torch.autograd.grad(ref, [w64, b64], dy.double())
     tokens = out_format == "tokens"
-    y = patchgemm.patch_embed(xs, w, b, out_format=out_format)
+    # A forward that reads x in place (cuDNN's): a gathering one would leave the weight gradient its
+    # patch matrix (saved_patches)
+    with patchgemm.force(patch_embed="aten_conv"):
+        y = patchgemm.patch_embed(xs, w, b, out_format=out_format)
     poison_allocator(4 * w.numel() * 64, "cuda")
     out = {}
     ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, [w, b], conv_tokens(dy) if tokens else dy)))
@@ -206,7 +209,10 @@ def test_gpu_tiny_weight_grad_kernel(dtype, shape, kernel, embed, memory, out_fo
     dy = randn(*ref.shape, dtype=dtype, device="cuda")
     want = torch.autograd.grad(ref, [w64] + ([b64] if has_bias else []), dy.double())
     tokens = out_format == "tokens"
-    y = patchgemm.patch_embed(xs, w, b, out_format=out_format)
+    # A forward that reads x in place (cuDNN's): a gathering one would leave the weight gradient its
+    # patch matrix (saved_patches)
+    with patchgemm.force(patch_embed="aten_conv"):
+        y = patchgemm.patch_embed(xs, w, b, out_format=out_format)
     poison_allocator(4 * w.numel() * 64, "cuda")
     out = {}
     ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, params, conv_tokens(dy) if tokens else dy)))

@@ -413,9 +413,8 @@ def test_gpu_implicit_wgmma_weight_grad_rule(out_format, k, batch, wgmma):
     w64 = w.detach().double().requires_grad_()
     ref = F.conv3d(x.double(), w64, stride=k)
     dy = randn(*ref.shape, dtype=torch.bfloat16, device="cuda")
-    y = patchgemm.patch_embed(x, w, b, out_format=out_format)
-    with patchgemm.explain() as e:
-        (dw,) = torch.autograd.grad(y, [w], conv_tokens(dy) if tokens else dy)
+    with patchgemm.explain() as e:  # the op alone: no forward's patch matrix to reuse
+        dw, _ = ops.patch_weight_grad(conv_tokens(dy) if tokens else dy, x, [k, k, k], tokens, [], False)
     chosen = {c.op: c.chosen for c in e}
     assert (chosen["patch_weight_grad"] == "implicit_sm90") == (wgmma_built() and wgmma), str(e)
     (want,) = torch.autograd.grad(ref, [w64], dy.double())

@@ -452,8 +452,11 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
 RULE_CASES = [
     # channels-last 3-D with long kernels: cuDNN ran 20-90x slower than the GEMM path (few output
     # tiles over K = 49152: the fused kernels would not fill the GPU)
+    # (A forward that gathers leaves its patch matrix to the weight gradient, saved_patches; the
+    # weight gradient's own rule shows on the op alone, "patch_weight_grad op".)
     ((2, 96, 32, 128, 32), (8, 8, 8), 384, "channels_last", {"patch_embed": "gather_gemm",
-                                                             "patch_weight_grad": "gather_gemm"}),
+                                                             "patch_weight_grad": "saved_patches",
+                                                             "patch_weight_grad op": "gather_gemm"}),
     # ConvNeXt's k = 2 downsampling, channels-last: the fused forward (1.2x-2x cuDNN's), and for
     # E > 256 cuDNN's weight gradient
     ((32, 192, 28, 28), (2, 2), 384, "channels_last", {"patch_embed": "implicit_sm90",
@@ -464,12 +467,12 @@ RULE_CASES = [
     # Swin's stem: the wgmma weight gradient below 128 patch values
     ((64, 3, 224, 224), (4, 4), 96, "channels_first", {"patch_weight_grad": "implicit_sm90"}),
     # ViT-B/16 at batch 1, writing tokens: a patch matrix under 2 MB, ATen's permute copy + linear;
-    # its weight gradient on the wgmma kernel, which reads x itself (no gather)
+    # its weight gradient on the wgmma kernel, which reads x itself and sums the bias in its pass
     ((1, 3, 224, 224), (16, 16), 768, "tokens", {"patch_embed": "aten_linear", "patch_weight_grad": "implicit_sm90"}),
     # one 64 x 64 output tile over K = 262144: the fused kernels would stream x on one SM (50x slower)
     ((1, 1024, 128, 128), (16, 16), 64, "channels_first", {"patch_embed": "gather_gemm"}),
     # a 1024 x 32768 weight gradient from 16 tokens: 2048 output tiles, past 8 per SM
-    ((1, 128, 64, 64), (16, 16), 1024, "channels_first", {"patch_weight_grad": "gather_gemm"}),
+    ((1, 128, 64, 64), (16, 16), 1024, "channels_first", {"patch_weight_grad op": "gather_gemm"}),
 ]
 
 
@@ -483,11 +486,19 @@ def test_rules_choose_what_they_were_fitted_to(shape, kernel, embed, layout, exp
         x = x.contiguous(memory_format=fmt)
     w = randn(embed, shape[1], *kernel, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     b = randn(embed, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    expected = dict(expected)
+    alone = expected.pop("patch_weight_grad op", None)
+    tokens = layout == "tokens"
     with patchgemm.explain() as e:
-        y = patchgemm.patch_embed(x, w, b, out_format="tokens" if layout == "tokens" else "channels_first")
-        y.backward(torch.randn_like(y))  # grad_y in y's memory format, as a network's next layer gives it
+        y = patchgemm.patch_embed(x, w, b, out_format="tokens" if tokens else "channels_first")
+        grad_y = torch.randn_like(y)  # in y's memory format, as a network's next layer gives it
+        y.backward(grad_y)
     chosen = {c.op: c.chosen for c in e}
     assert {op: chosen.get(op) for op in expected} == expected, str(e)
+    if alone:
+        with patchgemm.explain() as e:
+            torch.ops.patchgemm.patch_weight_grad(grad_y, x, list(kernel), tokens, [], True)
+        assert [c.chosen for c in e] == [alone], str(e)
 
 
 def test_every_shape_has_a_model_family():

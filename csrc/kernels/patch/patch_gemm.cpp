@@ -132,7 +132,7 @@ bool embed_gemm_through_tokens(const EmbedProblem& p) {
 
 at::Tensor embed_by_gemm(const EmbedProblem& p) {
   const PatchGeometry& g = p.g;
-  const int64_t embed = p.weight.size(0), N = g.tokens();
+  const int64_t embed = p.weight.size(0), N = g.tokens(), K = g.patch_size();
   const bool on_cpu = p.x.device().is_cpu();
   if (p.tokens_out || (!on_cpu && embed_gemm_through_tokens(p))) {
     const auto options = p.x.options();
@@ -140,8 +140,11 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
     // (channels-first y of one token per sample is its tokens' memory too)
     at::Tensor tokens = p.tokens_out || N == 1 ? y.view({g.batch, N, embed}) : at::empty({g.batch, N, embed}, options);
     const auto view = patch_matrix_as_view(p.x5, g);
-    const at::Tensor pm = view ? *view : patchify(p.x5, g, /*ones_column=*/false);
-    p.made_patch_matrix({pm});
+    // A ones column where it fits in the row's padding (the GEMM reads it against the weight's
+    // zero padding): the weight gradient's GEMM then yields the bias gradient from the kept matrix.
+    const bool ones_column = p.bias && !view && patch_row_width(K + 1, p.x) == patch_row_width(K, p.x);
+    const at::Tensor pm = view ? *view : patchify(p.x5, g, ones_column);
+    p.made_patch_matrix({pm, ones_column});
     // y[B*N, E] = P[B*N, ld] @ W'^T; the bias in the GEMM's epilogue where the backend has one.
     run_gemm(merge_batch(pm), padded_weight(p.w2(), std::nullopt, pm.size(2)).t().unsqueeze(0), merge_batch(tokens),
              p.bias ? std::optional<at::Tensor>(p.bias->unsqueeze(0)) : std::nullopt, false, kConv);
