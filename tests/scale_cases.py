@@ -101,6 +101,9 @@ PATCH = [
     _patch_case("tubelet_b4_e768_tokens", (4, 3, 16, 224, 224), (2, 16, 16), 768, "tokens"),
     # one patch per sample: the patch matrix is a view of x
     _patch_case("one_patch_b4096_tokens", (4096, 3, 16, 16), (16, 16), 384, "tokens"),
+    # k = 3 on RGB (K = 27): the gather's ones column fits its padding, so the weight gradient
+    # multiplies the forward's patch matrix (saved_patches)
+    _patch_case("k3_e256_b64_tokens", (64, 3, 96, 96), (3, 3), 256, "tokens"),
     # time-series patching: Conv1d(7, 128, 16)
     _patch_case("series_1d_k16_e128_tokens", (512, 7, 512), (16,), 128, "tokens"),
 ]

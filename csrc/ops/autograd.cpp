@@ -308,13 +308,14 @@ at::Tensor grouped_pointwise_conv_autograd(const at::Tensor& x, const at::Tensor
 // ---- patch_embed / patch_unembed -----------------------------------------------------------------
 
 // What both backward passes keep: x when the weight gradient is needed (patch_weight_grad
-// recomputes the patch matrix from it, unless `patches`, the forward's, is given), the weight when
-// dx is.
+// recomputes the patch matrix from it, unless `patches`, the forward's, is given and usable), the
+// weight when dx is.
 void save_patch_context(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                         const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels,
                         const std::optional<PatchMatrix>& patches = std::nullopt) {
-  const bool needs_w = weight.requires_grad() || (has_value(bias) && bias->requires_grad());
-  const bool keeps_patches = needs_w && patches.has_value();
+  const bool needs_b = has_value(bias) && bias->requires_grad();
+  const bool needs_w = weight.requires_grad() || needs_b;
+  const bool keeps_patches = needs_w && patches.has_value() && why_saved_patches_unused(*patches, needs_b, x).empty();
   ctx->save_for_backward({needs_w ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor(),
                           keeps_patches ? patches->rows : at::Tensor()});
   ctx->saved_data["patches_ones_column"] = keeps_patches && patches->ones_column;
@@ -362,11 +363,9 @@ at::Tensor patch_unembed_autograd(const at::Tensor& x, const at::Tensor& weight,
 
 // dW (and db) in backward, directly where the call is plain (grad mode is off: a second derivative
 // of it is refused), there from `patches` where the forward kept its patch matrix of x.
-std::tuple<at::Tensor, at::Tensor> patch_weight_grad_in_backward(const at::Tensor& grad_y, const at::Tensor& x,
-                                                                 c10::IntArrayRef kernel, bool tokens,
-                                                                 c10::IntArrayRef levels, bool with_bias,
-                                                                 bool transposed,
-                                                                 const std::optional<PatchMatrix>& patches = std::nullopt) {
+std::tuple<at::Tensor, at::Tensor> patch_weight_grad_in_backward(
+    const at::Tensor& grad_y, const at::Tensor& x, c10::IntArrayRef kernel, bool tokens, c10::IntArrayRef levels,
+    bool with_bias, bool transposed, const std::optional<PatchMatrix>& patches = std::nullopt) {
   if (!plain_call({grad_y, x}) || at::GradMode::is_enabled()) {
     return patch_weight_grad_op().call(grad_y, x, kernel, tokens, levels, with_bias, transposed);
   }

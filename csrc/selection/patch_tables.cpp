@@ -503,18 +503,26 @@ Candidate<WeightGradProblem, WeightGrads> implicit_weight_grad(const char* name,
 }
 #endif
 
+}  // namespace
+
+std::string why_saved_patches_unused(const PatchMatrix& m, bool with_bias, const at::Tensor& x) {
+  // 16-bit bias gradients: the sum over grad_y costs more than the fused kernels' pass or the
+  // gather's ones column gain (DiT latents: 1.4x slower forward + backward).
+  if (with_bias && !m.ones_column && x.element_size() == 2)
+    return "16-bit bias gradient, and the forward's patch matrix has no ones column for it";
+  return {};
+}
+
+namespace {
+
 const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
     "patch_weight_grad",
     {
         {"saved_patches", "cpu cuda rocm",
          "patch_embed's backward where its forward gathered the patch matrix: that matrix, one GEMM",
          [](const WeightGradProblem& p) -> WhyNot {
-           if (!p.saved_patches) return "no patch matrix kept from the forward";
-           // 16-bit bias gradients: the sum over grad_y costs more than the fused kernels' pass or
-           // the gather's ones column gain (DiT latents: 1.4x slower forward + backward).
-           if (p.with_bias && !p.saved_patches->ones_column && p.x.element_size() == 2)
-             return "16-bit bias gradient, and the forward's patch matrix has no ones column for it";
-           return {};
+           return p.saved_patches ? why_saved_patches_unused(*p.saved_patches, p.with_bias, p.x)
+                                  : "no patch matrix kept from the forward";
          },
          nullptr,
          [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> {

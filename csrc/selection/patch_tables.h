@@ -4,12 +4,18 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+
 #include "problems/patch.h"
 
 namespace patchgemm {
 
 at::Tensor embed_by_aten_conv(const EmbedProblem& p);                // ATen's convolution (cuDNN's on CUDA)
 at::Tensor unembed_by_aten_conv_transpose(const UnembedProblem& p);  // ATen's transposed convolution
+
+// Why the weight gradient cannot take the forward's patch matrix `m` of x (saved_patches), or
+// empty where it can: the autograd layer keeps `m` only where it can, as x-sized memory.
+std::string why_saved_patches_unused(const PatchMatrix& m, bool with_bias, const at::Tensor& x);
 
 // The implementation each call runs.
 at::Tensor select_patch_embed(const EmbedProblem& p);
