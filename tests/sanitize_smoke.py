@@ -11,7 +11,7 @@ import torch
 
 import patchgemm
 from conftest import WGMMA, selection  # (tests/, the script's folder, is on sys.path)
-from scale_cases import CASES, FAMILY_OPS, does_not_apply, forcing, our_candidates
+from scale_cases import CASES, FAMILY_OPS, chose, does_not_apply, forcing, our_candidates
 
 ops = torch.ops.patchgemm
 
@@ -307,12 +307,14 @@ def main():
 def run_forced(case, inputs, op, name) -> bool:
     """case's forward + backward with candidate `name` forced for `op`; False where it declines."""
     try:
-        with patchgemm.force(**forcing(op, name)):
+        with patchgemm.force(**forcing(op, name)), patchgemm.explain() as explained:
             outputs = case.run(inputs)
     except RuntimeError as e:
         if does_not_apply(e):
             return False
         raise
+    if not chose(explained, op, name):
+        return False
     assert all(torch.isfinite(t).all() for t in outputs), f"{op}={name} on {case}"
     print(f"  {op}={name} on {case}", flush=True)  # progress, should a run be cut short
     return True

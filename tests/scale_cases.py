@@ -224,14 +224,21 @@ def our_candidates(op: str, device_kind: str = "cuda") -> List[str]:
             if not c.name.startswith("aten_") and device_kind in c.backends.split()]
 
 
-# A candidate that reuses earlier work of the call applies only after that work: saved_patches
-# multiplies the patch matrix a gathering forward left.
-_NEEDS_FORCED = {("patch_weight_grad", "saved_patches"): {"patch_embed": "gather_gemm"}}
+# A candidate that reuses earlier work of the call (saved_patches multiplies the patch matrix a
+# gathering forward left) is not forced itself: it runs wherever that work exists, and forcing it
+# would decline the call's other uses of its op (patch_unembed's weight gradient has no forward
+# matrix). Forcing what makes the work runs it; `chose` tells whether it did.
+_REUSES = {("patch_weight_grad", "saved_patches"): {"patch_embed": "gather_gemm"}}
 
 
 def forcing(op: str, name: str) -> Dict[str, str]:
-    """What forcing candidate `name` of `op` takes: it, and what must run before it."""
-    return {**_NEEDS_FORCED.get((op, name), {}), op: name}
+    """What running candidate `name` of `op` takes: forcing it, or (a reuse) what makes its work."""
+    return _REUSES.get((op, name)) or {op: name}
+
+
+def chose(explained, op: str, name: str) -> bool:
+    """Whether a call recorded by patchgemm.explain() ran candidate `name` of `op`."""
+    return any(c.op == op and c.chosen == name for c in explained)
 
 
 def does_not_apply(error: Exception) -> bool:
