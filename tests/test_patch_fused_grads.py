@@ -411,3 +411,40 @@ def test_gpu_implicit_unembed_kernel(fused_always, implicit_wgmma, dtype, shape,
     want = [conv_tokens(want[0]) if tokens else want[0], *want[1:]]
     for g, r, name in zip(got, want, ["grad_x", "grad_weight", "grad_bias"]):
         assert_close_to_ref(g, r, dtype, name)
+
+
+# The bias gradient summed apart (column_sums.cu) where the weight gradient multiplies the forward's
+# patch matrix without a ones column: (x shape, kernel, E): one range of rows and a partial
+# 256-column block, many ranges (sum_token_ranges adds them), E = 8, E not a multiple of 8 (ATen's
+# reduction instead), and a grad_y strided between rows.
+COLUMN_SUMS = [((1, 3, 224, 224), (16, 16), 768),     # ViT-B/16 at batch one: 196 rows, one range
+               ((1, 4, 32, 32), (2, 2), 1152),        # DiT-XL/2 at batch one: 4.5 column blocks
+               ((1, 4, 34, 32), (2, 2), 64),          # 272 rows: two ranges
+               ((24, 4, 64, 64), (2, 2), 1280),       # 24576 rows: many ranges
+               ((3, 6, 40, 40), (4, 4), 8),
+               ((2, 3, 32, 32), (8, 8), 100)]         # E % 8: not the kernel
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,embed", COLUMN_SUMS)
+@pytest.mark.parametrize("strided", [False, True])
+def test_gpu_bias_grad_by_column_sums(dtype, shape, kernel, embed, strided):
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=embed)
+    w.requires_grad_(), b.requires_grad_()
+    w64, b64 = w.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    ref = conv_tokens(CONV[len(kernel)](x.double(), w64, b64, stride=kernel))
+    dy = randn(*ref.shape[:-1], embed + 8 * strided, dtype=dtype, device="cuda")[..., :embed]
+    want = torch.autograd.grad(ref, [w64, b64], dy.double())
+    with patchgemm.force(patch_embed="aten_linear", patch_weight_grad="saved_patches"):
+        y = patchgemm.patch_embed(x, w, b, out_format="tokens")
+        poison_allocator(4 * w.numel() * 64, "cuda")
+        out = {}
+        ran = cuda_kernels_run(lambda: out.update(g=torch.autograd.grad(y, [w, b], dy, retain_graph=True)))
+        again = torch.autograd.grad(y, [w, b], dy)
+    assert ("column_sums_kernel" in ran) == (embed % 8 == 0), ran
+    rows = shape[0] * math.prod(s // k for s, k in zip(shape[2:], kernel))
+    assert ("sum_token_ranges_kernel" in ran) == (embed % 8 == 0 and rows > 256), ran  # more than one range
+    for g, r, name in zip(out["g"], want, ["grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+    assert torch.equal(out["g"][1], again[1])  # a fixed order of sums: repeats are bitwise equal

@@ -289,9 +289,8 @@ SAVED_PATCHES = [  # (x shape, kernel, out_format, x's memory, the forward force
 @pytest.mark.parametrize("shape,kernel,fmt,memory,forward", SAVED_PATCHES)
 def test_weight_grad_reuses_the_forwards_patch_matrix(device, dtype, has_bias, shape, kernel, fmt, memory, forward):
     """Where the forward gathered (or copied) the patch matrix, the weight gradient's GEMM reads it
-    (saved_patches) instead of gathering x again -- for a 16-bit bias gradient only where the matrix
-    carries a ones column for it: every gradient as the float64 convolution's, and dW as the
-    gather's."""
+    (saved_patches) instead of gathering x again, the bias gradient from its ones column or summed
+    from grad_y: every gradient as the float64 convolution's, and dW as the gather's."""
     if forward == "aten_linear" and device == "cuda" and dtype == torch.float32:
         forward = "gather_gemm"  # (linear's TF32 flag is not the conv's: not offered)
     x, w, b = make(shape, kernel, dtype, device, embed=24, bias=has_bias)
@@ -302,13 +301,7 @@ def test_weight_grad_reuses_the_forwards_patch_matrix(device, dtype, has_bias, s
         dy = randn(*y.shape, dtype=dtype, device=device)
         got = torch.autograd.grad(y, params, dy)
     (weight_grad,) = [c for c in e if c.op == "patch_weight_grad"]
-    verdict = {v.name: v for v in weight_grad.candidates}["saved_patches"]
-    if dtype == torch.float32 or not has_bias or math.prod(kernel) * shape[1] == 27 and forward == "gather_gemm":
-        assert weight_grad.chosen == "saved_patches", str(e)
-    else:  # 16-bit bias gradients: saved_patches where the forward's matrix has a ones column;
-        # without one the forward keeps no matrix (x-sized memory the backward would not use)
-        assert weight_grad.chosen == "saved_patches" or verdict.reason == "no patch matrix kept from the forward", \
-            str(e)
+    assert weight_grad.chosen == "saved_patches", str(e)
     params64 = [t.detach().double().requires_grad_() for t in params]
     y64 = CONV[len(kernel)](params64[0], params64[1], params64[2] if has_bias else None, stride=kernel)
     y64 = conv_tokens(y64) if fmt == "tokens" else y64
@@ -321,6 +314,31 @@ def test_weight_grad_reuses_the_forwards_patch_matrix(device, dtype, has_bias, s
     for g, r in zip(got[1:], gathered):
         assert g.stride() == r.stride()  # the weight's memory format, as the gather's (channels-last x)
         torch.testing.assert_close(g, r, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saved_patches_rule_leaves_wide_16_bit_bias_sums_to_one_pass(device):
+    """A 16-bit bias gradient that the forward's matrix has no ones column for is summed from grad_y
+    apart: over a grad_y of 4 MB or more, more than twice as wide as the patch (DiT's latents), the
+    rule passes the saved matrix over, and the forward keeps none; forced, it runs."""
+    x, w, b = make((8, 4, 32, 32), (2, 2), torch.bfloat16, device, embed=1024)  # grad_y: 2048 x 1024
+    w.requires_grad_(), b.requires_grad_()
+    dy = randn(8, 256, 1024, dtype=torch.bfloat16, device=device)
+    forward = "aten_linear" if device == "cuda" else "gather_gemm"
+    grads = {}
+    for forced in ({}, {"patch_weight_grad": "saved_patches"}):
+        with patchgemm.force(patch_embed=forward, **forced), patchgemm.explain() as e:
+            y = patchgemm.patch_embed(x, w, b, out_format="tokens")
+            grads[bool(forced)] = torch.autograd.grad(y, [w, b], dy)
+        (weight_grad,) = [c for c in e if c.op == "patch_weight_grad"]
+        if forced:
+            assert weight_grad.chosen == "saved_patches", str(e)
+        else:  # (no matrix kept: the verdict says so)
+            verdict = {v.name: v for v in weight_grad.candidates}["saved_patches"]
+            assert weight_grad.chosen != "saved_patches" and verdict.reason == "no patch matrix kept from the forward", \
+                str(e)
+    for g, r in zip(grads[True], grads[False]):
+        torch.testing.assert_close(g, r, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -452,10 +452,10 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
 RULE_CASES = [
     # channels-last 3-D with long kernels: cuDNN ran 20-90x slower than the GEMM path (few output
     # tiles over K = 49152: the fused kernels would not fill the GPU)
-    # (no ones column for the 16-bit bias in K = 49152's padding: the weight gradient gathers again;
-    # its own rule shows on the op alone too, "patch_weight_grad op")
+    # (the weight gradient multiplies the forward's patch matrix, its 16-bit bias summed apart from
+    # grad_y, 0.4 MB; its own rule shows on the op alone, "patch_weight_grad op")
     ((2, 96, 32, 128, 32), (8, 8, 8), 384, "channels_last", {"patch_embed": "gather_gemm",
-                                                             "patch_weight_grad": "gather_gemm",
+                                                             "patch_weight_grad": "saved_patches",
                                                              "patch_weight_grad op": "gather_gemm"}),
     # ConvNeXt's k = 2 downsampling, channels-last: the fused forward (1.2x-2x cuDNN's), and for
     # E > 256 cuDNN's weight gradient
@@ -467,8 +467,9 @@ RULE_CASES = [
     # Swin's stem: the wgmma weight gradient below 128 patch values
     ((64, 3, 224, 224), (4, 4), 96, "channels_first", {"patch_weight_grad": "implicit_sm90"}),
     # ViT-B/16 at batch 1, writing tokens: a patch matrix under 2 MB, ATen's permute copy + linear;
-    # its weight gradient on the wgmma kernel, which reads x itself and sums the bias in its pass
-    ((1, 3, 224, 224), (16, 16), 768, "tokens", {"patch_embed": "aten_linear", "patch_weight_grad": "implicit_sm90"}),
+    # its weight gradient multiplies that copy, as the linear rewrite's backward does (the bias summed
+    # apart from grad_y, 0.3 MB)
+    ((1, 3, 224, 224), (16, 16), 768, "tokens", {"patch_embed": "aten_linear", "patch_weight_grad": "saved_patches"}),
     # one 64 x 64 output tile over K = 262144: the fused kernels would stream x on one SM (50x slower)
     ((1, 1024, 128, 128), (16, 16), 64, "channels_first", {"patch_embed": "gather_gemm"}),
     # a 1024 x 32768 weight gradient from 16 tokens: 2048 output tiles, past 8 per SM

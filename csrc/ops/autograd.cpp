@@ -315,7 +315,8 @@ void save_patch_context(AutogradContext* ctx, const at::Tensor& x, const at::Ten
                         const std::optional<PatchMatrix>& patches = std::nullopt) {
   const bool needs_b = has_value(bias) && bias->requires_grad();
   const bool needs_w = weight.requires_grad() || needs_b;
-  const bool keeps_patches = needs_w && patches.has_value() && why_saved_patches_unused(*patches, needs_b, x).empty();
+  const bool keeps_patches =
+      needs_w && patches.has_value() && weight_grad_takes_patch_matrix(*patches, needs_b, x, weight.size(0));
   ctx->save_for_backward({needs_w ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor(),
                           keeps_patches ? patches->rows : at::Tensor()});
   ctx->saved_data["patches_ones_column"] = keeps_patches && patches->ones_column;

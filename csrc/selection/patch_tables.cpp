@@ -505,12 +505,30 @@ Candidate<WeightGradProblem, WeightGrads> implicit_weight_grad(const char* name,
 
 }  // namespace
 
-std::string why_saved_patches_unused(const PatchMatrix& m, bool with_bias, const at::Tensor& x) {
-  // 16-bit bias gradients: the sum over grad_y costs more than the fused kernels' pass or the
-  // gather's ones column gain (DiT latents: 1.4x slower forward + backward).
-  if (with_bias && !m.ones_column && x.element_size() == 2)
-    return "16-bit bias gradient, and the forward's patch matrix has no ones column for it";
+namespace {
+
+// A 16-bit bias gradient that the forward's patch matrix has no ones column for is summed from
+// grad_y apart (column_sums), a second pass over grad_y after the GEMM's. Where grad_y is much
+// wider than the patch (DiT latents: E = 1152 over K = 16) and large, that pass costs more than a
+// fused kernel's one pass over grad_y and x, or than the gather's ones column.
+constexpr double kSavedPatchesBiasSumBytes = 4e6;
+
+WhyNot saved_patches_rule(const PatchMatrix& m, bool with_bias, const at::Tensor& x, int64_t embed) {
+  if (!with_bias || m.ones_column || x.element_size() != 2) return {};
+  const int64_t rows = m.rows.size(0) * m.rows.size(1), width = m.rows.size(2);
+  if (embed > 2 * width && double(rows) * double(embed) * 2.0 >= kSavedPatchesBiasSumBytes) {
+    return "rule: a 16-bit bias gradient summed apart from a grad_y of 4 MB or more, over twice as wide as the "
+           "patch, runs faster in a fused kernel's one pass";
+  }
   return {};
+}
+
+}  // namespace
+
+bool weight_grad_takes_patch_matrix(const PatchMatrix& m, bool with_bias, const at::Tensor& x, int64_t embed) {
+  const std::string forced = selection::detail::forced("patch_weight_grad");
+  if (!forced.empty()) return forced == "saved_patches";
+  return !selection::detail::rules_apply() || saved_patches_rule(m, with_bias, x, embed).empty();
 }
 
 namespace {
@@ -521,10 +539,11 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
         {"saved_patches", "cpu cuda rocm",
          "patch_embed's backward where its forward gathered the patch matrix: that matrix, one GEMM",
          [](const WeightGradProblem& p) -> WhyNot {
-           return p.saved_patches ? why_saved_patches_unused(*p.saved_patches, p.with_bias, p.x)
-                                  : "no patch matrix kept from the forward";
+           return p.saved_patches ? WhyNot() : "no patch matrix kept from the forward";
          },
-         nullptr,
+         [](const WeightGradProblem& p) {
+           return saved_patches_rule(*p.saved_patches, p.with_bias, p.x, p.embed);
+         },
          [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> {
            return weight_grad_by_saved_patches(p);
          },

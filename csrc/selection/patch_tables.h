@@ -13,9 +13,10 @@ namespace patchgemm {
 at::Tensor embed_by_aten_conv(const EmbedProblem& p);                // ATen's convolution (cuDNN's on CUDA)
 at::Tensor unembed_by_aten_conv_transpose(const UnembedProblem& p);  // ATen's transposed convolution
 
-// Why the weight gradient cannot take the forward's patch matrix `m` of x (saved_patches), or
-// empty where it can: the autograd layer keeps `m` only where it can, as x-sized memory.
-std::string why_saved_patches_unused(const PatchMatrix& m, bool with_bias, const at::Tensor& x);
+// Whether patch_embed's weight gradient of width `embed` would take the forward's patch matrix `m`
+// of x (saved_patches: forced, or its rule passes): the autograd layer keeps `m`, x-sized memory,
+// only then.
+bool weight_grad_takes_patch_matrix(const PatchMatrix& m, bool with_bias, const at::Tensor& x, int64_t embed);
 
 // The implementation each call runs.
 at::Tensor select_patch_embed(const EmbedProblem& p);

@@ -150,8 +150,9 @@ struct Candidate {
   std::function<std::optional<Result>(const Problem&, bool ruled, WhyNot& why)> run;
   // Whether it reuses what an earlier step of the call left in the problem (patch_embed's
   // backward: the forward's patch matrix). Such a candidate is another's computation with a step
-  // already done, so wherever it applies it runs, in every mode but forcing: there is nothing to
-  // time or predict, and nothing is remembered.
+  // already done, so wherever it applies and its rule accepts the problem it runs, in every mode
+  // but forcing; the modes never time, predict or remember it (a signature does not say whether
+  // the earlier work exists).
   bool reuses = false;
 };
 
@@ -236,14 +237,15 @@ class Table {
     return std::move(*result);
   }
 
-  // The first candidate that reuses earlier work (Candidate::reuses) and applies, run; nullopt
-  // where none does.
+  // The first candidate that reuses earlier work (Candidate::reuses), applies and is not ruled out,
+  // run; nullopt where none does.
   std::optional<Result> run_reusing(const Problem& p) const {
+    const bool rules = detail::rules_apply();
     for (const auto& c : candidates_) {
       if (!c.reuses) continue;
-      WhyNot why = why_not(c, p);
+      WhyNot why;
       std::optional<Result> result;
-      if (why.empty()) result = c.run(p, /*ruled=*/false, why);
+      if (screen(c, p, rules, why) == Verdict::kChosen) result = c.run(p, rules, why);
       if (!result) continue;
       if (detail::observed()) note_single(p, c.name, "reused: " + c.conditions, c.name + " reuses earlier work");
       return result;
@@ -322,7 +324,7 @@ class Table {
     if (const auto remembered = detail::recall(device, key)) {
       // A choice of another build may name a candidate this one lacks or that no longer applies.
       const auto* c = find(remembered->name, /*required=*/false);
-      WhyNot why = c ? why_not(*c, p) : "not in this build";
+      WhyNot why = c ? why_not_in_modes(*c, p) : "not in this build";
       std::optional<Result> result;
       if (why.empty()) result = c->run(p, /*ruled=*/false, why);
       if (result) {
@@ -375,7 +377,7 @@ class Table {
     for (size_t i : which) {
       const auto& c = candidates_[i];
       asked[i] = true;
-      why[i] = why_not(c, p);
+      why[i] = why_not_in_modes(c, p);
       if (!why[i].empty()) continue;
       try {
         if (!c.run(p, /*ruled=*/false, why[i])) continue;
@@ -422,7 +424,7 @@ class Table {
         if (time_of[i] >= 0) {
           verdicts.push_back({candidates_[i].name, i == best ? Verdict::kChosen : Verdict::kRuledOut,
                               format_ms(time_of[i])});
-        } else if (WhyNot reason = asked[i] ? why[i] : why_not(candidates_[i], p); !reason.empty()) {
+        } else if (WhyNot reason = asked[i] ? why[i] : why_not_in_modes(candidates_[i], p); !reason.empty()) {
           verdicts.push_back({candidates_[i].name, Verdict::kUnsupported, reason});
         } else {
           verdicts.push_back({candidates_[i].name, Verdict::kNotReached, "scored lower than the contenders"});
@@ -449,7 +451,7 @@ class Table {
     if (const double gap = detail::learned_unsure_gap(f.device); gap > 0) {
       std::vector<size_t> contenders;
       for (size_t i : order) {
-        if (!why_not(candidates_[i], p).empty()) continue;
+        if (!why_not_in_modes(candidates_[i], p).empty()) continue;
         if (!contenders.empty() && scores[i] < scores[contenders.front()] - gap) break;
         contenders.push_back(i);
       }
@@ -466,7 +468,7 @@ class Table {
     for (size_t i : order) {
       if (i == heuristic_pick) break;
       const auto& c = candidates_[i];
-      WhyNot why = why_not(c, p);
+      WhyNot why = why_not_in_modes(c, p);
       if (!why.empty()) continue;
       std::optional<Result> result = c.run(p, /*ruled=*/false, why);
       if (!result) continue;
@@ -488,13 +490,19 @@ class Table {
   void add_rule_features(const Problem& p, size_t pick, ProblemFeatures& f) const {
     for (size_t i = 0; i < candidates_.size(); ++i) {
       const auto& c = candidates_[i];
-      f.values.emplace_back("applies:" + c.name, why_not(c, p).empty() ? 1.0 : 0.0);
+      f.values.emplace_back("applies:" + c.name, why_not_in_modes(c, p).empty() ? 1.0 : 0.0);
       f.values.emplace_back("rules_pick:" + c.name, i == pick ? 1.0 : 0.0);
     }
   }
 
   WhyNot why_not(const Candidate<Problem, Result>& c, const Problem& p) const {
     return detail::excluded(c.name) ? "excluded (testing hook)" : c.supports(p);
+  }
+
+  // why_not for the autotune and learned modes, which never offer a candidate that reuses earlier
+  // work (Candidate::reuses).
+  WhyNot why_not_in_modes(const Candidate<Problem, Result>& c, const Problem& p) const {
+    return c.reuses ? "reuses earlier work: taken by its rule, never by a mode" : why_not(c, p);
   }
 
   // explain()'s record of a choice made without trying the others: their verdicts say only

@@ -311,9 +311,9 @@ bool implicit_weight_grad_sm90(const Problem& p, int run, int dy_piece, const at
                                int64_t splits, int64_t chunk, const at::Tensor& out, const at::Tensor& db_partial);
 
 // dW [E, K] and, where db is defined, dbias [E] (16-bit): the weight-gradient kernels' fp32 partial
-// sums over their token ranges, dw_partial [ranges, E, K] (undefined where a kernel wrote dW itself)
-// and db_partial [db_ranges, E], added in a fixed order (sum_token_ranges.cu). E * K and E are
-// multiples of 4.
+// sums over their token ranges, dw_partial [ranges, E, K] (undefined where a kernel wrote dW itself,
+// or where only a bias gradient is summed: column_sums.cu) and db_partial [db_ranges, E], added in a
+// fixed order (sum_token_ranges.cu). E * K and E are multiples of 4.
 void sum_token_ranges(const at::Tensor& dw_partial, const at::Tensor& db_partial, const at::Tensor& dw,
                       const at::Tensor& db);
 

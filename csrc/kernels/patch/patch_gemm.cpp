@@ -246,16 +246,24 @@ at::Tensor unembed_by_aten_linear(const UnembedProblem& p) {
   return y;
 }
 
-// The bias gradient where no GEMM yields it. On the GPU, tokens grad_y [B*N, E] with E < 1024 is
-// folded to [B*N / f, f * E] first: ATen's reduction over rows spreads a few hundred columns poorly
-// (P4's E = 192: 0.7 TB/s). Wide rows (P2's E = 1280) reduce well in one kernel, which takes a
-// transient scratch there, as nn.Linear's bias gradient does. The CPU's reduction over rows runs
+// The bias gradient where no GEMM yields it. On NVIDIA GPUs, tokens grad_y in one pass (column_sums);
+// elsewhere on the GPU, tokens grad_y [B*N, E] with E < 1024 is folded to [B*N / f, f * E] first:
+// ATen's reduction over rows spreads a few hundred columns poorly (P4's E = 192: 0.7 TB/s). Wide
+// rows (P2's E = 1280) reduce well in one kernel, which takes a transient scratch there, as
+// nn.Linear's bias gradient does. The CPU's reduction over rows runs
 // at its best as it is (the fold's fp32 sums cost 5x more).
 at::Tensor bias_grad_by_sum(const WeightGradProblem& p) {
   const PatchGeometry& g = p.g;
   const int64_t N = g.tokens(), embed = p.embed;
   if (!p.with_bias) return at::empty({0}, p.x.options());
   if (p.transposed) return sum_for_bias_grad(p.x5, {0, 2, 3, 4});  // patch_unembed's: x per channel
+#if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
+  // Tokens grad_y whose rows merge over B: one pass of column_sums.
+  if (p.x.is_cuda() && p.dy.stride(2) == 1 && (g.batch == 1 || p.dy.stride(0) == N * p.dy.stride(1))) {
+    const at::Tensor grad_b = at::empty({embed}, p.x.options());
+    if (cuda::column_sums(p.dy.as_strided({g.batch * N, embed}, {p.dy.stride(1), 1}), grad_b)) return grad_b;
+  }
+#endif
   if (!p.x.is_cpu() && p.dy.is_contiguous() && embed < 1024) {
     int64_t f = 32;
     while (f > 1 && (g.batch * N) % f) f /= 2;

@@ -65,6 +65,12 @@ bool transposing_copy(const at::Tensor& dst, const at::Tensor& src);
 // does not apply (the caller then runs the ATen version).
 bool pad_weight(const at::Tensor& w2, const std::optional<at::Tensor>& bias, const at::Tensor& w);
 
+// out [E] = rows [M, E] summed over its M rows (column_sums.cu; NVIDIA builds only): 16-bit, added
+// in fp32 in a fixed order and rounded once, in one pass over rows. False where it does not apply
+// (rows not 16-bit on the GPU, empty, E % 8, or rows with gaps between columns or not 16-byte
+// aligned): the caller then runs ATen's reduction.
+bool column_sums(const at::Tensor& rows, const at::Tensor& out);
+
 // Whether the wgmma kernels (*_sm90.cu) run on the current device: built for sm_90a, on a 9.0 GPU.
 bool wgmma_kernels_run_here(const at::Tensor& on);
 

@@ -1,6 +1,7 @@
-// The weight-gradient kernels' last step (implicit_patch_weight_grad*.cu): their blocks split the
-// tokens, the reduction, into ranges and write fp32 partial sums; this adds them over the ranges in
-// a fixed order (deterministic, unlike atomics) into the output dtype.
+// The weight-gradient kernels' last step (implicit_patch_weight_grad*.cu; column_sums.cu for a bias
+// gradient alone): their blocks split the tokens, the reduction, into ranges and write fp32 partial
+// sums; this adds them over the ranges in a fixed order (deterministic, unlike atomics) into the
+// output dtype.
 #include <ATen/ATen.h>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -65,7 +66,8 @@ void sum_token_ranges(const at::Tensor& dw_partial, const at::Tensor& db_partial
         with_db ? static_cast<int>(db_partial.size(0)) : 0, with_dw ? static_cast<uint2*>(dw.data_ptr()) : nullptr,
         with_db ? static_cast<uint2*>(db.data_ptr()) : nullptr);
   };
-  dw.scalar_type() == at::kHalf ? run(static_cast<__half*>(nullptr)) : run(static_cast<__nv_bfloat16*>(nullptr));
+  const at::ScalarType type = (with_dw ? dw : db).scalar_type();
+  type == at::kHalf ? run(static_cast<__half*>(nullptr)) : run(static_cast<__nv_bfloat16*>(nullptr));
 }
 
 }  // namespace cuda
