@@ -290,7 +290,7 @@ SAVED_PATCHES = [  # (x shape, kernel, out_format, x's memory, the forward force
 def test_weight_grad_reuses_the_forwards_patch_matrix(device, dtype, has_bias, shape, kernel, fmt, memory, forward):
     """Where the forward gathered (or copied) the patch matrix, the weight gradient's GEMM reads it
     (saved_patches) instead of gathering x again, the bias gradient from its ones column or summed
-    from grad_y: every gradient as the float64 convolution's, and dW as the gather's."""
+    from tokens grad_y: every gradient as the float64 convolution's, and dW as the gather's."""
     if forward == "aten_linear" and device == "cuda" and dtype == torch.float32:
         forward = "gather_gemm"  # (linear's TF32 flag is not the conv's: not offered)
     x, w, b = make(shape, kernel, dtype, device, embed=24, bias=has_bias)
@@ -301,7 +301,14 @@ def test_weight_grad_reuses_the_forwards_patch_matrix(device, dtype, has_bias, s
         dy = randn(*y.shape, dtype=dtype, device=device)
         got = torch.autograd.grad(y, params, dy)
     (weight_grad,) = [c for c in e if c.op == "patch_weight_grad"]
-    assert weight_grad.chosen == "saved_patches", str(e)
+    if dtype != torch.float32 and has_bias and fmt == "channels_first":
+        # channels-first grad_y: its rule leaves the 16-bit bias sum to the fused kernels' pass (where the
+        # forward wrote channels-first memory, it keeps no matrix for it)
+        reason = {v.name: v.reason for v in weight_grad.candidates}["saved_patches"]
+        assert reason.startswith("rule: a 16-bit bias gradient summed apart from channels-first") or \
+            reason == "no patch matrix kept from the forward", str(e)
+    else:
+        assert weight_grad.chosen == "saved_patches", str(e)
     params64 = [t.detach().double().requires_grad_() for t in params]
     y64 = CONV[len(kernel)](params64[0], params64[1], params64[2] if has_bias else None, stride=kernel)
     y64 = conv_tokens(y64) if fmt == "tokens" else y64

@@ -308,15 +308,15 @@ at::Tensor grouped_pointwise_conv_autograd(const at::Tensor& x, const at::Tensor
 // ---- patch_embed / patch_unembed -----------------------------------------------------------------
 
 // What both backward passes keep: x when the weight gradient is needed (patch_weight_grad
-// recomputes the patch matrix from it, unless `patches`, the forward's, is given and usable), the
-// weight when dx is.
+// recomputes the patch matrix from it, unless patch_embed's forward `problem` made one that the
+// weight gradient takes), the weight when dx is.
 void save_patch_context(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                         const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels,
-                        const std::optional<PatchMatrix>& patches = std::nullopt) {
+                        const EmbedProblem* problem = nullptr) {
   const bool needs_b = has_value(bias) && bias->requires_grad();
   const bool needs_w = weight.requires_grad() || needs_b;
-  const bool keeps_patches =
-      needs_w && patches.has_value() && weight_grad_takes_patch_matrix(*patches, needs_b, x, weight.size(0));
+  const std::optional<PatchMatrix> patches = problem ? problem->patch_matrix() : std::nullopt;
+  const bool keeps_patches = needs_w && patches.has_value() && weight_grad_takes_patch_matrix(*problem, needs_b);
   ctx->save_for_backward({needs_w ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor(),
                           keeps_patches ? patches->rows : at::Tensor()});
   ctx->saved_data["patches_ones_column"] = keeps_patches && patches->ones_column;
@@ -385,8 +385,7 @@ struct PatchEmbed : Function<PatchEmbed> {
                             const EmbedProblem* problem) {
     at::Tensor y = problem ? below_autograd([&] { return select_patch_embed(*problem); })
                            : call_below_autograd(patch_embed_op(), x, weight, bias, tokens, levels);
-    save_patch_context(ctx, x, weight, bias, tokens, levels,
-                       problem ? problem->patch_matrix() : std::optional<PatchMatrix>());
+    save_patch_context(ctx, x, weight, bias, tokens, levels, problem);
     if (tokens && levels.empty() && x.requires_grad()) {
       // dx unpatchifies tokens, which needs the grid: row-major tokens are one level, the grid.
       const std::vector<int64_t> size = concrete(x.sym_sizes().slice(2));

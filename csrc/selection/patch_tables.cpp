@@ -508,13 +508,24 @@ Candidate<WeightGradProblem, WeightGrads> implicit_weight_grad(const char* name,
 namespace {
 
 // A 16-bit bias gradient that the forward's patch matrix has no ones column for is summed from
-// grad_y apart (column_sums), a second pass over grad_y after the GEMM's. Where grad_y is much
-// wider than the patch (DiT latents: E = 1152 over K = 16) and large, that pass costs more than a
-// fused kernel's one pass over grad_y and x, or than the gather's ones column.
+// grad_y apart (column_sums), a second pass over grad_y after the GEMM's. Measured against the
+// weight gradient's other candidates on every 16-bit embedding of bench/heldout.py's sets (H200,
+// forward and weight gradient forced in pairs; with each model family left out in turn, the
+// thresholds come out the same but for time series), the matrix pays where grad_y lies tokens-major
+// (the sum reads it in rows; channels-first, the fused kernels read it as it lies), where its rows
+// are aligned (ATen's copy of K % 8 != 0 patches keeps cuBLAS off its fast kernels: up to 2.6x),
+// and unless grad_y is large and over twice as wide as the patch (DiT and video-DiT latents, E =
+// 1152 over K = 16; audio spectrograms, K = 256 into E = 768), where the second pass over it costs
+// more than a fused kernel's one pass.
 constexpr double kSavedPatchesBiasSumBytes = 4e6;
 
-WhyNot saved_patches_rule(const PatchMatrix& m, bool with_bias, const at::Tensor& x, int64_t embed) {
+WhyNot saved_patches_rule(const PatchMatrix& m, bool with_bias, const at::Tensor& x, int64_t embed, bool dy_tokens) {
   if (!with_bias || m.ones_column || x.element_size() != 2) return {};
+  if (!dy_tokens) return "rule: a 16-bit bias gradient summed apart from channels-first grad_y runs faster fused";
+  const int64_t row_stride = m.rows.size(1) == 1 ? m.rows.stride(0) : m.rows.stride(1);
+  if (x.is_cuda() && row_stride % 8 != 0) {
+    return "rule: the forward's matrix has unaligned rows (K % 8 != 0), which cuBLAS reads slowly";
+  }
   const int64_t rows = m.rows.size(0) * m.rows.size(1), width = m.rows.size(2);
   if (embed > 2 * width && double(rows) * double(embed) * 2.0 >= kSavedPatchesBiasSumBytes) {
     return "rule: a 16-bit bias gradient summed apart from a grad_y of 4 MB or more, over twice as wide as the "
@@ -525,10 +536,11 @@ WhyNot saved_patches_rule(const PatchMatrix& m, bool with_bias, const at::Tensor
 
 }  // namespace
 
-bool weight_grad_takes_patch_matrix(const PatchMatrix& m, bool with_bias, const at::Tensor& x, int64_t embed) {
+bool weight_grad_takes_patch_matrix(const EmbedProblem& p, bool with_bias) {
   const std::string forced = selection::detail::forced("patch_weight_grad");
   if (!forced.empty()) return forced == "saved_patches";
-  return !selection::detail::rules_apply() || saved_patches_rule(m, with_bias, x, embed).empty();
+  return !selection::detail::rules_apply() ||
+         saved_patches_rule(*p.patch_matrix(), with_bias, p.x, p.weight.size(0), p.tokens_out).empty();
 }
 
 namespace {
@@ -542,7 +554,7 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
            return p.saved_patches ? WhyNot() : "no patch matrix kept from the forward";
          },
          [](const WeightGradProblem& p) {
-           return saved_patches_rule(*p.saved_patches, p.with_bias, p.x, p.embed);
+           return saved_patches_rule(*p.saved_patches, p.with_bias, p.x, p.embed, p.dy.stride(2) == 1);
          },
          [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> {
            return weight_grad_by_saved_patches(p);

@@ -13,10 +13,10 @@ namespace patchgemm {
 at::Tensor embed_by_aten_conv(const EmbedProblem& p);                // ATen's convolution (cuDNN's on CUDA)
 at::Tensor unembed_by_aten_conv_transpose(const UnembedProblem& p);  // ATen's transposed convolution
 
-// Whether patch_embed's weight gradient of width `embed` would take the forward's patch matrix `m`
-// of x (saved_patches: forced, or its rule passes): the autograd layer keeps `m`, x-sized memory,
-// only then.
-bool weight_grad_takes_patch_matrix(const PatchMatrix& m, bool with_bias, const at::Tensor& x, int64_t embed);
+// Whether patch_embed's weight gradient would take the patch matrix its forward `p` made
+// (saved_patches: forced, or its rule passes; grad_y taken to lie as y): the autograd layer keeps
+// that matrix, x-sized memory, only then.
+bool weight_grad_takes_patch_matrix(const EmbedProblem& p, bool with_bias);
 
 // The implementation each call runs.
 at::Tensor select_patch_embed(const EmbedProblem& p);

@@ -95,8 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     prefetch_tensor_map(x_map), prefetch_tensor_map(w_map), prefetch_tensor_map(y_lo), prefetch_tensor_map(y_hi);
   }
   __syncthreads();
-  wait_for_prior_kernels();  // launched dependent (dependent_launch.cuh); a block per SM at most
-  allow_dependents();
+  wait_for_prior_kernels();  // launched dependent (dependent_launch.cuh)
   const int box_bytes = g.pw * 128;  // grid row s's box, [kh_box][pw][kw], from s * box_bytes
 
   if (threadIdx.x < kThreads - kConsumers) {

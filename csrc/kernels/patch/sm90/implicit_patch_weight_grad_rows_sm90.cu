@@ -85,8 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   released.init(g.with_bias ? 4 : 2);  // the consumer warpgroups, and the bias warps
   if (threadIdx.x == 0) prefetch_tensor_map(x_map), prefetch_tensor_map(dy_map);
   __syncthreads();
-  wait_for_prior_kernels();  // launched dependent (dependent_launch.cuh); a block per SM at most
-  allow_dependents();
+  wait_for_prior_kernels();  // launched dependent (dependent_launch.cuh)
 
   if (threadIdx.x < kThreads - kConsumers) {
     set_max_registers<40, false>();
