@@ -17,7 +17,8 @@ patchgemm's default choice is compared with every PyTorch path in the same run (
 as ``nn.Conv*d`` calls it, the reshape + ``nn.Linear`` rewrite with the conv's output memory format,
 as a drop-in must return it, ``bmm`` / ``baddbmm``): ratio = best
 PyTorch time / ours, so above 1 is faster. ``--candidates`` also times every candidate
-of every op the pass runs, forced one at a time (what the rules are fitted from); ``--kernels``
+of every op the pass runs, forced one at a time, and for a patch embedding's forward + backward
+every pairing of its forward and weight gradient (what the rules are fitted from); ``--kernels``
 prints the kernels of one call of ours and of each PyTorch path (where a difference comes from).
 """
 
@@ -123,14 +124,21 @@ def measure(s: Shape, set_name: str, device: torch.device, candidates: bool, ker
         r = Result(s.id, set_name, s.op, pass_, s.dtype, ours, torch_ms,
                    {c.op: c.chosen for c in chosen})
         if candidates:
-            for op in [s.op] if pass_ == "fwd" else prob.backward_ops:
-                r.candidates_ms[op] = {}
-                for c in patchgemm.kernels(op):
+            forcings = {op: [{op: c.name} for c in patchgemm.kernels(op)]
+                        for op in ([s.op] if pass_ == "fwd" else prob.backward_ops)}
+            if s.op == "patch_embed" and pass_ == "fwd+bwd":  # the forward and its weight gradient as a pair
+                forcings["patch_embed+patch_weight_grad"] = [
+                    {"patch_embed": f.name, "patch_weight_grad": w.name}
+                    for f in patchgemm.kernels("patch_embed") for w in patchgemm.kernels("patch_weight_grad")]
+            for key, forced in forcings.items():
+                r.candidates_ms[key] = {}
+                for names in forced:
+                    name = "+".join(names.values())
                     try:
-                        with patchgemm.force(**{op: c.name}):
-                            r.candidates_ms[op][c.name] = kernel_ms(run, device, reps=REPS)
-                    except RuntimeError:  # the forced candidate does not apply
-                        r.candidates_ms[op][c.name] = None
+                        with patchgemm.force(**names):
+                            r.candidates_ms[key][name] = kernel_ms(run, device, reps=REPS)
+                    except RuntimeError:  # a forced candidate does not apply
+                        r.candidates_ms[key][name] = None
         results.append(r)
     return results
 

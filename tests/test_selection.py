@@ -431,6 +431,8 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
     for r in results:
         assert r.ratio > 0 and r.chosen[r.op] in {c.name for c in patchgemm.kernels(r.op)}
         assert r.candidates_ms  # every op of the pass, each candidate timed or marked unsupported
+    pairs = results[1].candidates_ms["patch_embed+patch_weight_grad"]  # "e" forward + backward: every pairing
+    assert pairs["gather_gemm+saved_patches"] > 0 and pairs["aten_conv+saved_patches"] is None
     assert {row["op"] for row in heldout.summary(results)} == {"patch_embed", "patch_unembed", "grouped_linear"}
     families = heldout.family_summary(results)  # (the ids name no family: TUNING-style ids, "image" / "grouped")
     assert sum(f["n"] for f in families) == len(results)

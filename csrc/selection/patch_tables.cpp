@@ -510,7 +510,7 @@ namespace {
 // A 16-bit bias gradient that the forward's patch matrix has no ones column for is summed from
 // grad_y apart (column_sums), a second pass over grad_y after the GEMM's. Measured against the
 // weight gradient's other candidates on every 16-bit embedding of bench/heldout.py's sets (H200,
-// forward and weight gradient forced in pairs; with each model family left out in turn, the
+// forward and weight gradient forced in pairs, --candidates; with each model family left out in turn, the
 // thresholds come out the same but for time series), the matrix pays where grad_y lies tokens-major
 // (the sum reads it in rows; channels-first, the fused kernels read it as it lies), where its rows
 // are aligned (ATen's copy of K % 8 != 0 patches keeps cuBLAS off its fast kernels: up to 2.6x),
