@@ -422,6 +422,7 @@ COLUMN_SUMS = [((1, 3, 224, 224), (16, 16), 768),     # ViT-B/16 at batch one: 1
                ((1, 4, 34, 32), (2, 2), 64),          # 272 rows: two ranges
                ((24, 4, 64, 64), (2, 2), 1280),       # 24576 rows: many ranges
                ((3, 6, 40, 40), (4, 4), 8),
+               ((16, 4, 8, 8), (8, 8), 256),          # one patch per sample: B rows merge
                ((2, 3, 32, 32), (8, 8), 100)]         # E % 8: not the kernel
 
 

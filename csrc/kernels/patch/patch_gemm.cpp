@@ -259,9 +259,12 @@ at::Tensor bias_grad_by_sum(const WeightGradProblem& p) {
   if (p.transposed) return sum_for_bias_grad(p.x5, {0, 2, 3, 4});  // patch_unembed's: x per channel
 #if defined(PATCHGEMM_WITH_CUDA) && !defined(USE_ROCM)
   // Tokens grad_y whose rows merge over B: one pass of column_sums.
-  if (p.x.is_cuda() && p.dy.stride(2) == 1 && (g.batch == 1 || p.dy.stride(0) == N * p.dy.stride(1))) {
-    const at::Tensor grad_b = at::empty({embed}, p.x.options());
-    if (cuda::column_sums(p.dy.as_strided({g.batch * N, embed}, {p.dy.stride(1), 1}), grad_b)) return grad_b;
+  if (p.x.is_cuda()) {
+    const at::Tensor rows = merge_batch(p.dy);
+    if (rows.size(0) == 1) {
+      const at::Tensor grad_b = at::empty({embed}, p.x.options());
+      if (cuda::column_sums(rows.select(0, 0), grad_b)) return grad_b;
+    }
   }
 #endif
   if (!p.x.is_cpu() && p.dy.is_contiguous() && embed < 1024) {
