@@ -498,6 +498,63 @@ def test_learned_times_the_contenders_it_cannot_tell_apart():
         ops._forget_selections()
 
 
+def patch_training_case(device):
+    """x [4, 3, 32, 32], k = 8, E = 32, float32, and its float64 forward and dW for grad_y = y."""
+    x = randn(4, 3, 32, 32, device=device)
+    w = randn(32, 3, 8, 8, device=device) / 8
+    b = randn(32, device=device)
+    w64 = w.double().requires_grad_()
+    y64 = F.conv2d(x.double(), w64, b.double(), stride=8).flatten(2).transpose(1, 2)
+    (dw64,) = torch.autograd.grad(y64, [w64], y64.detach())
+    return x, w, b, y64.detach(), dw64
+
+
+def train_step_explained(x, w, b):
+    """patch_embed into tokens with w requiring grad, and dW for grad_y = y, under explain()."""
+    w = w.detach().requires_grad_()
+    with patchgemm.explain() as e:
+        y = patchgemm.patch_embed(x, w, b, out_format="tokens")
+        (dw,) = torch.autograd.grad(y, [w], y.detach())
+    return y, dw, [c for c in e if c.op == "patch_embed"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["autotune", "learned"])
+def test_a_training_forward_is_chosen_with_its_weight_gradient(mode, device, tmp_path):
+    """Where its weight gradient follows, patch_embed's forward is timed together with that
+    gradient (some forwards leave the patch matrix it multiplies), remembered apart from the same
+    forward in inference; the learned mode times every forward that leaves such a matrix beside
+    the one it predicts. The results are those of the float64 reference either way."""
+    x, w, b, y64, dw64 = patch_training_case(device)
+    try:
+        patchgemm.set_selection(mode, cache_dir=str(tmp_path) if mode == "autotune" else "", unsure_gap=1.0)
+        if mode == "learned":  # a clear lead for PyTorch's convolution, which leaves no patch matrix
+            tie_model("patch_embed", ["aten_linear", "gather_gemm", "aten_conv"], 5.0)
+        with patchgemm.explain() as e:  # inference: nothing requires grad
+            y = patchgemm.patch_embed(x, w, b, out_format="tokens")
+        assert_close_to_ref(y, y64, torch.float32)
+        assert "weight gradient follows" not in e[0].signature, str(e)
+        if mode == "learned":
+            assert (e[0].chosen, e[0].how) == ("aten_conv", "learned: predicted now"), str(e)
+
+        y, dw, e = train_step_explained(x, w, b)
+        assert_close_to_ref(y, y64, torch.float32)
+        assert_close_to_ref(dw, dw64, torch.float32, what="dW")
+        assert len(e) == 1 and "weight gradient follows" in e[0].signature, str(e)
+        timed_now = "learned: unsure between the contenders, timed now" if mode == "learned" else "autotune: timed now"
+        assert e[0].how.startswith(timed_now + " with the step that follows"), str(e)
+        timed = {v.name for v in e[0].candidates if v.reason.endswith(" ms")}
+        assert {"gather_gemm", "aten_linear", "aten_conv"} <= timed, str(e)
+
+        y, dw, again = train_step_explained(x, w, b)  # remembered, and the result is the same
+        assert again[0].chosen == e[0].chosen and "timed now" not in again[0].how, str(again)
+        assert_close_to_ref(dw, dw64, torch.float32, what="dW")
+    finally:
+        patchgemm.set_selection("heuristic")
+        selection.install_model(selection.load_model())
+        ops._forget_selections()
+
+
 class DeterministicAlgorithms:
     def __enter__(self):
         self.before = torch.are_deterministic_algorithms_enabled()

@@ -463,9 +463,21 @@ at::Tensor patch_embed_autograd(const at::Tensor& x_given, const at::Tensor& wei
     if (!tracked) return call_below_autograd(patch_embed_op(), x, weight, bias, tokens, levels);
     return PatchEmbed::apply(x, weight, bias, tokens, levels, static_cast<const EmbedProblem*>(nullptr));
   }
-  const EmbedProblem p = embed_problem(x, weight, bias, tokens, levels);
+  EmbedProblem p = embed_problem(x, weight, bias, tokens, levels);
   if (!tracked) return below_autograd([&] { return select_patch_embed(p); });
   if (may_settle_on_aten(p.g) && embed_settles_on_aten_conv(p)) return embed_by_aten_conv(p);
+  const bool needs_b = has_value(bias) && bias->requires_grad();
+  if (weight.requires_grad() || needs_b) {
+    // The modes choose the forward with its weight gradient: some forwards leave the patch matrix
+    // that gradient would otherwise gather again (save_patch_context keeps it on the same terms).
+    p.weight_grad_after = [&p, needs_b, levels = levels.vec()](const at::Tensor& y, bool reusable) {
+      WeightGradProblem w = weight_grad_problem(y, p.x, p.weight.sizes().slice(2), p.tokens, levels, needs_b, false);
+      if (reusable && p.patch_matrix() && weight_grad_takes_patch_matrix(p, needs_b)) {
+        w.saved_patches = p.patch_matrix();
+      }
+      patch_weight_grads(w);
+    };
+  }
   return PatchEmbed::apply(x, weight, bias, tokens, levels, &p);
 }
 

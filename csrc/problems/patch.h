@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -63,6 +64,10 @@ struct EmbedProblem {
   int64_t rank = 0;
   at::Tensor x5;                     // x as [B, C, D, H, W]
   std::vector<int64_t> out_shape;    // the op's output
+  // Set by the autograd layer where the weight gradient follows this forward (training): runs that
+  // gradient for a forward result y taken as grad_y, on the patch matrix the forward left where
+  // `reusable`. The selection modes time each candidate with it (selection/registry.h, FollowUp).
+  std::function<void(const at::Tensor& y, bool reusable)> weight_grad_after;
   at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 
   // weight as [E, K] in the patch matrix's column order. Made by the implementations that use it,
@@ -75,6 +80,7 @@ struct EmbedProblem {
   // autograd layer keeps for the weight gradient (its GEMM then reads it instead of gathering x
   // again, as the linear rewrite's backward does). None where the implementation read x in place.
   void made_patch_matrix(PatchMatrix m) const { patches_ = std::move(m); }
+  void forget_patch_matrix() const { patches_.reset(); }  // before each run: the last run's only
   const std::optional<PatchMatrix>& patch_matrix() const { return patches_; }
 
  private:

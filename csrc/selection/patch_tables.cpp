@@ -244,15 +244,28 @@ Candidate<EmbedProblem, at::Tensor> implicit_embed(const char* name, cuda::Impli
 }
 #endif
 
+// Each run starts without the patch matrix an earlier run on the problem left (the heuristic's, a
+// timed candidate's): the autograd layer keeps the chosen candidate's matrix, or none.
+std::vector<Candidate<EmbedProblem, at::Tensor>> each_run_alone(std::vector<Candidate<EmbedProblem, at::Tensor>> cs) {
+  for (auto& c : cs) {
+    c.run = [run = std::move(c.run)](const EmbedProblem& p, bool ruled, WhyNot& why) {
+      p.forget_patch_matrix();
+      return run(p, ruled, why);
+    };
+  }
+  return cs;
+}
+
 const Table<EmbedProblem, at::Tensor> kEmbedTable(
     "patch_embed",
-    {
+    each_run_alone({
         {"view_gemm", "cpu cuda rocm", "one patch covers each sample and x's strides make it the patch matrix",
          [](const EmbedProblem& p) {
            return patch_matrix_as_view(p.x5, p.g) ? WhyNot() : "x is not its own patch matrix (one patch per sample)";
          },
          nullptr,
-         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_gemm(p); }},
+         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_gemm(p); },
+         /*reuses=*/false, /*leaves_reusable=*/true},
 #ifdef PATCHGEMM_PTX_KERNELS
         {"tiny", "cuda sm_80+", "channels-first out, patches of at most 64 elements, E % 16 == 0 (fp32: 8), E <= 512, "
                                 "N % 8 == 0; 16-bit and fp32",
@@ -301,7 +314,8 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            }
            return {};
          },
-         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_gemm(p); }},
+         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_gemm(p); },
+         /*reuses=*/false, /*leaves_reusable=*/true},
         {"aten_linear", "cpu cuda rocm", "tokens-major out, row-major tokens; 16-bit on CUDA: the usual hand rewrite, "
                                          "x's patches copied by ATen (permute + reshape), then linear",
          [](const EmbedProblem& p) -> WhyNot {
@@ -318,7 +332,8 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            if (p.x.is_cuda() && small_tokens_embed(p)) return {};
            return "rule: gather_gemm runs larger problems at least as fast";
          },
-         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_aten_linear(p); }},
+         [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_aten_linear(p); },
+         /*reuses=*/false, /*leaves_reusable=*/true},
         {"aten_conv", "cpu cuda rocm", "PyTorch's convolution (cuDNN on CUDA); row-major tokens, C > 0",
          [](const EmbedProblem& p) -> WhyNot {
            // cuDNN returns [B, 0, ...] for no input channels instead of the bias.
@@ -331,12 +346,18 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
          },
          nullptr,
          [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_aten_conv(p); }},
-    },
-    patch_signature<EmbedProblem>,
+    }),
+    // In training the choice is the forward's with its weight gradient: remembered apart.
     [](const EmbedProblem& p) {
-      return patch_features(p.x, p.g, p.weight.size(0), p.tokens, {{"bias", p.bias ? 1.0 : 0.0},
-                                                              {"tokens_out", p.tokens_out ? 1.0 : 0.0}});
-    });
+      std::string signature = patch_signature(p);
+      return p.weight_grad_after ? signature.insert(signature.size() - 1, ", weight gradient follows") : signature;
+    },
+    [](const EmbedProblem& p) {
+      return patch_features(p.x, p.g, p.weight.size(0), p.tokens,
+                            {{"bias", p.bias ? 1.0 : 0.0}, {"tokens_out", p.tokens_out ? 1.0 : 0.0},
+                             {"weight_grad_follows", p.weight_grad_after ? 1.0 : 0.0}});
+    },
+    [](const EmbedProblem& p) { return p.weight_grad_after; });
 
 // ---- patch_unembed -------------------------------------------------------------------------------
 

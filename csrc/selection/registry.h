@@ -154,19 +154,35 @@ struct Candidate {
   // but forcing; the modes never time, predict or remember it (a signature does not say whether
   // the earlier work exists).
   bool reuses = false;
+  // Whether its run leaves work that a later step reuses where one follows (FollowUp: patch_embed's
+  // patch matrix, which its weight gradient multiplies without gathering x again).
+  bool leaves_reusable = false;
 };
+
+// The step that follows a call and costs more or less by the candidate the call ran (patch_embed's
+// forward in training: its weight gradient, one GEMM on a patch matrix the forward left, or a
+// gather or a fused kernel of its own). Given a problem: that step, run after a candidate's result
+// (`reusable`: the candidate is marked leaves_reusable), or an empty function where none follows.
+// Where one follows, the autotune and learned modes time each candidate together with it, and the
+// learned mode times, beside the contenders it cannot tell apart, every candidate that leaves
+// reusable work: a prediction of the call alone does not see what that work saves.
+template <typename Problem, typename Result>
+using FollowUp = std::function<std::function<void(const Result&, bool reusable)>(const Problem&)>;
 
 template <typename Problem, typename Result>
 class Table {
  public:
   // `signature` names a problem in the log and explain() (shapes, strides, dtype, device, flags);
   // `features` describes it to the autotune records and the learned model.
+  // `follow_up`: where the modes time a call with the step after it (FollowUp).
   Table(std::string op, std::vector<Candidate<Problem, Result>> candidates,
-        std::function<std::string(const Problem&)> signature, std::function<ProblemFeatures(const Problem&)> features)
+        std::function<std::string(const Problem&)> signature, std::function<ProblemFeatures(const Problem&)> features,
+        FollowUp<Problem, Result> follow_up = {})
       : op_(std::move(op)),
         candidates_(std::move(candidates)),
         signature_(std::move(signature)),
-        features_(std::move(features)) {
+        features_(std::move(features)),
+        follow_up_(std::move(follow_up)) {
     std::vector<CandidateInfo> rows;
     for (const auto& c : candidates_) {
       rows.push_back({op_, c.name, c.backends, c.conditions});
@@ -374,21 +390,25 @@ class Table {
     std::vector<bool> asked(candidates_.size(), false);
     std::vector<size_t> timed;
     std::vector<std::function<void()>> calls;
+    const auto after = follow_up_ ? follow_up_(p) : std::function<void(const Result&, bool)>();
     for (size_t i : which) {
       const auto& c = candidates_[i];
       asked[i] = true;
       why[i] = why_not_in_modes(c, p);
       if (!why[i].empty()) continue;
       try {
-        if (!c.run(p, /*ruled=*/false, why[i])) continue;
+        std::optional<Result> result = c.run(p, /*ruled=*/false, why[i]);
+        if (!result) continue;
+        if (after) after(*result, c.leaves_reusable);  // (its own choices made here, before the timing)
       } catch (const c10::OutOfMemoryError& e) {  // its workspace: another candidate may still fit
         why[i] = std::string("out of memory: ") + e.what_without_backtrace();
         continue;
       }
       timed.push_back(i);
-      calls.push_back([&p, &c] {
+      calls.push_back([&p, &c, &after] {
         WhyNot unused;
-        c.run(p, /*ruled=*/false, unused);
+        std::optional<Result> result = c.run(p, /*ruled=*/false, unused);
+        if (after && result) after(*result, c.leaves_reusable);
       });
     }
     if (timed.empty()) return std::nullopt;  // the heuristic's error names the problem
@@ -431,6 +451,7 @@ class Table {
         }
       }
       std::string how = learned ? "learned: unsure between the contenders, timed now" : "autotune: timed now";
+      if (after) how += " with the step that follows";
       if (best != timed[fastest]) {
         how += "; PyTorch's path, within " + std::to_string(static_cast<int>(kTowardPyTorch * 100 + 0.5)) +
                "% of the fastest";
@@ -449,11 +470,12 @@ class Table {
     std::vector<size_t> order = all_candidates();
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return scores[a] > scores[b]; });
     if (const double gap = detail::learned_unsure_gap(f.device); gap > 0) {
+      const bool followed = follow_up_ && follow_up_(p);
       std::vector<size_t> contenders;
       for (size_t i : order) {
         if (!why_not_in_modes(candidates_[i], p).empty()) continue;
-        if (!contenders.empty() && scores[i] < scores[contenders.front()] - gap) break;
-        contenders.push_back(i);
+        const bool close = contenders.empty() || scores[i] >= scores[contenders.front()] - gap;
+        if (close || (followed && candidates_[i].leaves_reusable)) contenders.push_back(i);
       }
       if (contenders.size() > 1) {
         const auto start = std::chrono::steady_clock::now();
@@ -543,6 +565,7 @@ class Table {
   std::vector<std::string> names_;
   std::function<std::string(const Problem&)> signature_;
   std::function<ProblemFeatures(const Problem&)> features_;
+  FollowUp<Problem, Result> follow_up_;
   bool has_reusing_ = false;  // a candidate reuses earlier work (run_reusing)
 };
 
