@@ -462,12 +462,12 @@ def test_learned_times_the_contenders_it_cannot_tell_apart():
         assert e[0].how.startswith("learned: unsure between the contenders, timed now") and e[0].chosen in contenders
         timed = {v.name: v.reason for v in e[0].candidates if v.name in contenders}
         assert all(r.endswith(" ms") for r in timed.values()), str(e)
-        # The fastest, or PyTorch's path (aten_bmm) where within 5% of it, and explain says which.
-        # (The times are printed to 1e-4 ms.)
+        # The fastest, or PyTorch's path (aten_bmm) where within 5% or 1 us of it, and explain says
+        # which. (The times are printed to 1e-4 ms.)
         ms = {name: float(r.split()[0]) for name, r in timed.items()}
         fastest = min(ms.values())
-        if e[0].how.endswith("; PyTorch's path, within 5% of the fastest"):
-            assert e[0].chosen == "aten_bmm" and ms["aten_bmm"] <= 1.05 * fastest + 1e-4, str(e)
+        if e[0].how.endswith("; PyTorch's path, within 5% or 1 us of the fastest"):
+            assert e[0].chosen == "aten_bmm" and ms["aten_bmm"] <= max(1.05 * fastest, fastest + 1e-3) + 1e-4, str(e)
         else:
             assert ms[e[0].chosen] <= fastest + 1e-4, str(e)
         assert all(v.status != "chosen" or v.name in contenders for v in e[0].candidates)
@@ -515,7 +515,9 @@ def train_step_explained(x, w, b):
     with patchgemm.explain() as e:
         y = patchgemm.patch_embed(x, w, b, out_format="tokens")
         (dw,) = torch.autograd.grad(y, [w], y.detach())
-    return y, dw, [c for c in e if c.op == "patch_embed"]
+    # The weight gradients run while the forward was timed are not the step's: explain shows its own.
+    assert [c.op for c in e] == ["patch_embed", "patch_weight_grad"], str(e)
+    return y, dw, e[:1]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -543,8 +545,11 @@ def test_a_training_forward_is_chosen_with_its_weight_gradient(mode, device, tmp
         assert len(e) == 1 and "weight gradient follows" in e[0].signature, str(e)
         timed_now = "learned: unsure between the contenders, timed now" if mode == "learned" else "autotune: timed now"
         assert e[0].how.startswith(timed_now + " with the step that follows"), str(e)
+        # Every forward that applies is timed: those the model scores far below the best too,
+        # where they leave the patch matrix (aten_linear does not apply to fp32 on CUDA).
+        applies = {v.name for v in e[0].candidates if v.status != "unsupported"}
         timed = {v.name for v in e[0].candidates if v.reason.endswith(" ms")}
-        assert {"gather_gemm", "aten_linear", "aten_conv"} <= timed, str(e)
+        assert {"gather_gemm", "aten_conv"} <= timed and applies & {"aten_linear"} <= timed, str(e)
 
         y, dw, again = train_step_explained(x, w, b)  # remembered, and the result is the same
         assert again[0].chosen == e[0].chosen and "timed now" not in again[0].how, str(again)

@@ -139,7 +139,12 @@ bool excluded(const std::string& name) {
   return s.excluded.count(name) > 0;
 }
 
-bool observed() { return g_recording.load(std::memory_order_relaxed) > 0 || log_dispatch(); }
+thread_local int t_unobserved = 0;  // Unobserved scopes open on this thread
+
+bool observed() { return t_unobserved == 0 && (g_recording.load(std::memory_order_relaxed) > 0 || log_dispatch()); }
+
+Unobserved::Unobserved() { ++t_unobserved; }
+Unobserved::~Unobserved() { --t_unobserved; }
 
 void note(const std::string& op, const std::string& signature, const std::string& how,
           std::vector<Verdict> verdicts) {

@@ -80,6 +80,14 @@ void register_table(std::vector<CandidateInfo> rows);
 std::string forced(const std::string& op);
 // Whether calls are being explained or logged: only then are all verdicts and the signature made.
 bool observed();
+// While one lives, this thread's calls are neither explained nor logged (the steps a mode runs
+// while it times a choice: not the user's calls).
+struct Unobserved {
+  Unobserved();
+  ~Unobserved();
+  Unobserved(const Unobserved&) = delete;
+  Unobserved& operator=(const Unobserved&) = delete;
+};
 // The testing hook's state (set_testing): whether rules apply, and whether `name` is excluded.
 bool rules_apply();
 bool excluded(const std::string& name);
@@ -399,7 +407,10 @@ class Table {
       try {
         std::optional<Result> result = c.run(p, /*ruled=*/false, why[i]);
         if (!result) continue;
-        if (after) after(*result, c.leaves_reusable);  // (its own choices made here, before the timing)
+        if (after) {  // (its own choices made here, before the timing)
+          const detail::Unobserved quiet;
+          after(*result, c.leaves_reusable);
+        }
       } catch (const c10::OutOfMemoryError& e) {  // its workspace: another candidate may still fit
         why[i] = std::string("out of memory: ") + e.what_without_backtrace();
         continue;
@@ -408,7 +419,10 @@ class Table {
       calls.push_back([&p, &c, &after] {
         WhyNot unused;
         std::optional<Result> result = c.run(p, /*ruled=*/false, unused);
-        if (after && result) after(*result, c.leaves_reusable);
+        if (after && result) {
+          const detail::Unobserved quiet;
+          after(*result, c.leaves_reusable);
+        }
       });
     }
     if (timed.empty()) return std::nullopt;  // the heuristic's error names the problem
@@ -417,11 +431,14 @@ class Table {
     size_t best = timed[fastest];
     if (learned) {
       // Toward PyTorch's own path: the learned mode takes the fastest ATen candidate where it is
-      // within kTowardPyTorch of the fastest. Calls of a few microseconds time a few per cent apart
-      // from one process to the next, and there PyTorch's path costs exactly what PyTorch's does.
+      // within kTowardPyTorch of the fastest, or kTowardPyTorchMs. Calls of a few microseconds time
+      // a few per cent apart from one process to the next, each timed call's events count the gaps
+      // between its kernels (PyTorch's path often launches two), and there PyTorch's path costs
+      // exactly what PyTorch's does.
+      const double within = std::max(ms[fastest] * (1 + kTowardPyTorch), ms[fastest] + kTowardPyTorchMs);
       double aten_ms = -1;
       for (size_t t = 0; t < timed.size(); ++t) {
-        if (candidates_[timed[t]].name.rfind("aten_", 0) != 0 || ms[t] > ms[fastest] * (1 + kTowardPyTorch)) continue;
+        if (candidates_[timed[t]].name.rfind("aten_", 0) != 0 || ms[t] > within) continue;
         if (aten_ms < 0 || ms[t] < aten_ms) best = timed[t], aten_ms = ms[t];
       }
     }
@@ -454,7 +471,7 @@ class Table {
       if (after) how += " with the step that follows";
       if (best != timed[fastest]) {
         how += "; PyTorch's path, within " + std::to_string(static_cast<int>(kTowardPyTorch * 100 + 0.5)) +
-               "% of the fastest";
+               "% or " + std::to_string(static_cast<int>(kTowardPyTorchMs * 1000 + 0.5)) + " us of the fastest";
       }
       detail::note(op_, signature, how, std::move(verdicts));
     }
@@ -545,6 +562,7 @@ class Table {
   }
 
   static constexpr double kTowardPyTorch = 0.05;
+  static constexpr double kTowardPyTorchMs = 0.001;
 
   static std::string format_ms(double ms) {
     char buf[32];
