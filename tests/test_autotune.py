@@ -498,6 +498,27 @@ def test_learned_times_the_contenders_it_cannot_tell_apart():
         ops._forget_selections()
 
 
+def test_where_unsure_learned_times_pytorchs_paths_too():
+    """Contenders the model cannot tell apart are timed with PyTorch's own paths that apply, which
+    it scored far below them (here: does not know)."""
+    x = randn(4, 3, 8, 8)  # one patch per sample: x is its own patch matrix (view_gemm)
+    w = randn(16, 3, 8, 8) / 8
+    try:
+        patchgemm.set_selection("learned", cache_dir="", unsure_gap=1.0)
+        tie_model("patch_embed", ["view_gemm", "gather_gemm"], 0.3)
+        with patchgemm.explain() as e:
+            y = patchgemm.patch_embed(x, w, out_format="tokens")
+        ref = F.conv2d(x.double(), w.double(), stride=8).flatten(2).transpose(1, 2)
+        assert_close_to_ref(y, ref, torch.float32)
+        assert e[0].how.startswith("learned: unsure between the contenders, timed now"), str(e)
+        timed = {v.name for v in e[0].candidates if v.reason.endswith(" ms")}
+        assert timed == {"view_gemm", "gather_gemm", "aten_linear", "aten_conv"}, str(e)
+    finally:
+        patchgemm.set_selection("heuristic")
+        selection.install_model(selection.load_model())
+        ops._forget_selections()
+
+
 def patch_training_case(device):
     """x [4, 3, 32, 32], k = 8, E = 32, float32, and its float64 forward and dW for grad_y = y."""
     x = randn(4, 3, 32, 32, device=device)

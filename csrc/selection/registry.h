@@ -438,7 +438,7 @@ class Table {
       const double within = std::max(ms[fastest] * (1 + kTowardPyTorch), ms[fastest] + kTowardPyTorchMs);
       double aten_ms = -1;
       for (size_t t = 0; t < timed.size(); ++t) {
-        if (candidates_[timed[t]].name.rfind("aten_", 0) != 0 || ms[t] > within) continue;
+        if (!pytorch_path(candidates_[timed[t]]) || ms[t] > within) continue;
         if (aten_ms < 0 || ms[t] < aten_ms) best = timed[t], aten_ms = ms[t];
       }
     }
@@ -480,7 +480,8 @@ class Table {
 
   // The best-scored candidate that applies and runs (the heuristic's pick has run: its result is
   // taken as it is); remembered in memory. Where others that apply score within the unsure gap of
-  // the best, the model cannot tell them apart: those contenders are timed instead (run_timed).
+  // the best, the model cannot tell them apart: those contenders are timed instead (run_timed), with
+  // PyTorch's own paths and, where a step follows, every candidate that leaves it reusable work.
   Result run_learned(const Problem& p, const std::vector<double>& scores, const ProblemFeatures& f,
                      const std::string& signature, const std::string& key, size_t heuristic_pick,
                      Result heuristic_result) const {
@@ -495,6 +496,14 @@ class Table {
         if (close || (followed && candidates_[i].leaves_reusable)) contenders.push_back(i);
       }
       if (contenders.size() > 1) {
+        // Unsure: PyTorch's own paths that apply are timed too, however they score, so that the
+        // choice loses to PyTorch's path only by what the timing misjudges.
+        for (size_t i : order) {
+          if (pytorch_path(candidates_[i]) && why_not_in_modes(candidates_[i], p).empty() &&
+              std::find(contenders.begin(), contenders.end(), i) == contenders.end()) {
+            contenders.push_back(i);
+          }
+        }
         const auto start = std::chrono::steady_clock::now();
         std::optional<Result> result = run_timed(p, f, signature, key, contenders, /*learned=*/true);
         const std::chrono::duration<double, std::milli> spent = std::chrono::steady_clock::now() - start;
@@ -560,6 +569,9 @@ class Table {
     }
     detail::note(op_, signature_(p), how, std::move(verdicts));
   }
+
+  // PyTorch's own path (an ATen candidate: the op PyTorch would run, or its usual rewrite).
+  static bool pytorch_path(const Candidate<Problem, Result>& c) { return c.name.rfind("aten_", 0) == 0; }
 
   static constexpr double kTowardPyTorch = 0.05;
   static constexpr double kTowardPyTorchMs = 0.001;
