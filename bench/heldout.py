@@ -54,6 +54,7 @@ class Result:
     torch_ms: Dict[str, Optional[float]]
     chosen: Dict[str, str]  # op -> the candidate the default selection ran
     candidates_ms: Dict[str, Dict[str, Optional[float]]] = field(default_factory=dict)
+    how: Dict[str, str] = field(default_factory=dict)  # op -> how it was chosen (explain's `how`)
 
     @property
     def best_torch(self) -> Tuple[str, float]:
@@ -122,7 +123,7 @@ def measure(s: Shape, set_name: str, device: torch.device, candidates: bool, ker
                 for kname, us in listed:
                     print(f"   {us:8.2f} us  {kname[:110]}")
         r = Result(s.id, set_name, s.op, pass_, s.dtype, ours, torch_ms,
-                   {c.op: c.chosen for c in chosen})
+                   {c.op: c.chosen for c in chosen}, how={c.op: c.how for c in chosen})
         if candidates:
             forcings = {op: [{op: c.name} for c in patchgemm.kernels(op)]
                         for op in ([s.op] if pass_ == "fwd" else prob.backward_ops)}

@@ -430,6 +430,7 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
     assert [(r.id, r.pass_) for r in results] == [(s.id, p) for s in shapes for p in ("fwd", "fwd+bwd")]
     for r in results:
         assert r.ratio > 0 and r.chosen[r.op] in {c.name for c in patchgemm.kernels(r.op)}
+        assert r.how.keys() == r.chosen.keys() and all(r.how.values()), r.how
         assert r.candidates_ms  # every op of the pass, each candidate timed or marked unsupported
     pairs = results[1].candidates_ms["patch_embed+patch_weight_grad"]  # "e" forward + backward: every pairing
     assert pairs["gather_gemm+saved_patches"] > 0 and pairs["aten_conv+saved_patches"] is None
