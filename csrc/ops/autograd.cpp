@@ -307,16 +307,24 @@ at::Tensor grouped_pointwise_conv_autograd(const at::Tensor& x, const at::Tensor
 
 // ---- patch_embed / patch_unembed -----------------------------------------------------------------
 
+// The patch matrix patch_embed's forward `p` made, where its weight gradient takes it; else none.
+std::optional<PatchMatrix> patches_for_weight_grad(const EmbedProblem& p, bool with_bias) {
+  if (!p.patch_matrix() || !weight_grad_takes_patch_matrix(p, with_bias)) return std::nullopt;
+  return p.patch_matrix();
+}
+
 // What both backward passes keep: x when the weight gradient is needed (patch_weight_grad
 // recomputes the patch matrix from it, unless patch_embed's forward `problem` made one that the
 // weight gradient takes), the weight when dx is.
+
 void save_patch_context(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                         const OptionalTensor& bias, bool tokens, c10::IntArrayRef levels,
                         const EmbedProblem* problem = nullptr) {
   const bool needs_b = has_value(bias) && bias->requires_grad();
   const bool needs_w = weight.requires_grad() || needs_b;
-  const std::optional<PatchMatrix> patches = problem ? problem->patch_matrix() : std::nullopt;
-  const bool keeps_patches = needs_w && patches.has_value() && weight_grad_takes_patch_matrix(*problem, needs_b);
+  const std::optional<PatchMatrix> patches =
+      needs_w && problem ? patches_for_weight_grad(*problem, needs_b) : std::nullopt;
+  const bool keeps_patches = patches.has_value();
   ctx->save_for_backward({needs_w ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor(),
                           keeps_patches ? patches->rows : at::Tensor()});
   ctx->saved_data["patches_ones_column"] = keeps_patches && patches->ones_column;
@@ -472,9 +480,7 @@ at::Tensor patch_embed_autograd(const at::Tensor& x_given, const at::Tensor& wei
     // that gradient would otherwise gather again (save_patch_context keeps it on the same terms).
     p.weight_grad_after = [&p, needs_b, levels = levels.vec()](const at::Tensor& y, bool reusable) {
       WeightGradProblem w = weight_grad_problem(y, p.x, p.weight.sizes().slice(2), p.tokens, levels, needs_b, false);
-      if (reusable && p.patch_matrix() && weight_grad_takes_patch_matrix(p, needs_b)) {
-        w.saved_patches = p.patch_matrix();
-      }
+      if (reusable) w.saved_patches = patches_for_weight_grad(p, needs_b);
       patch_weight_grads(w);
     };
   }

@@ -489,21 +489,20 @@ class Table {
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return scores[a] > scores[b]; });
     if (const double gap = detail::learned_unsure_gap(f.device); gap > 0) {
       const bool followed = follow_up_ && follow_up_(p);
-      std::vector<size_t> contenders;
+      // Where unsure (more than one contender), PyTorch's own paths that apply are timed too,
+      // however they score: the choice then loses to PyTorch's path only by what timing misjudges.
+      std::vector<size_t> contenders, pytorch_paths;
       for (size_t i : order) {
         if (!why_not_in_modes(candidates_[i], p).empty()) continue;
         const bool close = contenders.empty() || scores[i] >= scores[contenders.front()] - gap;
-        if (close || (followed && candidates_[i].leaves_reusable)) contenders.push_back(i);
+        if (close || (followed && candidates_[i].leaves_reusable)) {
+          contenders.push_back(i);
+        } else if (pytorch_path(candidates_[i])) {
+          pytorch_paths.push_back(i);
+        }
       }
       if (contenders.size() > 1) {
-        // Unsure: PyTorch's own paths that apply are timed too, however they score, so that the
-        // choice loses to PyTorch's path only by what the timing misjudges.
-        for (size_t i : order) {
-          if (pytorch_path(candidates_[i]) && why_not_in_modes(candidates_[i], p).empty() &&
-              std::find(contenders.begin(), contenders.end(), i) == contenders.end()) {
-            contenders.push_back(i);
-          }
-        }
+        contenders.insert(contenders.end(), pytorch_paths.begin(), pytorch_paths.end());
         const auto start = std::chrono::steady_clock::now();
         std::optional<Result> result = run_timed(p, f, signature, key, contenders, /*learned=*/true);
         const std::chrono::duration<double, std::milli> spent = std::chrono::steady_clock::now() - start;
