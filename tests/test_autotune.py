@@ -519,6 +519,34 @@ def test_where_unsure_learned_times_pytorchs_paths_too():
         ops._forget_selections()
 
 
+@needs_gpu
+def test_without_a_model_learned_times_the_rules_against_pytorchs_path():
+    """On a GPU, an op the model does not cover runs the rules' pick timed once against PyTorch's
+    own paths, PyTorch's taken unless ours is faster; the choice is remembered for the signature.
+    Without timing (no budget, or deterministic algorithms) the rules' pick stands."""
+    x, w, b, ref = grouped_case("cuda", batch=1000, groups=3, din=333, dout=77)
+    try:
+        patchgemm.set_selection("learned", cache_dir="")
+        y, e = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert_close_to_ref(y, ref, torch.float32)
+        assert e[0].how.startswith("learned: no model for grouped_linear; the rules' pick timed against PyTorch's")
+        timed = {v.name: float(v.reason[:-3]) for v in e[0].candidates if v.reason.endswith(" ms")}
+        assert set(timed) == {"strided_batched", "aten_bmm"}, str(e)
+        fastest = min(timed, key=timed.get)
+        assert e[0].chosen in {fastest, "aten_bmm"}, str(e)
+        _, again = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert [(c.chosen, c.how) for c in again] == [
+            (e[0].chosen, "learned: no model; timed against PyTorch's earlier in this process")]
+        ops._forget_selections()
+        patchgemm.set_selection("learned", cache_dir="", unsure_gap=0)  # no timing: the rules alone
+        _, rules = run_explained(patchgemm.grouped_linear, x, w, b)
+        assert [(c.chosen, c.how) for c in rules] == [
+            ("strided_batched", "heuristic (learned: no usable model for grouped_linear)")]
+    finally:
+        patchgemm.set_selection("heuristic")
+        ops._forget_selections()
+
+
 def patch_training_case(device):
     """x [4, 3, 32, 32], k = 8, E = 32, float32, and its float64 forward and dW for grad_y = y."""
     x = randn(4, 3, 32, 32, device=device)

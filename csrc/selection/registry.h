@@ -337,9 +337,14 @@ class Table {
   // (`fallback` is filled where the call is observed only: it is explain()'s and the log's.)
   std::optional<Result> run_chosen_by_mode(const Problem& p, Mode mode, std::string& fallback) const {
     const at::Device device = p.device();
-    // Learned without a model for this op here, nor a remembered choice: the heuristic, without
-    // the signature and features a new choice needs (their cost recurs on every call).
-    if (mode == Mode::kLearned && !detail::learned_model_covers(op_, device) && !detail::remembers_any(device)) {
+    // Learned without a model for this op here: on a GPU, the rules' choice is timed once per
+    // signature against PyTorch's own paths (below); elsewhere, with no remembered choice, the
+    // heuristic runs, without the signature and features a new choice needs (their cost recurs on
+    // every call). (CPU timings spread too widely from run to run to choose by.)
+    const bool covered = mode == Mode::kLearned && detail::learned_model_covers(op_, device);
+    const bool checks_pytorch = mode == Mode::kLearned && !covered && !device.is_cpu() &&
+                                detail::learned_unsure_gap(device) > 0;
+    if (mode == Mode::kLearned && !covered && !checks_pytorch && !detail::remembers_any(device)) {
       if (detail::observed()) fallback = "learned: no usable model for " + op_;
       return std::nullopt;
     }
@@ -372,6 +377,11 @@ class Table {
     add_rule_features(p, heuristic_pick, f);
     if (mode == Mode::kAutotune) return run_timed(p, f, signature, key, all_candidates(), /*learned=*/false);
     const std::vector<double> scores = detail::learned_scores(op_, names_, f);
+    if (scores.empty() && checks_pytorch && !pytorch_path(candidates_[heuristic_pick])) {
+      if (std::optional<Result> result = run_rules_against_pytorch(p, f, signature, key, heuristic_pick)) {
+        return std::move(*result);
+      }
+    }
     if (scores.empty()) {  // the heuristic's choice stands (its result is at hand)
       if (detail::observed()) {
         detail::note(op_, signature, "heuristic (learned: no usable model for " + op_ + ")", std::move(verdicts));
@@ -393,7 +403,8 @@ class Table {
   // times (and the cache file); the learned mode times the contenders it cannot tell apart and
   // keeps the choice in memory.
   std::optional<Result> run_timed(const Problem& p, const ProblemFeatures& f, const std::string& signature,
-                                  const std::string& key, const std::vector<size_t>& which, bool learned) const {
+                                  const std::string& key, const std::vector<size_t>& which, bool learned,
+                                  bool without_model = false) const {
     std::vector<std::string> why(candidates_.size());
     std::vector<bool> asked(candidates_.size(), false);
     std::vector<size_t> timed;
@@ -446,7 +457,8 @@ class Table {
     for (size_t t = 0; t < timed.size(); ++t) time_of[timed[t]] = ms[t];
     if (learned) {
       detail::remember_learned(f.device, key, candidates_[best].name,
-                               "learned: contenders timed earlier in this process");
+                               without_model ? "learned: no model; timed against PyTorch's earlier in this process"
+                                             : "learned: contenders timed earlier in this process");
     } else {
       std::vector<std::pair<std::string, double>> times;
       for (size_t i = 0; i < candidates_.size(); ++i) times.emplace_back(candidates_[i].name, time_of[i]);
@@ -464,10 +476,14 @@ class Table {
         } else if (WhyNot reason = asked[i] ? why[i] : why_not_in_modes(candidates_[i], p); !reason.empty()) {
           verdicts.push_back({candidates_[i].name, Verdict::kUnsupported, reason});
         } else {
-          verdicts.push_back({candidates_[i].name, Verdict::kNotReached, "scored lower than the contenders"});
+          verdicts.push_back({candidates_[i].name, Verdict::kNotReached,
+                              without_model ? "neither the rules' pick nor PyTorch's path"
+                                            : "scored lower than the contenders"});
         }
       }
-      std::string how = learned ? "learned: unsure between the contenders, timed now" : "autotune: timed now";
+      std::string how = !learned       ? "autotune: timed now"
+                        : without_model ? "learned: no model for " + op_ + "; the rules' pick timed against PyTorch's"
+                                        : "learned: unsure between the contenders, timed now";
       if (after) how += " with the step that follows";
       if (best != timed[fastest]) {
         how += "; PyTorch's path, within " + std::to_string(static_cast<int>(kTowardPyTorch * 100 + 0.5)) +
@@ -524,6 +540,26 @@ class Table {
     }
     remember_predicted(p, f.device, key, candidates_[heuristic_pick].name);
     return heuristic_result;
+  }
+
+  // Learned mode for an op without a model: the rules' pick timed against PyTorch's own paths that
+  // apply, PyTorch's taken where it is as fast (run_timed's lean), so that the rules, fitted to
+  // the shapes they were written for, lose to PyTorch's path on no other shape by more than
+  // timing misjudges. nullopt where no PyTorch path applies.
+  std::optional<Result> run_rules_against_pytorch(const Problem& p, const ProblemFeatures& f,
+                                                  const std::string& signature, const std::string& key,
+                                                  size_t heuristic_pick) const {
+    std::vector<size_t> contenders{heuristic_pick};
+    for (size_t i : all_candidates()) {
+      if (pytorch_path(candidates_[i]) && why_not_in_modes(candidates_[i], p).empty()) contenders.push_back(i);
+    }
+    if (contenders.size() == 1) return std::nullopt;
+    const auto start = std::chrono::steady_clock::now();
+    std::optional<Result> result = run_timed(p, f, signature, key, contenders, /*learned=*/true,
+                                             /*without_model=*/true);
+    const std::chrono::duration<double, std::milli> spent = std::chrono::steady_clock::now() - start;
+    detail::spent_timing(spent.count());
+    return result;
   }
 
   void remember_predicted(const Problem& p, const at::Device& device, const std::string& key,
