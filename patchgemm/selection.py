@@ -9,9 +9,10 @@ them). Three modes choose among those that apply to a call:
   the one shipped with the package was trained on H100 and H200 timings, including model families
   the rules were never fitted to) predicts the fastest, leaning toward PyTorch's own paths where the
   prediction is close; a signature already in the autotune cache takes the measured choice. Where
-  the model has no timings of the op or the backend (ROCm), the heuristic's pick is timed on the
-  GPU once per signature against PyTorch's own paths, which win unless ours is faster by more than
-  5% and 1 us; on the CPU, whose timings spread too widely to choose by, the heuristic chooses.
+  the model has no timings of the op or the backend (ROCm), every candidate that applies is timed on
+  the GPU once per signature (in memory, within the same timing budget), and another replaces
+  PyTorch's own path, then the heuristic's pick, only where faster by more than 5% and 1 us; on the
+  CPU, whose timings spread too widely to choose by, the heuristic chooses.
 - ``"heuristic"``: the first candidate, in table order, whose rule expects it to win.
 - ``"autotune"``: the first call of each problem signature (shapes, strides, dtype, device, TF32 and
   determinism flags) times every candidate that applies and keeps the fastest, in memory and in a
@@ -117,7 +118,7 @@ def set_selection(mode: str, *, cache_dir: Optional[str] = None, model: Optional
     memory only). ``model``: a learned model file (default: the one shipped with the package).
     ``unsure_gap``: in learned mode, time the candidates scored within this gap of the best (log-odds
     of being the fastest) on a signature's first call; default the model's, ``0`` never times (nor
-    the heuristic's pick against PyTorch's paths, for an op without a model).
+    the candidates of an op without a model).
     Also set at import from ``PATCHGEMM_SELECTION``.
     """
     if not isinstance(mode, str) or not mode:
@@ -164,7 +165,7 @@ def load_model(path: Optional[str] = None) -> dict:
 
 
 def install_model(model: dict) -> None:
-    """Hands a model's ops to the C++ selection (ops without a model choose by the heuristic)."""
+    """Hands a model's ops to the C++ selection (ops without a model: see the module's doc)."""
     for op in sorted({c.op for c in kernels()}):
         m = model["ops"].get(op)
         if m is None:

@@ -337,8 +337,8 @@ class Table {
   // (`fallback` is filled where the call is observed only: it is explain()'s and the log's.)
   std::optional<Result> run_chosen_by_mode(const Problem& p, Mode mode, std::string& fallback) const {
     const at::Device device = p.device();
-    // Learned without a model for this op here: on a GPU, the rules' choice is timed once per
-    // signature against PyTorch's own paths (below); elsewhere, with no remembered choice, the
+    // Learned without a model for this op here: on a GPU, its candidates are timed once per
+    // signature (run_timed_without_model); elsewhere, with no remembered choice, the
     // heuristic runs, without the signature and features a new choice needs (their cost recurs on
     // every call). (CPU timings spread too widely from run to run to choose by.)
     const bool covered = mode == Mode::kLearned && detail::learned_model_covers(op_, device);
@@ -377,8 +377,8 @@ class Table {
     add_rule_features(p, heuristic_pick, f);
     if (mode == Mode::kAutotune) return run_timed(p, f, signature, key, all_candidates(), /*learned=*/false);
     const std::vector<double> scores = detail::learned_scores(op_, names_, f);
-    if (scores.empty() && checks_pytorch && !pytorch_path(candidates_[heuristic_pick])) {
-      if (std::optional<Result> result = run_rules_against_pytorch(p, f, signature, key, heuristic_pick)) {
+    if (scores.empty() && checks_pytorch) {
+      if (std::optional<Result> result = run_timed_without_model(p, f, signature, key, heuristic_pick)) {
         return std::move(*result);
       }
     }
@@ -404,7 +404,8 @@ class Table {
   // keeps the choice in memory.
   std::optional<Result> run_timed(const Problem& p, const ProblemFeatures& f, const std::string& signature,
                                   const std::string& key, const std::vector<size_t>& which, bool learned,
-                                  bool without_model = false) const {
+                                  std::optional<size_t> rules_pick = std::nullopt) const {
+    const bool without_model = rules_pick.has_value();  // (learned mode, an op its model does not cover)
     std::vector<std::string> why(candidates_.size());
     std::vector<bool> asked(candidates_.size(), false);
     std::vector<size_t> timed;
@@ -452,12 +453,17 @@ class Table {
         if (!pytorch_path(candidates_[timed[t]]) || ms[t] > within) continue;
         if (aten_ms < 0 || ms[t] < aten_ms) best = timed[t], aten_ms = ms[t];
       }
+      // Without a model, the rules' pick likewise stands unless another is faster by more than
+      // that: a timing that cannot tell two candidates apart changes nothing.
+      for (size_t t = 0; t < timed.size() && aten_ms < 0 && rules_pick; ++t) {
+        if (timed[t] == *rules_pick && ms[t] <= within) best = timed[t];
+      }
     }
     std::vector<double> time_of(candidates_.size(), -1.0);
     for (size_t t = 0; t < timed.size(); ++t) time_of[timed[t]] = ms[t];
     if (learned) {
       detail::remember_learned(f.device, key, candidates_[best].name,
-                               without_model ? "learned: no model; timed against PyTorch's earlier in this process"
+                               without_model ? "learned: no model; timed earlier in this process"
                                              : "learned: contenders timed earlier in this process");
     } else {
       std::vector<std::pair<std::string, double>> times;
@@ -477,16 +483,16 @@ class Table {
           verdicts.push_back({candidates_[i].name, Verdict::kUnsupported, reason});
         } else {
           verdicts.push_back({candidates_[i].name, Verdict::kNotReached,
-                              without_model ? "neither the rules' pick nor PyTorch's path"
-                                            : "scored lower than the contenders"});
+                                              "scored lower than the contenders"});
         }
       }
       std::string how = !learned       ? "autotune: timed now"
-                        : without_model ? "learned: no model for " + op_ + "; the rules' pick timed against PyTorch's"
+                        : without_model ? "learned: no model for " + op_ + "; every candidate timed now"
                                         : "learned: unsure between the contenders, timed now";
       if (after) how += " with the step that follows";
       if (best != timed[fastest]) {
-        how += "; PyTorch's path, within " + std::to_string(static_cast<int>(kTowardPyTorch * 100 + 0.5)) +
+        how += std::string(pytorch_path(candidates_[best]) ? "; PyTorch's path" : "; the rules' pick") + ", within " +
+               std::to_string(static_cast<int>(kTowardPyTorch * 100 + 0.5)) +
                "% or " + std::to_string(static_cast<int>(kTowardPyTorchMs * 1000 + 0.5)) + " us of the fastest";
       }
       detail::note(op_, signature, how, std::move(verdicts));
@@ -542,21 +548,22 @@ class Table {
     return heuristic_result;
   }
 
-  // Learned mode for an op without a model: the rules' pick timed against PyTorch's own paths that
-  // apply, PyTorch's taken where it is as fast (run_timed's lean), so that the rules, fitted to
-  // the shapes they were written for, lose to PyTorch's path on no other shape by more than
-  // timing misjudges. nullopt where no PyTorch path applies.
-  std::optional<Result> run_rules_against_pytorch(const Problem& p, const ProblemFeatures& f,
-                                                  const std::string& signature, const std::string& key,
-                                                  size_t heuristic_pick) const {
-    std::vector<size_t> contenders{heuristic_pick};
+  // Learned mode for an op without a model: every candidate that applies timed, as autotune does
+  // (within the learned mode's timing budget, remembered in memory only), PyTorch's own path taken
+  // where it is about as fast, else the rules' pick where it is (run_timed's leans). The rules,
+  // fitted to the shapes they were written for, then decide nothing a timing can: on no other shape
+  // does the choice lose to PyTorch's path by more than timing misjudges. nullopt where fewer than
+  // two apply.
+  std::optional<Result> run_timed_without_model(const Problem& p, const ProblemFeatures& f,
+                                                const std::string& signature, const std::string& key,
+                                                size_t rules_pick) const {
+    std::vector<size_t> contenders;
     for (size_t i : all_candidates()) {
-      if (pytorch_path(candidates_[i]) && why_not_in_modes(candidates_[i], p).empty()) contenders.push_back(i);
+      if (why_not_in_modes(candidates_[i], p).empty()) contenders.push_back(i);
     }
-    if (contenders.size() == 1) return std::nullopt;
+    if (contenders.size() < 2) return std::nullopt;
     const auto start = std::chrono::steady_clock::now();
-    std::optional<Result> result = run_timed(p, f, signature, key, contenders, /*learned=*/true,
-                                             /*without_model=*/true);
+    std::optional<Result> result = run_timed(p, f, signature, key, contenders, /*learned=*/true, rules_pick);
     const std::chrono::duration<double, std::milli> spent = std::chrono::steady_clock::now() - start;
     detail::spent_timing(spent.count());
     return result;
