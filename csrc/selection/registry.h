@@ -342,9 +342,9 @@ class Table {
     // heuristic runs, without the signature and features a new choice needs (their cost recurs on
     // every call). (CPU timings spread too widely from run to run to choose by.)
     const bool covered = mode == Mode::kLearned && detail::learned_model_covers(op_, device);
-    const bool checks_pytorch = mode == Mode::kLearned && !covered && !device.is_cpu() &&
-                                detail::learned_unsure_gap(device) > 0;
-    if (mode == Mode::kLearned && !covered && !checks_pytorch && !detail::remembers_any(device)) {
+    const bool times_without_model = mode == Mode::kLearned && !covered && !device.is_cpu() &&
+                                     detail::learned_unsure_gap(device) > 0;
+    if (mode == Mode::kLearned && !covered && !times_without_model && !detail::remembers_any(device)) {
       if (detail::observed()) fallback = "learned: no usable model for " + op_;
       return std::nullopt;
     }
@@ -377,7 +377,7 @@ class Table {
     add_rule_features(p, heuristic_pick, f);
     if (mode == Mode::kAutotune) return run_timed(p, f, signature, key, all_candidates(), /*learned=*/false);
     const std::vector<double> scores = detail::learned_scores(op_, names_, f);
-    if (scores.empty() && checks_pytorch) {
+    if (scores.empty() && times_without_model) {
       if (std::optional<Result> result = run_timed_without_model(p, f, signature, key, heuristic_pick)) {
         return std::move(*result);
       }
@@ -482,8 +482,7 @@ class Table {
         } else if (WhyNot reason = asked[i] ? why[i] : why_not_in_modes(candidates_[i], p); !reason.empty()) {
           verdicts.push_back({candidates_[i].name, Verdict::kUnsupported, reason});
         } else {
-          verdicts.push_back({candidates_[i].name, Verdict::kNotReached,
-                                              "scored lower than the contenders"});
+          verdicts.push_back({candidates_[i].name, Verdict::kNotReached, "scored lower than the contenders"});
         }
       }
       std::string how = !learned       ? "autotune: timed now"
