@@ -79,21 +79,6 @@ std::vector<Candidate<GroupedProblem, at::Tensor>> candidates() {
          run_gemm(p.a, p.b, p.c, p.bias);
          return p.out;
        }},
-      {"batch_major_strided_batched", "cuda rocm",
-       "one strided-batched GEMM over batch-major copies of the operands whose groups interleave "
-       "(x [B, G, D] read as [G, B, D]); timed, never the rules' pick",
-       [](const GroupedProblem& p) -> WhyNot {
-         if (p.a.device().is_cpu()) return "GPU tensors only (the CPU's calls copy such operands themselves)";
-         if (!batches_interleaved(p.a) && !batches_interleaved(p.b)) return "no operand's groups interleave";
-         return {};
-       },
-       // The copy's extra pass pays only where the GEMM reads the interleaved rows slowly (a small
-       // weight gradient over many rows): no rule can tell, so it is only ever timed.
-       [](const GroupedProblem&) -> WhyNot { return "rule: timed only (the copy is an extra pass)"; },
-       [](const GroupedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
-         run_gemm(batch_major(p.a), batch_major(p.b), p.c, p.bias);
-         return p.out;
-       }},
       {"aten_bmm", "cpu cuda rocm", "any problem: ATen's bmm / baddbmm, then a copy into the output's layout",
        [](const GroupedProblem&) { return WhyNot(); },
        nullptr,

@@ -9,16 +9,6 @@ MatrixView matrix_view(const at::Tensor& t3) {
   return {t3.size(1), t3.size(2), t3.stride(1), t3.stride(2), t3.stride(0)};
 }
 
-bool batches_interleaved(const at::Tensor& t) {
-  const int64_t extent = (t.size(1) - 1) * t.stride(1) + (t.size(2) - 1) * t.stride(2) + 1;
-  return t.size(0) > 1 && t.stride(0) < extent;
-}
-
-at::Tensor batch_major(const at::Tensor& t) {
-  if (!batches_interleaved(t)) return t;
-  return t.stride(1) == 1 && t.stride(2) != 1 ? t.transpose(1, 2).contiguous().transpose(1, 2) : t.contiguous();
-}
-
 bool tf32_allowed(GemmConvention convention) {
   const auto& ctx = at::globalContext();
   return convention == GemmConvention::kConv ? ctx.allowTF32CuDNN(at::Float32Op::CONV) : ctx.allowTF32CuBLAS();

@@ -39,12 +39,6 @@ GemmMath gemm_math(GemmConvention convention, at::ScalarType dtype);
 std::string aten_matmul_sums_unlike_a_conv(const at::Tensor& input, int64_t m, int64_t n, int64_t k,
                                            int64_t batch = 1);
 
-// t [batch, rows, cols] with its batches interleaved in memory (x [B, G, D] read as [G, B, D]: a
-// batch stride below one matrix's extent) copied batch-major, each matrix keeping its orientation
-// (so the copy moves whole rows); else t itself.
-at::Tensor batch_major(const at::Tensor& t);
-bool batches_interleaved(const at::Tensor& t);
-
 // c[i] = a[i] @ b[i] (+ bias[i] broadcast over the rows of c[i]), or c[i] += a[i] @ b[i] when
 // `accumulate` (no bias then).
 // a: [batch, M, K], b: [batch, K, N], c: [batch, M, N], bias: [batch, N] — any strides for a, b

@@ -32,6 +32,16 @@ at::Tensor column_major(const at::Tensor& t) {
 }
 at::Tensor row_major(const at::Tensor& t) { return t.stride(2) == 1 || t.size(2) == 1 ? t : t.contiguous(); }
 
+// Batches interleaved in memory (x [B, G, D] read as [G, B, D]: a batch stride below the matrix's
+// extent) made batch-major, each matrix keeping its orientation. oneDNN's bfloat16 bmm copies
+// such an operand itself into row-major order, which for a transposed one (an output gradient read
+// as [G, N, B]) is a transposition 2-3x slower than the GEMM it feeds; this copy moves whole rows.
+at::Tensor batch_major(const at::Tensor& t) {
+  const int64_t extent = (t.size(1) - 1) * t.stride(1) + (t.size(2) - 1) * t.stride(2) + 1;
+  if (t.size(0) == 1 || t.stride(0) >= extent) return t;
+  return t.stride(1) == 1 && t.stride(2) != 1 ? t.transpose(1, 2).contiguous().transpose(1, 2) : t.contiguous();
+}
+
 }  // namespace
 
 bool bf16_gemms_on_onednn() {
@@ -64,9 +74,6 @@ CallOperands call_operands(const BlasCall& call, const at::Tensor& a, const at::
     l = column_major(l);
     r = row_major(r);
   } else if (l.scalar_type() == at::kBFloat16 && call.batch > 1) {
-    // oneDNN's bfloat16 bmm copies an interleaved operand itself into row-major order, which for a
-    // transposed one (an output gradient read as [G, N, B]) is a transposition 2-3x slower than
-    // the GEMM it feeds; batch_major moves whole rows.
     l = batch_major(l);
     r = batch_major(r);
   }
