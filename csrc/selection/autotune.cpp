@@ -295,13 +295,11 @@ constexpr int kMaxReps = 100;
 
 // One function's time over `reps` calls, in ms: GPU time on CUDA, as the benchmarks take it. A spin
 // kernel ahead of the calls keeps the GPU busy while the host queues them, so the events measure the
-// kernels, not the host's pace; `spin_ms` grows to cover the queuing time. Before each call a write
-// over `flush` (twice the L2) evicts the call's operands, which then come from memory as they do in
-// the benchmarks (fresh inputs in turn: bench.input_sets) and in a step whose other layers ran
-// between two calls: timed with its operands in the L2, a problem of a few MB favours kernels that
-// read them more than once. Only the calls are timed (events around each), not the writes.
-double time_reps(const at::Device& device, const std::function<void()>& fn, int reps, double& spin_ms,
-                 const at::Tensor& flush) {
+// kernels, not the host's pace; `spin_ms` grows to cover the queuing time. The calls run back to
+// back: a write over the L2 before each (to time them with cold operands) leaves dirty lines that the
+// call then writes back, charging the candidates that touch the most memory, which on DiT-style
+// latents made the slower of two candidates by GPU time look the faster.
+double time_reps(const at::Device& device, const std::function<void()>& fn, int reps, double& spin_ms) {
 #ifdef PATCHGEMM_WITH_CUDA
   if (device.is_cuda()) {
     c10::cuda::CUDAGuard guard(device);
@@ -313,7 +311,6 @@ double time_reps(const at::Device& device, const std::function<void()>& fn, int 
     at::cuda::sleep(static_cast<int64_t>(spin_ms * std::max(clock_khz, 1000)));
     const auto queued = std::chrono::steady_clock::now();
     for (int i = 0; i < reps; ++i) {
-      if (flush.defined()) C10_CUDA_CHECK(cudaMemsetAsync(flush.data_ptr(), i & 0xff, flush.nbytes(), stream));
       C10_CUDA_CHECK(cudaEventRecord(events[2 * i], stream));
       fn();
       C10_CUDA_CHECK(cudaEventRecord(events[2 * i + 1], stream));
@@ -332,26 +329,9 @@ double time_reps(const at::Device& device, const std::function<void()>& fn, int 
   }
 #endif
   (void)spin_ms;
-  (void)flush;
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < reps; ++i) fn();
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-}
-
-// The buffer time_reps writes over between calls on `device`: undefined off CUDA, and where the
-// memory is not there (the calls are then timed as they come).
-at::Tensor l2_flush_buffer(const at::Device& device) {
-#ifdef PATCHGEMM_WITH_CUDA
-  if (device.is_cuda()) {
-    const int64_t l2 = at::cuda::getDeviceProperties(device.index())->l2CacheSize;
-    try {
-      return at::empty({2 * std::max<int64_t>(l2, 1 << 20)}, at::TensorOptions().dtype(at::kByte).device(device));
-    } catch (const c10::OutOfMemoryError&) {
-      return at::Tensor();
-    }
-  }
-#endif
-  return at::Tensor();
 }
 
 }  // namespace
@@ -454,15 +434,14 @@ bool host_sync_forbidden(const at::Device& device) {
 std::vector<double> time_in_turns(const at::Device& device, const std::vector<std::function<void()>>& fns) {
   std::vector<int> reps(fns.size());
   double spin_ms = 0.2;
-  const at::Tensor flush = l2_flush_buffer(device);
   for (size_t i = 0; i < fns.size(); ++i) {
-    const double once = time_reps(device, fns[i], 1, spin_ms, flush);
+    const double once = time_reps(device, fns[i], 1, spin_ms);
     reps[i] = static_cast<int>(std::clamp(std::ceil(kRoundMs / std::max(once, 1e-4)), 1.0, double(kMaxReps)));
   }
   std::vector<std::vector<double>> samples(fns.size());
   for (int round = 0; round < kRounds; ++round) {
     for (size_t i = 0; i < fns.size(); ++i) {
-      samples[i].push_back(time_reps(device, fns[i], reps[i], spin_ms, flush) / reps[i]);
+      samples[i].push_back(time_reps(device, fns[i], reps[i], spin_ms) / reps[i]);
     }
   }
   std::vector<double> medians;
