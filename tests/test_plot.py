@@ -2,6 +2,7 @@
 
 import json
 import struct
+import time
 
 import pytest
 
@@ -66,6 +67,41 @@ def test_time_ms_reports_the_median_and_no_separate_host_time_on_the_cpu():
     t = time_ms(lambda i: calls.append(i), torch.device("cpu"), warmup=2, reps=5)
     assert calls == [0, 1, 0, 1, 2, 3, 4]  # warm-ups, then one call per rep with its input index
     assert t.ms >= 0 and t.host_ms is None  # on the CPU the host time is the time: not a column of its own
+
+
+def test_cpu_turns_pool_every_call_and_report_a_failing_baseline():
+    import torch
+    from patchgemm.tools import bench
+
+    calls = {"fast": 0, "slow": 0}
+
+    def run(name, ms):
+        def call(i):
+            calls[name] += 1
+            time.sleep(ms / 1e3)
+        return call
+
+    def broken(i):
+        raise RuntimeError("no such kernel here\nsecond line")
+
+    best = bench._take_turns({"fast": run("fast", 0.2), "slow": run("slow", 2.0), "broken": broken},
+                             torch.device("cpu"))
+    assert best["broken"] == "no such kernel here"  # its first line, and the others still timed
+    # every turn's calls pooled: CPU_ROUNDS turns of at least 3 timed calls each, plus warm-ups
+    assert calls["slow"] >= bench.CPU_ROUNDS * 3 and calls["fast"] > calls["slow"]
+    assert 0.2 <= best["fast"].ms < best["slow"].ms and best["slow"].ms >= 2.0
+    assert best["fast"].host_ms is None
+
+
+def test_gpu_turns_keep_each_implementations_best_median(monkeypatch):
+    import torch
+    from patchgemm.tools import bench
+
+    medians = iter([3.0, 5.0, 2.0, 6.0, 4.0, 4.0])  # a, b taking turns, ROUNDS = 3
+    monkeypatch.setattr(bench, "ROUNDS", 3)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, device, **kw: bench.Timing(next(medians), 0.1))
+    best = bench._take_turns({"a": None, "b": None}, torch.device("cuda"))
+    assert (best["a"].ms, best["b"].ms) == (2.0, 4.0) and best["a"].host_ms == 0.1
 
 
 def test_filter_names_cases_or_families_not_substrings():
