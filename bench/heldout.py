@@ -1,13 +1,16 @@
 """The default selection against the best PyTorch path, on shapes outside the benchmark suite.
 
-    python bench/heldout.py [--set heldout|tuning|families|all|channels-last] [--count N] [--filter TEXT]
-                            [--selection MODE] [--candidates] [--kernels] [--json PATH] [--markdown PATH]
+    python bench/heldout.py [--set heldout|tuning|families|all|channels-last|drawn] [--count N] [--seed S]
+                            [--filter TEXT] [--selection MODE] [--candidates] [--kernels] [--json PATH]
+                            [--markdown PATH]
 
 The shape sets, ``TUNING`` (rules may be fitted to these), ``HELDOUT`` (never tuned on) and
 ``FAMILIES`` (model families: the default choice is judged on each with it left out of training),
 live in ``patchgemm/tools/shapes.py``, which explains the split; ``channels-last`` is
 ``shapes.channels_last_shapes`` (``--count`` channels-last embeddings, default 50, each with its
-transpose), apart from ``all``. ``--selection`` runs ours under that mode (default: the package's);
+transpose), apart from ``all``. ``drawn`` (apart from ``all`` too) is ``--count`` shapes of
+``shapes.model_shapes`` and as many of ``shapes.random_shapes``, drawn with ``--seed`` (default 1;
+the shipped model's training records were drawn with seed 0): shapes nobody picked. ``--selection`` runs ours under that mode (default: the package's);
 the learned mode's timing budget restarts with each shape, as in a process of its own.
 The report ends with a table per model family: the share of ratios below 0.97.
 
@@ -35,7 +38,7 @@ import torch
 import patchgemm
 from patchgemm.tools.bench import environment, input_sets, kernel_ms
 from patchgemm.tools.shapes import (HELDOUT, TUNING, Problem, Shape, channels_last_shapes, family_of, family_shapes,
-                              problem)
+                              model_shapes, problem, random_shapes)
 
 ROUNDS, REPS = 3, 10  # see measure()
 
@@ -238,9 +241,12 @@ def fresh_timing_budget() -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--set", choices=["heldout", "tuning", "families", "all", "channels-last"], default="all")
+    parser.add_argument("--set", choices=["heldout", "tuning", "families", "all", "channels-last", "drawn"],
+                        default="all")
     parser.add_argument("--selection", help="the selection mode ours runs under (default: the package's)")
-    parser.add_argument("--count", type=int, default=50, help="channels-last embeddings in --set channels-last")
+    parser.add_argument("--count", type=int, default=50,
+                        help="--set channels-last: embeddings; --set drawn: model-like shapes, and as many random ones")
+    parser.add_argument("--seed", type=int, default=1, help="--set drawn: the seed the shapes are drawn with")
     parser.add_argument("--filter", help="only shapes whose id contains this text (comma-separated: any of them)")
     parser.add_argument("--candidates", action="store_true", help="also time every candidate, forced")
     parser.add_argument("--kernels", action="store_true", help="print the kernels of ours and each PyTorch path")
@@ -252,6 +258,8 @@ def main(argv=None) -> int:
     sets = {"tuning": TUNING, "heldout": HELDOUT, "families": family_shapes()}
     if args.set == "channels-last":
         sets = {"channels-last": channels_last_shapes(args.count)}
+    elif args.set == "drawn":
+        sets = {"drawn": model_shapes(args.count, args.seed) + random_shapes(args.count, args.seed)}
     wanted = [f.strip() for f in (args.filter or "").split(",") if f.strip()]
     chosen = [(name, s) for name, shapes in sets.items() if args.set in (name, "all") for s in shapes
               if not wanted or any(f in s.id for f in wanted)]

@@ -88,7 +88,7 @@ def suite_section(saved: dict, name: str) -> str:
         f"## Suite: {_where(env)}", "",
         f"`python -m patchgemm bench --json {name}`. Measured ceilings: matmul TFLOP/s {matmul}, "
         f"copy {c.get('copy_tbs', 0):.2f} TB/s. Per case and pass, patchgemm beside the fastest PyTorch baseline "
-        "(every baseline in the JSON): GPU ms, `faster by` = the baseline's time / patchgemm's, peak memory "
+        "(every baseline in the JSON): ms (GPU time; on the CPU, wall time), `faster by` = the baseline's time / patchgemm's, peak memory "
         "above the inputs and host time per call as patchgemm / the baseline.", "",
         "```", _ours_against_fastest_baseline([Row(**r) for r in saved["rows"]]), "```", ""])
 
