@@ -96,9 +96,13 @@ def suite_section(saved: dict, name: str) -> str:
 def heldout_section(saved: dict, name: str) -> str:
     fields = heldout.Result.__dataclass_fields__
     results = [heldout.Result(**{k: v for k, v in r.items() if k in fields}) for r in saved["results"]]
+    env = saved.get("environment", {})
     title = "Held-out, tuning and model-family shapes against PyTorch"
-    body = heldout.format_markdown(results, saved.get("environment", {}))
-    return f"## {title}: {_where(saved.get('environment', {}))}\n\n(`{name}`) {body}"
+    if results and all(r.set == "drawn" for r in results):
+        title = "Shapes drawn with a seed the model never saw, against PyTorch"
+    command = f"`{env['command']}`, " if env.get("command") else ""
+    body = heldout.format_markdown(results, env)
+    return f"## {title}: {_where(env)}\n\n({command}`{name}`) {body}"
 
 
 def families_section(saved: dict, name: str) -> str:

@@ -8,8 +8,7 @@ them). Three modes choose among those that apply to a call:
 - ``"learned"`` (the default): a small model trained on autotune records (``python -m patchgemm tune``;
   the one shipped with the package was trained on H100 and H200 timings, including model families
   the rules were never fitted to) predicts the fastest, leaning toward PyTorch's own paths where the
-  prediction is close, and on a GPU times its pick against PyTorch's paths once per signature
-  (the contenders too where it is unsure, within a timing budget); a signature already in the autotune cache takes the measured choice. Where
+  prediction is close; a signature already in the autotune cache takes the measured choice. Where
   the model has no timings of the op or the backend (ROCm), every candidate that applies is timed on
   the GPU once per signature (in memory, within the same timing budget), and another replaces
   PyTorch's own path, then the heuristic's pick, only where faster by more than 5% and 1 us; on the

@@ -498,32 +498,6 @@ def test_learned_times_the_contenders_it_cannot_tell_apart():
         ops._forget_selections()
 
 
-def test_learned_times_a_sure_pick_of_ours_against_pytorchs_paths():
-    """Sure of a candidate of ours, the learned mode still times it against PyTorch's own paths once
-    per signature (a shape unlike its training data can be one where it is sure and wrong); sure of
-    PyTorch's path, it takes it untimed."""
-    x, w, b, ref = grouped_case("cpu", batch=5)
-    try:
-        patchgemm.set_selection("learned", cache_dir="", unsure_gap=1.0)
-        tie_model("grouped_linear", ["aten_bmm", "strided_batched"], 5.0)  # strided_batched far ahead
-        y, e = run_explained(patchgemm.grouped_linear, x, w, b)
-        assert_close_to_ref(y, ref, torch.float32)
-        assert e[0].how.startswith("learned: predicted, timed now against PyTorch's paths"), str(e)
-        timed = {v.name for v in e[0].candidates if v.reason.endswith(" ms")}
-        assert timed == {"strided_batched", "aten_bmm"}, str(e)
-        _, again = run_explained(patchgemm.grouped_linear, x, w, b)
-        assert (again[0].chosen, again[0].how) == (e[0].chosen, "learned: contenders timed earlier in this process")
-
-        ops._forget_selections()
-        tie_model("grouped_linear", ["strided_batched", "aten_bmm"], 5.0)  # PyTorch's path far ahead
-        _, e = run_explained(patchgemm.grouped_linear, x, w, b)
-        assert (e[0].chosen, e[0].how) == ("aten_bmm", "learned: predicted now"), str(e)
-    finally:
-        patchgemm.set_selection("heuristic")
-        selection.install_model(selection.load_model())
-        ops._forget_selections()
-
-
 def test_where_unsure_learned_times_pytorchs_paths_too():
     """Contenders the model cannot tell apart are timed with PyTorch's own paths that apply, which
     it scored far below them (here: does not know)."""

@@ -402,11 +402,9 @@ class Table {
   // remembers the fastest and returns its result. Autotune times every candidate and keeps the
   // times (and the cache file); the learned mode times the contenders it cannot tell apart and
   // keeps the choice in memory.
-  // `checking`: the learned mode was sure of its pick (the first of `which`) and times it against
-  // PyTorch's paths only (explain says so).
   std::optional<Result> run_timed(const Problem& p, const ProblemFeatures& f, const std::string& signature,
                                   const std::string& key, const std::vector<size_t>& which, bool learned,
-                                  std::optional<size_t> rules_pick = std::nullopt, bool checking = false) const {
+                                  std::optional<size_t> rules_pick = std::nullopt) const {
     const bool without_model = rules_pick.has_value();  // (learned mode, an op its model does not cover)
     std::vector<std::string> why(candidates_.size());
     std::vector<bool> asked(candidates_.size(), false);
@@ -489,7 +487,6 @@ class Table {
       }
       std::string how = !learned       ? "autotune: timed now"
                         : without_model ? "learned: no model for " + op_ + "; every candidate timed now"
-                        : checking      ? "learned: predicted, timed now against PyTorch's paths"
                                         : "learned: unsure between the contenders, timed now";
       if (after) how += " with the step that follows";
       if (best != timed[fastest]) {
@@ -506,9 +503,6 @@ class Table {
   // taken as it is); remembered in memory. Where others that apply score within the unsure gap of
   // the best, the model cannot tell them apart: those contenders are timed instead (run_timed), with
   // PyTorch's own paths and, where a step follows, every candidate that leaves it reusable work.
-  // Where it is sure of a candidate of ours, that one is timed against PyTorch's paths that apply:
-  // a shape unlike those it was trained on can be one where it is sure and wrong, and the choice
-  // then still never loses to PyTorch's path by more than timing misjudges.
   Result run_learned(const Problem& p, const std::vector<double>& scores, const ProblemFeatures& f,
                      const std::string& signature, const std::string& key, size_t heuristic_pick,
                      Result heuristic_result) const {
@@ -528,12 +522,10 @@ class Table {
           pytorch_paths.push_back(i);
         }
       }
-      const bool checking = contenders.size() == 1 && !pytorch_path(candidates_[contenders.front()]);
-      if (contenders.size() > 1 || (checking && !pytorch_paths.empty())) {
+      if (contenders.size() > 1) {
         contenders.insert(contenders.end(), pytorch_paths.begin(), pytorch_paths.end());
         const auto start = std::chrono::steady_clock::now();
-        std::optional<Result> result =
-            run_timed(p, f, signature, key, contenders, /*learned=*/true, std::nullopt, checking);
+        std::optional<Result> result = run_timed(p, f, signature, key, contenders, /*learned=*/true);
         const std::chrono::duration<double, std::milli> spent = std::chrono::steady_clock::now() - start;
         detail::spent_timing(spent.count());
         if (result) return std::move(*result);
