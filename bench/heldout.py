@@ -130,7 +130,9 @@ def measure(s: Shape, set_name: str, device: torch.device, candidates: bool, ker
         if candidates:
             forcings = {op: [{op: c.name} for c in patchgemm.kernels(op)]
                         for op in ([s.op] if pass_ == "fwd" else prob.backward_ops)}
-            if s.op == "patch_embed" and pass_ == "fwd+bwd":  # the forward and its weight gradient as a pair
+            # patch_embed's forward (patch_unembed's dx: the embedding of grad_y) and the weight
+            # gradient that may multiply its patch matrix, as a pair
+            if pass_ == "fwd+bwd" and "patch_embed" in [s.op, *prob.backward_ops]:
                 forcings["patch_embed+patch_weight_grad"] = [
                     {"patch_embed": f.name, "patch_weight_grad": w.name}
                     for f in patchgemm.kernels("patch_embed") for w in patchgemm.kernels("patch_weight_grad")]

@@ -225,9 +225,9 @@ def our_candidates(op: str, device_kind: str = "cuda") -> List[str]:
 
 
 # A candidate that reuses earlier work of the call (saved_patches multiplies the patch matrix a
-# gathering forward left) is not forced itself: it runs wherever that work exists, and forcing it
-# would decline the call's other uses of its op (patch_unembed's weight gradient has no forward
-# matrix). Forcing what makes the work runs it; `chose` tells whether it did.
+# gathering embedding left: patch_embed's forward, or patch_unembed's dx) is not forced itself: it
+# runs wherever that work exists, and forcing it would decline the call's other uses of its op
+# (where no embedding gathered). Forcing what makes the work runs it; `chose` tells whether it did.
 _REUSES = {("patch_weight_grad", "saved_patches"): {"patch_embed": "gather_gemm"}}
 
 

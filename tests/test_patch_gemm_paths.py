@@ -324,6 +324,62 @@ def test_weight_grad_reuses_the_forwards_patch_matrix(device, dtype, has_bias, s
         torch.testing.assert_close(g, r, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
+UNEMBED_SHARED_PATCHES = [  # (grad_y's shape: the unembedding's output, kernel, in_format, memory, dx's embedding)
+    ((2, 3, 16, 16), (4, 4), "tokens", "contiguous", "gather_gemm"),
+    ((2, 5, 16, 16), (4, 4), "channels_first", "contiguous", "gather_gemm"),
+    ((2, 4, 8, 8, 8), (2, 2, 2), "channels_first", "channels_last", "gather_gemm"),
+    ((3, 5, 12, 20), (4, 4), "tokens", "channels_last", "aten_linear"),
+    ((4, 1, 512), (16,), "tokens", "contiguous", "aten_linear"),
+    ((2, 3, 12, 12), (3, 3), "channels_first", "contiguous", "gather_gemm"),  # K = 27: padded rows
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("has_bias", [True, False])
+@pytest.mark.parametrize("shape,kernel,in_format,memory,dx_embed", UNEMBED_SHARED_PATCHES)
+def test_unembed_weight_grad_reuses_dx_patch_matrix(device, dtype, has_bias, shape, kernel, in_format, memory,
+                                                    dx_embed):
+    """patch_unembed's backward gathers grad_y's patches once, as the linear rewrite's does: dx is
+    the embedding of grad_y, and where that embedding gathered the patch matrix the weight gradient
+    multiplies it (saved_patches). Every gradient as the float64 transposed convolution's, dW and db
+    as a weight gradient that gathers grad_y itself; without dx, nothing is reused."""
+    if dx_embed == "aten_linear" and device == "cuda" and dtype == torch.float32:
+        dx_embed = "gather_gemm"  # (linear's TF32 flag is not the conv's: not offered)
+    grid = [s // k for s, k in zip(shape[2:], kernel)]
+    c_out, c_in = shape[1], 24
+    x = randn(shape[0], c_in, *grid, dtype=dtype, device=device)
+    x = layout(x, memory)
+    x_in = x.flatten(2).transpose(1, 2).contiguous() if in_format == "tokens" else x
+    w = randn(c_in, c_out, *kernel, dtype=dtype, device=device) / math.sqrt(c_in)
+    b = randn(c_out, dtype=dtype, device=device) if has_bias else None
+    params = [x_in.requires_grad_(), w.requires_grad_()] + ([b.requires_grad_()] if has_bias else [])
+    unembed = lambda: patchgemm.patch_unembed(x_in, w, b, in_format=in_format,  # noqa: E731
+                                              grid=grid if in_format == "tokens" else None)
+    with patchgemm.force(patch_embed=dx_embed), patchgemm.explain() as e:
+        y = unembed()
+        dy = layout(randn(*y.shape, dtype=dtype, device=device), memory)
+        got = torch.autograd.grad(y, params, dy)
+    assert [c.op for c in e] == ["patch_unembed", "patch_embed", "patch_weight_grad"], str(e)
+    assert e[1].chosen == dx_embed and e[2].chosen == "saved_patches", str(e)
+
+    params64 = [t.detach().double().requires_grad_() for t in params]
+    x64 = params64[0].transpose(1, 2).reshape(shape[0], c_in, *grid) if in_format == "tokens" else params64[0]
+    y64 = CONV_T[len(kernel)](x64, params64[1], params64[2] if has_bias else None, stride=kernel)
+    ref = torch.autograd.grad(y64, params64, dy.double())
+    for name, g, r in zip(("dx", "dW", "db"), got, ref):
+        assert_close_to_ref(g, r, dtype, what=name)
+    with patchgemm.force(patch_embed=dx_embed, patch_weight_grad="gather_gemm"):
+        gathered = torch.autograd.grad(unembed(), params, dy)
+    for g, r in zip(got, gathered):
+        assert g.stride() == r.stride()  # the weight's memory format, as the gather's (channels-last grad_y)
+        torch.testing.assert_close(g, r, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+    with patchgemm.force(patch_embed=dx_embed), patchgemm.explain() as e:  # the weight's gradient alone
+        torch.autograd.grad(unembed(), params[1:], dy)
+    assert [c.op for c in e] == ["patch_unembed", "patch_weight_grad"] and e[1].chosen != "saved_patches", str(e)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_saved_patches_rule_leaves_wide_16_bit_bias_sums_to_one_pass(device):
     """A 16-bit bias gradient that the forward's matrix has no ones column for is summed from grad_y

@@ -12,7 +12,8 @@
 //   grouped_pointwise_conv  its _grad_input and _grad_weight ops (db from the latter, with_bias)
 //   patch_embed     dx = patch_unembed with the same weight, (dW, db) = patch_weight_grad
 //   patch_unembed   dx = patch_embed with the same weight, (dW, db) = patch_weight_grad (roles
-//                   swapped, transposed = true)
+//                   swapped, transposed = true), on the patch matrix of grad_y that dx gathered
+//                   where it gathered one (unembed_grads_sharing_patches)
 //   instance_norm_act  instance_norm_act_backward, from x and the per-channel statistics
 //   swiglu          swiglu_backward, from gate_up (h is not saved: the backward recomputes it)
 //   patch_matrix    patch_matrix_backward (the gather's adjoint scatter), and the other way round
@@ -385,6 +386,29 @@ std::tuple<at::Tensor, at::Tensor> patch_weight_grad_in_backward(
   });
 }
 
+// patch_unembed's dx and (dW, db) in backward where the call is plain: dx is patch_embed of grad_y,
+// and where that embedding gathers grad_y's patch matrix (gather + GEMM, the linear rewrite), dW
+// multiplies the same matrix (saved_patches) instead of gathering grad_y again, as the linear
+// rewrite's backward gathers it once for both. The modes choose dx's embedding with that weight
+// gradient following it, as they choose patch_embed's forward in training.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> unembed_grads_sharing_patches(const at::Tensor& grad_y,
+                                                                           const PatchContext& c, bool with_bias) {
+  return below_autograd([&] {
+    EmbedProblem dx = embed_problem(grad_y, c.weight, std::nullopt, c.tokens, c.levels);
+    const auto weight_grads = [&](bool reusable) {
+      WeightGradProblem w = weight_grad_problem(c.x, grad_y, c.kernel, c.tokens, c.levels, with_bias, true);
+      if (reusable && dx.patch_matrix() && weight_grad_takes_patch_matrix(dx, with_bias, /*transposed=*/true)) {
+        w.saved_patches = dx.patch_matrix();
+      }
+      return patch_weight_grads(w);
+    };
+    dx.weight_grad_after = [&weight_grads](const at::Tensor&, bool reusable) { weight_grads(reusable); };
+    at::Tensor grad_x = select_patch_embed(dx);
+    auto [grad_w, grad_b] = weight_grads(/*reusable=*/true);  // (the chosen candidate's matrix, or none)
+    return std::make_tuple(std::move(grad_x), std::move(grad_w), std::move(grad_b));
+  });
+}
+
 // The Functions' forward runs the op on `problem` where the call is plain (the problem the autograd
 // kernel checked), else through the dispatcher.
 struct PatchEmbed : Function<PatchEmbed> {
@@ -441,13 +465,18 @@ struct PatchUnembed : Function<PatchUnembed> {
     const PatchContext c = load_patch_context(ctx);
     const at::Tensor& grad_y = grads[0];
     refuse_second_derivative(ctx->needs_input_grad(kWeight), "patch_unembed", "weight gradient");
+    const bool needs_b = needs_bias_grad(ctx);
     at::Tensor grad_x, grad_w, grad_b;
+    if (ctx->needs_input_grad(kX) && ctx->needs_input_grad(kWeight) && plain_call({grad_y, c.weight, c.x}) &&
+        !at::GradMode::is_enabled()) {
+      std::tie(grad_x, grad_w, grad_b) = unembed_grads_sharing_patches(grad_y, c, needs_b);
+      return {grad_x, grad_w, needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     if (ctx->needs_input_grad(kX)) {
       grad_x = plain_call({grad_y, c.weight})
                    ? patch_embed_autograd(grad_y, c.weight, std::nullopt, c.tokens, c.levels)
                    : patch_embed_op().call(grad_y, c.weight, std::nullopt, c.tokens, c.levels);
     }
-    const bool needs_b = needs_bias_grad(ctx);
     if (ctx->needs_input_grad(kWeight)) {
       // The bias gradient in the same pass over grad_y where a kernel can (tiny_patch_weight_grad.cu).
       std::tie(grad_w, grad_b) =

@@ -122,8 +122,9 @@ struct WeightGradProblem {
   at::Tensor dy;  // grad_y as [B, N, E] (a view; channels-first grad_y through its strides)
   std::vector<int64_t> w_shape;
   // patch_embed's backward: the patch matrix of x its forward made (EmbedProblem::patch_matrix),
-  // which the saved_patches candidate multiplies without gathering x again. Set by the autograd
-  // layer only: the op patch_weight_grad has no such argument.
+  // which the saved_patches candidate multiplies without gathering x again; patch_unembed's
+  // (transposed): the one of its grad_y that dx's embedding made. Set by the autograd layer only:
+  // the op patch_weight_grad has no such argument.
   std::optional<PatchMatrix> saved_patches;
   at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 

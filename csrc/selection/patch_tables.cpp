@@ -540,8 +540,11 @@ namespace {
 // more than a fused kernel's one pass.
 constexpr double kSavedPatchesBiasSumBytes = 4e6;
 
-WhyNot saved_patches_rule(const PatchMatrix& m, bool with_bias, const at::Tensor& x, int64_t embed, bool dy_tokens) {
-  if (!with_bias || m.ones_column || x.element_size() != 2) return {};
+WhyNot saved_patches_rule(const PatchMatrix& m, bool with_bias, bool transposed, const at::Tensor& x, int64_t embed,
+                          bool dy_tokens) {
+  // patch_unembed's bias gradient is summed from its grad_y by every path but the tiny kernel, and
+  // the matrix spares the gather the others would make.
+  if (transposed || !with_bias || m.ones_column || x.element_size() != 2) return {};
   if (!dy_tokens) return "rule: a 16-bit bias gradient summed apart from channels-first grad_y runs faster fused";
   const int64_t row_stride = m.rows.size(1) == 1 ? m.rows.stride(0) : m.rows.stride(1);
   if (x.is_cuda() && row_stride % 8 != 0) {
@@ -557,11 +560,11 @@ WhyNot saved_patches_rule(const PatchMatrix& m, bool with_bias, const at::Tensor
 
 }  // namespace
 
-bool weight_grad_takes_patch_matrix(const EmbedProblem& p, bool with_bias) {
+bool weight_grad_takes_patch_matrix(const EmbedProblem& p, bool with_bias, bool transposed) {
   const std::string forced = selection::detail::forced("patch_weight_grad");
   if (!forced.empty()) return forced == "saved_patches";
   return !selection::detail::rules_apply() ||
-         saved_patches_rule(*p.patch_matrix(), with_bias, p.x, p.weight.size(0), p.tokens_out).empty();
+         saved_patches_rule(*p.patch_matrix(), with_bias, transposed, p.x, p.weight.size(0), p.tokens_out).empty();
 }
 
 namespace {
@@ -570,12 +573,13 @@ const Table<WeightGradProblem, WeightGrads> kWeightGradTable(
     "patch_weight_grad",
     {
         {"saved_patches", "cpu cuda rocm",
-         "patch_embed's backward where its forward gathered the patch matrix: that matrix, one GEMM",
+         "patch_embed's backward where its forward gathered the patch matrix (patch_unembed's: dx's "
+         "embedding of grad_y): that matrix, one GEMM",
          [](const WeightGradProblem& p) -> WhyNot {
            return p.saved_patches ? WhyNot() : "no patch matrix kept from the forward";
          },
          [](const WeightGradProblem& p) {
-           return saved_patches_rule(*p.saved_patches, p.with_bias, p.x, p.embed, p.dy.stride(2) == 1);
+           return saved_patches_rule(*p.saved_patches, p.with_bias, p.transposed, p.x, p.embed, p.dy.stride(2) == 1);
          },
          [](const WeightGradProblem& p, bool, WhyNot&) -> std::optional<WeightGrads> {
            return weight_grad_by_saved_patches(p);

@@ -15,8 +15,9 @@ at::Tensor unembed_by_aten_conv_transpose(const UnembedProblem& p);  // ATen's t
 
 // Whether patch_embed's weight gradient would take the patch matrix its forward `p` made
 // (saved_patches: forced, or its rule passes; grad_y taken to lie as y): the autograd layer keeps
-// that matrix, x-sized memory, only then.
-bool weight_grad_takes_patch_matrix(const EmbedProblem& p, bool with_bias);
+// that matrix, x-sized memory, only then. `transposed`: patch_unembed's weight gradient, where `p`
+// is the embedding of its grad_y that gave dx.
+bool weight_grad_takes_patch_matrix(const EmbedProblem& p, bool with_bias, bool transposed = false);
 
 // The implementation each call runs.
 at::Tensor select_patch_embed(const EmbedProblem& p);

@@ -343,9 +343,14 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
 }
 
 WeightGrads weight_grad_by_saved_patches(const WeightGradProblem& p) {
-  TORCH_INTERNAL_ASSERT(p.saved_patches && !p.transposed, "weight_grad_by_saved_patches: no saved patch matrix");
+  TORCH_INTERNAL_ASSERT(p.saved_patches, "weight_grad_by_saved_patches: no saved patch matrix");
   const PatchMatrix& m = *p.saved_patches;
-  return weight_grad_from_patches(p, m.rows, m.ones_column && p.with_bias);
+  TORCH_INTERNAL_ASSERT(m.rows.size(0) == p.g.batch && m.rows.size(1) == p.g.tokens() &&
+                            m.rows.size(2) >= p.g.patch_size(),
+                        "weight_grad_by_saved_patches: a patch matrix ", m.rows.sizes(), " for ", p.g.batch, " x ",
+                        p.g.tokens(), " patches of ", p.g.patch_size());
+  // (A transposed problem's bias gradient is summed from x, patch_unembed's grad_y: no ones column.)
+  return weight_grad_from_patches(p, m.rows, m.ones_column && p.with_bias && !p.transposed);
 }
 
 }  // namespace patchgemm

@@ -25,7 +25,8 @@ at::Tensor unembed_by_aten_linear(const UnembedProblem& p);  // ATen's matmul, t
 // 16-byte aligned); where the patches are long enough, it then copies x into tokens order first.
 bool unembed_gemm_reads_x_poorly(const UnembedProblem& p);
 WeightGrads weight_grad_by_gemm(const WeightGradProblem& p);
-// The same GEMM on p.saved_patches (patch_embed's forward made it): no gather.
+// The same GEMM on p.saved_patches (patch_embed's forward made it, or for patch_unembed's backward
+// the embedding of grad_y that gave dx): no gather.
 WeightGrads weight_grad_by_saved_patches(const WeightGradProblem& p);
 // dW [E, K] in the patch matrix's column order as the weight's shape [E, C, *k]: a view where it can
 // be (channels-last x: channels-last strides, as PyTorch's convolution backward gives).
