@@ -579,10 +579,11 @@ def _peak_mb(run, device: torch.device) -> Optional[float]:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
-def _take_turns(runs: Dict[str, Callable[[int], object]], device: torch.device) -> Dict[str, object]:
-    """Each implementation's Timing (or, where it fails, the error's first line), the implementations
-    taking turns so that a drift of the GPU's clock or of the machine's load cannot favour whichever
-    ran first.
+def _take_turns(runs: Dict[str, Callable[[int], object]],
+                device: torch.device) -> Tuple[Dict[str, Timing], Dict[str, str]]:
+    """Each implementation's Timing, and where one fails the error's first line instead, the
+    implementations taking turns so that a drift of the GPU's clock or of the machine's load cannot
+    favour whichever ran first.
 
     On a GPU: ROUNDS turns of time_ms, each implementation keeping its best median. On the CPU, whose
     speed drifts by 10-30% within seconds on a shared VM: CPU_ROUNDS turns of about CPU_TURN_MS
@@ -600,25 +601,28 @@ def _take_turns(runs: Dict[str, Callable[[int], object]], device: torch.device) 
                 reps[name] = max(3, min(30, int(CPU_TURN_MS / max((time.perf_counter() - t0) * 1e3, 1e-3))))
             except Exception:  # reported by the first turn
                 reps[name] = 1
-    best: Dict[str, object] = {}
+    best: Dict[str, Timing] = {}
+    errors: Dict[str, str] = {}
     pooled: Dict[str, List[float]] = {name: [] for name in runs}
     for _ in range(CPU_ROUNDS if cpu else ROUNDS):
         for name, run in runs.items():
-            if isinstance(best.get(name), str):
+            if name in errors:
                 continue
             try:
                 t = time_ms(run, device, warmup=1, reps=reps[name]) if cpu else time_ms(run, device)
             except Exception as e:  # a baseline this torch/GPU lacks: report it, keep going
-                best[name] = str(e).split("\n")[0][:80]
+                errors[name] = str(e).split("\n")[0][:80]
                 continue
-            old = best.get(name)
             if cpu:
                 pooled[name] += t.samples
-                best[name] = Timing(statistics.median(pooled[name]), None)
+            elif name in best:
+                old = best[name]
+                best[name] = Timing(min(t.ms, old.ms), min(t.host_ms, old.host_ms))
             else:
-                host = min(t.host_ms, old.host_ms) if old else t.host_ms
-                best[name] = Timing(min(t.ms, old.ms), host) if old else t
-    return best
+                best[name] = t
+    if cpu:
+        best = {name: Timing(statistics.median(pooled[name]), None) for name in runs if name not in errors}
+    return best, errors
 
 
 def run_case(case: Case, device: torch.device, ceilings: Ceilings, progress=None) -> List[Row]:
@@ -649,8 +653,7 @@ def run_case(case: Case, device: torch.device, ceilings: Ceilings, progress=None
                 return torch.autograd.grad(out, [s[k] for k in case.grad_inputs], dy)
 
             runs[name] = fwd if pass_ == "fwd" else fwd_bwd
-        best = _take_turns(runs, device)
-        errors = {name: t for name, t in best.items() if isinstance(t, str)}
+        best, errors = _take_turns(runs, device)
         for name, run in runs.items():
             if name in errors:
                 rows.append(Row(case.id, pass_, name, None, None, floors[pass_], error=errors[name]))
