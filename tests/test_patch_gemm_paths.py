@@ -406,6 +406,29 @@ def test_saved_patches_rule_leaves_wide_16_bit_bias_sums_to_one_pass(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_saved_patches_with_a_16_bit_bias_and_channels_first_grad_y(device):
+    """Channels-first grad_y, a 16-bit bias the matrix has no ones column for: on the GPU the rule
+    leaves the bias sum to the fused kernels, which read grad_y as it lies; the CPU has none, sums
+    such a grad_y quickly, and takes the matrix rather than gathering x again."""
+    x, w, b = make((2, 8, 64, 64), (8, 8), torch.bfloat16, device, embed=32)
+    w.requires_grad_(), b.requires_grad_()
+    dy = randn(2, 32, 8, 8, dtype=torch.bfloat16, device=device)
+    with patchgemm.force(patch_embed="gather_gemm"), patchgemm.explain() as e:
+        got = torch.autograd.grad(patchgemm.patch_embed(x, w, b), [w, b], dy)
+    (weight_grad,) = [c for c in e if c.op == "patch_weight_grad"]
+    verdict = {v.name: v for v in weight_grad.candidates}["saved_patches"]
+    if device == "cpu":
+        assert weight_grad.chosen == "saved_patches", str(e)
+    else:  # (no matrix kept: the verdict says so)
+        assert weight_grad.chosen != "saved_patches" and verdict.reason == "no patch matrix kept from the forward", \
+            str(e)
+    with patchgemm.force(patch_embed="gather_gemm", patch_weight_grad="gather_gemm"):
+        gathered = torch.autograd.grad(patchgemm.patch_embed(x, w, b), [w, b], dy)
+    for g, r in zip(got, gathered):
+        torch.testing.assert_close(g, r, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_saved_patches_only_where_a_forward_made_them_and_a_weight_needs_them(device):
     """No patch matrix is kept where the forward read x in place (the convolution), nor where the
     weight needs no gradient (dx alone, from the weight); the op patch_weight_grad, which has no
