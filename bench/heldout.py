@@ -215,7 +215,8 @@ def format_summary(rows: List[dict], names: bool = True) -> str:
 
 def format_markdown(results: List[Result], env: dict) -> str:
     mode = env.get("selection", "heuristic")
-    lines = [f"`python bench/heldout.py --set all --selection {mode}`. Ratio = the best "
+    command = env.get("command", f"python bench/heldout.py --set all --selection {mode}")
+    lines = [f"`{command}`. Ratio = the best "
              f"PyTorch path's GPU time / patchgemm's choice in {mode} mode (above 1: faster).", "",
              format_summary(summary(results), names=False), "", "Per model family (fwd and fwd+bwd ratios together):",
              "", format_family_summary(family_summary(results)), "",
@@ -280,6 +281,9 @@ def main(argv=None) -> int:
     print(format_summary(summary(results)))
     print(format_family_summary(family_summary(results)))
     env = dict(environment(device), selection=patchgemm.get_selection())
+    sizes = {"drawn": f" --count {args.count} --seed {args.seed}", "channels-last": f" --count {args.count}"}
+    env["command"] = (f"python bench/heldout.py --set {args.set}{sizes.get(args.set, '')}"
+                      + (f" --filter {args.filter}" if args.filter else "") + f" --selection {env['selection']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": env, "results": [dict(asdict(r), ratio=r.ratio) for r in results]}, f, indent=1)

@@ -100,9 +100,7 @@ def heldout_section(saved: dict, name: str) -> str:
     title = "Held-out, tuning and model-family shapes against PyTorch"
     if results and all(r.set == "drawn" for r in results):
         title = "Shapes drawn with a seed the model never saw, against PyTorch"
-    command = f"`{env['command']}`, " if env.get("command") else ""
-    body = heldout.format_markdown(results, env)
-    return f"## {title}: {_where(env)}\n\n({command}`{name}`) {body}"
+    return f"## {title}: {_where(env)}\n\n(`{name}`) {heldout.format_markdown(results, env)}"
 
 
 def families_section(saved: dict, name: str) -> str:

@@ -434,6 +434,9 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
         assert r.candidates_ms  # every op of the pass, each candidate timed or marked unsupported
     pairs = results[1].candidates_ms["patch_embed+patch_weight_grad"]  # "e" forward + backward: every pairing
     assert pairs["gather_gemm+saved_patches"] > 0 and pairs["aten_conv+saved_patches"] is None
+    # "u" forward + backward: its dx (an embedding of grad_y) paired with the weight gradient
+    pairs = results[3].candidates_ms["patch_embed+patch_weight_grad"]
+    assert pairs["gather_gemm+saved_patches"] > 0 and pairs["aten_conv+saved_patches"] is None
     assert {row["op"] for row in heldout.summary(results)} == {"patch_embed", "patch_unembed", "grouped_linear"}
     families = heldout.family_summary(results)  # (the ids name no family: TUNING-style ids, "image" / "grouped")
     assert sum(f["n"] for f in families) == len(results)
@@ -442,6 +445,9 @@ def test_heldout_bench_measures_every_op_on_small_shapes():
     slower = [r for r in results if r.ratio < 0.97]  # the per-call table lists only these
     per_call = markdown.split("The calls below 0.97x")[1]
     assert "Per model family" in markdown and per_call.count("\n| tuning |") == len(slower)
+    assert markdown.startswith("`python bench/heldout.py --set all --selection heuristic`")
+    command = "python bench/heldout.py --set drawn --count 40 --seed 2 --selection learned"  # as main records it
+    assert heldout.format_markdown(results, {"selection": "learned", "command": command}).startswith(f"`{command}`")
     # --set channels-last: channels-last 16-bit embeddings, each followed by its transpose back to x
     cl = channels_last_shapes(3)
     assert [s.op for s in cl] == ["patch_embed", "patch_unembed"] * 3 and len({s.id for s in cl}) == 6
