@@ -395,8 +395,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> unembed_grads_sharing_patches(con
                                                                            const PatchContext& c, bool with_bias) {
   return below_autograd([&] {
     EmbedProblem dx = embed_problem(grad_y, c.weight, std::nullopt, c.tokens, c.levels);
+    const WeightGradProblem checked = weight_grad_problem(c.x, grad_y, c.kernel, c.tokens, c.levels, with_bias, true);
     const auto weight_grads = [&](bool reusable) {
-      WeightGradProblem w = weight_grad_problem(c.x, grad_y, c.kernel, c.tokens, c.levels, with_bias, true);
+      WeightGradProblem w = checked;
       if (reusable && dx.patch_matrix() && weight_grad_takes_patch_matrix(dx, with_bias, /*transposed=*/true)) {
         w.saved_patches = dx.patch_matrix();
       }
@@ -467,8 +468,8 @@ struct PatchUnembed : Function<PatchUnembed> {
     refuse_second_derivative(ctx->needs_input_grad(kWeight), "patch_unembed", "weight gradient");
     const bool needs_b = needs_bias_grad(ctx);
     at::Tensor grad_x, grad_w, grad_b;
-    if (ctx->needs_input_grad(kX) && ctx->needs_input_grad(kWeight) && plain_call({grad_y, c.weight, c.x}) &&
-        !at::GradMode::is_enabled()) {
+    // (Grad mode is off here: refused above for a weight gradient.)
+    if (ctx->needs_input_grad(kX) && ctx->needs_input_grad(kWeight) && plain_call({grad_y, c.weight, c.x})) {
       std::tie(grad_x, grad_w, grad_b) = unembed_grads_sharing_patches(grad_y, c, needs_b);
       return {grad_x, grad_w, needs_b ? grad_b : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
