@@ -125,19 +125,21 @@ def test_gpu_gather_reads_rows_that_start_anywhere(dtype, shape, kernel, offset)
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape,kernel", [((3, 512, 8, 12), (4, 4)),     # K = 8192, 6 tokens per sample
-                                          ((1, 128, 24, 40), (8, 8)),    # one sample of 15 (unaligned) tokens
-                                          ((2, 32, 4, 16, 16), (4, 8, 8)),  # 3-D, K = 8192, 2 tokens
-                                          ((4, 8, 32, 32), (32, 32)),    # one patch per sample
-                                          ((24, 64, 28, 28), (4, 4)),    # K = 1024 into 7 x 7 rows
-                                          ((2, 64, 30, 30), (2, 2)),     # K = 256 into 225 (odd) tokens
-                                          ((3, 16, 40, 40), (4, 4))])    # 100 tokens: pairs, not 16 bytes
+@pytest.mark.parametrize("shape,kernel,embed", [((3, 512, 8, 12), (4, 4), 64),    # K = 8192, 6 tokens per sample
+                                                ((1, 128, 24, 40), (8, 8), 64),   # one sample of 15 (unaligned) tokens
+                                                ((2, 32, 4, 16, 16), (4, 8, 8), 64),  # 3-D, K = 8192, 2 tokens
+                                                ((4, 8, 32, 32), (32, 32), 64),   # one patch per sample
+                                                ((24, 64, 28, 28), (4, 4), 64),   # K = 1024 into 7 x 7 rows
+                                                ((2, 64, 30, 30), (2, 2), 64),    # K = 256 into 225 (odd) tokens
+                                                ((3, 16, 40, 40), (4, 4), 64),    # 100 tokens: pairs, not 16 bytes
+                                                ((4, 24, 28, 28), (4, 4), 30),    # 49 tokens, E = 30: pairs
+                                                ((4, 375, 28, 28), (4, 4), 750)])  # a head's grad_y: K = 6000
 @pytest.mark.parametrize("has_bias", [True, False])
-def test_gpu_gather_gemm_through_tokens(dtype, shape, kernel, has_bias):
-    """Channels-first output of long patches on few tokens, or into unaligned rows: one GEMM over
-    every token, then the tiled transpose into y (csrc/kernels/patch/patch_gemm.cpp,
+def test_gpu_gather_gemm_through_tokens(dtype, shape, kernel, embed, has_bias):
+    """Channels-first output of long patches on few tokens, or into rows less aligned than E: one
+    GEMM over every token, then the tiled transpose into y (csrc/kernels/patch/patch_gemm.cpp,
     embed_gemm_through_tokens; patchify_kernels.cu, transposing_copy)."""
-    x, w, b = make(shape, kernel, dtype, "cuda", embed=64, bias=has_bias)
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=embed, bias=has_bias)
     ref = CONV[len(kernel)](x.double(), w.double(), b.double() if has_bias else None, stride=kernel)
     poison_allocator(2 * ref.numel() * x.element_size(), "cuda")
     with patchgemm.force(patch_embed="gather_gemm"), patchgemm.explain() as e:
@@ -178,15 +180,18 @@ def test_gpu_unembed_copies_x_by_transpose(dtype, shape, offset, wshape):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape,embed", [((2, 3, 64, 64), 24),    # 16 tokens: 16-byte loads
-                                         ((3, 3, 48, 80), 20),    # 15 tokens: single-element loads
-                                         ((2, 3, 96, 160), 70)])  # 60 tokens, E = 70: pairs (16-bit)
-def test_gpu_weight_grad_copies_grad_y_by_transpose(dtype, shape, embed):
-    """The weight gradient's copy of channels-first grad_y into tokens order (weight_grad_by_gemm,
-    long patches on few tokens) through the tiled transpose."""
-    x, w, b = make(shape, (16, 16), dtype, "cuda", embed=embed)
+@pytest.mark.parametrize("shape,kernel,embed", [((2, 3, 64, 64), 16, 24),    # 16 tokens: 16-byte loads
+                                                ((3, 3, 48, 80), 16, 20),    # 15 tokens: single-element loads
+                                                ((2, 3, 96, 160), 16, 70),   # 60 tokens, E = 70: pairs (16-bit)
+                                                # 2 x 5,329 tokens into 192 x 2,156: a GEMM batched over
+                                                # the samples would run unsplit on few tiles
+                                                ((2, 11, 1022, 1022), 14, 192)])
+def test_gpu_weight_grad_copies_grad_y_by_transpose(dtype, shape, kernel, embed):
+    """The weight gradient's copy of channels-first grad_y into tokens order (weight_grad_by_gemm:
+    long patches on few tokens, or long reductions on few tiles) through the tiled transpose."""
+    x, w, b = make(shape, (kernel, kernel), dtype, "cuda", embed=embed)
     w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
-    ref = CONV[2](x.double(), w64, b64, stride=16)
+    ref = CONV[2](x.double(), w64, b64, stride=kernel)
     dy = randn(*ref.shape, dtype=dtype, device="cuda")
     ref_w, ref_b = torch.autograd.grad(ref, [w64, b64], dy.double())
     w.requires_grad_(), b.requires_grad_()

@@ -62,6 +62,17 @@ bool per_sample_gemms(const at::Tensor& on, int64_t batch, int64_t rows, int64_t
   return false;
 }
 
+// Whether one GEMM batched over the samples would leave the GPU mostly idle: a long reduction into
+// few output tiles, which cuBLAS does not split for a batch (dW of a k = 14 stem on 11 channels,
+// two samples of 5,329 tokens into 192 x 2,156, ran several times slower than one split GEMM over
+// every token).
+bool batched_gemm_runs_unsplit(const at::Tensor& on, int64_t batch, int64_t rows, int64_t cols, int64_t reduction) {
+#ifdef PATCHGEMM_WITH_CUDA
+  if (on.is_cuda()) return cuda::split_k_guard(on).invites_split_k(rows, cols, reduction, batch);
+#endif
+  return false;
+}
+
 // dst = src where one of them is the other's layout transposed (tokens <-> channels-first): our
 // tiled transpose on CUDA, which moves both sides at full width, else ATen's copy.
 void copy_transposed(const at::Tensor& dst, const at::Tensor& src) {
@@ -118,16 +129,25 @@ at::Tensor embed_output(const EmbedProblem& p, const at::Tensor& y_tokens) {
   return y_tokens.view(shape).permute(order);
 }
 
+// The alignment of rows of n elements, in elements: the largest power of two up to `align` that
+// divides n (cuBLAS picks its kernels by the alignment of every operand's rows).
+static int64_t aligned_elements(int64_t n, int64_t align) {
+  int64_t a = 1;
+  while (a < align && n % (2 * a) == 0) a *= 2;
+  return a;
+}
+
 // Channels-first output made through tokens (one GEMM over all B*N tokens, then one tiled
-// transpose into y) where the GEMM batched over B runs slowly: rows of y (N tokens) of unaligned
-// length, which keep cuBLAS off its fast kernels, for patches of 256 values or more (shorter ones
-// save about what the transpose costs); and long patches (8192 values or more) on B GEMMs of under
-// 256 tokens each, a long reduction on few tiles that cuBLAS does not split for a batch. The
-// tokens' rows (E) must be aligned themselves.
+// transpose into y) where the GEMM batched over B runs slowly: rows of y (N tokens) less aligned
+// than the tokens' rows (E), which keeps cuBLAS on slower kernels (N = 49 against E = 750: its
+// one-element kernels, several times slower than the two-element ones), for patches of 256 values
+// or more (shorter ones save about what the transpose costs); and long patches (8192 values or
+// more) on B GEMMs of under 256 tokens each, a long reduction on few tiles that cuBLAS does not
+// split for a batch, where the tokens' rows are aligned themselves.
 bool embed_gemm_through_tokens(const EmbedProblem& p) {
-  const int64_t N = p.g.tokens(), K = p.g.patch_size(), align = row_alignment(p.x);
-  if (p.weight.size(0) % align != 0) return false;
-  return (N % align != 0 && K >= 256) || (K >= 8192 && p.g.batch > 1 && N < 256);
+  const int64_t N = p.g.tokens(), K = p.g.patch_size(), embed = p.weight.size(0), align = row_alignment(p.x);
+  if (K >= 256 && aligned_elements(N, align) < aligned_elements(embed, align)) return true;
+  return embed % align == 0 && K >= 8192 && p.g.batch > 1 && N < 256;
 }
 
 at::Tensor embed_by_gemm(const EmbedProblem& p) {
@@ -292,15 +312,19 @@ WeightGrads weight_grad_from_patches(const WeightGradProblem& p, const at::Tenso
   at::Tensor dw;  // [1, E, ld]: [dW | dbias | (padding)]
   const at::Tensor& dy = p.dy;
   const at::ScalarType sums_type = at::toOpMathType(p.x.scalar_type());
-  if (g.batch == 1 || dy.stride(0) == N * dy.stride(1)) {
+  const bool tokens_merge = g.batch == 1 || dy.stride(0) == N * dy.stride(1);
+  const bool per_sample = !tokens_merge && per_sample_gemms(p.x, g.batch, embed, ld, N);
+  if (tokens_merge) {
     // One GEMM, reducing over all B*N tokens.
     dw = at::empty({1, embed, ld}, p.x.options());
     run_gemm(merge_batch(dy).transpose(1, 2), merge_batch(pm), dw, std::nullopt, false, kConv);
-  } else if (ld * int64_t(c10::elementSize(sums_type)) < N * dy.element_size()) {
+  } else if (ld * int64_t(c10::elementSize(sums_type)) < N * dy.element_size() &&
+             (per_sample || !batched_gemm_runs_unsplit(p.x, g.batch, embed, ld, N))) {
     // Channels-first grad_y cannot merge B and N; each sample's sums [E, ld] (fp32 for 16-bit
     // data, rounded once at the end, as one GEMM's are) are smaller than its grad_y, so summing
-    // per sample moves less than copying grad_y [B, E, N] into tokens order.
-    if (per_sample_gemms(p.x, g.batch, embed, ld, N)) {
+    // per sample moves less than copying grad_y [B, E, N] into tokens order -- unless the only
+    // GEMM left for it, one batched over the samples, would run unsplit on few tiles.
+    if (per_sample) {
       // One GEMM per sample, accumulating: cuBLAS splits each long reduction over the GPU, which
       // a batched call of few tiles would leave mostly idle.
       const at::Tensor sums = at::empty({1, embed, ld}, p.x.options().dtype(sums_type));
