@@ -414,10 +414,11 @@ def test_saved_patches_rule_leaves_wide_16_bit_bias_sums_to_one_pass(device):
 def test_saved_patches_with_a_16_bit_bias_and_channels_first_grad_y(device):
     """Channels-first grad_y, a 16-bit bias the matrix has no ones column for: on the GPU the rule
     leaves the bias sum to the fused kernels, which read grad_y as it lies; the CPU has none, sums
-    such a grad_y quickly, and takes the matrix rather than gathering x again."""
-    x, w, b = make((2, 8, 64, 64), (8, 8), torch.bfloat16, device, embed=32)
+    such a grad_y quickly, and takes the matrix rather than gathering x again. (49 tokens per
+    sample: the GPU's forward runs through tokens, whose matrix has no ones column.)"""
+    x, w, b = make((2, 8, 56, 56), (8, 8), torch.bfloat16, device, embed=32)
     w.requires_grad_(), b.requires_grad_()
-    dy = randn(2, 32, 8, 8, dtype=torch.bfloat16, device=device)
+    dy = randn(2, 32, 7, 7, dtype=torch.bfloat16, device=device)
     with patchgemm.force(patch_embed="gather_gemm"), patchgemm.explain() as e:
         got = torch.autograd.grad(patchgemm.patch_embed(x, w, b), [w, b], dy)
     (weight_grad,) = [c for c in e if c.op == "patch_weight_grad"]
