@@ -55,6 +55,19 @@ BAD_CALLS = {
     "PatchUnembed(8, None, 4)": (lambda: patchgemm.PatchUnembed(8, None, 4), TypeError, "out_channels"),
     "GroupedPointwiseConv groups 2.0": (lambda: patchgemm.GroupedPointwiseConv(8, 8, 2.0), TypeError, "groups"),
     "explain(42)": (lambda: patchgemm.explain(42), TypeError, "explain"),
+    # a meta tensor among real ones: the fake kernel would hand back uninitialized memory
+    "patch_embed meta weight, cpu x": (
+        lambda: patchgemm.patch_embed(torch.randn(1, 3, 8, 8), torch.randn(4, 3, 2, 2, device="meta")),
+        RuntimeError, "weight is on meta but x is on cpu"),
+    "grouped_linear meta bias": (
+        lambda: patchgemm.grouped_linear(torch.randn(2, 3, 4), torch.randn(3, 5, 4), torch.randn(3, 5, device="meta")),
+        RuntimeError, "bias is on meta but x is on cpu"),
+    "instance_norm_act meta weight": (
+        lambda: patchgemm.instance_norm_act(torch.randn(2, 3, 8), torch.randn(3, device="meta")),
+        RuntimeError, "weight is on meta"),
+    "moe_experts meta w_gate_up": (
+        lambda: patchgemm.moe_experts(*moe_args()[:3], torch.randn(4, 6, 8, device="meta"), moe_args()[4]),
+        RuntimeError, "weight is on meta"),
     # FP8 regions: a ragged x of no dims, and the region's own switch
     "ragged 0-dim x in an fp8_autocast region": (lambda: in_fp8_region(
         lambda: patchgemm.grouped_linear(torch.tensor(1.0), torch.randn(2, 4, 4), group_sizes=[1, 0])),
