@@ -64,7 +64,11 @@ else
   fi
 fi
 SRC=$PWD
-[ -z "${PATCHGEMM_COMMIT:-}" ] && PATCHGEMM_COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null) && export PATCHGEMM_COMMIT
+if [ -z "${PATCHGEMM_COMMIT:-}" ] && PATCHGEMM_COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null); then
+  # A tree that differs from that HEAD (edits not committed, or a copy beside an older .git) says so.
+  [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && PATCHGEMM_COMMIT+="+dirty"
+  export PATCHGEMM_COMMIT
+fi
 cd /tmp  # import the installed package, not the source tree
 step info; python3 -m patchgemm info
 if want tests; then
