@@ -531,5 +531,11 @@ def instance_norm_act(x: Tensor, weight: Optional[Tensor] = None, bias: Optional
         raise TypeError("instance_norm_act: x must be a tensor")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"instance_norm_act: eps must be a number, got {type(eps).__name__} {eps!r}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        # As F.instance_norm: parameters in x's dtype, or float32 for 16-bit x (autocast's layout).
+        if t is not None and (not isinstance(t, Tensor) or (
+                t.dtype != x.dtype and not (t.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)))):
+            raise RuntimeError(f"instance_norm_act: {name} must be a tensor of x's dtype ({x.dtype}), or float32 for "
+                               f"16-bit x, got {t.dtype if isinstance(t, Tensor) else type(t).__name__}")
     weight, bias = (None if t is None else t.to(x.dtype) for t in (weight, bias))
     return _call("instance_norm_act", x, weight, bias, float(eps), act == "gelu", layout == "tokens")[0]

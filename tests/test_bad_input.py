@@ -55,6 +55,13 @@ BAD_CALLS = {
     "PatchUnembed(8, None, 4)": (lambda: patchgemm.PatchUnembed(8, None, 4), TypeError, "out_channels"),
     "GroupedPointwiseConv groups 2.0": (lambda: patchgemm.GroupedPointwiseConv(8, 8, 2.0), TypeError, "groups"),
     "explain(42)": (lambda: patchgemm.explain(42), TypeError, "explain"),
+    # instance_norm_act: parameters in another dtype than x's (float32 for 16-bit x is autocast's)
+    "instance_norm_act float64 weight": (
+        lambda: patchgemm.instance_norm_act(torch.randn(2, 3, 8), torch.randn(3, dtype=torch.float64)),
+        RuntimeError, "weight must be a tensor of x's dtype"),
+    "instance_norm_act int bias": (
+        lambda: patchgemm.instance_norm_act(torch.randn(2, 3, 8), None, torch.ones(3, dtype=torch.long)),
+        RuntimeError, "bias must be a tensor of x's dtype"),
     # a meta tensor among real ones: the fake kernel would hand back uninitialized memory
     "patch_embed meta weight, cpu x": (
         lambda: patchgemm.patch_embed(torch.randn(1, 3, 8, 8), torch.randn(4, 3, 2, 2, device="meta")),
