@@ -55,6 +55,8 @@ BAD_CALLS = {
     "PatchUnembed(8, None, 4)": (lambda: patchgemm.PatchUnembed(8, None, 4), TypeError, "out_channels"),
     "GroupedPointwiseConv groups 2.0": (lambda: patchgemm.GroupedPointwiseConv(8, 8, 2.0), TypeError, "groups"),
     "explain(42)": (lambda: patchgemm.explain(42), TypeError, "explain"),
+    "PatchEmbed dims=0": (lambda: patchgemm.PatchEmbed(3, 8, 2, dims=0), ValueError, "dims=0"),
+    "PatchUnembed dims=True": (lambda: patchgemm.PatchUnembed(8, 3, 2, dims=True), ValueError, "dims=True"),
     # instance_norm_act: parameters in another dtype than x's (float32 for 16-bit x is autocast's)
     "instance_norm_act float64 weight": (
         lambda: patchgemm.instance_norm_act(torch.randn(2, 3, 8), torch.randn(3, dtype=torch.float64)),

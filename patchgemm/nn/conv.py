@@ -26,8 +26,8 @@ def as_sizes(value, rank: int, name: str) -> Tuple[int, ...]:
 
 def _patch_size(patch_size, dims: Optional[int], name: str) -> Tuple[int, ...]:
     """The patch size as a tuple of 1 to 3 sizes (``dims`` of them where given)."""
-    rank = dims or (len(patch_size) if isinstance(patch_size, (tuple, list)) else 2)
-    if rank not in (1, 2, 3):
+    rank = dims if dims is not None else (len(patch_size) if isinstance(patch_size, (tuple, list)) else 2)
+    if isinstance(rank, bool) or rank not in (1, 2, 3):
         raise ValueError(f"{name}: patches have 1, 2 or 3 dims, got patch_size={patch_size!r}, dims={dims!r}")
     return as_sizes(patch_size, rank, f"{name}: patch_size")
 
@@ -168,8 +168,8 @@ class GroupedPointwiseConv(_ConvAttributes, nn.Module):
         if in_channels % groups or out_channels % groups:
             raise ValueError(f"GroupedPointwiseConv: groups={groups} must divide in_channels={in_channels} and "
                              f"out_channels={out_channels}")
-        if dims not in (1, 2, 3):
-            raise ValueError(f"GroupedPointwiseConv: dims must be 1, 2 or 3, got {dims}")
+        if isinstance(dims, bool) or dims not in (1, 2, 3):
+            raise ValueError(f"GroupedPointwiseConv: dims must be 1, 2 or 3, got {dims!r}")
         factory = {"device": device, "dtype": dtype}
         self.in_channels, self.out_channels, self.groups, self.dims = in_channels, out_channels, groups, dims
         self.kernel_size = (1,) * dims
