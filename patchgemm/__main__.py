@@ -40,11 +40,24 @@ def list_kernels(op=None) -> int:
     return 0
 
 
+def _device(text: str) -> str:
+    """--device: cpu, or cuda[:N] where this torch has a GPU (argparse reports anything else)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the benchmarks run on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this torch ({torch.__version__}) sees no CUDA device")
+    return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m patchgemm")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run the benchmark suite (ours vs PyTorch baselines vs the floor)")
-    bench.add_argument("--device", help="cuda or cpu (default: cuda if present)")
+    bench.add_argument("--device", type=_device, help="cuda or cpu (default: cuda if present)")
     bench.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     bench.add_argument("--filter", help="run only these cases, comma-separated: a case id (\"G1 fp32\") or "
                        "its first word for the family (\"G1\")")
@@ -105,7 +118,7 @@ def main(argv=None) -> int:
                       "the learned mode also timing the candidates scored within G of the best (default 0: never)")
     tune.add_argument("--train-device", metavar="TEXT", help="train only on records of GPUs whose name has TEXT")
     tune.add_argument("--evaluate-device", metavar="TEXT", help="judge only on records of GPUs whose name has TEXT")
-    tune.add_argument("--device", help="cuda or cpu (default: cuda if present)")
+    tune.add_argument("--device", type=_device, help="cuda or cpu (default: cuda if present)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()

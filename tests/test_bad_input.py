@@ -115,3 +115,11 @@ def test_kernels_of_an_unknown_op_is_one_line_and_status_2():
     r = subprocess.run([sys.executable, "-m", "patchgemm", "kernels", "nope"], capture_output=True, text=True,
                        cwd="/")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "no op named 'nope'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("device", ["tpu", "xla"] + ([] if torch.cuda.is_available() else ["cuda"]))
+def test_bench_with_a_device_it_cannot_use_is_a_usage_error(device):
+    """No traceback: argparse's one line and status 2, naming the argument."""
+    r = subprocess.run([sys.executable, "-m", "patchgemm", "bench", "--device", device], capture_output=True,
+                       text=True, cwd="/")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "argument --device" in r.stderr, r.stderr
