@@ -44,6 +44,13 @@ def as_int(value, what: str) -> int:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
 
 
+def as_bool(value, what: str) -> bool:
+    """value, which must be a bool: a string such as 'no' or a number is a TypeError naming `what`,
+    never read by its truth."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
 
 def check_sizes(where: str, minimum: int, **sizes) -> Tuple[int, ...]:
     """The given sizes as ints, in order: non-integers are a TypeError (as torch's modules raise), sizes

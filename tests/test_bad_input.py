@@ -55,6 +55,13 @@ BAD_CALLS = {
     "PatchUnembed(8, None, 4)": (lambda: patchgemm.PatchUnembed(8, None, 4), TypeError, "out_channels"),
     "GroupedPointwiseConv groups 2.0": (lambda: patchgemm.GroupedPointwiseConv(8, 8, 2.0), TypeError, "groups"),
     "explain(42)": (lambda: patchgemm.explain(42), TypeError, "explain"),
+    # modules: a bias switch that is not a bool (a string is not read by its truth)
+    "GroupedLinear bias='no'": (lambda: patchgemm.GroupedLinear(2, 4, 4, bias="no"), TypeError, "bias must be a bool"),
+    "GroupedMLP bias=1": (lambda: patchgemm.GroupedMLP(2, 4, 8, bias=1), TypeError, "bias must be a bool"),
+    "PatchEmbed bias='no'": (lambda: patchgemm.PatchEmbed(3, 8, 2, bias="no"), TypeError, "bias must be a bool"),
+    "PatchUnembed bias=None": (lambda: patchgemm.PatchUnembed(8, 3, 2, bias=None), TypeError, "bias must be a bool"),
+    "GroupedPointwiseConv bias='no'": (lambda: patchgemm.GroupedPointwiseConv(8, 4, 2, bias="no"), TypeError,
+                                       "bias must be a bool"),
     "PatchEmbed dims=0": (lambda: patchgemm.PatchEmbed(3, 8, 2, dims=0), ValueError, "dims=0"),
     "PatchUnembed dims=True": (lambda: patchgemm.PatchUnembed(8, 3, 2, dims=True), ValueError, "dims=True"),
     # instance_norm_act: parameters in another dtype than x's (float32 for 16-bit x is autocast's)

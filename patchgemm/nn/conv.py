@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as F
-from .._args import EMBED_FORMATS, as_grid, check_format, check_pad, check_sizes
+from .._args import EMBED_FORMATS, as_bool, as_grid, check_format, check_pad, check_sizes
 from ..conv_rules import patch_problem, pointwise_problem
 from ..fp8 import Float8Recipe
 from ..fp8 import resolve as resolve_fp8
@@ -104,7 +104,7 @@ class PatchEmbed(_ConvAttributes, nn.Module):
         self.out_format, self.pad = out_format, pad
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(embed_dim, in_channels, *self.kernel_size, **factory))
-        self.bias = nn.Parameter(torch.empty(embed_dim, **factory)) if bias else None
+        self.bias = nn.Parameter(torch.empty(embed_dim, **factory)) if as_bool(bias, "PatchEmbed: bias") else None
         _init_like_conv(self.weight, self.bias, in_channels * math.prod(self.kernel_size))
 
     @property
@@ -174,7 +174,7 @@ class GroupedPointwiseConv(_ConvAttributes, nn.Module):
         self.in_channels, self.out_channels, self.groups, self.dims = in_channels, out_channels, groups, dims
         self.kernel_size = (1,) * dims
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, *(1,) * dims, **factory))
-        self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
+        self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if as_bool(bias, "GroupedPointwiseConv: bias") else None
         _init_like_conv(self.weight, self.bias, in_channels // groups)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -218,7 +218,7 @@ class PatchUnembed(_ConvAttributes, nn.Module):
         self.in_format, self.grid = in_format, None if grid is None else tuple(as_grid(grid, "PatchUnembed"))
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(in_channels, out_channels, *self.kernel_size, **factory))
-        self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if bias else None
+        self.bias = nn.Parameter(torch.empty(out_channels, **factory)) if as_bool(bias, "PatchUnembed: bias") else None
         # ConvTranspose's fan_in, as torch computes it from the weight: dim 1 times the kernel.
         _init_like_conv(self.weight, self.bias, out_channels * math.prod(self.kernel_size))
 

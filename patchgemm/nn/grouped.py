@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional as F
-from .._args import check_sizes
+from .._args import as_bool, check_sizes
 from ..fp8 import Float8History, Float8Recipe, quantize_weight
 from ..fp8 import resolve as resolve_fp8
 
@@ -58,7 +58,8 @@ class GroupedLinear(nn.Module):
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         self.layout = layout
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
+        self.bias = (nn.Parameter(torch.empty(num_groups, out_features, **factory))
+                     if as_bool(bias, "GroupedLinear: bias") else None)
         self._fp8_weights: Optional[tuple] = None  # kept by is_first_microbatch=True
         self.fp8_history = Float8History()
         self.reset_parameters()
@@ -150,6 +151,7 @@ class GroupedMLP(nn.Module):
         self.activation, self.layout = activation, layout
         self.w_gate_up = nn.Parameter(torch.empty(num_groups, 2 * hidden, dim, **factory))
         self.w_down = nn.Parameter(torch.empty(num_groups, out_dim, hidden, **factory))
+        bias = as_bool(bias, "GroupedMLP: bias")
         self.bias_gate_up = nn.Parameter(torch.empty(num_groups, 2 * hidden, **factory)) if bias else None
         self.bias_down = nn.Parameter(torch.empty(num_groups, out_dim, **factory)) if bias else None
         self._fp8_weights: Optional[tuple] = None  # kept by is_first_microbatch=True

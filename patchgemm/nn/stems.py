@@ -261,7 +261,7 @@ class HierarchicalPatchEmbed(nn.Module):
             raise ValueError(f"HierarchicalPatchEmbed: dims must be 1, 2 or 3, got {dims!r}")
         check_format("HierarchicalPatchEmbed: out_format", out_format)
         factory = {"device": device, "dtype": dtype}
-        hidden = hidden_dim or max(1, embed_dim // 4)
+        hidden = hidden_dim if hidden_dim is not None else max(1, embed_dim // 4)
         kernels = [as_sizes(k, dims, "HierarchicalPatchEmbed: stages[i]") for k in stages]
         widths = [in_chans] + [hidden] * (len(kernels) - 1) + [embed_dim]
         self.stages = nn.ModuleList(
@@ -360,7 +360,7 @@ class HierarchicalPatchUnembed(nn.Module):
             raise ValueError(f"HierarchicalPatchUnembed: dims must be 1, 2 or 3, got {dims!r}")
         check_format("HierarchicalPatchUnembed: in_format", in_format)
         factory = {"device": device, "dtype": dtype}
-        hidden = hidden_dim or max(1, embed_dim // 4)
+        hidden = hidden_dim if hidden_dim is not None else max(1, embed_dim // 4)
         kernels = [as_sizes(k, dims, "HierarchicalPatchUnembed: stages[i]") for k in stages]
         # Applied coarse to fine: stages[-1] first.
         widths = [embed_dim] + [hidden] * (len(kernels) - 1) + [out_chans]
