@@ -49,9 +49,10 @@ def group_dim(group_major: bool) -> int:
 
 def _fake(name: str):
     """Registers the function as patchgemm::<name>'s fake (meta) kernel, behind one check: no meta
-    tensor among real ones. The dispatcher runs the fake kernel for any call with a meta tensor in
-    it, and for a real x its output would be uninitialized memory on x's device; the real kernels
-    refuse mixed devices themselves (csrc/ops/checks.h)."""
+    tensor among real floating-point ones. The dispatcher runs the fake kernel for any call with a
+    meta tensor in it, and for a real x its output would be uninitialized memory on x's device; the
+    real kernels refuse mixed devices themselves (csrc/ops/checks.h). Integer tensors may stay real
+    under meta data: ragged groups' offsets live on the host."""
     def register(fn):
         arguments = [a.name for a in getattr(ops, name).default._schema.arguments]
 
@@ -59,7 +60,7 @@ def _fake(name: str):
             named = {**dict(zip(arguments, args)), **kwargs}
             tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
             meta = [k for k, v in tensors.items() if v.device.type == "meta"]
-            real = [k for k, v in tensors.items() if v.device.type != "meta"]
+            real = [k for k, v in tensors.items() if v.device.type != "meta" and v.is_floating_point()]
             if meta and real:
                 raise RuntimeError(f"{name}: {meta[0]} is on meta but {real[0]} is on {tensors[real[0]].device}: "
                                    "move every tensor to one device")

@@ -140,6 +140,14 @@ def test_modules_run_on_meta_tensors_like_the_convs():
     assert g(torch.empty(7, 3, 4, device=meta)).shape == (7, 3, 5)
     h = patchgemm.HierarchicalPatchEmbed(2, 16, stages=(2, 2), dims=2, device=meta)
     assert h(torch.empty(1, 2, 8, 8, device=meta)).shape == (1, 16, 2, 2)
+    # ragged groups: sizes given on the host (their offsets a CPU tensor) with meta data
+    y = patchgemm.grouped_linear(torch.empty(6, 4, device=meta), torch.empty(3, 5, 4, device=meta),
+                                 group_sizes=[2, 1, 3])
+    assert y.device == meta and y.shape == (6, 5)
+    experts = patchgemm.MoEExperts(4, 8, 6, device=meta)
+    y = experts(torch.empty(5, 8, device=meta), torch.zeros(5, 2, dtype=torch.long, device=meta),
+                torch.empty(5, 2, device=meta))
+    assert y.device == meta and y.shape == (5, 8)
 
 
 def test_hierarchical_stems_compile_fullgraph():
