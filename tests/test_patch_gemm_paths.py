@@ -101,7 +101,8 @@ def test_gpu_gather_scatter_tilings(dtype, shape, kernel, memory):
 @pytest.mark.parametrize("shape,kernel,offset", [((2, 3, 14, 29), (7, 7), 1),      # kw = 7, rows start mid-vector
                                                  ((3, 5, 9, 33), (3, 5), 3),       # runs of several tokens
                                                  ((2, 2, 4, 6, 23), (2, 3, 3), 2),  # 3-D
-                                                 ((2, 40, 8, 9), (2, 2), 1)])      # kw even, odd starts
+                                                 ((2, 40, 8, 9), (2, 2), 1),       # kw even, odd starts
+                                                 ((8, 64, 98, 50), (7, 7), 1)])    # channel ranges: whole vectors
 def test_gpu_gather_reads_rows_that_start_anywhere(dtype, shape, kernel, offset):
     """Rows of x that are not whole aligned 16-byte vectors gather through the aligned vectors that
     cover them (csrc/kernels/patch/patchify_kernels.cu, volume_to_tile_any_alignment): the forward

@@ -660,6 +660,14 @@ bool plan_tiles(Tiling& t, const PatchGeometry& g, int64_t unit_bytes, bool all_
                          ? g.channels
                          : std::min<int64_t>({g.channels, std::max<int64_t>(1, budget / (tokens * per_channel)),
                                               std::max<int64_t>(1, kMaxTileRows / kdkh)});
+  // A tile of some of the channels moves each token's slice of P as 16-byte vectors only if the
+  // slice is whole vectors (its start is then too): e.g. 7 x 7 patches of 16-bit values take
+  // channels in multiples of 8, else every unit of P is a store of its own.
+  const int64_t channel_step = 16 / std::gcd<int64_t>(per_channel * unit_bytes, 16);
+  const auto whole_vectors = [&](int64_t c) {
+    return c < g.channels && c >= channel_step ? c / channel_step * channel_step : c;
+  };
+  channels = whole_vectors(channels);
   t.full_rows = gather && channels == g.channels && (t.ld | 1) <= budget;
   const auto token_units = [&] { return (t.full_rows ? t.ld : channels * per_channel) | 1; };
   while (tokens > 1 && tokens * token_units() > budget) tokens = (tokens + 1) / 2;
@@ -686,7 +694,7 @@ bool plan_tiles(Tiling& t, const PatchGeometry& g, int64_t unit_bytes, bool all_
     if (patch_rows > 1) {
       patch_rows = (patch_rows + 1) / 2;
     } else {
-      channels = (channels + 1) / 2;
+      channels = whole_vectors((channels + 1) / 2);
       t.full_rows = false;
     }
   }
