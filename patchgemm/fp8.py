@@ -50,7 +50,7 @@ from typing import Optional, Union
 
 import torch
 
-from ._args import unsafe_view
+from ._args import as_bool, unsafe_view
 from ._functorch import bias_grad_sum, ragged_bias_grad
 from .ops import ops
 from .selection import note
@@ -91,8 +91,7 @@ class Float8Recipe:
         if self.backward_format not in _FORMATS:
             raise ValueError(f"Float8Recipe: backward_format must be torch.float8_e4m3fn or torch.float8_e5m2, "
                              f"got {self.backward_format}")
-        if not isinstance(self.fast_accumulation, bool):
-            raise TypeError(f"Float8Recipe: fast_accumulation must be a bool, got {self.fast_accumulation!r}")
+        as_bool(self.fast_accumulation, "Float8Recipe: fast_accumulation")
         if self.scaling not in _SCALINGS:
             raise ValueError(f"Float8Recipe: scaling must be 'current' or 'delayed', got {self.scaling!r}")
         if (not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len, bool)
@@ -168,10 +167,8 @@ def fp8_autocast(enabled: bool = True, recipe: Optional[Float8Recipe] = None, ev
     (``moe_experts``) not at all, as they measure slower in FP8; those run in the compute dtype and
     ``explain`` says why. ``everywhere=True`` runs every one in FP8, as TransformerEngine's region
     does."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"fp8_autocast: enabled must be a bool, got {enabled!r}")
-    if not isinstance(everywhere, bool):
-        raise TypeError(f"fp8_autocast: everywhere must be a bool, got {everywhere!r}")
+    as_bool(enabled, "fp8_autocast: enabled")
+    as_bool(everywhere, "fp8_autocast: everywhere")
     if recipe is not None and not isinstance(recipe, Float8Recipe):
         raise TypeError(f"fp8_autocast: recipe must be a patchgemm.Float8Recipe or None, got {type(recipe).__name__}")
     _regions.append(((recipe or Float8Recipe()) if enabled else None, everywhere))

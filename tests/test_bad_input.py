@@ -90,6 +90,10 @@ BAD_CALLS = {
         RuntimeError, r"x must be \[N, Din\]"),
     "fp8_autocast(everywhere='yes')": (lambda: in_fp8_region(lambda: None, everywhere="yes"), TypeError,
                                        "everywhere must be a bool"),
+    "fp8_autocast(enabled=1)": (lambda: in_fp8_region(lambda: None, enabled=1), TypeError,
+                                "enabled must be a bool"),
+    "Float8Recipe(fast_accumulation='no')": (lambda: patchgemm.Float8Recipe(fast_accumulation="no"), TypeError,
+                                             "fast_accumulation must be a bool"),
 }
 
 

@@ -6,6 +6,7 @@ from typing import List, Optional, Tuple
 
 from torch import nn
 
+from .._args import as_bool
 from ..conv_rules import left_to_pytorch
 from .conv import CONV_TRANSPOSES, CONVS, GroupedPointwiseConv, PatchEmbed, PatchUnembed, patch_conv_problem, pointwise_conv_problem
 from .grouped import MoEExperts, moe_experts_problem
@@ -95,9 +96,7 @@ def convert(model: nn.Module, *, inplace: bool = True) -> ConvertReport:
     converted deep copy, the original untouched)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected an nn.Module, got {type(model).__name__}")
-    if not isinstance(inplace, bool):
-        raise TypeError(f"convert: inplace must be True or False, got {type(inplace).__name__} {inplace!r}")
-    if not inplace:
+    if not as_bool(inplace, "convert: inplace"):
         model = copy.deepcopy(model)
     report = ConvertReport(model)
 
