@@ -125,6 +125,35 @@ def test_gpu_gather_reads_rows_that_start_anywhere(dtype, shape, kernel, offset)
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,kernel,embed", [((8, 64, 98, 49), (7, 7), 256),  # K = 3136 into 784 tokens
+                                                ((1, 128, 64, 64), (8, 8), 64),   # K = 8192 into 64 tokens
+                                                ((4, 32, 64, 64), (8, 8), 512),   # K = 2048 into 256 x 512
+                                                ((1, 256, 64, 64), (8, 8), 32)])  # K = 16384: the scratch
+def test_gpu_16_bit_gemm_sums_stay_fp32_where_they_cancel(dtype, shape, kernel, embed):
+    """A 16-bit embedding whose long reduction goes to few output tiles keeps its sums in fp32
+    (csrc/kernels/gemm/gemm.cpp: cuBLASLt's fp32 split-K, or an fp32 scratch for the longest K),
+    as the convolution it replaces does. Each output sums K products of about +-1 whose total is
+    near 0: partial sums rounded to 16 bits would err by their own rounding (a few units at
+    partial sums of thousands), far beyond the output's."""
+    K = shape[1] * math.prod(kernel)
+    x = (1 + 0.1 * torch.randn(shape, device="cuda")).to(dtype)
+    signs = torch.ones(embed, K, device="cuda")
+    signs[:, K // 2:] = -1
+    w = (signs * (1 + 0.1 * torch.randn(embed, K, device="cuda"))).reshape(embed, shape[1], *kernel).to(dtype)
+    b = torch.randn(embed, device="cuda").to(dtype)
+    ref = CONV[len(kernel)](x.double(), w.double(), b.double(), stride=kernel)
+    poison_allocator(2 * ref.numel() * x.element_size(), "cuda")
+    with patchgemm.force(patch_embed="gather_gemm"):
+        y = patchgemm.patch_embed(x, w, b)
+        again = patchgemm.patch_embed(x, w, b)
+    assert torch.equal(y, again), "two calls differ"
+    # The output's own rounding (2^-8 of its size for bfloat16) plus fp32 sums' error.
+    err = (y.double() - ref).abs().max().item()
+    assert err <= 2 ** -7 * ref.abs().max().item() + 1e-3 * math.sqrt(K), (err, ref.abs().max().item())
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape,kernel,embed", [((3, 512, 8, 12), (4, 4), 64),    # K = 8192, 6 tokens per sample
                                                 ((1, 128, 24, 40), (8, 8), 64),   # one sample of 15 (unaligned) tokens
