@@ -125,6 +125,34 @@ def test_gpu_gather_reads_rows_that_start_anywhere(dtype, shape, kernel, offset)
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,kernel", [((2, 4, 16, 32, 32), (8, 16, 16)),  # K = 8192 > 4 x 16 tokens: summed apart
+                                          ((2, 4, 16, 32, 30), (8, 16, 15))])  # K = 7680: fits nowhere either
+@pytest.mark.parametrize("weight_grad", ["saved_patches", "gather_gemm"])
+def test_gpu_channels_first_bias_of_a_weight_larger_than_y(dtype, shape, kernel, weight_grad):
+    """A channels-first embedding whose weight is many times its output adds the bias after the
+    GEMM and sums its gradient from grad_y (kernels/patch/patch_gemm.cpp, bias_as_ones_column)
+    rather than folding it into a copy of the weight: forward and every gradient against float64."""
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=40)
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    ref = CONV[len(kernel)](x64, w64, b64, stride=kernel)
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    refs = torch.autograd.grad(ref, [x64, w64, b64], dy.double())
+    for t in (x, w, b):
+        t.requires_grad_()
+    poison_allocator(2 * w.numel() * x.element_size(), "cuda")
+    with patchgemm.force(patch_embed="gather_gemm", patch_weight_grad=weight_grad), patchgemm.explain() as e:
+        y = patchgemm.patch_embed(x, w, b)
+        grads = torch.autograd.grad(y, [x, w, b], dy)
+        again = patchgemm.patch_embed(x, w, b)
+    assert {c.op: c.chosen for c in e}["patch_embed"] == "gather_gemm", str(e)
+    assert torch.equal(y, again), "two calls differ"
+    assert_close_to_ref(y, ref, dtype)
+    for got, want, name in zip(grads, refs, ["x gradient", "weight gradient", "bias gradient"]):
+        assert_close_to_ref(got, want, dtype, name)
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape,kernel,embed", [((8, 64, 98, 49), (7, 7), 256),  # K = 3136 into 784 tokens
                                                 ((1, 128, 64, 64), (8, 8), 64),   # K = 8192 into 64 tokens

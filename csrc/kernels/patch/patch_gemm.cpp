@@ -73,6 +73,17 @@ bool batched_gemm_runs_unsplit(const at::Tensor& on, int64_t batch, int64_t rows
   return false;
 }
 
+// Whether a bias goes into a patch GEMM as a ones column of P (against a bias column of the weight,
+// whose gradient the weight gradient's GEMM then yields): where that column fits in P's alignment
+// padding, or where the weight is at most a few times the output's `rows` tokens. Otherwise the
+// column grows P by a whole alignment, makes the forward copy the whole weight into [W | bias | 0]
+// and leaves dW a strided slice that the weight's gradient copies once more: passes over the
+// weight (50M values for a 16^3 embedding of 16 channels into 768) that cost far more than a pass
+// over y and a sum of grad_y (a few small kernels).
+bool bias_as_ones_column(int64_t K, int64_t rows, const at::Tensor& x) {
+  return patch_row_width(K + 1, x) == patch_row_width(K, x) || K <= 4 * rows;
+}
+
 // dst = src where one of them is the other's layout transposed (tokens <-> channels-first): our
 // tiled transpose on CUDA, which moves both sides at full width, else ATen's copy.
 void copy_transposed(const at::Tensor& dst, const at::Tensor& src) {
@@ -175,7 +186,8 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
   // Channels-first: y[b] [E, N] = W' [E, K'] @ P[b]^T, batched over B with W' shared. The bias is
   // a column of W' against a ones column of P: no pass over y (whose bias would run along rows,
   // which BLAS epilogues do not offer). On the CPU only where copying W into W' costs less than a
-  // pass over y (N > K); else the bias is added after, and W' is W itself over P's first K columns.
+  // pass over y (N > K), on a GPU where bias_as_ones_column; else the bias is added after, and W'
+  // is W itself over P's first K columns.
   at::Tensor y = at::empty(p.out_shape, p.x.options());
   const bool atens_16_bit_loop =
       p.x.element_size() == 2 && !(p.x.scalar_type() == at::kBFloat16 && cpu::bf16_gemms_on_onednn());
@@ -189,7 +201,8 @@ at::Tensor embed_by_gemm(const EmbedProblem& p) {
     y.view({g.batch, embed, N}).copy_(at::linear(pm, p.w2(), p.bias).transpose(1, 2));
     return y;
   }
-  const bool bias_in_gemm = p.bias.has_value() && (!on_cpu || N > g.patch_size());
+  const bool bias_in_gemm = p.bias.has_value() && (on_cpu ? N > g.patch_size()
+                                                           : bias_as_ones_column(g.patch_size(), g.batch * N, p.x));
   const at::Tensor pm = patchify(p.x5, g, bias_in_gemm);
   p.made_patch_matrix({pm, bias_in_gemm});
   const at::Tensor w = padded_weight(p.w2(), bias_in_gemm ? p.bias : std::nullopt,
@@ -356,13 +369,9 @@ WeightGrads weight_grad_by_gemm(const WeightGradProblem& p) {
   const PatchGeometry& g = p.g;
   const int64_t N = g.tokens(), K = g.patch_size();
   const auto view = patch_matrix_as_view(p.x5, g);
-  // The bias gradient comes out of the GEMM (a ones column in P) where that column fits in P's
-  // alignment padding, or where dW is at most a few times grad_y's size. Otherwise the column would
-  // grow P by a whole alignment and leave dW a strided slice of [dW | dbias | 0] that the weight's
-  // gradient copies once more, a pass over dW (12.6M values for a 16^3 stem on 4 channels, 33 times
-  // grad_y) that costs far more than summing grad_y apart (three small kernels).
-  const bool ones_column = p.with_bias && !p.transposed && !view &&
-                           (patch_row_width(K + 1, p.x) == patch_row_width(K, p.x) || K <= 4 * g.batch * N);
+  // The bias gradient comes out of the GEMM where bias_as_ones_column (a 16^3 stem on 4 channels:
+  // dW 12.6M values, 33 times grad_y, is summed apart).
+  const bool ones_column = p.with_bias && !p.transposed && !view && bias_as_ones_column(K, g.batch * N, p.x);
   return weight_grad_from_patches(p, view ? *view : patchify(p.x5, g, ones_column), ones_column);
 }
 
