@@ -127,7 +127,7 @@ def test_gpu_gather_reads_rows_that_start_anywhere(dtype, shape, kernel, offset)
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape,kernel", [((2, 4, 16, 32, 32), (8, 16, 16)),  # K = 8192 > 4 x 16 tokens: summed apart
-                                          ((2, 4, 16, 32, 30), (8, 16, 15))])  # K = 7680: fits nowhere either
+                                          ((2, 4, 16, 32, 30), (8, 16, 15))])  # K = 7680, rows of 15: likewise
 @pytest.mark.parametrize("weight_grad", ["saved_patches", "gather_gemm"])
 def test_gpu_channels_first_bias_of_a_weight_larger_than_y(dtype, shape, kernel, weight_grad):
     """A channels-first embedding whose weight is many times its output adds the bias after the
