@@ -402,6 +402,26 @@ bool run_lt_call(const BlasCall& call, const at::Tensor& a, const at::Tensor& b,
   return lt_matmul(call, a, b, c, bias, math, algorithm);
 }
 
+bool lt_reduction_fits(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+#ifdef USE_ROCM
+  (void)call, (void)a, (void)b, (void)c;
+  return false;  // run_lt_call does not apply there
+#else
+  constexpr int64_t kMaxK = 8192;
+  const int64_t elem = c.element_size();
+  const auto whole = [elem](int64_t elements) { return elements * elem % 16 == 0; };
+  const auto aligned = [elem](const at::Tensor& t, int64_t offset) {
+    return pointer_alignment(byte_ptr(t) + offset * elem) >= 16;
+  };
+  const bool batches_whole =
+      call.batch == 1 || (whole(call.stride_a) && whole(call.stride_b) && whole(call.stride_c));
+  // (BLAS A is the problem's b, BLAS B its a, as everywhere here.)
+  return call.k <= kMaxK && call.m >= 32 && call.n >= 32 && whole(call.lda) && whole(call.ldb) &&
+         whole(call.ldc) && batches_whole && aligned(b, call.offset_a) && aligned(a, call.offset_b) &&
+         aligned(c, call.offset_c);
+#endif
+}
+
 std::string run_scaled_gemm_lt(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                const at::Tensor& scale_b, const at::Tensor& c, const std::optional<at::Tensor>& bias,
                                bool fast_accum) {

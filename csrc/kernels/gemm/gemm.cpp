@@ -97,26 +97,6 @@ bool fp32_sums_want_fp32_output(const at::Tensor& a, const at::Tensor& c, GemmCo
 #endif
 }
 
-#ifdef PATCHGEMM_WITH_CUDA
-// Whether cuBLASLt's fp32 reductions run a 16-bit GEMM of few output tiles faster than the fp32
-// scratch does without its filling a wave of small tiles: K at most 8192, on the shapes that bound
-// was measured on. Outside them it can pick a slow unsplit kernel even at such K: outputs under 32
-// wide (4 x 512 over K = 8192) or rows off 16-byte vectors (rows of 750 in bf16 over K = 6000).
-bool lt_reduction_fits(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-  constexpr int64_t kMaxK = 8192;
-  const int64_t elem = c.element_size();
-  const auto whole = [elem](int64_t elements) { return elements * elem % 16 == 0; };
-  const auto aligned = [elem](const at::Tensor& t, int64_t offset) {
-    return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && offset * elem % 16 == 0;
-  };
-  const bool batches_whole =
-      call.batch == 1 || (whole(call.stride_a) && whole(call.stride_b) && whole(call.stride_c));
-  return call.k <= kMaxK && call.m >= 32 && call.n >= 32 && whole(call.lda) && whole(call.ldb) &&
-         whole(call.ldc) && batches_whole &&
-         aligned(b, call.offset_a) && aligned(a, call.offset_b) && aligned(c, call.offset_c);
-}
-#endif
-
 void check_gemm_arguments(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                           const std::optional<at::Tensor>& bias, bool accumulate) {
   TORCH_INTERNAL_ASSERT(a.dim() == 3 && b.dim() == 3 && c.dim() == 3);
@@ -156,7 +136,7 @@ void run_gemm(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& 
     // 200 times slower than the scratch; K = 16384 or more into a few hundred small tiles: slower
     // too), so those keep the scratch.
     if (!k_pieces && !accumulate && plan.calls.size() == 1 &&
-        (lt_reduction_fits(plan.calls[0], a, b, c) ||
+        (cuda::lt_reduction_fits(plan.calls[0], a, b, c) ||
          cuda::split_k_guard(a).fills_small_tiles(c.size(1), c.size(2), c.size(0))) &&
         cuda::run_lt_call(plan.calls[0], a, b, c, bias, gemm_math(convention, a.scalar_type()), 0)) {
       return;

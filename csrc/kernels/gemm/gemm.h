@@ -121,6 +121,12 @@ SplitKGuard split_k_guard(const at::Tensor& input);
 constexpr int kLtAlgorithms = 4;
 bool run_lt_call(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                  const std::optional<at::Tensor>& bias, GemmMath math, int algorithm);
+// Whether cuBLASLt's fp32 reductions run `call` (a 16-bit GEMM of few output tiles) faster than the
+// fp32 scratch does without its filling a wave of small tiles: K at most 8192, on the shapes that
+// bound was measured on. Outside them it can pick a slow unsplit kernel even at such K: outputs
+// under 32 wide (4 x 512 over K = 8192) or rows off 16-byte vectors (rows of 750 in bf16 over
+// K = 6000). False on ROCm.
+bool lt_reduction_fits(const BlasCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c);
 // One GEMM of a grouped call: a planned single call (batch 1) and the base pointers of its
 // problem's a, b and c (the planner's offsets are from these).
 struct GroupedBlasCall {
