@@ -102,7 +102,7 @@ def poison_allocator(nbytes, device):
 
 
 # The fused CUDA kernels' candidate names (selection tables), and those of them on Hopper's wgmma.
-FUSED = ("tiny", "implicit_rows_sm90", "implicit_pairs_sm90", "implicit_sm90", "implicit_mma")
+FUSED = ("narrow", "tiny", "implicit_rows_sm90", "implicit_pairs_sm90", "implicit_sm90", "implicit_mma")
 WGMMA = ("implicit_rows_sm90", "implicit_pairs_sm90", "implicit_sm90")
 
 

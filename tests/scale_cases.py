@@ -106,6 +106,8 @@ PATCH = [
     _patch_case("k3_e256_b64_tokens", (64, 3, 96, 96), (3, 3), 256, "tokens"),
     # time-series patching: Conv1d(7, 128, 16)
     _patch_case("series_1d_k16_e128_tokens", (512, 7, 512), (16,), 128, "tokens"),
+    # a head into 4 channels (the narrow kernel): 7 x 7 patches of 256 channels, channels split
+    _patch_case("head_k7_c256_e4_tokens", (4, 256, 112, 112), (7, 7), 4, "tokens"),
 ]
 
 

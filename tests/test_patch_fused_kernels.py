@@ -64,6 +64,82 @@ def test_gpu_tiny_patch_embed_kernel(dtype, shape, kernel, embed, memory, has_bi
     assert_close_to_ref(out["g"][0], want, dtype, "grad_z")
 
 
+# Embeddings into at most 8 channels run the reduction kernel of
+# csrc/kernels/patch/sm80/narrow_patch_gemm.cu: (x shape, kernel, E). The channels split over blocks
+# (a second kernel adding the splits) where the rows of patches are few; several tiles per row of
+# patches where it has more than 256 / kw tokens.
+NARROW = [((1, 1024, 224, 112), (7, 7), 4),  # 32 rows of patches: channels split, 51 MB read
+          ((3, 768, 28, 392), (7, 7), 4),    # 12 rows, 56 tokens each
+          ((2, 384, 2048), (2,), 1),         # 1-D, E = 1: 8 tiles of 128 tokens per sample
+          ((8, 64, 128), (2,), 4),           # small 1-D
+          ((2, 5, 6, 12, 18), (1, 3, 2), 8),  # 3-D, E = 8
+          ((1, 2, 4, 520), (2, 2), 3),       # 260 tokens per row: a partial third tile
+          ((64, 16, 56, 14), (2, 2), 4)]     # many rows of patches: one block each, unsplit
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape,kernel,embed", NARROW)
+@pytest.mark.parametrize("out_format", ["channels_first", "tokens"])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gpu_narrow_patch_embed_kernel(dtype, shape, kernel, embed, out_format, has_bias):
+    x, w, b = make(shape, kernel, dtype, "cuda", embed=embed, bias=has_bias)
+    x = x[:, 1:] if shape[1] > 2 else x  # a view: channels at an offset, rows still contiguous
+    w = w[:, : x.shape[1]].contiguous()
+    xs = x.requires_grad_()
+    params = [w.requires_grad_()] + ([b.requires_grad_()] if has_bias else [])
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_() if has_bias else None
+    ref = CONV[len(kernel)](x64, w64, b64, stride=kernel)
+    if out_format == "tokens":
+        ref = ref.flatten(2).transpose(1, 2)
+
+    def run():
+        poison_allocator(4 * ref.numel(), "cuda")
+        return patchgemm.patch_embed(xs, w, b, out_format=out_format)
+
+    out = {}
+    with patchgemm.force(patch_embed="narrow"):
+        assert "narrow_embed_kernel" in cuda_kernels_run(lambda: out.update(y=run()))
+        again = run()
+    assert_close_to_ref(out["y"], ref, dtype)
+    assert torch.equal(again, out["y"]), "two runs of the same call differ"
+    # The backward runs the other kernels on the narrow forward's output.
+    dy = randn(*ref.shape, dtype=dtype, device="cuda")
+    got = torch.autograd.grad(out["y"], [xs] + params, dy)
+    want = torch.autograd.grad(ref, [x64, w64] + ([b64] if has_bias else []), dy.double())
+    for g, r, name in zip(got, want, ["grad_x", "grad_weight", "grad_bias"]):
+        assert_close_to_ref(g, r, dtype, name)
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape,kernel,embed,memory,reason", [
+    ((2, 3, 32, 64), (4, 4), 9, "contiguous", "1 to 8 embeddings only"),
+    ((2, 3, 32, 64), (4, 4), 4, "channels_last", "x's rows must be contiguous"),
+    ((2, 3, 32, 64), (4, 4), 4, "every_other", "x's rows must be contiguous"),
+    ((1, 2, 8, 600), (2, 300), 4, "contiguous", "kw of at most 256")])
+def test_gpu_narrow_patch_embed_declines(shape, kernel, embed, memory, reason):
+    x, w, b = make(shape, kernel, torch.bfloat16, "cuda", embed=embed)
+    with patchgemm.force(patch_embed="narrow"), pytest.raises(RuntimeError, match=reason):
+        patchgemm.patch_embed(layout(x, memory), w, b)
+
+
+@needs_gpu
+def test_gpu_learned_mode_times_a_rules_pick_its_model_does_not_know():
+    # The shipped model was trained before the narrow kernel: where the rules pick it, the learned
+    # mode times it with the contenders (a time in its verdict, or chosen), never drops it unseen.
+    x, w, b = make((2, 64, 96, 96), (8, 8), torch.bfloat16, "cuda", embed=4)
+    previous = patchgemm.set_selection("learned", cache_dir="")
+    try:
+        with patchgemm.explain() as seen:
+            patchgemm.patch_embed(x, w, b)
+    finally:
+        patchgemm.set_selection(previous, cache_dir="")
+    (choice,) = [c for c in seen if c.op == "patch_embed"]
+    (verdict,) = [v for v in choice.candidates if v.name == "narrow"]
+    assert choice.chosen == "narrow" or verdict.reason.endswith(" ms"), str(choice)
+
+
 # Other 16-bit patches with kw even run the implicit GEMM of csrc/kernels/patch/sm80/implicit_patch_gemm.cu (on
 # a 9.0 GPU, its wgmma version in implicit_patch_gemm_sm90.cu; the tests run both):
 # (x shape, kernel, E) covering its runs of 2, 4 and 8 elements and its pair-major copies (kw = 2,

@@ -30,6 +30,7 @@ PATCH_PROBLEMS = [
     ((2, 8, 4, 32, 32), (2, 2, 2), 64, "channels_first", torch.bfloat16),  # pairs by TMA
     ((2, 16, 8, 8, 8), (4, 4, 4), 64, "tokens", torch.bfloat16),          # runs of 4
     ((2, 16, 8, 8, 16), (2, 2, 2), 64, "channels_first", torch.float16),
+    ((2, 6, 12, 20), (2, 4), 4, "tokens", torch.bfloat16),                # 4 embeddings: narrow
 ]
 
 

@@ -120,6 +120,10 @@ WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
 
 // ---- patch_embed ---------------------------------------------------------------------------------
 
+// Up to this many embeddings the forward is a reduction over x, which the narrow kernel reads once
+// (the GEMM paths write and read a patch matrix, then run a GEMM of N <= 8).
+constexpr int64_t kNarrowEmbeds = 8;
+
 // Multiply-adds of a patch op's GEMM: small ones are launch-bound, where the fewest launches win.
 constexpr double kSmallEmbedMacs = double(1 << 24);  // 16-bit embeddings writing tokens
 constexpr double kTinyWeightGradMacs = double(1 << 21);  // channels-first weight gradients
@@ -267,6 +271,21 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
          [](const EmbedProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> { return embed_by_gemm(p); },
          /*reuses=*/false, /*leaves_reusable=*/true},
 #ifdef PATCHGEMM_PTX_KERNELS
+        {"narrow", "cuda", "1 to 8 embeddings, row-major tokens, x's rows contiguous; 16-bit and fp32",
+         [](const EmbedProblem& p) -> WhyNot {
+           if (!p.x.is_cuda()) return "CUDA tensors only";
+           if (p.weight.size(0) > kNarrowEmbeds) return "1 to 8 embeddings only";
+           if (p.g.levels.size() != 1) return "row-major token order only (levels given)";
+           return p.x5.size(4) > 1 && p.x5.stride(4) != 1 ? "x's rows must be contiguous (W stride 1)" : WhyNot();
+         },
+         nullptr,
+         [](const EmbedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
+           const int64_t E = p.weight.size(0);
+           at::Tensor y = p.tokens_out ? at::empty({p.g.batch, p.g.tokens(), E}, p.x.options())
+                                       : at::empty(p.out_shape, p.x.options());
+           if (!cuda::narrow_embed(p.x5, p.weight, p.bias, p.g, y, p.tokens_out, why)) return std::nullopt;
+           return p.tokens_out ? embed_output(p, y) : y;
+         }},
         {"tiny", "cuda sm_80+", "channels-first out, patches of at most 64 elements, E % 16 == 0 (fp32: 8), E <= 512, "
                                 "N % 8 == 0; 16-bit and fp32",
          [](const EmbedProblem& p) {

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -512,11 +513,14 @@ class Table {
       const bool followed = follow_up_ && follow_up_(p);
       // Where unsure (more than one contender), PyTorch's own paths that apply are timed too,
       // however they score: the choice then loses to PyTorch's path only by what timing misjudges.
+      // The rules' pick is a contender where the model does not know it (-inf: a candidate newer
+      // than the model's records), so a new kernel is taken where timing finds it faster.
       std::vector<size_t> contenders, pytorch_paths;
       for (size_t i : order) {
         if (!why_not_in_modes(candidates_[i], p).empty()) continue;
         const bool close = contenders.empty() || scores[i] >= scores[contenders.front()] - gap;
-        if (close || (followed && candidates_[i].leaves_reusable)) {
+        const bool unknown_pick = i == heuristic_pick && scores[i] == -std::numeric_limits<double>::infinity();
+        if (close || unknown_pick || (followed && candidates_[i].leaves_reusable)) {
           contenders.push_back(i);
         } else if (pytorch_path(candidates_[i])) {
           pytorch_paths.push_back(i);

@@ -80,6 +80,12 @@ bool wgmma_kernels_run_here(const at::Tensor& on);
 bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
                 const PatchGeometry& g, const at::Tensor& y, std::string& why);
 
+// The fused embedding into at most 8 embeddings (narrow_patch_gemm.cu): y = patch_embed(x5,
+// weight [E, C, *k], bias), as tokens [B, N, E] (`tokens_out`) or channels-first [B, E, N], both
+// contiguous; 16-bit and fp32 (fp32 sums, no TF32), x's rows contiguous, deterministic.
+bool narrow_embed(const at::Tensor& x5, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  const PatchGeometry& g, const at::Tensor& y, bool tokens_out, std::string& why);
+
 // The implicit GEMMs (the patches read from x inside the GEMM) and their kernels: mma.sync (sm_80+),
 // and on sm_90a wgmma with cp.async tiles, with whole patch rows by TMA (tokens out), or with pairs
 // by TMA (kw = 2, channels-first out).
