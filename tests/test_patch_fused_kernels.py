@@ -129,12 +129,10 @@ def test_gpu_learned_mode_times_a_rules_pick_its_model_does_not_know():
     # The shipped model was trained before the narrow kernel: where the rules pick it, the learned
     # mode times it with the contenders (a time in its verdict, or chosen), never drops it unseen.
     x, w, b = make((2, 64, 96, 96), (8, 8), torch.bfloat16, "cuda", embed=4)
-    previous = patchgemm.set_selection("learned", cache_dir="")
-    try:
+    with patchgemm.selection.restored_selection():
+        patchgemm.set_selection("learned", cache_dir="")
         with patchgemm.explain() as seen:
             patchgemm.patch_embed(x, w, b)
-    finally:
-        patchgemm.set_selection(previous, cache_dir="")
     (choice,) = [c for c in seen if c.op == "patch_embed"]
     (verdict,) = [v for v in choice.candidates if v.name == "narrow"]
     assert choice.chosen == "narrow" or verdict.reason.endswith(" ms"), str(choice)
