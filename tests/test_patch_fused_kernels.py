@@ -74,7 +74,8 @@ NARROW = [((1, 1024, 224, 112), (7, 7), 4),  # 32 rows of patches: channels spli
           ((8, 64, 128), (2,), 4),           # small 1-D
           ((2, 5, 6, 12, 18), (1, 3, 2), 8),  # 3-D, E = 8
           ((1, 2, 4, 520), (2, 2), 3),       # 260 tokens per row: a partial third tile
-          ((64, 16, 56, 14), (2, 2), 4)]     # many rows of patches: one block each, unsplit
+          ((64, 16, 56, 14), (2, 2), 4),     # many rows of patches: one block each, unsplit
+          ((2, 64, 8, 24), (1, 1), 4)]       # 1 x 1: one element per token
 
 
 @needs_gpu
@@ -122,6 +123,24 @@ def test_gpu_narrow_patch_embed_declines(shape, kernel, embed, memory, reason):
     x, w, b = make(shape, kernel, torch.bfloat16, "cuda", embed=embed)
     with patchgemm.force(patch_embed="narrow"), pytest.raises(RuntimeError, match=reason):
         patchgemm.patch_embed(layout(x, memory), w, b)
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape,kernel,embed,rule", [
+    ((2, 64, 96, 96), (8, 8), 4, None),          # 64 channels over 2 lanes: narrow
+    ((1, 1024, 224, 112), (7, 7), 4, None),
+    ((64, 16, 56, 14), (2, 2), 4, "under 8 channels per thread"),  # rows of 14: 18 lanes share 16 channels
+    ((64, 256, 64, 128), (1, 1), 3, "1 x 1 embeddings")])
+def test_gpu_heuristic_runs_narrow_where_its_rule_says(shape, kernel, embed, rule):
+    x, w, b = make(shape, kernel, torch.bfloat16, "cuda", embed=embed)
+    with patchgemm.selection.restored_selection():
+        patchgemm.set_selection("heuristic")
+        choice = patchgemm.explain(patchgemm.patch_embed, x, w, b)[0]
+    (verdict,) = [v for v in choice.candidates if v.name == "narrow"]
+    if rule is None:
+        assert choice.chosen == "narrow", str(choice)
+    else:
+        assert choice.chosen != "narrow" and verdict.reason.startswith("rule: ") and rule in verdict.reason, str(choice)
 
 
 @needs_gpu

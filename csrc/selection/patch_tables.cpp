@@ -116,13 +116,26 @@ WhyNot implicit_wgmma_embed_pays(cuda::Implicit kernel, const EmbedProblem& p) {
   if (widest_run(x5, kw) >= 4 || pair_major || embed <= 128) return {};
   return "rule: 4-byte runs one token at a time (odd kw / 2) into E > 128 run faster as gather + cuBLAS";
 }
+
+// The narrow kernel's threads each read one element of x per channel row; it wins where each
+// thread sums at least 8 channels (C >= 8 lanes: x's rows long enough to fill a block with few
+// lanes, or many channels) and the patch is more than one element (a 1 x 1 embedding is one GEMM
+// over x as it lies, which cuBLAS and cuDNN run near the memory floor). Fitted on the forced
+// forward times of 110 random E <= 8 embeddings against every other candidate (H200).
+WhyNot narrow_pays(const EmbedProblem& p) {
+  const PatchGeometry& g = p.g;
+  if (g.patch_size() == g.channels) return "rule: 1 x 1 embeddings run faster as one GEMM over x";
+  if (g.kernel[2] > cuda::kNarrowThreads) return {};  // the kernel declines it with its reason
+  const int64_t lanes = cuda::narrow_lanes(g);
+  if (g.channels < 8 * lanes) {
+    return "rule: under 8 channels per thread (C < 8 x " + std::to_string(lanes) +
+           " lanes: short patch rows) run faster on the GEMM paths";
+  }
+  return {};
+}
 #endif
 
 // ---- patch_embed ---------------------------------------------------------------------------------
-
-// Up to this many embeddings the forward is a reduction over x, which the narrow kernel reads once
-// (the GEMM paths write and read a patch matrix, then run a GEMM of N <= 8).
-constexpr int64_t kNarrowEmbeds = 8;
 
 // Multiply-adds of a patch op's GEMM: small ones are launch-bound, where the fewest launches win.
 constexpr double kSmallEmbedMacs = double(1 << 24);  // 16-bit embeddings writing tokens
@@ -274,11 +287,11 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
         {"narrow", "cuda", "1 to 8 embeddings, row-major tokens, x's rows contiguous; 16-bit and fp32",
          [](const EmbedProblem& p) -> WhyNot {
            if (!p.x.is_cuda()) return "CUDA tensors only";
-           if (p.weight.size(0) > kNarrowEmbeds) return "1 to 8 embeddings only";
+           if (p.weight.size(0) > cuda::kNarrowEmbeds) return "1 to 8 embeddings only";
            if (p.g.levels.size() != 1) return "row-major token order only (levels given)";
            return p.x5.size(4) > 1 && p.x5.stride(4) != 1 ? "x's rows must be contiguous (W stride 1)" : WhyNot();
          },
-         nullptr,
+         narrow_pays,
          [](const EmbedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            const int64_t E = p.weight.size(0);
            at::Tensor y = p.tokens_out ? at::empty({p.g.batch, p.g.tokens(), E}, p.x.options())

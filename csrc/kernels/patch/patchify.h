@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <array>
 #include <optional>
 #include <string>
@@ -80,9 +81,18 @@ bool wgmma_kernels_run_here(const at::Tensor& on);
 bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<at::Tensor>& bias,
                 const PatchGeometry& g, const at::Tensor& y, std::string& why);
 
-// The fused embedding into at most 8 embeddings (narrow_patch_gemm.cu): y = patch_embed(x5,
-// weight [E, C, *k], bias), as tokens [B, N, E] (`tokens_out`) or channels-first [B, E, N], both
-// contiguous; 16-bit and fp32 (fp32 sums, no TF32), x's rows contiguous, deterministic.
+// The fused embedding into at most kNarrowEmbeds embeddings (narrow_patch_gemm.cu): y =
+// patch_embed(x5, weight [E, C, *k], bias), as tokens [B, N, E] (`tokens_out`) or channels-first
+// [B, E, N], both contiguous; 16-bit and fp32 (fp32 sums, no TF32), x's rows contiguous,
+// deterministic. Up to that many embeddings the forward is a reduction over x, read once.
+constexpr int kNarrowEmbeds = 8;
+constexpr int kNarrowThreads = 256;  // threads of a block
+// The threads of a narrow block that share one column of its tile (min(gw, 256 / kw) consecutive
+// patches of one patch row, kw columns each): each sums C / lanes of the channels. kw <= 256.
+inline int64_t narrow_lanes(const PatchGeometry& g) {
+  const int64_t kw = g.kernel[2], tile_tokens = std::min<int64_t>(g.grid[2], kNarrowThreads / kw);
+  return kNarrowThreads / (tile_tokens * kw);
+}
 bool narrow_embed(const at::Tensor& x5, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   const PatchGeometry& g, const at::Tensor& y, bool tokens_out, std::string& why);
 

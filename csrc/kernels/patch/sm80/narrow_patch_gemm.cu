@@ -29,8 +29,7 @@ namespace patchgemm {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kMaxEmbed = 8;
+constexpr int kThreads = kNarrowThreads;
 constexpr int kUnroll = 8;  // channels read ahead per thread
 // Each thread reads at least this many elements of x per block: fewer, and the block's fixed costs
 // (the shared-memory sums, the scratch) outweigh its reads.
@@ -72,7 +71,7 @@ template <typename T, int E>
 __global__ void __launch_bounds__(kThreads, 2) narrow_embed_kernel(Narrow v, const T* __restrict__ x,
                                                                 const T* __restrict__ w, const T* bias,
                                                                 float* partials, T* y) {
-  __shared__ float sums[kThreads * kMaxEmbed];
+  __shared__ float sums[kThreads * kNarrowEmbeds];
   const int columns = v.tile_tokens * v.kw;
   const int t = threadIdx.x, column = t % columns, lane = t / columns;
   const int64_t tile = blockIdx.x % v.tiles, row = blockIdx.x / v.tiles;
@@ -117,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, 2) narrow_embed_kernel(Narrow v, con
     }
   }
 #pragma unroll
-  for (int e = 0; e < E; ++e) sums[t * kMaxEmbed + e] = acc[e];
+  for (int e = 0; e < E; ++e) sums[t * kNarrowEmbeds + e] = acc[e];
   __syncthreads();
   // Each token of the tile: its columns' sums over lanes, then over j, in that fixed order.
   for (int o = t; o < v.tile_tokens * E; o += kThreads) {
@@ -126,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 2) narrow_embed_kernel(Narrow v, con
     if (w_index >= v.gw) continue;
     float sum = 0.f;
     for (int l = 0; l < v.lanes; ++l) {
-      for (int jj = 0; jj < v.kw; ++jj) sum += sums[(l * columns + token * v.kw + jj) * kMaxEmbed + e];
+      for (int jj = 0; jj < v.kw; ++jj) sum += sums[(l * columns + token * v.kw + jj) * kNarrowEmbeds + e];
     }
     const int64_t n = (pd * v.gh + ph) * v.gw + w_index;
     if (partials) {
@@ -157,7 +156,7 @@ bool narrow_embed(const at::Tensor& x5, const at::Tensor& weight, const std::opt
   const int64_t E = weight.size(0), K = g.patch_size(), N = g.tokens();
   const auto dtype = x5.scalar_type();
   if (dtype != at::kHalf && dtype != at::kBFloat16 && dtype != at::kFloat) return decline(why, "16-bit and fp32 only");
-  if (E < 1 || E > kMaxEmbed) return decline(why, "1 to 8 embeddings only");
+  if (E < 1 || E > kNarrowEmbeds) return decline(why, "1 to 8 embeddings only");
   if (g.levels.size() != 1) return decline(why, "row-major token order only (no levels)");
   if (g.kernel[2] > kThreads) return decline(why, "kw of at most 256");
   if (x5.size(4) > 1 && x5.stride(4) != 1) return decline(why, "x's rows must be contiguous (W stride 1)");
@@ -178,7 +177,7 @@ bool narrow_embed(const at::Tensor& x5, const at::Tensor& weight, const std::opt
   v.gw = static_cast<int>(g.grid[2]);
   v.E = static_cast<int>(E);
   v.tile_tokens = static_cast<int>(std::min<int64_t>(g.grid[2], kThreads / v.kw));
-  v.lanes = kThreads / (v.tile_tokens * v.kw);
+  v.lanes = static_cast<int>(narrow_lanes(g));
   v.tiles = static_cast<int>((g.grid[2] + v.tile_tokens - 1) / v.tile_tokens);
   const int64_t rows = g.batch * g.grid[0] * g.grid[1] * v.tiles;  // blocks per split
   if (rows > INT_MAX) return decline(why, "too many patch rows for one grid");
