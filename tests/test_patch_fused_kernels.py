@@ -144,6 +144,23 @@ def test_gpu_heuristic_runs_narrow_where_its_rule_says(shape, kernel, embed, rul
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("channels,embed,on_cudnn", [(64, 3, True), (256, 64, True), (64, 96, False)])
+def test_gpu_heuristic_runs_narrow_one_by_one_embeddings_on_cudnn(dtype, channels, embed, on_cudnn):
+    # Nothing to gather: where E <= max(8, C / 4) the gather + GEMM and the fused kernels leave it to
+    # cuDNN by rule; wider, cuDNN's 1 x 1 kernels are slower than the GEMM.
+    x, w, b = make((4, channels, 32, 40), (1, 1), dtype, "cuda", embed=embed)
+    with patchgemm.selection.restored_selection():
+        patchgemm.set_selection("heuristic")
+        choice = patchgemm.explain(patchgemm.patch_embed, x, w, b)[0]
+    (gather,) = [v for v in choice.candidates if v.name == "gather_gemm"]
+    if on_cudnn:
+        assert choice.chosen == "aten_conv" and "nothing to gather" in gather.reason, str(choice)
+    else:
+        assert "nothing to gather" not in gather.reason, str(choice)
+
+
+@needs_gpu
 def test_gpu_learned_mode_times_a_rules_pick_its_model_does_not_know():
     # The shipped model was trained before the narrow kernel: where the rules pick it, the learned
     # mode times it with the contenders (a time in its verdict, or chosen), never drops it unseen.

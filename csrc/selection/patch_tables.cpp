@@ -156,6 +156,19 @@ double patch_matrix_bytes(const PatchGeometry& g, const at::Tensor& x) {
   return patch_matrix_elements(g) * double(x.element_size());
 }
 
+// A 1 x 1 embedding of channels-first x is one GEMM over x as it lies: the gather only transposes
+// x, where cuDNN's convolution reads x in place. On an H200 cuDNN ran it faster than gather + GEMM
+// and the tiny kernel wherever it is narrow against its channels (E <= 8, or 4 E <= C: 1.2-6x,
+// tokens or channels-first out); wider, cuDNN's 1 x 1 kernels fall behind the GEMM (E = 768 from
+// C = 64: 2.8x slower).
+WhyNot one_by_one_runs_on_cudnn(const EmbedProblem& p) {
+  const int64_t embed = p.weight.size(0), channels = p.g.channels;
+  if (!p.x.is_cuda() || p.g.channels_last || p.g.patch_size() != channels || channels == 0) return {};
+  if (embed > 8 && 4 * embed > channels) return {};
+  return "rule: a 1 x 1 embedding into E <= max(8, C / 4) has nothing to gather: cuDNN's convolution reads x "
+         "in place";
+}
+
 // A 16-bit embedding writing tokens that ATen's permute copy + linear runs at least as fast as the
 // gather + GEMM: a small GEMM or a small patch matrix.
 bool small_tokens_embed(const EmbedProblem& p) {
@@ -305,7 +318,10 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            const WhyNot why = fused_kernels_apply(p.x, p.g, p.x5);
            return !why.empty() ? why : p.tokens_out ? "channels-first output only" : WhyNot();
          },
-         [](const EmbedProblem& p) { return tiny_pays(p.x, p.g, p.weight.size(0)); },
+         [](const EmbedProblem& p) {
+           const WhyNot why = one_by_one_runs_on_cudnn(p);
+           return why.empty() ? tiny_pays(p.x, p.g, p.weight.size(0)) : why;
+         },
          [](const EmbedProblem& p, bool, WhyNot& why) -> std::optional<at::Tensor> {
            at::Tensor y = at::empty(p.out_shape, p.x.options());
            if (!cuda::tiny_embed(p.x5, p.w2(), p.bias, p.g, y.view({p.g.batch, p.weight.size(0), p.g.tokens()}), why)) {
@@ -329,6 +345,8 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            if (p.x.is_cpu()) return onednn_conv_wins_fp32(p.x, p.g, p.tokens);
            if (!p.x.is_cuda()) return {};
            if (p.g.levels.size() != 1) return {};
+           WhyNot why = one_by_one_runs_on_cudnn(p);
+           if (!why.empty()) return why;
            const bool fp32 = p.x.scalar_type() == at::kFloat;
            // fp32 k = 2 merges into channels-first outputs: memory-bound, where the gather of 4-byte
            // values costs more than cuDNN's implicit TF32 GEMM (e.g. Conv2d(64, 128, k = 2)).
@@ -336,7 +354,7 @@ const Table<EmbedProblem, at::Tensor> kEmbedTable(
            if (fp32 && !p.tokens_out && p.g.channels > 0 && merge && p.g.patch_size() <= 256) {
              return "rule: fp32 k = 2 merges of at most 256 values into channels-first outputs run faster on cuDNN";
            }
-           WhyNot why = cudnn_wins_channels_last(p.x, p.g);
+           why = cudnn_wins_channels_last(p.x, p.g);
            if (!why.empty()) return why;
            // Small 16-bit problems writing tokens: launch-bound, and ATen's permute copy + linear
            // makes fewer launches than the gather with its padding -- where linear may run them.
