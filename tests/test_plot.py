@@ -98,11 +98,18 @@ def test_gpu_turns_keep_each_implementations_best_median(monkeypatch):
     import torch
     from patchgemm.tools import bench
 
-    medians = iter([3.0, 5.0, 2.0, 6.0, 4.0, 4.0])  # a, b taking turns, ROUNDS = 3
+    medians = iter([3.0, 5.0, 2.0, 6.0, 4.0, 4.0])  # ROUNDS = 3, each round starting with the next one
+    order = []
+
+    def time_ms(fn, device, **kw):
+        order.append(fn)
+        return bench.Timing(next(medians), 0.1)
+
     monkeypatch.setattr(bench, "ROUNDS", 3)
-    monkeypatch.setattr(bench, "time_ms", lambda fn, device, **kw: bench.Timing(next(medians), 0.1))
-    best, errors = bench._take_turns({"a": None, "b": None}, torch.device("cuda"))
-    assert (best["a"].ms, best["b"].ms) == (2.0, 4.0) and best["a"].host_ms == 0.1 and not errors
+    monkeypatch.setattr(bench, "time_ms", time_ms)
+    best, errors = bench._take_turns({"a": "a", "b": "b"}, torch.device("cuda"))
+    assert order == ["a", "b", "b", "a", "a", "b"]  # none always first
+    assert (best["a"].ms, best["b"].ms) == (3.0, 2.0) and best["a"].host_ms == 0.1 and not errors
 
 
 def test_filter_names_cases_or_families_not_substrings():

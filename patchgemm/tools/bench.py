@@ -592,20 +592,27 @@ def _take_turns(runs: Dict[str, Callable[[int], object]],
     where the best of three 30-call medians spread 10-20%."""
     cpu = device.type != "cuda"
     reps = {}
-    if cpu:  # calls per turn, from one timed call after a warm-up
+    if cpu:  # calls per turn, from the fastest of three timed calls after a warm-up
         for name, run in runs.items():
             try:
                 run(0)
-                t0 = time.perf_counter()
-                run(0)
-                reps[name] = max(3, min(30, int(CPU_TURN_MS / max((time.perf_counter() - t0) * 1e3, 1e-3))))
+                spent = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    run(0)
+                    spent.append((time.perf_counter() - t0) * 1e3)
+                reps[name] = max(3, min(30, int(CPU_TURN_MS / max(min(spent), 1e-3))))
             except Exception:  # reported by the first turn
                 reps[name] = 1
     best: Dict[str, Timing] = {}
     errors: Dict[str, str] = {}
     pooled: Dict[str, List[float]] = {name: [] for name in runs}
-    for _ in range(CPU_ROUNDS if cpu else ROUNDS):
-        for name, run in runs.items():
+    names = list(runs)
+    for turn in range(CPU_ROUNDS if cpu else ROUNDS):
+        # Each round starts with the next implementation: none always runs first (after another
+        # case's calls) or last.
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            run = runs[name]
             if name in errors:
                 continue
             try:
