@@ -240,6 +240,37 @@ def test_cpu_small_patch_embeddings_keep_the_gather_and_gemm():
         assert {c.op: c.chosen for c in e} == {"patch_embed": "gather_gemm", "patch_weight_grad": "saved_patches"}, str(e)
 
 
+@pytest.mark.parametrize("batch, groups, c_in, c_out, length, dtype, conv", [
+    (4, 32, 32, 32, 256, torch.float32, True),   # the G2 benchmark's shape: 2^25 multiply-adds
+    (1, 4, 64, 128, 1024, torch.float32, True),
+    (4, 32, 32, 16, 256, torch.float32, False),  # c_out < 32
+    (2, 16, 16, 64, 64, torch.float32, False),   # 2^20 multiply-adds
+    (4, 32, 32, 32, 256, torch.bfloat16, False),  # 16-bit: torch.matmul
+])
+def test_cpu_fp32_grouped_pointwise_rule_chooses_onednn_convolution(batch, groups, c_in, c_out, length, dtype, conv):
+    """fp32 channels-first x on the CPU, c_out >= 32 and 2^24 multiply-adds or more: the forward runs on
+    ATen's grouped convolution, which explain() says; the input gradient keeps the GEMMs. Either way
+    the values are the convolution's."""
+    x = randn(batch, groups * c_in, length, dtype=dtype, requires_grad=True)
+    w = randn(groups * c_out, c_in, 1, dtype=dtype) / math.sqrt(c_in)
+    b = randn(groups * c_out, dtype=dtype)
+    with patchgemm.explain() as e:
+        y = patchgemm.grouped_pointwise_conv(x, w, b, groups)
+        dy = randn(*y.shape, dtype=dtype)
+        (grad_x,) = torch.autograd.grad(y, [x], dy)
+    chosen = {c.op: c.chosen for c in e}
+    assert chosen["grouped_pointwise_conv"] == ("aten_conv" if conv else "aten_matmul"), str(e)
+    assert chosen["grouped_pointwise_conv_grad_input"] != "aten_conv", str(e)
+    (forward,) = [c for c in e if c.op == "grouped_pointwise_conv"]
+    (matmul,) = [v for v in forward.candidates if v.name == "aten_matmul"]
+    assert matmul.reason.startswith("rule: fp32 channels-first x on the CPU") == conv, str(e)
+    xd = x.detach().double().requires_grad_()
+    ref = F.conv1d(xd, w.double(), b.double(), groups=groups)
+    (ref_grad_x,) = torch.autograd.grad(ref, [xd], dy.double())
+    assert_close_to_ref(y, ref, dtype)
+    assert_close_to_ref(grad_x, ref_grad_x, dtype)
+
+
 @pytest.mark.parametrize("shape, kernel, fmt, dtype, conv", [
     ((1, 4, 16, 16, 16), (2, 2, 2), "channels_first", torch.float32, True),  # 512 rows: the rule
     ((4, 3, 64, 64), (4, 4), "channels_first", torch.float32, True),

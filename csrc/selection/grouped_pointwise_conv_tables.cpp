@@ -117,14 +117,31 @@ Candidate<GroupedPointwiseConvProblem, at::Tensor> strided_batched() {
           }};
 }
 
-Candidate<GroupedPointwiseConvProblem, at::Tensor> aten_matmul() {
+// fp32 channels-first x on the CPU: oneDNN's grouped convolution beats torch.matmul's batched GEMM
+// where each group's product is wide and the problem large (c_out >= 32, 2^24 multiply-adds or
+// more), and loses 2-4x on small ones. Fitted on 40 random problems (2-core AVX-512 VM, torch 2.13)
+// and judged on 60 others: there the conv ran 9 of the 10 it takes 1.13-1.64x faster (one 0.77x),
+// the choice's mean regret (geomean) 1.083 -> 1.042.
+WhyNot onednn_grouped_conv_wins_fp32(const GroupedPointwiseConvProblem& p) {
+  if (!p.x.is_cpu() || p.tokens || p.x.scalar_type() != at::kFloat) return {};
+  const int64_t c_out = p.matrix.size(1), c_in = p.matrix.size(2);
+  const double macs = double(p.x.size(0)) * double(p.x.size(1)) * double(c_in) * double(c_out) * double(p.x.size(3));
+  if (c_out < 32 || macs < double(1 << 24)) return {};
+  return "rule: fp32 channels-first x on the CPU, c_out >= 32 and 2^24 multiply-adds or more, runs faster on "
+         "oneDNN's grouped convolution";
+}
+
+// `forward`: the forward's table, which also holds aten_conv (its rule may pass matmul over for it).
+Candidate<GroupedPointwiseConvProblem, at::Tensor> aten_matmul(bool forward) {
   return {"aten_matmul", "cpu cuda rocm", "any problem: torch.matmul broadcasting the per-group matrix",
           [](const GroupedPointwiseConvProblem& p) {  // [G, c_out, c_in] @ [B, G, c_in, L], or one row per token
             const int64_t c_out = p.matrix.size(1), c_in = p.matrix.size(2), groups = p.x.size(1);
             return p.tokens ? aten_matmul_sums_unlike_a_conv(p.x, 1, c_out, c_in, p.x.size(0) * groups)
                             : aten_matmul_sums_unlike_a_conv(p.x, c_out, p.x.size(3), c_in, p.x.size(0) * groups);
           },
-          nullptr,
+          [forward](const GroupedPointwiseConvProblem& p) {
+            return forward ? onednn_grouped_conv_wins_fp32(p) : WhyNot();
+          },
           [](const GroupedPointwiseConvProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
             if (p.tokens) {  // [N, G, 1, c_in] @ [G, c_in, c_out] -> [N, G, 1, c_out]
               at::Tensor y = at::matmul(p.x.unsqueeze(2), p.matrix.transpose(1, 2)).squeeze(2);
@@ -144,7 +161,7 @@ std::vector<Candidate<GroupedPointwiseConvProblem, at::Tensor>> apply_candidates
   candidates.push_back(small_groups());
 #endif
   candidates.push_back(strided_batched());
-  candidates.push_back(aten_matmul());
+  candidates.push_back(aten_matmul(forward));
   if (!forward) return candidates;
   candidates.push_back(
       {"aten_conv", "cpu cuda rocm", "any problem: F.conv*d with groups (cuDNN / MIOpen / ATen)",
