@@ -112,6 +112,22 @@ def test_gpu_turns_keep_each_implementations_best_median(monkeypatch):
     assert (best["a"].ms, best["b"].ms) == (3.0, 2.0) and best["a"].host_ms == 0.1 and not errors
 
 
+def test_results_name_the_commit_of_the_checkout_they_ran_from(monkeypatch):
+    import pathlib
+    import subprocess
+
+    from patchgemm.tools import bench
+
+    root = pathlib.Path(bench.__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        pytest.skip("patchgemm is installed here, not imported from a checkout")
+    monkeypatch.delenv("PATCHGEMM_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True)
+    assert head.returncode == 0 and bench._commit() == head.stdout.strip()
+    monkeypatch.setenv("PATCHGEMM_COMMIT", "abc123")  # a copy of the tree without git says which
+    assert bench._commit() == "abc123"
+
+
 def test_filter_names_cases_or_families_not_substrings():
     from patchgemm.tools.bench import _matches
 

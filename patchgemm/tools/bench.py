@@ -698,7 +698,7 @@ def _commit() -> Optional[str]:
     the tree without git), else that of the checkout the package is imported from, else None."""
     if os.environ.get("PATCHGEMM_COMMIT"):
         return os.environ["PATCHGEMM_COMMIT"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # patchgemm/tools/..
     if not os.path.exists(os.path.join(root, ".git")):  # installed, not run from the checkout itself
         return None
     try:
