@@ -12,11 +12,11 @@ from conftest import DEVICES, DTYPES, assert_close_to_ref, needs_gpu, poison_all
 ops = torch.ops.patchgemm
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 OPS = ("grouped_pointwise_conv", "grouped_pointwise_conv_grad_input", "grouped_pointwise_conv_grad_weight")
-# A forced candidate per op (grad_input has no aten_conv; grad_weight has its own second candidate).
+# A forced candidate per op (grad_weight has its own second candidate).
 FORCES = {
     "strided_batched": dict.fromkeys(OPS, "strided_batched"),
     "aten_matmul": {OPS[0]: "aten_matmul", OPS[1]: "aten_matmul", OPS[2]: "aten_einsum"},
-    "aten_conv": {OPS[0]: "aten_conv", OPS[1]: "aten_matmul", OPS[2]: "aten_einsum"},
+    "aten_conv": {OPS[0]: "aten_conv", OPS[1]: "aten_conv", OPS[2]: "aten_einsum"},
 }
 
 

@@ -51,6 +51,15 @@ at::Tensor group_matrix(const at::Tensor& weight, int64_t groups) {
   return weight.reshape({groups, weight.size(0) / groups, weight.size(1)});
 }
 
+// The op's result: `out` where a candidate wrote the problem's output view `out_view` of `result`;
+// a tensor of its own (aten_conv) in the format decided here as it is (ATen's CPU conv3d, e.g.,
+// ignores channels_last_3d), else copied into `result`.
+at::Tensor result_in(at::MemoryFormat format, const at::Tensor& out, const at::Tensor& out_view,
+                     const at::Tensor& result) {
+  if (out.is_same(out_view)) return result;
+  return out.is_contiguous(format) ? out : result.copy_(out);
+}
+
 }  // namespace
 
 at::Tensor grouped_pointwise_conv(const at::Tensor& x_in, const at::Tensor& weight,
@@ -75,12 +84,8 @@ at::Tensor grouped_pointwise_conv(const at::Tensor& x_in, const at::Tensor& weig
   std::optional<at::Tensor> bias_g;
   if (bias) bias_g = bias->view({groups, -1});
   GroupedPointwiseConvProblem p{op, tokens, grouped_view(x, tokens, groups), group_matrix(weight, groups), bias_g,
-                     grouped_view(y, tokens, groups), sizes, x, weight, groups};
-  const at::Tensor out = select_grouped_pointwise_conv(p);
-  if (out.is_same(p.out)) return y;
-  // A result of its own (aten_conv) in the format decided here (ATen's CPU conv3d, e.g., ignores
-  // channels_last_3d): one copy where they differ.
-  return out.is_contiguous(format) ? out : y.copy_(out);
+                     grouped_view(y, tokens, groups), sizes, x, groups};
+  return result_in(format, select_grouped_pointwise_conv(p), p.out, y);
 }
 
 at::Tensor grouped_pointwise_conv_grad_input(const at::Tensor& grad_y_in, const at::Tensor& weight, int64_t groups) {
@@ -103,11 +108,9 @@ at::Tensor grouped_pointwise_conv_grad_input(const at::Tensor& grad_y_in, const 
                                 std::nullopt,
                                 grouped_view(grad_x, tokens, groups),
                                 sizes,
-                                at::Tensor(),
-                                at::Tensor(),
+                                grad_y,
                                 groups};
-  const at::Tensor out = select_grouped_pointwise_conv(p);
-  return out.is_same(p.out) ? grad_x : out;  // (a result of its own is contiguous, as grad_y)
+  return result_in(format, select_grouped_pointwise_conv(p), p.out, grad_x);
 }
 
 std::tuple<at::Tensor, at::Tensor> grouped_pointwise_conv_grad_weight(const at::Tensor& grad_y_in,

@@ -21,8 +21,8 @@ struct GroupedPointwiseConvProblem {
   std::optional<at::Tensor> bias;  // [G, c_out]; forward only
   at::Tensor out;                  // the op's output, in x's view ([B, G, c_out, L] / [N, G, c_out])
   std::vector<int64_t> out_sizes;  // its shape as the op returns it, [B, C_out, *spatial]
-  // The forward's arguments as F.conv takes them (aten_conv): x, weight, groups.
-  at::Tensor conv_x, conv_weight;
+  // x as F.conv takes it, [B, G * c_in, *spatial] (aten_conv: a grouped 1 x 1 conv of x by `matrix`).
+  at::Tensor conv_x;
   int64_t groups = 0;
   at::Device device() const { return x.device(); }  // where it runs (choices are kept per device)
 };

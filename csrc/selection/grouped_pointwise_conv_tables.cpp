@@ -6,7 +6,8 @@
 //                    sample for channels-first x (the positions of a sample are contiguous, those
 //                    of different samples are not); the bias pre-filled, the GEMMs add onto it;
 //   aten_matmul      torch.matmul broadcasting the [G, c_out, c_in] matrix over the samples;
-//   aten_conv        F.conv*d(groups = G) itself (forward only).
+//   aten_conv        F.conv*d(groups = G) by the matrix: the forward itself, and for grad_input the
+//                    conv by the weight's per-group transpose (grad_y's channels in, x's out).
 // The weight gradient (and the bias gradient where asked): small_groups (the same regime, one pass
 // over grad_y and x, the bias gradient in it), strided_batched (per sample, summed in fp32), else
 // ATen's einsum; the bias gradient outside small_groups is one sum over the positions.
@@ -118,30 +119,29 @@ Candidate<GroupedPointwiseConvProblem, at::Tensor> strided_batched() {
 }
 
 // fp32 channels-first x on the CPU: oneDNN's grouped convolution beats torch.matmul's batched GEMM
-// where each group's product is wide and the problem large (c_out >= 32, 2^24 multiply-adds or
-// more), and loses 2-4x on small ones. Fitted on 40 random problems (2-core AVX-512 VM, torch 2.13)
-// and judged on 60 others: there the conv ran 9 of the 10 it takes 1.13-1.64x faster (one 0.77x),
-// the choice's mean regret (geomean) 1.083 -> 1.042.
+// where each group's product is wide and the problem large (c_out >= 32 output channels per group,
+// 2^24 multiply-adds or more), and loses 2-4x on small ones. Fitted on 40 random forward problems
+// (2-core AVX-512 VM, torch 2.13) and judged on 60 others: there the conv ran 9 of the 10 it takes
+// 1.13-1.64x faster (one 0.77x), the choice's mean regret (geomean) 1.083 -> 1.042. Judged
+// unchanged on 80 random input-gradient problems (2-core AMD EPYC VM): 1.092 -> 1.053; of the 11
+// it takes, 8 run 1.35-1.99x faster, 3 0.82-0.89x.
 WhyNot onednn_grouped_conv_wins_fp32(const GroupedPointwiseConvProblem& p) {
   if (!p.x.is_cpu() || p.tokens || p.x.scalar_type() != at::kFloat) return {};
   const int64_t c_out = p.matrix.size(1), c_in = p.matrix.size(2);
   const double macs = double(p.x.size(0)) * double(p.x.size(1)) * double(c_in) * double(c_out) * double(p.x.size(3));
   if (c_out < 32 || macs < double(1 << 24)) return {};
-  return "rule: fp32 channels-first x on the CPU, c_out >= 32 and 2^24 multiply-adds or more, runs faster on "
-         "oneDNN's grouped convolution";
+  return "rule: fp32 channels-first x on the CPU, 32 or more output channels per group and 2^24 multiply-adds "
+         "or more, runs faster on oneDNN's grouped convolution";
 }
 
-// `forward`: the forward's table, which also holds aten_conv (its rule may pass matmul over for it).
-Candidate<GroupedPointwiseConvProblem, at::Tensor> aten_matmul(bool forward) {
+Candidate<GroupedPointwiseConvProblem, at::Tensor> aten_matmul() {
   return {"aten_matmul", "cpu cuda rocm", "any problem: torch.matmul broadcasting the per-group matrix",
           [](const GroupedPointwiseConvProblem& p) {  // [G, c_out, c_in] @ [B, G, c_in, L], or one row per token
             const int64_t c_out = p.matrix.size(1), c_in = p.matrix.size(2), groups = p.x.size(1);
             return p.tokens ? aten_matmul_sums_unlike_a_conv(p.x, 1, c_out, c_in, p.x.size(0) * groups)
                             : aten_matmul_sums_unlike_a_conv(p.x, c_out, p.x.size(3), c_in, p.x.size(0) * groups);
           },
-          [forward](const GroupedPointwiseConvProblem& p) {
-            return forward ? onednn_grouped_conv_wins_fp32(p) : WhyNot();
-          },
+          onednn_grouped_conv_wins_fp32,
           [](const GroupedPointwiseConvProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
             if (p.tokens) {  // [N, G, 1, c_in] @ [G, c_in, c_out] -> [N, G, 1, c_out]
               at::Tensor y = at::matmul(p.x.unsqueeze(2), p.matrix.transpose(1, 2)).squeeze(2);
@@ -154,15 +154,14 @@ Candidate<GroupedPointwiseConvProblem, at::Tensor> aten_matmul(bool forward) {
           }};
 }
 
-// The forward's candidates (with aten_conv), or the input gradient's.
-std::vector<Candidate<GroupedPointwiseConvProblem, at::Tensor>> apply_candidates(bool forward) {
+// The forward's candidates and the input gradient's: both apply a per-group matrix.
+std::vector<Candidate<GroupedPointwiseConvProblem, at::Tensor>> apply_candidates() {
   std::vector<Candidate<GroupedPointwiseConvProblem, at::Tensor>> candidates;
 #ifdef PATCHGEMM_PTX_KERNELS
   candidates.push_back(small_groups());
 #endif
   candidates.push_back(strided_batched());
-  candidates.push_back(aten_matmul(forward));
-  if (!forward) return candidates;
+  candidates.push_back(aten_matmul());
   candidates.push_back(
       {"aten_conv", "cpu cuda rocm", "any problem: F.conv*d with groups (cuDNN / MIOpen / ATen)",
        [](const GroupedPointwiseConvProblem&) { return WhyNot(); }, nullptr,
@@ -170,15 +169,19 @@ std::vector<Candidate<GroupedPointwiseConvProblem, at::Tensor>> apply_candidates
          const std::optional<at::Tensor> bias = p.bias ? std::optional<at::Tensor>(p.bias->reshape(-1)) : std::nullopt;
          const int64_t rank = p.conv_x.dim() - 2;
          const std::vector<int64_t> ones(rank, 1), zeros(rank, 0);
-         return at::convolution(p.conv_x, p.conv_weight, bias, ones, zeros, ones, false, zeros, p.groups);
+         std::vector<int64_t> weight_sizes(rank + 2, 1);  // [G * c_out, c_in, 1, ...]
+         weight_sizes[0] = p.matrix.size(0) * p.matrix.size(1);
+         weight_sizes[1] = p.matrix.size(2);
+         const at::Tensor weight = p.matrix.reshape(weight_sizes);  // a copy only for grad_input's transpose
+         return at::convolution(p.conv_x, weight, bias, ones, zeros, ones, false, zeros, p.groups);
        }});
   return candidates;
 }
 
-const Table<GroupedPointwiseConvProblem, at::Tensor> kForward("grouped_pointwise_conv", apply_candidates(true),
-                                                              signature, apply_features);
+const Table<GroupedPointwiseConvProblem, at::Tensor> kForward("grouped_pointwise_conv", apply_candidates(), signature,
+                                                              apply_features);
 const Table<GroupedPointwiseConvProblem, at::Tensor> kGradInput("grouped_pointwise_conv_grad_input",
-                                                                apply_candidates(false), signature, apply_features);
+                                                                apply_candidates(), signature, apply_features);
 
 using Grads = std::tuple<at::Tensor, at::Tensor>;  // (grad_w, grad_b or undefined)
 
