@@ -87,11 +87,14 @@ bool tiny_embed(const at::Tensor& x5, const at::Tensor& w2, const std::optional<
 // deterministic. Up to that many embeddings the forward is a reduction over x, read once.
 constexpr int kNarrowEmbeds = 8;
 constexpr int kNarrowThreads = 256;  // threads of a block
-// The threads of a narrow block that share one column of its tile (min(gw, 256 / kw) consecutive
-// patches of one patch row, kw columns each): each sums C / lanes of the channels. kw <= 256.
+// A narrow block's tile: min(gw, 256 / kw) consecutive patches of one patch row, kw columns each.
+// kw <= 256.
+inline int64_t narrow_tile_tokens(const PatchGeometry& g) {
+  return std::min<int64_t>(g.grid[2], kNarrowThreads / g.kernel[2]);
+}
+// The threads of a narrow block that share one column of its tile: each sums C / lanes of the channels.
 inline int64_t narrow_lanes(const PatchGeometry& g) {
-  const int64_t kw = g.kernel[2], tile_tokens = std::min<int64_t>(g.grid[2], kNarrowThreads / kw);
-  return kNarrowThreads / (tile_tokens * kw);
+  return kNarrowThreads / (narrow_tile_tokens(g) * g.kernel[2]);
 }
 bool narrow_embed(const at::Tensor& x5, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   const PatchGeometry& g, const at::Tensor& y, bool tokens_out, std::string& why);

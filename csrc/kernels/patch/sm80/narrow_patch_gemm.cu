@@ -176,7 +176,7 @@ bool narrow_embed(const at::Tensor& x5, const at::Tensor& weight, const std::opt
   v.gh = static_cast<int>(g.grid[1]);
   v.gw = static_cast<int>(g.grid[2]);
   v.E = static_cast<int>(E);
-  v.tile_tokens = static_cast<int>(std::min<int64_t>(g.grid[2], kThreads / v.kw));
+  v.tile_tokens = static_cast<int>(narrow_tile_tokens(g));
   v.lanes = static_cast<int>(narrow_lanes(g));
   v.tiles = static_cast<int>((g.grid[2] + v.tile_tokens - 1) / v.tile_tokens);
   const int64_t rows = g.batch * g.grid[0] * g.grid[1] * v.tiles;  // blocks per split
