@@ -89,6 +89,30 @@ def test_patch_unembed_matches_float64_conv_transpose(device, dtype, shape, kern
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, c_out, grid, kernel", [
+    (1, 3, (14, 14), (4, 4)),    # a batch of one: one sum of the rows
+    (1, 2, (64, 64), (4, 4)),    # a batch of one, few long rows: cut into pieces first
+    (3, 3, (14, 14), (4, 4)),    # rows summed, then the batch
+    (1, 1, (8,), (2,)),
+])
+def test_patch_unembed_bias_gradient(device, dtype, batch, c_out, grid, kernel):
+    """The bias gradient of an unembedding is grad_y summed over all but its channels, accumulated in
+    fp32 and rounded once, whichever way the sum is cut; repeated calls give the same bits."""
+    c_in = 8
+    x = randn(batch, c_in, *grid, dtype=dtype, device=device)
+    w = randn(c_in, c_out, *kernel, dtype=dtype, device=device) / math.sqrt(c_in)
+    b = randn(c_out, dtype=dtype, device=device, requires_grad=True)
+    grad_y = randn(batch, c_out, *[g * k for g, k in zip(grid, kernel)], dtype=dtype, device=device)
+    got = [torch.autograd.grad(patchgemm.patch_unembed(x, w, b), [b], grad_y)[0] for _ in range(2)]
+    assert got[0].dtype == dtype and got[0].shape == (c_out,)
+    assert torch.equal(got[0], got[1])
+    dims = [d for d in range(grad_y.dim()) if d != 1]
+    want = grad_y.double().sum(dims)
+    assert_close_to_ref(got[0], want, dtype, "grad_bias", magnitude=grad_y.double().abs().sum(dims))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck(device):
     x, w, b = make((2, 3, 4, 6), (2, 3), torch.float64, device, embed=4)
     for t in (x, w, b):

@@ -64,9 +64,10 @@ std::string run_gemm_lt(const at::Tensor& a, const at::Tensor& b, const at::Tens
 // channels-first t [B, C, *S] summed over all but C (a transpose's bias) sums its contiguous rows,
 // then over B: ATen's one reduction over dims {0, 2, ...} runs well below the memory bandwidth,
 // contiguous rows at it. Few long rows (a transpose's 32 of 2M elements) leave most SMs idle, so
-// they are cut into f pieces each first, for 2048 rows or more. Where every summed dim has size 1
-// (a batch of one) there is nothing to add: t's values are the gradient, as ATen's sum_to returns
-// them, with no kernel.
+// they are cut into f pieces each first, for 2048 rows or more. With B = 1 and rows left whole,
+// ATen's one reduction is that row sum already: one kernel where the two sums and the cast take
+// three. Where every summed dim has size 1 there is nothing to add: t's values are the gradient,
+// as ATen's sum_to returns them, with no kernel.
 inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
   if (!dims.empty() && std::all_of(dims.begin(), dims.end(), [&](int64_t d) { return t.size(d) == 1; })) {
     at::Tensor values = t;
@@ -84,7 +85,9 @@ inline at::Tensor sum_for_bias_grad(const at::Tensor& t, at::IntArrayRef dims) {
     const int64_t rows = t.size(0) * t.size(1), n = rows ? t.numel() / rows : 0;
     int64_t f = 1;
     while (rows * f < 2048 && n % (2 * f) == 0 && n / (2 * f) >= 8192) f *= 2;
-    return t.view({t.size(0), t.size(1), f, n / f}).sum(3, false, acc).sum(at::IntArrayRef{0, 2}).to(t.scalar_type());
+    if (t.size(0) > 1 || f > 1) {
+      return t.view({t.size(0), t.size(1), f, n / f}).sum(3, false, acc).sum(at::IntArrayRef{0, 2}).to(t.scalar_type());
+    }
   }
   return t.sum(dims);
 }
