@@ -38,6 +38,7 @@
 #include "ops/instance_norm.h"
 #include "ops/patch_embed.h"
 #include "ops/ragged_grouped_linear.h"
+#include "problems/grouped_pointwise_conv.h"
 #include "selection/norm_tables.h"
 #include "selection/patch_tables.h"
 #include "selection/ragged_tables.h"
@@ -259,7 +260,11 @@ const auto& grouped_pointwise_conv_op() {
 struct GroupedPointwiseConv : Function<GroupedPointwiseConv> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const OptionalTensor& bias, int64_t groups) {
-    at::Tensor y = call_below_autograd(grouped_pointwise_conv_op(), x, weight, bias, groups);
+    at::Tensor y;
+    {
+      const BackwardFollows training;
+      y = call_below_autograd(grouped_pointwise_conv_op(), x, weight, bias, groups);
+    }
     ctx->save_for_backward({weight.requires_grad() ? x : at::Tensor(), x.requires_grad() ? weight : at::Tensor()});
     ctx->saved_data["groups"] = groups;
     ctx->saved_data["has_bias"] = has_value(bias);

@@ -83,8 +83,16 @@ at::Tensor grouped_pointwise_conv(const at::Tensor& x_in, const at::Tensor& weig
   at::Tensor y = at::empty(sizes, x.options().memory_format(format));
   std::optional<at::Tensor> bias_g;
   if (bias) bias_g = bias->view({groups, -1});
-  GroupedPointwiseConvProblem p{op, tokens, grouped_view(x, tokens, groups), group_matrix(weight, groups), bias_g,
-                     grouped_view(y, tokens, groups), sizes, x, groups};
+  GroupedPointwiseConvProblem p{op,
+                                backward_follows_depth() > 0,
+                                tokens,
+                                grouped_view(x, tokens, groups),
+                                group_matrix(weight, groups),
+                                bias_g,
+                                grouped_view(y, tokens, groups),
+                                sizes,
+                                x,
+                                groups};
   return result_in(format, select_grouped_pointwise_conv(p), p.out, y);
 }
 
@@ -102,6 +110,7 @@ at::Tensor grouped_pointwise_conv_grad_input(const at::Tensor& grad_y_in, const 
   sizes[1] = groups * weight.size(1);
   at::Tensor grad_x = at::empty(sizes, grad_y.options().memory_format(format));
   GroupedPointwiseConvProblem p{op,
+                                false,
                                 tokens,
                                 grouped_view(grad_y, tokens, groups),
                                 group_matrix(weight, groups).transpose(1, 2),

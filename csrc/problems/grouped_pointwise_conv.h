@@ -13,8 +13,24 @@
 
 namespace patchgemm {
 
+// How many BackwardFollows scopes are open on this thread.
+inline int& backward_follows_depth() {
+  static thread_local int depth = 0;
+  return depth;
+}
+// While one lives, this thread's grouped pointwise conv forwards are a training step's: the autograd
+// layer opens one around a forward whose backward it records. (A hint for the choice: a compiled
+// graph's forward runs without it.)
+struct BackwardFollows {
+  BackwardFollows() { ++backward_follows_depth(); }
+  ~BackwardFollows() { --backward_follows_depth(); }
+  BackwardFollows(const BackwardFollows&) = delete;
+  BackwardFollows& operator=(const BackwardFollows&) = delete;
+};
+
 struct GroupedPointwiseConvProblem {
   const char* op = "";
+  bool backward_follows = false;  // the forward of a training step (BackwardFollows)
   bool tokens = false;
   at::Tensor x;                    // [B, G, c_in, L] or [N, G, c_in]
   at::Tensor matrix;               // [G, c_out, c_in]: weight (forward) or its transpose (grad_input)

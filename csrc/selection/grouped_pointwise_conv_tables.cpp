@@ -36,7 +36,8 @@ constexpr GemmConvention kConv = GemmConvention::kConv;
 std::string signature(const GroupedPointwiseConvProblem& p) {
   selection::Text out;
   out << "(" << describe("x", p.x) << (p.tokens ? ", tokens" : ", channels-first") << ", "
-      << describe("matrix", p.matrix) << (p.bias ? ", bias" : "") << ")";
+      << describe("matrix", p.matrix) << (p.bias ? ", bias" : "") << (p.backward_follows ? ", backward follows" : "")
+      << ")";
   return out.str();
 }
 
@@ -118,30 +119,37 @@ Candidate<GroupedPointwiseConvProblem, at::Tensor> strided_batched() {
           }};
 }
 
-// fp32 channels-first x on the CPU: oneDNN's grouped convolution beats torch.matmul's batched GEMM
-// where each group's product is wide and the problem large (c_out >= 32 output channels per group,
-// 2^24 multiply-adds or more), and loses 2-4x on small ones. Fitted on 40 random forward problems
-// (2-core AVX-512 VM, torch 2.13) and judged on 60 others: there the conv ran 9 of the 10 it takes
-// 1.13-1.64x faster (one 0.77x), the choice's mean regret (geomean) 1.083 -> 1.042. Judged
-// unchanged on 80 random input-gradient problems (2-core AMD EPYC VM): 1.092 -> 1.053; of the 11
-// it takes, 8 run 1.35-1.99x faster, 3 0.82-0.89x.
+// fp32 channels-first x on the CPU: oneDNN's grouped convolution runs a forward alone faster than
+// torch.matmul's batched GEMM where each group's product is wide and the problem large (c_out >= 32
+// output channels per group, 2^24 multiply-adds or more), and loses 2-4x on small ones. Fitted on
+// 40 random forward problems (2-core AVX-512 VM, torch 2.13) and judged on 60 others: there the
+// conv ran 9 of the 10 it takes 1.13-1.64x faster (one 0.77x), the choice's mean regret (geomean)
+// 1.083 -> 1.042. In a training step (forward + backward, the backward's GEMMs between forwards)
+// the conv's forward loses instead: on 60 random problems the rule takes (2-core AMD EPYC VM), the
+// step ran 1.05-1.07x slower (geomean) with it than with matmul's, faster on 16 only, while the
+// forward alone ran 0.90-0.94x the time. So the rule holds for forwards no backward follows. The
+// input gradient's table (always within a step) keeps matmul likewise: its conv, 1.37x faster
+// alone on the G2 benchmark's shape, made those steps 1.00-1.04x slower.
 WhyNot onednn_grouped_conv_wins_fp32(const GroupedPointwiseConvProblem& p) {
-  if (!p.x.is_cpu() || p.tokens || p.x.scalar_type() != at::kFloat) return {};
+  if (!p.x.is_cpu() || p.tokens || p.x.scalar_type() != at::kFloat || p.backward_follows) return {};
   const int64_t c_out = p.matrix.size(1), c_in = p.matrix.size(2);
   const double macs = double(p.x.size(0)) * double(p.x.size(1)) * double(c_in) * double(c_out) * double(p.x.size(3));
   if (c_out < 32 || macs < double(1 << 24)) return {};
-  return "rule: fp32 channels-first x on the CPU, 32 or more output channels per group and 2^24 multiply-adds "
-         "or more, runs faster on oneDNN's grouped convolution";
+  return "rule: fp32 channels-first x on the CPU, c_out >= 32 and 2^24 multiply-adds or more, and no backward "
+         "following, runs faster on oneDNN's grouped convolution";
 }
 
-Candidate<GroupedPointwiseConvProblem, at::Tensor> aten_matmul() {
+// `forward`: the forward's table (its rule may pass matmul over for aten_conv).
+Candidate<GroupedPointwiseConvProblem, at::Tensor> aten_matmul(bool forward) {
   return {"aten_matmul", "cpu cuda rocm", "any problem: torch.matmul broadcasting the per-group matrix",
           [](const GroupedPointwiseConvProblem& p) {  // [G, c_out, c_in] @ [B, G, c_in, L], or one row per token
             const int64_t c_out = p.matrix.size(1), c_in = p.matrix.size(2), groups = p.x.size(1);
             return p.tokens ? aten_matmul_sums_unlike_a_conv(p.x, 1, c_out, c_in, p.x.size(0) * groups)
                             : aten_matmul_sums_unlike_a_conv(p.x, c_out, p.x.size(3), c_in, p.x.size(0) * groups);
           },
-          onednn_grouped_conv_wins_fp32,
+          [forward](const GroupedPointwiseConvProblem& p) {
+            return forward ? onednn_grouped_conv_wins_fp32(p) : WhyNot();
+          },
           [](const GroupedPointwiseConvProblem& p, bool, WhyNot&) -> std::optional<at::Tensor> {
             if (p.tokens) {  // [N, G, 1, c_in] @ [G, c_in, c_out] -> [N, G, 1, c_out]
               at::Tensor y = at::matmul(p.x.unsqueeze(2), p.matrix.transpose(1, 2)).squeeze(2);
@@ -155,13 +163,13 @@ Candidate<GroupedPointwiseConvProblem, at::Tensor> aten_matmul() {
 }
 
 // The forward's candidates and the input gradient's: both apply a per-group matrix.
-std::vector<Candidate<GroupedPointwiseConvProblem, at::Tensor>> apply_candidates() {
+std::vector<Candidate<GroupedPointwiseConvProblem, at::Tensor>> apply_candidates(bool forward) {
   std::vector<Candidate<GroupedPointwiseConvProblem, at::Tensor>> candidates;
 #ifdef PATCHGEMM_PTX_KERNELS
   candidates.push_back(small_groups());
 #endif
   candidates.push_back(strided_batched());
-  candidates.push_back(aten_matmul());
+  candidates.push_back(aten_matmul(forward));
   candidates.push_back(
       {"aten_conv", "cpu cuda rocm", "any problem: F.conv*d with groups (cuDNN / MIOpen / ATen)",
        [](const GroupedPointwiseConvProblem&) { return WhyNot(); }, nullptr,
@@ -178,10 +186,10 @@ std::vector<Candidate<GroupedPointwiseConvProblem, at::Tensor>> apply_candidates
   return candidates;
 }
 
-const Table<GroupedPointwiseConvProblem, at::Tensor> kForward("grouped_pointwise_conv", apply_candidates(), signature,
-                                                              apply_features);
+const Table<GroupedPointwiseConvProblem, at::Tensor> kForward("grouped_pointwise_conv", apply_candidates(true),
+                                                              signature, apply_features);
 const Table<GroupedPointwiseConvProblem, at::Tensor> kGradInput("grouped_pointwise_conv_grad_input",
-                                                                apply_candidates(), signature, apply_features);
+                                                                apply_candidates(false), signature, apply_features);
 
 using Grads = std::tuple<at::Tensor, at::Tensor>;  // (grad_w, grad_b or undefined)
 
