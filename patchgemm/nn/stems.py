@@ -330,8 +330,10 @@ class HierarchicalPatchEmbed(nn.Module):
         not divide, where a stage's grid is not the next stage's patches exactly, on the CPU, and in
         FP8 (`recipe`)."""
         for stage, norm, act in zip(stages, norms, acts):
-            y = F.patch_embed_unchecked(x, stage.weight, stage.bias, "channels_first", None, recipe)
-            x = _norm_act(y, norm, act, None)
+            # (no name for the conv's output: it is freed once its norm has read it, so the next
+            # stage's allocations can reuse that memory while it is still in cache)
+            x = _norm_act(F.patch_embed_unchecked(x, stage.weight, stage.bias, "channels_first", None, recipe),
+                          norm, act, None)
         return x.flatten(2).transpose(1, 2) if self.out_format == "tokens" else x
 
 
