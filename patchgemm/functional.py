@@ -80,7 +80,10 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         if recipe is not None and _fp8.region_declines("grouped_linear", fp8, rows, weight, x.device, ragged=True):
             recipe = None
         return _ragged_grouped_linear(x, weight, bias, group_sizes, offsets, recipe, fp8_history)
-    groups, out_features, _ = weight.shape
+    groups, out_features, in_features = weight.shape
+    if x.dim() not in (0, 1, 3) and x.shape[-1] != in_features:  # (the op's check would name the 3-D view)
+        raise RuntimeError(f"grouped_linear: x has {x.shape[-1]} features in its last dim (shape {tuple(x.shape)}) "
+                           f"but weight [G, Dout, Din] expects {in_features} (shape {tuple(weight.shape)})")
     if x.dim() == 3:  # the op's own form, in either layout
         x3 = x
     elif layout == "bgd":

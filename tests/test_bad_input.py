@@ -34,6 +34,11 @@ BAD_CALLS = {
     "group_sizes a string": (lambda: ragged("abc"), TypeError, "group_sizes"),
     "group_sizes an int": (lambda: ragged(5), TypeError, "group_sizes"),
     "group_sizes bools": (lambda: ragged([True, 4, 5]), TypeError, "group_sizes"),
+    # grouped_linear: x not 3-D whose features do not match names x's own shape, not the op's view of it
+    "grouped_linear flattened x, wrong Din": (
+        lambda: patchgemm.grouped_linear(torch.randn(4, 6), torch.randn(2, 5, 3)), RuntimeError, "(4, 6)"),
+    "grouped_linear 4-D x, wrong Din": (
+        lambda: patchgemm.grouped_linear(torch.randn(2, 3, 2, 4), torch.randn(2, 5, 3)), RuntimeError, "(2, 3, 2, 4)"),
     # grouped pointwise conv: groups not an int
     "groups a string": (lambda: patchgemm.grouped_pointwise_conv(torch.randn(2, 8, 5), torch.randn(8, 4, 1),
                                                                  groups="2"), TypeError, "groups"),
