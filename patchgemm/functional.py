@@ -248,6 +248,12 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
     # On the CPU the hidden activations of a [B, G, D] x live group-major, [G, B, 2H]: the GEMMs
     # then read and write whole matrices, where ATen's batched GEMMs would first copy batches that
     # interleave in memory (the GPU's strided-batched GEMMs read either layout at the same cost).
+    if isinstance(x, Tensor) and x.dim() == 3 and layout in ("bgd", "gbd"):  # (named as given, not as a view)
+        g_dim = 1 if layout == "bgd" else 0
+        if x.shape[g_dim] != groups or x.shape[2] != w_gate_up.shape[2]:
+            want = f"[B, {groups}, {w_gate_up.shape[2]}]" if g_dim else f"[{groups}, B, {w_gate_up.shape[2]}]"
+            raise RuntimeError(f"grouped_mlp: x must be {want} (layout {layout!r}) for w_gate_up "
+                               f"{tuple(w_gate_up.shape)}, got shape {tuple(x.shape)}")
     hidden_group_major = layout == "bgd" and isinstance(x, Tensor) and x.dim() == 3 and x.device.type == "cpu"
     gate_up = grouped_linear(x.transpose(0, 1) if hidden_group_major else x, w_gate_up, bias_gate_up,
                              "gbd" if hidden_group_major else layout, fp8=fp8, fp8_weight=w8_gate_up,

@@ -39,6 +39,10 @@ BAD_CALLS = {
         lambda: patchgemm.grouped_linear(torch.randn(4, 6), torch.randn(2, 5, 3)), RuntimeError, "(4, 6)"),
     "grouped_linear 4-D x, wrong Din": (
         lambda: patchgemm.grouped_linear(torch.randn(2, 3, 2, 4), torch.randn(2, 5, 3)), RuntimeError, "(2, 3, 2, 4)"),
+    "grouped_mlp x of the wrong width": (
+        lambda: patchgemm.GroupedMLP(2, 4, 8)(torch.randn(3, 2, 5)), RuntimeError, r"got shape \(3, 2, 5\)"),
+    "grouped_mlp x of the wrong groups": (
+        lambda: patchgemm.GroupedMLP(2, 4, 8)(torch.randn(3, 3, 4)), RuntimeError, r"x must be \[B, 2, 4\]"),
     # grouped pointwise conv: groups not an int
     "groups a string": (lambda: patchgemm.grouped_pointwise_conv(torch.randn(2, 8, 5), torch.randn(8, 4, 1),
                                                                  groups="2"), TypeError, "groups"),

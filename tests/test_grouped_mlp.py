@@ -195,7 +195,9 @@ def test_module_matches_loop_of_linears():
     (lambda: patchgemm.grouped_mlp(torch.randn(3, 2, 4), torch.randn(2, 8, 4), torch.randn(3, 4, 4)), RuntimeError,
      "same G and H"),
     (lambda: patchgemm.grouped_mlp(torch.randn(3, 2, 5), torch.randn(2, 8, 4), torch.randn(2, 4, 4)), RuntimeError,
-     "features per group"),
+     r"x must be \[B, 2, 4\] \(layout 'bgd'\) .* got shape \(3, 2, 5\)"),
+    (lambda: patchgemm.grouped_mlp(torch.randn(3, 2, 4), torch.randn(2, 8, 4), torch.randn(2, 4, 4), "gbd"),
+     RuntimeError, r"x must be \[2, B, 4\] \(layout 'gbd'\)"),
 ])
 def test_grouped_mlp_bad_input_is_a_clear_error(make, error, match):
     with pytest.raises(error, match=match):
