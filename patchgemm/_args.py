@@ -34,6 +34,12 @@ def autocast(*tensors):
                  for t in tensors)
 
 
+def check_optional_tensor(value, what: str) -> None:
+    """A TypeError naming `what` unless value is a tensor or None (as torch's ops raise for a bias)."""
+    if value is not None and not isinstance(value, Tensor):
+        raise TypeError(f"{what} must be a tensor or None, got {type(value).__name__}")
+
+
 def as_int(value, what: str) -> int:
     """value as an int: floats, strings and bools are a TypeError naming `what`, never truncated."""
     if isinstance(value, bool):

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from . import fp8 as _fp8
-from ._args import (EMBED_FORMATS, as_grid, as_int, autocast, autocast_dtype, check_format, check_pad,
-                    unsafe_view)
+from ._args import (EMBED_FORMATS, as_grid, as_int, autocast, autocast_dtype, check_format, check_optional_tensor,
+                    check_pad, unsafe_view)
 from ._functorch import call as _call
 from .fp8 import Float8History, Float8Recipe, Float8Weight
 
@@ -60,8 +60,7 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, lay
         raise TypeError("grouped_linear: x and weight must be tensors")
     if weight.dim() != 3:
         raise RuntimeError(f"grouped_linear: weight must be [G, Dout, Din], got shape {tuple(weight.shape)}")
-    if bias is not None and not isinstance(bias, Tensor):
-        raise TypeError("grouped_linear: bias must be a tensor or None")
+    check_optional_tensor(bias, "grouped_linear: bias")
     recipe = _fp8.resolve("grouped_linear", fp8)
     ragged = group_sizes is not None or offsets is not None
     _fp8.check_history("grouped_linear", recipe, fp8_history)
@@ -182,6 +181,7 @@ def grouped_pointwise_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = N
     """
     if not isinstance(x, Tensor) or not isinstance(weight, Tensor):
         raise TypeError("grouped_pointwise_conv: x and weight must be tensors")
+    check_optional_tensor(bias, "grouped_pointwise_conv: bias")
     unbatched = x.dim() == weight.dim() - 1
     if unbatched:
         x = x.unsqueeze(0)
@@ -233,9 +233,12 @@ def grouped_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, layout: str = "bgd
     if activation not in ACTIVATIONS:
         raise ValueError(f"grouped_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if not isinstance(w, Tensor) or w.dim() != 3:
-            raise RuntimeError(f"grouped_mlp: {name} must be a 3-D tensor, got "
-                             f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
+        if not isinstance(w, Tensor):
+            raise TypeError(f"grouped_mlp: {name} must be a tensor, got {type(w).__name__}")
+        if w.dim() != 3:
+            raise RuntimeError(f"grouped_mlp: {name} must be a 3-D tensor, got shape {tuple(w.shape)}")
+    check_optional_tensor(bias_gate_up, "grouped_mlp: bias_gate_up")
+    check_optional_tensor(bias_down, "grouped_mlp: bias_down")
     groups, two_hidden, _ = w_gate_up.shape
     if two_hidden % 2 or w_down.shape[0] != groups or w_down.shape[2] * 2 != two_hidden:
         raise RuntimeError(
@@ -407,9 +410,10 @@ def _rows_by_slot(y, order, unsort):
 
 # ---- kernel == stride convolutions ----------------------------------------------------------------
 
-def _check_weight(op, weight, layout):
+def _check_weight(op, weight, bias, layout):
     if not isinstance(weight, Tensor):
         raise TypeError(f"{op}: weight must be a tensor")
+    check_optional_tensor(bias, f"{op}: bias")
     if not 3 <= weight.dim() <= 5:
         raise RuntimeError(f"{op}: weight must be {layout} with 1, 2 or 3 kernel dims, got shape {tuple(weight.shape)}")
 
@@ -441,7 +445,7 @@ def patch_embed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     matrix from x instead of saving it (in FP8 it saves the quantized patch matrix instead).
     """
     check_format("patch_embed: out_format", out_format, EMBED_FORMATS)
-    _check_weight("patch_embed", weight, "[E, C, *kernel]")
+    _check_weight("patch_embed", weight, bias, "[E, C, *kernel]")
     check_pad("patch_embed", pad)
     if not isinstance(x, Tensor):
         raise TypeError("patch_embed: x must be a tensor")
@@ -492,7 +496,7 @@ def patch_unembed(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
     Returns ``[B, C_out, *(grid * k)]``, contiguous.
     """
     check_format("patch_unembed: in_format", in_format)
-    _check_weight("patch_unembed", weight, "[C_in, C_out, *kernel]")
+    _check_weight("patch_unembed", weight, bias, "[C_in, C_out, *kernel]")
     if not isinstance(x, Tensor):
         raise TypeError("patch_unembed: x must be a tensor")
     rank = weight.dim() - 2
@@ -541,6 +545,7 @@ def instance_norm_act(x: Tensor, weight: Optional[Tensor] = None, bias: Optional
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"instance_norm_act: eps must be a number, got {type(eps).__name__} {eps!r}")
     for name, t in (("weight", weight), ("bias", bias)):
+        check_optional_tensor(t, f"instance_norm_act: {name}")
         # As F.instance_norm: parameters in x's dtype, or float32 for 16-bit x (autocast's layout).
         if t is not None and (not isinstance(t, Tensor) or (
                 t.dtype != x.dtype and not (t.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)))):

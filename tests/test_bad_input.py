@@ -43,6 +43,20 @@ BAD_CALLS = {
         lambda: patchgemm.GroupedMLP(2, 4, 8)(torch.randn(3, 2, 5)), RuntimeError, r"got shape \(3, 2, 5\)"),
     "grouped_mlp x of the wrong groups": (
         lambda: patchgemm.GroupedMLP(2, 4, 8)(torch.randn(3, 3, 4)), RuntimeError, r"x must be \[B, 2, 4\]"),
+    # a bias (or a norm's parameter) that is not a tensor: a TypeError, as torch's ops raise
+    "patch_embed bias a string": (lambda: patchgemm.patch_embed(torch.randn(2, 3, 8, 8), torch.randn(4, 3, 2, 2), "b"),
+                                  TypeError, "bias must be a tensor or None"),
+    "patch_unembed bias a string": (
+        lambda: patchgemm.patch_unembed(torch.randn(2, 4, 3, 3), torch.randn(4, 3, 2, 2), "b"), TypeError, "bias"),
+    "grouped_pointwise_conv bias a string": (
+        lambda: patchgemm.grouped_pointwise_conv(torch.randn(2, 8, 5), torch.randn(8, 4, 1), "b", 2), TypeError, "bias"),
+    "instance_norm_act weight a string": (
+        lambda: patchgemm.instance_norm_act(torch.randn(2, 3, 4), weight="w"), TypeError, "weight"),
+    "grouped_mlp bias_gate_up a string": (
+        lambda: patchgemm.grouped_mlp(torch.randn(3, 2, 4), torch.randn(2, 8, 4), torch.randn(2, 4, 4),
+                                      bias_gate_up="b"), TypeError, "bias_gate_up"),
+    "grouped_mlp w_down a string": (
+        lambda: patchgemm.grouped_mlp(torch.randn(3, 2, 4), torch.randn(2, 8, 4), "w"), TypeError, "w_down"),
     # grouped pointwise conv: groups not an int
     "groups a string": (lambda: patchgemm.grouped_pointwise_conv(torch.randn(2, 8, 5), torch.randn(8, 4, 1),
                                                                  groups="2"), TypeError, "groups"),
